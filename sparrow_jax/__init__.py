@@ -1,0 +1,4 @@
+"""sparrow_jax: sparse-attention rollouts for long-context RL of Qwen3 models, in JAX."""
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.model.hf import load_hf, save_hf
+from sparrow_jax.model.qwen3 import forward, init_params, token_logprobs

@@ -1,0 +1,95 @@
+"""Block top-k page selection, shared by the sparse sampler and the sparse teacher-forced forward.
+
+At a decode step the query is the newest token at position t (already written, so t + 1 tokens are
+cached in ceil((t+1)/Z) pages). Per layer, sequence and KV head:
+  - always kept: the first `sink_pages` pages (BOS / attention sink) and the last `local_pages` pages
+    (the current, possibly partial, page is one of them);
+  - scored: every other page (all complete) by (mean of the group's query heads) . (page centroid);
+  - kept: the top (budget - always_kept) scored pages, budget = schedule.budget_pages(t + 1).
+Both paths call `keep_pages`, so the sampler and the trainer pick the same pages by construction
+(ties broken towards the lower page index). A budget covering every page gives exact dense attention.
+"""
+import dataclasses
+
+import jax.numpy as jnp
+
+from sparrow_jax.attention import paged_cache
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+  page_size: int = 16          # Z, tokens per page (Sparrow: 16 is on the cost/mismatch Pareto front)
+  sink_pages: int = 1          # first pages always read (BOS / attention sink)
+  local_pages: int = 2         # most recent pages always read (the partial current page included)
+  dense_layers: int = 2        # the first layers stay dense
+  attention_impl: str = "auto"  # "auto" (Pallas on GPU, XLA elsewhere) | "xla" | "pallas"
+
+  def __post_init__(self):
+    paged_cache.check_page_size(self.page_size)
+    for name in ("sink_pages", "local_pages", "dense_layers"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"SparseConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.attention_impl not in IMPLS:
+      raise ValueError(f"SparseConfig.attention_impl must be one of {IMPLS}, "
+                       f"got {self.attention_impl!r}")
+
+  @property
+  def always_kept(self) -> int:
+    return self.sink_pages + self.local_pages
+
+
+def keep_pages(scores_XP, query_pos_X, budget_X, sparse: SparseConfig):
+  """Mask [..., P] of the pages read by a query at position query_pos with `budget` pages."""
+  P = scores_XP.shape[-1]
+  p = jnp.arange(P)
+  n_pages = (query_pos_X // sparse.page_size + 1)[..., None]
+  present = p < n_pages
+  always = present & ((p < sparse.sink_pages) | (p >= n_pages - sparse.local_pages))
+  candidate = present & ~always
+  masked = jnp.where(candidate, scores_XP.astype(jnp.float32), -jnp.inf)
+  order = jnp.argsort(-masked, axis=-1, stable=True)
+  rank = jnp.argsort(order, axis=-1, stable=True)
+  top_k = jnp.maximum(budget_X - sparse.always_kept, 0)[..., None]
+  return always | (candidate & (rank < top_k))
+
+
+def decode_pages(q_BKGE, centroid_sum_BKPE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
+  """Page ids [B, K, N] (kept pages first, padded with valid ids) and their count [B, K]."""
+  centroid_BKPE = paged_cache.centroids(centroid_sum_BKPE, lengths_B, sparse.page_size)
+  qbar_BKE = jnp.mean(q_BKGE.astype(jnp.float32), axis=2)
+  scores_BKP = jnp.einsum("bke,bkpe->bkp", qbar_BKE, centroid_BKPE)
+  keep_BKP = keep_pages(scores_BKP, (lengths_B - 1)[:, None], budget_B[:, None], sparse)
+  page_idx_BKN = jnp.argsort(~keep_BKP, axis=-1, stable=True)[..., :max_selected].astype(jnp.int32)
+  n_valid_BK = jnp.minimum(jnp.sum(keep_BKP, axis=-1), max_selected).astype(jnp.int32)
+  return page_idx_BKN, n_valid_BK
+
+
+def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseConfig):
+  """Mask [B, K, T, P] of the pages each position's query read while decoding. Prompt positions
+  were prefilled densely, so they keep every page."""
+  B, S, K, E = k_BSKE.shape
+  T, Z = q_BTKGE.shape[1], sparse.page_size
+  pad = -S % Z
+  k_pad = jnp.pad(k_BSKE.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  centroid_BKPE = k_pad.reshape(B, (S + pad) // Z, Z, K, E).mean(axis=2).transpose(0, 2, 1, 3)
+  qbar_BKTE = jnp.mean(q_BTKGE.astype(jnp.float32), axis=3).transpose(0, 2, 1, 3)
+  scores_BKTP = jnp.einsum("bkte,bkpe->bktp", qbar_BKTE, centroid_BKPE)
+  pos_T = jnp.arange(T)
+  budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], centroid_BKPE.shape[2],
+                        schedule.budget_pages(pos_T + 1)[None])
+  return keep_pages(scores_BKTP, pos_T[None, None], budget_BT[:, None], sparse)
+
+
+def teacher_forced_attention_fn(sparse: SparseConfig, schedule, prompt_len_B, dense_fn):
+  """An `attention_fn` for qwen3.forward that restricts each query to its selected pages."""
+  def attention(layer, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
+    if layer < sparse.dense_layers:
+      return dense_fn(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)
+    keep_BKTP = teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse)
+    S = k_BSKE.shape[1]
+    keep_BKTS = jnp.repeat(keep_BKTP, sparse.page_size, axis=-1)[..., :S]
+    return dense_fn(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS[:, None] & keep_BKTS)
+  return attention
+

@@ -1,0 +1,70 @@
+"""LoRA adapters for DistillSparse: active only in the sparse actor, never in the dense policy.
+
+`LoRA.params` = {"layers": [{"q": {"a": [in, r], "b": [r, out]}, ...}, ...]} on the targeted
+projections; `scale` = alpha / rank is static (not trained, not decayed). B starts at zero so a fresh
+adapter leaves the model unchanged.
+"""
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@flax.struct.dataclass
+class LoRA:
+  params: dict
+  scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+
+def init_lora(base_params, key, rank: int = 8, alpha: float = 16.0, targets=("q", "k", "v", "o"),
+              dtype=jnp.float32) -> LoRA:
+  bad = [t for t in targets if t not in TARGETS]
+  if bad or not targets:
+    raise ValueError(f"lora targets {list(targets)} invalid; choose from {TARGETS}")
+  if rank <= 0:
+    raise ValueError(f"lora rank must be positive, got {rank}")
+  layers = []
+  for layer_key, layer in zip(jax.random.split(key, len(base_params["layers"])), base_params["layers"]):
+    adapters = {}
+    for k, name in zip(jax.random.split(layer_key, len(targets)), targets):
+      d_in, d_out = layer[name].shape
+      a = jax.random.normal(k, (d_in, rank), jnp.float32) / jnp.sqrt(d_in)
+      adapters[name] = {"a": a.astype(dtype), "b": jnp.zeros((rank, d_out), dtype)}
+    layers.append(adapters)
+  return LoRA(params={"layers": layers}, scale=alpha / rank)
+
+
+def layer(lora, i):
+  """(adapters of layer i, scale), or (None, 1.0) when no LoRA is active."""
+  if lora is None:
+    return None, 1.0
+  return lora.params["layers"][i], lora.scale
+
+
+def project(x, w, lora_layer, name, scale):
+  """x @ w, plus scale * (x @ a) @ b when projection `name` carries an adapter."""
+  y = x @ w
+  if lora_layer is not None and name in lora_layer:
+    ad = lora_layer[name]
+    y = y + (scale * ((x @ ad["a"].astype(x.dtype)) @ ad["b"].astype(x.dtype))).astype(y.dtype)
+  return y
+
+
+def merge(base_params, lora: LoRA):
+  """Base params with the adapters folded in (w + scale * a @ b): the sparse actor as one model."""
+  merged = jax.tree_util.tree_map(lambda x: x, base_params)
+  for layer_params, adapters in zip(merged["layers"], lora.params["layers"]):
+    for name, ad in adapters.items():
+      w = layer_params[name]
+      layer_params[name] = (w + lora.scale * (ad["a"] @ ad["b"]).astype(jnp.float32)).astype(w.dtype)
+  return merged
+
+
+def unmerge(merged_params, lora: LoRA):
+  """Inverse of `merge` (up to rounding in low precision)."""
+  return merge(merged_params, LoRA(
+      params=jax.tree_util.tree_map(lambda x: x, {"layers": [
+          {n: {"a": ad["a"], "b": -ad["b"]} for n, ad in layer.items()}
+          for layer in lora.params["layers"]]}),
+      scale=lora.scale))
