@@ -2,3 +2,5 @@
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import forward, init_params, token_logprobs
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.rollout.sampler import Rollout, generate

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.attention import select
+from sparrow_jax.attention import paged_cache, reference, select
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
 
@@ -229,3 +229,51 @@ def token_logprobs(logits_BTV, targets_BT, temperature: float = 1.0):
 
 def param_count(params) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None):
+  """Dense pass over right-padded prompts that fills the cache. Returns the logits_BV of each row's
+  last prompt token (which predict the first generated token) and the cache."""
+  T = prompt_BT.shape[1]
+  mask_BT = jnp.arange(T)[None] < prompt_len_B[:, None]
+  x_BTD, kv_per_layer = forward_hidden(params, prompt_BT, cfg, mask_BT=mask_BT, lora=lora)
+  for i, (k_BTKE, v_BTKE) in enumerate(kv_per_layer):
+    cache = paged_cache.write_prefill(cache, i, k_BTKE, v_BTKE, mask_BT)
+  cache = cache.replace(lengths=prompt_len_B.astype(jnp.int32))
+  last_BD = jnp.take_along_axis(x_BTD, (prompt_len_B - 1)[:, None, None], axis=1)
+  return unembed(params, last_BD, cfg)[:, 0], cache
+
+
+def decode_step(params, token_B, cfg: Qwen3Config, cache, *, sparse=None, budget_by_len=None,
+                lora=None, max_selected: Optional[int] = None):
+  """Appends one token per sequence and returns the next-token logits_BV and the cache.
+
+  Dense: every layer reads the whole cache (masked by length). Sparse: layers from
+  `sparse.dense_layers` on read only the pages `select.decode_pages` picks under the budget
+  `budget_by_len[cached_len]` (an int32 table, see rollout.sampler.budget_table), at most
+  `max_selected` (static) pages.
+  """
+  B = token_B.shape[0]
+  K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
+  pos_B = cache.lengths
+  lengths_B = pos_B + 1
+  x_BTD = embed(params, token_B[:, None], cfg)
+  if sparse is not None:
+    budget_B = budget_by_len[lengths_B]
+    max_selected = min(max_selected or cache.num_pages, cache.num_pages)
+  for i, layer in enumerate(params["layers"]):
+    lora_layer, scale = lora_lib.layer(lora, i)
+    q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, pos_B[:, None], cfg, lora_layer, scale)
+    cache = paged_cache.append(cache, i, k_BTKE[:, 0], v_BTKE[:, 0], pos_B)
+    q_BKGE = q_BTHE[:, 0].reshape(B, K, G, E)
+    if sparse is None or i < sparse.dense_layers:
+      out_BKGE = reference.dense_decode_attention(q_BKGE, cache.k[i], cache.v[i], lengths_B)
+    else:
+      page_idx_BKN, n_valid_BK = select.decode_pages(
+          q_BKGE, cache.centroid_sum[i], lengths_B, budget_B, sparse, max_selected)
+      out_BKGE = reference.decode_attention(
+          q_BKGE, cache.k[i], cache.v[i], page_idx_BKN, n_valid_BK, lengths_B,
+          page_size=sparse.page_size, impl=sparse.attention_impl)
+    x_BTD = finish_layer(layer, x_BTD, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
+  cache = cache.replace(lengths=lengths_B)
+  return unembed(params, x_BTD, cfg)[:, 0], cache

@@ -1,0 +1,165 @@
+"""Jit-compiled sampler: dense prefill, then a `lax.while_loop` of decode steps, dense or sparse.
+
+The KV budget enters as an int32 table `budget_by_len[cached_len]` (a traced argument built from any
+schedule outside jit), so switching schedules never recompiles; only the static cap on selected pages
+(`max_selected`, the schedule's maximum rounded up to a power of two) is part of the compiled shape.
+"""
+import functools
+from typing import Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.attention import paged_cache
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.model import qwen3
+from sparrow_jax.model.config import Qwen3Config
+
+
+@flax.struct.dataclass
+class Rollout:
+  tokens: jax.Array          # [B, N] completion tokens (EOS kept), pad_id after each row's length
+  logprobs: jax.Array        # [B, N] log-prob of each sampled token under the sampling policy
+  lengths: jax.Array         # [B] completion lengths
+  top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k log-probs per step (if asked)
+  top_ids: Optional[jax.Array] = None       # [B, N, k] their token ids
+
+
+def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
+  """Pages kept at each cached length 0..max_len, from any schedule with `budget_pages(len)`."""
+  budget = np.asarray(jax.device_get(schedule.budget_pages(jnp.arange(max_len + 1))), np.int32)
+  pages = -(-np.arange(max_len + 1) // sparse.page_size)
+  low = np.nonzero(budget < np.minimum(sparse.always_kept, pages))[0]
+  if low.size:
+    raise ValueError(f"KV budget {budget[low[0]]} pages at cached length {low[0]} is below the "
+                     f"{sparse.always_kept} always-kept pages (sink_pages + local_pages)")
+  return budget
+
+
+def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
+  """Draws one token per row. Greedy when temperature == 0. Returns (token_B, logp_BV) where logp is
+  the policy's temperature-scaled log-softmax (top-p / top-k only restrict which token is drawn)."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1), jax.nn.log_softmax(logits_BV, axis=-1)
+  logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
+  masked = logp_BV
+  if top_k > 0:
+    kth = jax.lax.top_k(logp_BV, top_k)[0][:, -1:]
+    masked = jnp.where(logp_BV < kth, -jnp.inf, masked)
+  if top_p < 1.0:
+    sorted_desc = -jnp.sort(-masked, axis=-1)
+    mass_before = jnp.cumsum(jnp.exp(sorted_desc), axis=-1) - jnp.exp(sorted_desc)
+    cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    masked = jnp.where(masked < cutoff, -jnp.inf, masked)
+  return jax.random.categorical(key, masked, axis=-1), logp_BV
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "sparse", "max_selected",
+    "num_top_logprobs", "pad_id", "cache_len"))
+def _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, *, cfg, max_new_tokens,
+              temperature, top_p, top_k, eos_ids, sparse, max_selected, num_top_logprobs, pad_id,
+              cache_len):
+  B, N = prompt_BT.shape[0], max_new_tokens
+  cache = paged_cache.init_cache(cfg, B, cache_len, sparse.page_size if sparse else 16,
+                                 params["embed"].dtype)
+  logits_BV, cache = qwen3.prefill(params, prompt_BT, prompt_len_B, cfg, cache, lora=lora)
+  eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+  k = max(num_top_logprobs, 1)
+
+  def emit(t, logits_BV, state):
+    token_B, logp_BV = sample_token(logits_BV, jax.random.fold_in(key, t), temperature, top_p, top_k)
+    done_B = state["done"]
+    token_B = jnp.where(done_B, pad_id, token_B).astype(jnp.int32)
+    top_lp, top_id = jax.lax.top_k(logp_BV, k)
+    return dict(
+        state,
+        token=token_B,
+        tokens=state["tokens"].at[:, t].set(token_B),
+        logprobs=state["logprobs"].at[:, t].set(
+            jnp.where(done_B, 0.0, jnp.take_along_axis(logp_BV, token_B[:, None], 1)[:, 0])),
+        top_lp=state["top_lp"].at[:, t].set(top_lp),
+        top_id=state["top_id"].at[:, t].set(top_id),
+        lengths=state["lengths"] + (~done_B).astype(jnp.int32),
+        done=done_B | jnp.isin(token_B, eos),
+        t=t + 1)
+
+  state = dict(t=0, token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
+               tokens=jnp.full((B, N), pad_id, jnp.int32), logprobs=jnp.zeros((B, N), jnp.float32),
+               top_lp=jnp.zeros((B, N, k), jnp.float32), top_id=jnp.zeros((B, N, k), jnp.int32),
+               lengths=jnp.zeros((B,), jnp.int32), cache=cache)
+  state = emit(0, logits_BV, state)
+
+  def cond(state):
+    return (state["t"] < N) & ~jnp.all(state["done"])
+
+  def body(state):
+    logits_BV, cache = qwen3.decode_step(
+        params, state["token"], cfg, state["cache"], sparse=sparse, budget_by_len=budget_by_len,
+        lora=lora, max_selected=max_selected)
+    return emit(state["t"], logits_BV, dict(state, cache=cache))
+
+  state = jax.lax.while_loop(cond, body, state)
+  top = (state["top_lp"], state["top_id"]) if num_top_logprobs else (None, None)
+  return Rollout(state["tokens"], state["logprobs"], state["lengths"], *top)
+
+
+def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             eos_ids: Sequence[int] = (), sparse: Optional[SparseConfig] = None, schedule=None,
+             lora=None, num_top_logprobs: int = 0, pad_id: int = 0,
+             max_selected: Optional[int] = None) -> Rollout:
+  """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]]).
+
+  sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
+  `budget_pages(cached_len)`): block top-k decoding. `lora` (a model.lora.LoRA) is applied in this
+  actor only. Rows stop at their first EOS (kept in the completion). Same key -> same output.
+  """
+  prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+  prompt_len_B = jnp.asarray(prompt_len_B, jnp.int32)
+  if max_new_tokens <= 0:
+    raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  T = prompt_BT.shape[1]
+  if int(jnp.min(prompt_len_B)) < 1 or int(jnp.max(prompt_len_B)) > T:
+    raise ValueError(f"prompt_len_B must lie in [1, {T}] (the prompt width), got "
+                     f"{np.asarray(prompt_len_B).tolist()}")
+  cache_len = T + max_new_tokens
+  if cache_len > cfg.max_position_embeddings:
+    raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {cache_len} exceeds the "
+                     f"cache / max_position_embeddings ({cfg.max_position_embeddings})")
+  budget_by_len = None
+  if sparse is not None:
+    if schedule is None:
+      raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
+    if getattr(schedule, "page_size", sparse.page_size) != sparse.page_size:
+      raise ValueError(f"schedule.page_size ({schedule.page_size}) differs from "
+                       f"SparseConfig.page_size ({sparse.page_size})")
+    budget_by_len = jnp.asarray(budget_table(schedule, cache_len, sparse))
+    if max_selected is None:
+      max_selected = 1 << max(int(budget_by_len.max()) - 1, 1).bit_length()
+  return _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, cfg=cfg,
+                   max_new_tokens=max_new_tokens, temperature=float(temperature),
+                   top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
+                   sparse=sparse, max_selected=max_selected, num_top_logprobs=num_top_logprobs,
+                   pad_id=pad_id, cache_len=cache_len)
+
+
+def full_sequences(prompt_BT, prompt_len_B, rollout: Rollout, pad_id: int = 0):
+  """Right-padded prompt + completion rows [B, T + N] (what the trainer re-scores), with the mask of
+  completion tokens and each token's position."""
+  prompt_BT = jnp.asarray(prompt_BT)
+  B, T = prompt_BT.shape
+  N = rollout.tokens.shape[1]
+  idx_S = jnp.arange(T + N)
+  in_prompt = idx_S[None] < prompt_len_B[:, None]
+  gen_idx = jnp.clip(idx_S[None] - prompt_len_B[:, None], 0, N - 1)
+  in_gen = ~in_prompt & (idx_S[None] < (prompt_len_B + rollout.lengths)[:, None])
+  prompt_pad = jnp.pad(prompt_BT, ((0, 0), (0, N)), constant_values=pad_id)
+  tokens = jnp.where(in_prompt, prompt_pad, jnp.take_along_axis(rollout.tokens, gen_idx, axis=1))
+  return jnp.where(in_prompt | in_gen, tokens, pad_id), in_gen

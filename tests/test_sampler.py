@@ -1,0 +1,116 @@
+"""The jit sampler against the teacher-forced forward, dense and sparse."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparrow_jax as sj
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.model import qwen3
+from sparrow_jax.rollout import sampler
+from tests.helpers import tiny_config
+
+CFG = tiny_config(num_hidden_layers=3)
+PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+PROMPT_LEN = jnp.asarray([9, 21, 14])
+PROMPT = jnp.asarray(np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21))) * (
+    jnp.arange(21)[None] < PROMPT_LEN[:, None])
+SPARSE = SparseConfig(page_size=4, dense_layers=1)
+
+
+def rescored_logprobs(out, **forward_kwargs):
+  seq_BS, gen_mask_BS = sampler.full_sequences(PROMPT, PROMPT_LEN, out)
+  logits = sj.forward(PARAMS, seq_BS, CFG, mask_BT=seq_BS != -1, **forward_kwargs)
+  logp_BS = qwen3.token_logprobs(logits[:, :-1], seq_BS[:, 1:])
+  logp_BS = jnp.pad(logp_BS, ((0, 0), (1, 0)))
+  # completion token j of row b sits at position prompt_len[b] + j
+  idx = PROMPT_LEN[:, None] + jnp.arange(out.tokens.shape[1])[None]
+  idx = jnp.minimum(idx, seq_BS.shape[1] - 1)
+  valid = jnp.arange(out.tokens.shape[1])[None] < out.lengths[:, None]
+  return jnp.take_along_axis(logp_BS, idx, 1), valid
+
+
+def test_dense_sampler_logprobs_match_forward():
+  out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), max_new_tokens=30)
+  ref, valid = rescored_logprobs(out)
+  assert int(valid.sum()) == 90
+  np.testing.assert_allclose(np.where(valid, out.logprobs, 0), np.where(valid, ref, 0), atol=1e-5)
+
+
+def test_full_budget_sparse_equals_dense():
+  kw = dict(max_new_tokens=40, temperature=0.0)
+  dense = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(2), **kw)
+  sparse = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(2), sparse=SPARSE,
+                       schedule=KVSchedule.fixed(64, page_size=4), **kw)
+  np.testing.assert_array_equal(dense.tokens, sparse.tokens)
+  np.testing.assert_allclose(dense.logprobs, sparse.logprobs, atol=1e-5)
+
+
+def test_sparse_sampler_matches_sparse_teacher_forcing():
+  schedule = KVSchedule.fixed(4, page_size=4)
+  out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(3), max_new_tokens=40,
+                    sparse=SPARSE, schedule=schedule)
+  sparse_ref, valid = rescored_logprobs(out, sparse=SPARSE, schedule=schedule,
+                                        prompt_len_B=PROMPT_LEN)
+  dense_ref, _ = rescored_logprobs(out)
+  np.testing.assert_allclose(np.where(valid, out.logprobs, 0), np.where(valid, sparse_ref, 0),
+                             atol=1e-4)
+  # The budget really is binding: dense re-scoring differs.
+  assert float(jnp.abs(jnp.where(valid, out.logprobs - dense_ref, 0)).max()) > 1e-3
+
+
+def test_eos_stops_rows_and_same_key_same_output():
+  kw = dict(max_new_tokens=25, eos_ids=(3, 5, 7, 11), pad_id=0)
+  a = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(4), **kw)
+  b = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(4), **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  for row, n in zip(np.asarray(a.tokens), np.asarray(a.lengths)):
+    assert not set(row[:n - 1].tolist()) & {3, 5, 7, 11}
+    if n < 25:
+      assert row[n - 1] in (3, 5, 7, 11) and (row[n:] == 0).all()
+
+
+def test_top_k_one_is_greedy_and_top_p_restricts():
+  kw = dict(max_new_tokens=12)
+  greedy = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(5), temperature=0.0, **kw)
+  top1 = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(5), top_k=1, **kw)
+  np.testing.assert_array_equal(greedy.tokens, top1.tokens)
+  tiny_p = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(6), top_p=1e-6, **kw)
+  np.testing.assert_array_equal(greedy.tokens, tiny_p.tokens)
+
+
+def test_top_logprobs_returned():
+  out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(7), max_new_tokens=6,
+                    num_top_logprobs=20)
+  assert out.top_logprobs.shape == (3, 6, 20)
+  assert bool(jnp.all(out.top_logprobs[..., :1] >= out.logprobs[..., None] - 1e-6))
+
+
+def test_changing_schedule_does_not_recompile():
+  kw = dict(max_new_tokens=10, sparse=SPARSE)
+  sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(8),
+              schedule=KVSchedule.fixed(5, page_size=4), **kw)
+  before = sampler._generate._cache_size()
+  for schedule in (KVSchedule.fixed(6, page_size=4), KVSchedule.table([1, 2, 3], page_size=4,
+                                                                      bin_size=8)):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(8), schedule=schedule, **kw)
+  assert sampler._generate._cache_size() == before
+
+
+def test_bad_input_rejected():
+  key = jax.random.PRNGKey(0)
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=600)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=0)
+  with pytest.raises(ValueError, match="power of two"):
+    SparseConfig(page_size=12)
+  with pytest.raises(ValueError, match="always-kept"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=4, sparse=SPARSE,
+                schedule=KVSchedule.fixed(1, page_size=4, always_kept=1))
+  with pytest.raises(ValueError, match="page_size"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=4, sparse=SPARSE,
+                schedule=KVSchedule.fixed(8, page_size=16))
+  with pytest.raises(ValueError, match="attention_impl"):
+    SparseConfig(attention_impl="cuda")
