@@ -1,0 +1,177 @@
+"""Rollout cost in eFLOPs (equivalent FLOPs, after the Kinetics paper, Sadhukhan et al. 2025), as
+used by Sparrow section 3.3: cost = compute FLOPs + I * memory bytes, with I = peak FLOP/s / memory
+bandwidth, so a byte moved costs what the chip could have computed meanwhile.
+
+One rollout group = `n_samples` samples of `gen_len` tokens from one prompt of `prompt_len` tokens.
+The cost is summed over decode steps: step t = 1..gen_len attends to S_t = prompt_len + t cached
+tokens, so a schedule whose budget changes along the generation is integrated exactly. Per step
+and sample, with P parameters, r = GQA ratio and D = K and V elements per token summed over layers:
+  dense:  compute 2 P + 2 r D S_t;  memory: KV of the prompt (shared by the group, read once) and
+          of the sample's own t generated tokens, at `dtype_bytes` per element.
+  sparse: the first `dense_layers` layers stay dense (as in Sparrow); the others attend to
+          B_t = min(budget_pages(S_t) * page_size, S_t) tokens, read per sample (compute 2 r D B_t,
+          memory D B_t elements), plus page scoring: one key centroid per page (D/2 elements, the
+          prompt's complete pages shared by the group) read and dotted with the group-mean query
+          (D/2 multiply-adds per page, i.e. D FLOPs).
+Summed, the dense terms reproduce the paper's C_comp / C_mem up to O(gen_len) terms. Like the paper,
+parameter reads are left out: they are amortized over the whole rollout batch. The paper's scoring
+compute also multiplies the generated-token part by r (per-head scoring); Sparrow scores with the
+group-mean query, which is what is counted here (the difference is < 1% of the cost, memory
+dominates).
+"""
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.model.config import Qwen3Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  peak_flops: float     # dense matmul FLOP/s at the rollout dtype
+  mem_bandwidth: float  # memory bytes/s
+  dtype_bytes: int = 2  # bytes per KV element at that dtype (bf16)
+
+  @property
+  def intensity(self) -> float:
+    """I: FLOPs the chip can do in the time it moves one byte."""
+    return self.peak_flops / self.mem_bandwidth
+
+
+HARDWARE = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with 2:4 sparsity (989 dense),
+    # 3.35 TB/s HBM3.
+    "h100_sxm": Hardware("h100_sxm", 989e12, 3.35e12),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense),
+    # 4.8 TB/s HBM3e.
+    "h200": Hardware("h200", 989e12, 4.8e12),
+    # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense),
+    # 8 TB/s HBM3e.
+    "b200": Hardware("b200", 2.25e15, 8e12),
+    # Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), per chip: bf16 peak
+    # compute and HBM bandwidth.
+    "tpu_v5e": Hardware("tpu_v5e", 197e12, 819e9),
+    "tpu_v5p": Hardware("tpu_v5p", 459e12, 2765e9),
+    "tpu_v6e": Hardware("tpu_v6e", 918e12, 1638e9),
+}
+THIS_MACHINE = "this_machine"
+
+
+def _rate(fn, args, work, seconds):
+  """Work units per second of `fn(*args)`, timed for about `seconds` after one warm-up call."""
+  jax.block_until_ready(fn(*args))
+  reps, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds or reps == 0:
+    jax.block_until_ready(fn(*args))
+    reps += 1
+  return work * reps / (time.perf_counter() - start)
+
+
+def measure_this_machine(seconds: float = 2.0, matmul_size: int = 1024,
+                         copy_mib: int = 64) -> Hardware:
+  """Hardware entry for the default JAX device, measured: matmul FLOP/s and the bandwidth of a
+  memory-bound elementwise pass (reads and writes `copy_mib` MiB), half of `seconds` each.
+  Uses float32 on CPU (bf16 matmuls are emulated there), bf16 on accelerators."""
+  platform = jax.devices()[0].platform
+  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
+  a = jnp.ones((matmul_size, matmul_size), dtype)
+  x = jnp.ones((copy_mib * 2**20 // jnp.dtype(dtype).itemsize,), dtype)
+  flops = _rate(jax.jit(jnp.matmul), (a, a), 2 * matmul_size**3, seconds / 2)
+  bandwidth = _rate(jax.jit(lambda v: v * 2), (x,), 2 * x.nbytes, seconds / 2)
+  return Hardware(f"{THIS_MACHINE} ({platform})", flops, bandwidth, jnp.dtype(dtype).itemsize)
+
+
+def get_hardware(hardware) -> Hardware:
+  """A `Hardware`, a key of HARDWARE, or "this_machine" (measured now, a few seconds)."""
+  if isinstance(hardware, Hardware):
+    return hardware
+  if hardware == THIS_MACHINE:
+    return measure_this_machine()
+  if hardware not in HARDWARE:
+    raise ValueError(f"unknown hardware {hardware!r}; known: {sorted(HARDWARE) + [THIS_MACHINE]}")
+  return HARDWARE[hardware]
+
+
+def _config(model) -> Qwen3Config:
+  return model if isinstance(model, Qwen3Config) else Qwen3Config.preset(model)
+
+
+def param_count(model) -> int:
+  """P: embedding + decoder layers (attention, q/k norms, MLP, RMSNorms) + final norm + LM head
+  when untied."""
+  cfg = _config(model)
+  d, e, q_width = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
+  attention = 2 * d * q_width + 2 * d * cfg.kv_width + 2 * e
+  layer = attention + 3 * d * cfg.intermediate_size + 2 * d
+  embed = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+  return embed + cfg.num_hidden_layers * layer + d
+
+
+def _steps(prompt_len, gen_len, n_samples):
+  if prompt_len < 0 or gen_len < 1 or n_samples < 1:
+    raise ValueError(f"need prompt_len >= 0, gen_len >= 1, n_samples >= 1; got {prompt_len}, "
+                     f"{gen_len}, {n_samples}")
+  t = np.arange(1, gen_len + 1, dtype=np.float64)
+  return prompt_len + t, t
+
+
+def dense_rollout_cost(model, prompt_len: int, gen_len: int, n_samples: int = 8,
+                       hardware="h200") -> float:
+  """eFLOPs of generating `n_samples` x `gen_len` tokens from one prompt with dense attention."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  s_t, t = _steps(prompt_len, gen_len, n_samples)
+  d = 2 * cfg.kv_width * cfg.num_hidden_layers
+  compute = n_samples * (2 * param_count(cfg) + 2 * cfg.group_size * d * s_t)
+  memory = hw.dtype_bytes * d * (prompt_len + n_samples * t)
+  return float(np.sum(compute + hw.intensity * memory))
+
+
+def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
+                        n_samples: int = 8, hardware="h200", page_size: int | None = None,
+                        dense_layers: int = 2) -> float:
+  """eFLOPs with block-sparse attention under `schedule` in all but the first `dense_layers`.
+
+  `page_size` (default: the schedule's) is the page size of the sparse attention; the schedule's
+  token budget is kept, rounded up to whole pages, so other page sizes compare at equal budget.
+  """
+  cfg, hw = _config(model), get_hardware(hardware)
+  if not 0 <= dense_layers <= cfg.num_hidden_layers:
+    raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
+  s_t, t = _steps(prompt_len, gen_len, n_samples)
+  z = page_size or schedule.page_size
+  budget_tokens_t = np.asarray(schedule.budget_pages(s_t.astype(np.int32))) * schedule.page_size
+  b_t = np.minimum(np.ceil(budget_tokens_t / z) * z, s_t)
+  pages_t, prompt_pages = np.ceil(s_t / z), prompt_len // z
+  d_dense = 2 * cfg.kv_width * dense_layers
+  d_sparse = 2 * cfg.kv_width * (cfg.num_hidden_layers - dense_layers)
+  attend = 2 * cfg.group_size * (d_dense * s_t + d_sparse * b_t)
+  compute = n_samples * (2 * param_count(cfg) + attend + d_sparse * pages_t)
+  kv_elems = d_dense * (prompt_len + n_samples * t) + n_samples * d_sparse * b_t
+  centroid_elems = d_sparse / 2 * (prompt_pages + n_samples * (pages_t - prompt_pages))
+  memory = hw.dtype_bytes * (kv_elems + centroid_elems)
+  return float(np.sum(compute + hw.intensity * memory))
+
+
+def rollout_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
+                    n_samples: int = 8, hardware="h200", page_size: int | None = None,
+                    dense_layers: int = 2) -> float:
+  """Predicted dense / sparse rollout cost ratio (> 1 means sparse is faster)."""
+  hw = get_hardware(hardware)  # measure "this_machine" once for both costs
+  dense = dense_rollout_cost(model, prompt_len, gen_len, n_samples, hw)
+  return dense / sparse_rollout_cost(model, schedule, prompt_len, gen_len, n_samples, hw,
+                                     page_size, dense_layers)
+
+
+def page_size_comparison(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
+                         page_sizes=(16, 32, 64, 128), n_samples: int = 8, hardware="h200",
+                         dense_layers: int = 2) -> dict:
+  """{page_size: predicted speedup} at the schedule's token budget: only the page-scoring term
+  (one centroid per page) and the rounding to whole pages differ."""
+  hw = get_hardware(hardware)
+  return {z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
+          for z in page_sizes}

@@ -1,0 +1,178 @@
+"""KV-budget schedules: how many KV pages a sparse decode step keeps, as a pure function of the
+cached length.
+
+Mismatch between sparse and dense attention grows with position under a fixed budget, so Sparrow
+grows the budget with the cached length. A `KVSchedule` is frozen and hashable (a valid static
+argument of `jax.jit`), and `budget_pages` is vectorized jnp, so one compiled decode loop serves any
+length: the kernel sizes its buffers with the static `max_pages` and masks down to the budget.
+
+Budgets count *all* kept pages, the always-kept ones (1 sink + 2 local by default) included, and are
+never more than the cached pages, ceil(cached_len / page_size). `cached_len` is the number of tokens
+in the KV cache that the decode step attends to (prompt + generated so far, the current token
+included).
+
+Kinds (`values` depends on the kind):
+  fixed:  values = (pages,)       budget = min(pages, cached_pages); pages counts always-kept pages.
+  table:  values = top-k per bin  budget = min(values[bin] + always_kept, cached_pages), the paper's
+          form; bin = cached_pages // (bin_size // page_size), and past the last bin the last value
+          holds.
+  linear: values = (ratio, max_topk)
+          budget = min(min(floor(ratio * cached_pages), max_topk) + always_kept, cached_pages).
+"""
+import dataclasses
+import json
+
+import jax.numpy as jnp
+
+_KINDS = ("fixed", "table", "linear")
+_FIELDS = ("kind", "page_size", "always_kept", "bin_size", "values")
+
+# Published tables, top-k pages per 2000-token bin at page size 16 (20 bins; 3 always-kept pages
+# are added on top). Source: github.com/Infini-AI-Lab/Sparrow, file
+# vortex_torch/vortex_torch/indexer/utils_sglang.py (`_SCHEDULE_POLICY_VALUES`, commit b866e15).
+# That file compares `cached_block_len = ceil(cached_seq_len / 16)` against multiples of 125 pages,
+# i.e. bins of 2000 tokens measured in whole pages, which `paper()` reproduces with bin_size=2000.
+# These are all the (model, tau) pairs the repo publishes: 8B has no 0.88/0.90 table (it has 0.87),
+# and 14B only 0.86.
+_PAPER_TABLES = {
+    ("qwen3-1.7b", 0.75): (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12,
+    ("qwen3-1.7b", 0.80): (29, 45, 61, 77, 93, 93, 125, 125, 125) + (157,) * 11,
+    ("qwen3-1.7b", 0.83): (29, 61, 77, 93, 125, 125, 157, 157) + (189,) * 12,
+    ("qwen3-1.7b", 0.86): (29, 61, 93, 93, 125, 157, 189, 221, 221) + (253,) * 11,
+    ("qwen3-1.7b", 0.88): (45, 77, 125, 157, 157, 189, 221, 253, 253) + (317,) * 11,
+    ("qwen3-1.7b", 0.90): (45, 93, 157, 189, 221, 253, 317, 317) + (381,) * 12,
+    ("qwen3-1.7b", 0.92): (61, 125, 189, 221, 253, 317, 381, 381, 445) + (509,) * 11,
+    ("qwen3-1.7b", 0.94): (77, 157, 221, 317, 381, 445, 509, 509, 637) + (765,) * 11,
+    ("qwen3-4b", 0.75): (29, 29, 29, 29, 45, 61, 77, 93, 125, 125, 125, 125) + (157,) * 6
+                        + (189,) * 2,
+    ("qwen3-4b", 0.80): (29, 29, 45, 61, 77, 93, 125, 157, 157, 157, 189) + (221,) * 9,
+    ("qwen3-4b", 0.86): (29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381,
+                         381, 381, 381, 509, 509),
+    ("qwen3-4b", 0.88): (29, 61, 93, 125, 157, 189, 253, 317, 381, 445, 445, 509, 509, 509)
+                        + (637,) * 6,
+    ("qwen3-4b", 0.90): (45, 77, 125, 157, 189, 253, 317, 445, 637) + (765,) * 6 + (893,) * 5,
+    ("qwen3-4b", 0.92): (45, 93, 157, 189, 253, 381, 445, 765, 893, 1021, 1021) + (1149,) * 9,
+    ("qwen3-8b", 0.75): (29, 29, 29, 45, 45, 77, 77, 77, 93, 93, 93, 93) + (125,) * 6
+                        + (157,) * 2,
+    ("qwen3-8b", 0.80): (29, 29, 45, 61, 77, 93, 125, 125, 157, 157, 189, 189, 189, 221, 221,
+                         221, 221, 253, 253, 253),
+    ("qwen3-8b", 0.86): (29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317,
+                         317, 317, 385, 445, 445),
+    ("qwen3-8b", 0.87): (29, 61, 77, 93, 157, 189, 221) + (317,) * 4 + (381,) * 5
+                        + (445, 445, 509, 509),
+    ("qwen3-8b", 0.92): (45, 93, 125, 189, 253, 445, 509, 637, 765, 765, 765) + (893,) * 5
+                        + (1021,) * 4,
+    ("qwen3-14b", 0.86): (29, 45, 77, 125, 253) + (381,) * 10 + (509, 637, 637, 893, 893),
+}
+_PAPER_BIN_SIZE = 2000
+_PAPER_PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSchedule:
+  """KV-page budget as a function of cached length (see the module docstring for the kinds)."""
+  kind: str
+  values: tuple
+  page_size: int = 16
+  always_kept: int = 3        # 1 sink (BOS) page + 2 local pages
+  bin_size: int = 2048        # tokens per table bin (a multiple of page_size); unused otherwise
+
+  def __post_init__(self):
+    object.__setattr__(self, "values", tuple(self.values))
+    if self.kind not in _KINDS:
+      raise ValueError(f"KVSchedule.kind must be one of {_KINDS}, got {self.kind!r}")
+    for name in ("page_size", "always_kept", "bin_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"KVSchedule.{name} must be a non-negative int, got {value!r}")
+    if self.page_size < 1 or self.page_size & (self.page_size - 1):
+      raise ValueError(f"KVSchedule.page_size must be a power of two, got {self.page_size}")
+    getattr(self, f"_check_{self.kind}")()
+
+  def _check_fixed(self):
+    if len(self.values) != 1 or not _is_int(self.values[0]):
+      raise ValueError(f"KVSchedule.values for kind 'fixed' must be (pages,), got {self.values!r}")
+    if self.values[0] < self.always_kept:
+      raise ValueError(f"KVSchedule.values: fixed budget {self.values[0]} pages is below the "
+                       f"always_kept={self.always_kept} pages")
+
+  def _check_table(self):
+    if not self.values or not all(_is_int(v) and v >= 0 for v in self.values):
+      raise ValueError(f"KVSchedule.values for kind 'table' must be non-negative ints (top-k "
+                       f"pages per bin), got {self.values!r}")
+    drops = [i for i in range(1, len(self.values)) if self.values[i] < self.values[i - 1]]
+    if drops:
+      raise ValueError(f"KVSchedule.values must be non-decreasing; bin {drops[0]} drops from "
+                       f"{self.values[drops[0] - 1]} to {self.values[drops[0]]}")
+    if self.bin_size < self.page_size or self.bin_size % self.page_size:
+      raise ValueError(f"KVSchedule.bin_size ({self.bin_size}) must be a positive multiple of "
+                       f"page_size ({self.page_size})")
+
+  def _check_linear(self):
+    ok = len(self.values) == 2 and isinstance(self.values[0], (int, float)) and _is_int(
+        self.values[1])
+    if not ok or not 0 <= self.values[0] or self.values[1] < 0:
+      raise ValueError(f"KVSchedule.values for kind 'linear' must be (ratio >= 0, max_topk >= 0), "
+                       f"got {self.values!r}")
+
+  @classmethod
+  def fixed(cls, pages: int, page_size: int = 16, always_kept: int = 3) -> "KVSchedule":
+    """Constant budget of `pages` pages, always-kept pages included."""
+    return cls("fixed", (pages,), page_size, always_kept)
+
+  @classmethod
+  def table(cls, topk_per_bin, page_size: int = 16, always_kept: int = 3,
+            bin_size: int = 2048) -> "KVSchedule":
+    """Paper form: per bin of `bin_size` cached tokens, top-k pages on top of the always-kept."""
+    return cls("table", tuple(topk_per_bin), page_size, always_kept, bin_size)
+
+  @classmethod
+  def linear(cls, ratio: float, max_topk: int, page_size: int = 16,
+             always_kept: int = 3) -> "KVSchedule":
+    """Top-k grows as `ratio` of the cached pages, capped at `max_topk` (so buffers stay static)."""
+    return cls("linear", (ratio, max_topk), page_size, always_kept)
+
+  @classmethod
+  def paper(cls, model: str, tau: float) -> "KVSchedule":
+    """The published table for `model` ("qwen3-1.7b", ...) calibrated at threshold `tau`."""
+    key = (model.lower(), round(float(tau), 2))
+    if key not in _PAPER_TABLES:
+      known = ", ".join(f"{m}@{t:.2f}" for m, t in sorted(_PAPER_TABLES))
+      raise ValueError(f"no published schedule for model={model!r}, tau={tau}; known: {known}")
+    return cls.table(_PAPER_TABLES[key], _PAPER_PAGE_SIZE, 3, _PAPER_BIN_SIZE)
+
+  @property
+  def max_pages(self) -> int:
+    """Largest budget this schedule can return (static; sizes the decode buffers)."""
+    if self.kind == "fixed":
+      return self.values[0]
+    return (self.values[-1] if self.kind == "table" else self.values[1]) + self.always_kept
+
+  def budget_pages(self, cached_len):
+    """Pages kept at `cached_len` cached tokens (int or int array, any shape) -> int32 array."""
+    cached_pages = (jnp.asarray(cached_len, jnp.int32) + self.page_size - 1) // self.page_size
+    if self.kind == "fixed":
+      want = jnp.full_like(cached_pages, self.values[0])
+    elif self.kind == "table":
+      bins = jnp.minimum(cached_pages // (self.bin_size // self.page_size), len(self.values) - 1)
+      want = jnp.asarray(self.values, jnp.int32)[bins] + self.always_kept
+    else:
+      ratio, max_topk = self.values
+      topk = jnp.floor(ratio * cached_pages.astype(jnp.float32)).astype(jnp.int32)
+      want = jnp.minimum(topk, max_topk) + self.always_kept
+    return jnp.minimum(want, cached_pages)
+
+  def to_json(self) -> str:
+    return json.dumps({name: getattr(self, name) for name in _FIELDS})
+
+  @classmethod
+  def from_json(cls, text: str) -> "KVSchedule":
+    d = json.loads(text)
+    if not isinstance(d, dict) or set(d) != set(_FIELDS):
+      got = sorted(d) if isinstance(d, dict) else type(d).__name__
+      raise ValueError(f"KVSchedule JSON must have exactly the fields {list(_FIELDS)}, got {got}")
+    return cls(**d)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,129 @@
+"""eFLOPs cost model: hand-computed cases, the paper's closed form, monotonicity, speedups."""
+import numpy as np
+import pytest
+
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.model.config import Qwen3Config
+
+# I = 10 / 5 = 2 FLOPs per byte, 2-byte elements: small enough to check by hand.
+TOY_HW = cost_model.Hardware("toy", peak_flops=10.0, mem_bandwidth=5.0, dtype_bytes=2)
+
+
+def test_param_count_by_hand_and_against_model_cards():
+  # tiny: D=64, F=128, 2 layers, 4 query heads, 2 KV heads, head_dim 16, vocab 256, tied.
+  attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 2 * 16  # q, k, v, o, q/k norms
+  layer = attention + 3 * 64 * 128 + 2 * 64                   # + MLP + 2 RMSNorms
+  assert cost_model.param_count("tiny") == 256 * 64 + 2 * layer + 64
+  untied = Qwen3Config.preset("tiny-untied")
+  assert cost_model.param_count(untied) > cost_model.param_count(
+      Qwen3Config(**{**untied.__dict__, "tie_word_embeddings": True}))
+  # Qwen3 model cards: non-embedding parameters 0.44B, 1.4B, 3.6B, 6.95B, 13.2B.
+  for name, non_embedding in [("qwen3-0.6b", 0.44e9), ("qwen3-1.7b", 1.4e9),
+                              ("qwen3-4b", 3.6e9), ("qwen3-8b", 6.95e9), ("qwen3-14b", 13.2e9)]:
+    cfg = Qwen3Config.preset(name)
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    assert cost_model.param_count(name) - embeddings == pytest.approx(non_embedding, rel=0.02)
+
+
+def test_dense_cost_by_hand():
+  # tiny: P = 90496, r = 2, D = 2 (K and V) * 32 * 2 layers = 128. Prompt 3, 2 steps, 2 samples:
+  # step t attends to S = 4, 5 tokens.
+  p, r, d, n = 90496, 2, 128, 2
+  compute = n * (2 * p + 2 * r * d * 4) + n * (2 * p + 2 * r * d * 5)
+  memory = 2 * d * (3 + n * 1) + 2 * d * (3 + n * 2)  # bytes: shared prompt KV + own KV
+  expected = compute + 2 * memory
+  assert cost_model.dense_rollout_cost("tiny", 3, 2, n_samples=2, hardware=TOY_HW) == expected
+
+
+def test_sparse_cost_by_hand():
+  # 1 dense layer (D = 64) + 1 sparse layer (D = 64); pages of 2 tokens; 2 pages kept (1 always).
+  # S = 4, 5 -> cached pages 2, 3 -> budget 2 pages = 4 tokens; 1 complete prompt page is shared.
+  schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
+  p, r, n = 90496, 2, 2
+  compute = (n * (2 * p + 2 * r * (64 * 4 + 64 * 4) + 64 * 2)
+             + n * (2 * p + 2 * r * (64 * 5 + 64 * 4) + 64 * 3))
+  elems = (64 * (3 + n * 1) + n * 64 * 4 + 32 * (1 + n * (2 - 1))
+           + 64 * (3 + n * 2) + n * 64 * 4 + 32 * (1 + n * (3 - 1)))
+  expected = compute + 2 * (2 * elems)
+  got = cost_model.sparse_rollout_cost("tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW,
+                                       dense_layers=1)
+  assert got == expected
+
+
+def test_dense_sum_matches_paper_closed_form():
+  cfg = Qwen3Config.preset("qwen3-1.7b")
+  p, n, l_in, l_out = cost_model.param_count(cfg), 8, 1024, 32768
+  d, r, i = 2 * cfg.kv_width * cfg.num_hidden_layers, cfg.group_size, TOY_HW.intensity
+  c_comp = 2 * p * n * l_out + r * (2 * l_in + l_out) * l_out * n * d
+  c_mem = 2 * l_in * l_out * d + n * l_out**2 * d
+  got = cost_model.dense_rollout_cost(cfg, l_in, l_out, n, TOY_HW)
+  assert got == pytest.approx(c_comp + i * c_mem, rel=1e-3)
+
+
+def test_more_budget_never_costs_less():
+  costs = [cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.fixed(pages), 512, 4096)
+           for pages in (3, 8, 32, 128, 288, 400)]
+  assert all(a < b for a, b in zip(costs[:-1], costs[1:-1]))
+  assert costs[-2] == costs[-1]  # 4608 tokens = 288 pages: any larger budget is already capped
+  taus = [0.75, 0.80, 0.83, 0.86, 0.88, 0.90, 0.92, 0.94]
+  paper = [cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.paper("qwen3-1.7b", tau),
+                                          1024, 32768) for tau in taus]
+  assert all(a < b for a, b in zip(paper, paper[1:]))
+
+
+@pytest.mark.parametrize("n_samples, dense_layers", [(1, 0), (8, 0), (8, 2)])
+def test_budget_covering_context_costs_at_least_dense(n_samples, dense_layers):
+  everything = KVSchedule.fixed(10**6)
+  for hardware in ("h200", "tpu_v5e", TOY_HW):
+    dense = cost_model.dense_rollout_cost("qwen3-4b", 700, 3000, n_samples, hardware)
+    sparse = cost_model.sparse_rollout_cost("qwen3-4b", everything, 700, 3000, n_samples,
+                                            hardware, dense_layers=dense_layers)
+    assert sparse >= dense
+
+
+def test_all_dense_layers_is_no_speedup():
+  cfg = Qwen3Config.preset("qwen3-1.7b")
+  speedup = cost_model.rollout_speedup(cfg, KVSchedule.fixed(4), 100, 500,
+                                       dense_layers=cfg.num_hidden_layers)
+  assert speedup == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"])
+def test_paper_schedules_speed_up_long_rollouts(model):
+  schedule = KVSchedule.paper(model, 0.86)
+  for hardware in cost_model.HARDWARE:
+    assert cost_model.rollout_speedup(model, schedule, 1024, 32768, hardware=hardware) > 1.0
+  # Short rollouts barely reach the budget: less to gain than at 32K.
+  assert (cost_model.rollout_speedup(model, schedule, 1024, 4096)
+          < cost_model.rollout_speedup(model, schedule, 1024, 32768))
+
+
+def test_page_size_comparison_only_moves_scoring():
+  schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
+  by_size = cost_model.page_size_comparison("qwen3-1.7b", schedule, 1024, 32768)
+  assert list(by_size) == [16, 32, 64, 128]
+  assert by_size[16] == cost_model.rollout_speedup("qwen3-1.7b", schedule, 1024, 32768)
+  values = [by_size[z] for z in (16, 32, 64, 128)]
+  assert all(a < b for a, b in zip(values, values[1:]))  # fewer centroids to read
+  assert values[-1] / values[0] < 1.2                      # scoring is a small share
+
+
+def test_hardware_table_and_errors():
+  assert cost_model.HARDWARE["h200"].intensity == pytest.approx(989e12 / 4.8e12)
+  assert cost_model.get_hardware(TOY_HW) is TOY_HW
+  with pytest.raises(ValueError, match="h200"):
+    cost_model.get_hardware("h300")
+  with pytest.raises(ValueError, match="dense_layers"):
+    cost_model.sparse_rollout_cost("tiny", KVSchedule.fixed(4), 10, 10, dense_layers=3)
+  with pytest.raises(ValueError, match="gen_len"):
+    cost_model.dense_rollout_cost("tiny", 10, 0)
+  with pytest.raises(ValueError, match="preset"):
+    cost_model.dense_rollout_cost("qwen3-9b", 10, 10)
+
+
+def test_measure_this_machine_returns_positive_rates():
+  hw = cost_model.measure_this_machine(seconds=0.2, matmul_size=128, copy_mib=4)
+  assert hw.name.startswith(cost_model.THIS_MACHINE)
+  assert hw.peak_flops > 0 and hw.mem_bandwidth > 0 and np.isfinite(hw.intensity)
+  assert cost_model.rollout_speedup("tiny", KVSchedule.fixed(4), 32, 256, hardware=hw) > 0

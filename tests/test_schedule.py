@@ -1,0 +1,128 @@
+"""KVSchedule: published tables, budget semantics, jit/vmap, JSON, validation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparrow_jax.mismatch.schedule import KVSchedule
+
+# The tau-0.86 tables (and 1.7B at 0.80) as printed in the project brief.
+BRIEF_TABLES = {
+    ("qwen3-1.7b", 0.86): [29, 61, 93, 93, 125, 157, 189, 221, 221] + [253] * 11,
+    ("qwen3-4b", 0.86): [29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381, 381,
+                         381, 381, 509, 509],
+    ("qwen3-8b", 0.86): [29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317,
+                         317, 317, 385, 445, 445],
+    ("qwen3-14b", 0.86): [29, 45, 77, 125, 253, 381, 381, 381, 381, 381, 381, 381, 381, 381, 381,
+                          509, 637, 637, 893, 893],
+    ("qwen3-1.7b", 0.80): [29, 45, 61, 77, 93, 93, 125, 125, 125] + [157] * 11,
+}
+TAUS = {"qwen3-1.7b": [0.75, 0.80, 0.83, 0.86, 0.88, 0.90, 0.92, 0.94],
+        "qwen3-4b": [0.75, 0.80, 0.86, 0.88, 0.90, 0.92],
+        "qwen3-8b": [0.75, 0.80, 0.86, 0.87, 0.92],
+        "qwen3-14b": [0.86]}
+
+
+def _budget(schedule, cached_len):
+  return np.asarray(schedule.budget_pages(np.asarray(cached_len, np.int32)))
+
+
+def test_paper_1p7b_tau086_examples():
+  s = KVSchedule.paper("qwen3-1.7b", tau=0.86)
+  assert (s.page_size, s.always_kept, s.bin_size, s.max_pages) == (16, 3, 2000, 256)
+  # 29 top-k + 3 always-kept = 32 pages in the first bin, capped at the cached pages.
+  np.testing.assert_array_equal(_budget(s, [1, 16, 17, 80, 496, 497, 512, 1000, 1984]),
+                                [1, 1, 2, 5, 31, 32, 32, 32, 32])
+  # Bins are whole pages, as in the reference planner: 125 pages = 2000 tokens per bin.
+  np.testing.assert_array_equal(_budget(s, [1985, 2000, 2047, 4000]), [64, 64, 64, 96])
+  np.testing.assert_array_equal(_budget(s, [17984, 17985, 18000, 18432, 32768, 40000, 10**6]),
+                                [224, 256, 256, 256, 256, 256, 256])
+
+
+@pytest.mark.parametrize("key", sorted(BRIEF_TABLES))
+def test_paper_tables_match_the_brief(key):
+  s = KVSchedule.paper(*key)
+  assert list(s.values) == BRIEF_TABLES[key]
+  bin_starts = np.arange(20) * 2000
+  budgets = _budget(s, bin_starts[1:])  # from bin 1 on, the cache is long enough to not cap
+  np.testing.assert_array_equal(budgets, np.array(BRIEF_TABLES[key][1:]) + 3)
+
+
+@pytest.mark.parametrize("model", sorted(TAUS))
+def test_all_published_taus_load_and_grow_with_tau(model):
+  tables = [KVSchedule.paper(model, tau).values for tau in TAUS[model]]
+  assert all(len(t) == 20 for t in tables)
+  for low, high in zip(tables, tables[1:]):  # a stricter threshold never needs fewer pages
+    assert all(a <= b for a, b in zip(low, high))
+
+
+KINDS = [KVSchedule.paper("qwen3-4b", 0.86), KVSchedule.fixed(40), KVSchedule.fixed(3),
+         KVSchedule.linear(0.1, 200), KVSchedule.table([0, 5, 9], page_size=32, always_kept=0,
+                                                        bin_size=256)]
+
+
+@pytest.mark.parametrize("schedule", KINDS, ids=lambda s: s.kind)
+def test_budget_is_capped_monotone_and_within_max_pages(schedule):
+  lens = np.arange(0, 45000, 7)
+  budgets = _budget(schedule, lens)
+  assert np.all(budgets <= -(-lens // schedule.page_size))
+  assert np.all(np.diff(budgets) >= 0)
+  assert budgets.max() == schedule.max_pages
+
+
+def test_fixed_and_linear_values():
+  np.testing.assert_array_equal(_budget(KVSchedule.fixed(40), [16 * 39, 10**5]), [39, 40])
+  s = KVSchedule.linear(0.25, 10, always_kept=3)
+  # floor(0.25 * pages) + 3, capped at 10 + 3 and at the cached pages.
+  np.testing.assert_array_equal(_budget(s, [16, 16 * 8, 16 * 20, 16 * 100]), [1, 5, 8, 13])
+
+
+def test_budget_under_jit_and_vmap_compiles_once():
+  s = KVSchedule.paper("qwen3-8b", 0.86)
+  lens = jnp.arange(1, 40000, 97, dtype=jnp.int32)
+  expected = _budget(s, lens)
+  traces = []
+
+  @jax.jit
+  def f(cached_len):
+    traces.append(1)
+    return s.budget_pages(cached_len)
+
+  np.testing.assert_array_equal(jax.vmap(f)(lens), expected)
+  np.testing.assert_array_equal([int(f(n)) for n in lens[:5]], expected[:5])
+  assert len(traces) == 1  # the vmapped and the scalar calls share one trace: lengths are data
+
+  g = jax.jit(lambda sched, n: sched.budget_pages(n), static_argnums=0)
+  np.testing.assert_array_equal(g(KVSchedule.paper("qwen3-8b", 0.86), lens), expected)
+  np.testing.assert_array_equal(g(KVSchedule.fixed(5), lens), np.minimum(5, -(-lens // 16)))
+
+
+@pytest.mark.parametrize("schedule", KINDS, ids=lambda s: s.kind)
+def test_json_round_trip(schedule):
+  back = KVSchedule.from_json(schedule.to_json())
+  assert back == schedule and hash(back) == hash(schedule)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: KVSchedule.table([5, 4]), "values"),
+    (lambda: KVSchedule.table([-1, 4]), "values"),
+    (lambda: KVSchedule.table([]), "values"),
+    (lambda: KVSchedule.table([1, 2], page_size=24), "page_size"),
+    (lambda: KVSchedule.table([1, 2], bin_size=100), "bin_size"),
+    (lambda: KVSchedule.fixed(2), "always_kept"),
+    (lambda: KVSchedule.fixed(-1, always_kept=0), "always_kept"),
+    (lambda: KVSchedule.linear(-0.5, 10), "linear"),
+    (lambda: KVSchedule("dynamic", (1,)), "kind"),
+    (lambda: KVSchedule.fixed(4, always_kept=-1), "always_kept"),
+    (lambda: KVSchedule.from_json('{"kind": "fixed", "values": [4]}'), "page_size"),
+])
+def test_validation_names_the_field(make, field):
+  with pytest.raises(ValueError, match=field):
+    make()
+
+
+def test_unknown_paper_schedule_lists_known_ones():
+  with pytest.raises(ValueError, match=r"qwen3-1\.7b@0\.86.*qwen3-8b@0\.87"):
+    KVSchedule.paper("qwen3-8b", 0.88)
+  with pytest.raises(ValueError, match="known"):
+    KVSchedule.paper("llama-8b", 0.86)
