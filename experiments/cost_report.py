@@ -37,7 +37,7 @@ def main():
         f"it), {args.n_samples} samples per prompt, tau-{args.tau:.2f} schedules, page size 16, "
         "first 2 layers dense")
   for name, hw in hardware.items():
-    print(f"  {name:14s} {hw.peak_flops / 1e12:8.1f} TFLOP/s {hw.mem_bandwidth / 1e9:8.1f} GB/s "
+    print(f"  {name:14s} {hw.peak_flops / 1e12:9.3f} TFLOP/s {hw.mem_bandwidth / 1e9:8.1f} GB/s "
           f"I = {hw.intensity:6.1f} FLOP/byte  ({hw.dtype_bytes}-byte KV elements)")
 
   print("\nPredicted rollout speedup (dense / sparse eFLOPs)")
