@@ -1,0 +1,252 @@
+"""Verifiable rewards: math (the last \\boxed{} checked with math-verify) and code (tests in a sandbox).
+
+Graders never raise on what a model wrote: they return a `Grade` whose `reason` says why a response got
+its reward, so the caller can count failures (no answer, unparsable LaTeX, timeouts, sandbox errors) in
+state it owns. Only a malformed reference (a bad `tests` spec) raises ValueError.
+"""
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import threading
+from typing import Any, NamedTuple
+
+from sparrow_jax.data import sandbox
+
+log = logging.getLogger(__name__)
+
+MATH_TIMEOUT_S = 5
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+_FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = ("", "python", "python3", "py")
+
+
+class Grade(NamedTuple):
+  reward: float
+  reason: str   # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
+                # code: correct partial wrong_answer runtime_error timeout no_code aborted sandbox_error
+
+
+def final_text(response: str) -> str | None:
+  """The answer part of a response: after the last </think>; None while thinking is unfinished."""
+  if "</think>" in response:
+    return response.rsplit("</think>", 1)[1]
+  return None if "<think>" in response else response
+
+
+def last_boxed(text: str) -> str | None:
+  """Content of the last \\boxed{...} (nested and escaped braces handled) or `\\boxed x`; else None."""
+  matches = list(_BOX.finditer(text))
+  if not matches:
+    return None
+  rest = text[matches[-1].end():]
+  body = rest.lstrip()
+  if not body.startswith("{"):
+    word = re.match(r"\s+([^\s$]+)", rest)
+    return word.group(1).rstrip(".,;") if word else None
+  depth, i = 0, 0
+  while i < len(body):
+    ch = body[i]
+    if ch == "\\":
+      i += 2
+      continue
+    depth += {"{": 1, "}": -1}.get(ch, 0)
+    if depth == 0:
+      return body[1:i].strip()
+    i += 1
+  return None
+
+
+def _timeout_s(timeout_s):
+  # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere the caller must
+  # bound the time itself (e.g. grade math in the main thread, as the tasks do).
+  return timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
+def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -> Grade:
+  """1.0 when the last \\boxed{} of the response's answer part equals `answer` per math-verify."""
+  from math_verify import parse, verify  # slow import (sympy); only math grading needs it
+  from math_verify.errors import TimeoutException
+  text = final_text(response)
+  if text is None:
+    return Grade(0.0, "unfinished_thinking")
+  boxed = last_boxed(text)
+  if not boxed:
+    return Grade(0.0, "no_answer")
+  answer = str(answer).strip().strip("$")
+  timeout_s = _timeout_s(timeout_s)
+  try:
+    gold = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}",
+                 parsing_timeout=timeout_s, raise_on_error=True)
+    if not gold:
+      return Grade(0.0, "bad_reference")
+    pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout_s, raise_on_error=True)
+    if not pred:
+      return Grade(0.0, "unparsable")
+    ok = verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True)
+  except TimeoutException:  # a BaseException in math-verify
+    return Grade(0.0, "timeout")
+  except Exception:  # sympy/latex2sympy failures on malformed LaTeX
+    log.debug("math-verify failed on %r", boxed, exc_info=True)
+    return Grade(0.0, "error")
+  return Grade(1.0, "correct") if ok else Grade(0.0, "wrong")
+
+
+def math_reward(response: str, answer: str) -> float:
+  return grade_math(response, answer).reward
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeTests:
+  """A code problem's tests. mode "stdio": inputs are stdin texts, outputs the expected stdout;
+  "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
+  HumanEval's check) runs after the program (with `prefix`, e.g. imports, before it) and must exit 0."""
+  mode: str
+  inputs: tuple = (None,)
+  outputs: tuple = (None,)
+  fn_name: str | None = None
+  prefix: str = ""
+  script: str = ""
+
+
+def _text(value, field):
+  """A stdin/stdout value: a string, or a list of lines (some TACO rows)."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list) and all(isinstance(v, str) for v in value):
+    return "\n".join(value) + "\n"
+  raise ValueError(f"tests {field} must be strings or lists of lines, got {type(value).__name__}")
+
+
+def parse_tests(tests: Any) -> CodeTests:
+  """Validates a tests spec: a CodeTests, a dict or its JSON text (TACO's input_output) with
+  inputs/outputs [+ fn_name], or with script [+ prefix]. Raises ValueError naming what is wrong."""
+  if isinstance(tests, CodeTests):
+    return tests
+  if isinstance(tests, (str, bytes)):
+    try:
+      tests = json.loads(tests)
+    except ValueError as e:
+      raise ValueError(f"tests are not valid JSON: {e}") from None
+  if not isinstance(tests, dict):
+    raise ValueError(f"tests must be a dict with inputs/outputs or script, got {type(tests).__name__}")
+  if "script" in tests:
+    if not isinstance(tests["script"], str) or not tests["script"].strip():
+      raise ValueError("tests script must be a non-empty string")
+    return CodeTests("script", prefix=str(tests.get("prefix") or ""), script=tests["script"])
+  inputs, outputs = tests.get("inputs"), tests.get("outputs")
+  if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs:
+    raise ValueError("tests need non-empty lists 'inputs' and 'outputs' (or a 'script')")
+  if len(inputs) != len(outputs):
+    raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
+  fn_name = tests.get("fn_name")
+  if fn_name:
+    if not isinstance(fn_name, str):
+      raise ValueError(f"tests fn_name must be a string, got {fn_name!r}")
+    return CodeTests("call", tuple(inputs), tuple(outputs), fn_name=fn_name)
+  return CodeTests("stdio", tuple(_text(v, "inputs") for v in inputs),
+                   tuple(_text(v, "outputs") for v in outputs))
+
+
+def extract_code(response: str) -> str | None:
+  """The last fenced ```python (or untagged ```) block of the response's answer part."""
+  text = final_text(response)
+  if text is None:
+    return None
+  blocks = [body for tag, body in _FENCE.findall(text) if tag.strip().lower() in _PYTHON_TAGS]
+  return blocks[-1] if blocks else None
+
+
+def _close(a, b):
+  return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def _same_stdout(got, want):
+  """Token-wise, whitespace-insensitive; numbers within 1e-6 (how TACO-style judges compare)."""
+  got, want = got.split(), want.split()
+  if got == want:
+    return True
+  if len(got) != len(want):
+    return False
+  for a, b in zip(got, want):
+    if a != b:
+      try:
+        if not _close(float(a), float(b)):
+          return False
+      except ValueError:
+        return False
+  return True
+
+
+def _equal(a, b):
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+    return _close(a, b)
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+  return a == b
+
+
+def _same_result(got_json, want):
+  try:
+    got = json.loads(got_json)
+  except ValueError:
+    return False
+  # TACO wraps each expected return value in a one-element list.
+  return _equal(got, want) or (isinstance(want, list) and len(want) == 1 and _equal(got, want[0]))
+
+
+def _passed(tests, case):
+  if case["status"] != "ok":
+    return False
+  if tests.mode == "stdio":
+    return _same_stdout(case["stdout"], tests.outputs[case["case"]])
+  if tests.mode == "call":
+    return _same_result(case.get("result", ""), tests.outputs[case["case"]])
+  return True
+
+
+def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) -> Grade:
+  """Runs the response's last code block on `tests` in a sandbox (`limits`: SandboxLimits fields).
+  Reward 1.0 if every case passes else 0.0, or the passed fraction when `partial`."""
+  tests = parse_tests(tests)
+  sandbox_limits = sandbox.SandboxLimits.make(**limits)
+  program = extract_code(response)
+  if program is None:
+    return Grade(0.0, "no_code")
+  try:
+    run = sandbox.run_cases(program, tests.mode, tests.inputs, fn_name=tests.fn_name,
+                            prefix=tests.prefix, script=tests.script, stop_on_failure=not partial,
+                            limits=sandbox_limits)
+  except OSError as e:  # e.g. no space for the work directory: the trainer must go on
+    log.warning("code sandbox failed to start: %s", e)
+    return Grade(0.0, "sandbox_error")
+  passed = sum(_passed(tests, case) for case in run.cases)
+  total = len(tests.inputs)
+  reward = passed / total if partial else float(passed == total)
+  if passed == total:
+    return Grade(reward, "correct")
+  if not run.isolation:
+    log.warning("code sandbox error: %s", run.error)
+    return Grade(reward, "sandbox_error")
+  failed = next((c for c in run.cases if not _passed(tests, c)), None)
+  if failed is None:
+    reason = "aborted"
+  else:
+    reason = {"ok": "wrong_answer", "timeout": "timeout"}.get(failed["status"], "runtime_error")
+  return Grade(reward, "partial" if partial and passed else reason)
+
+
+def code_reward(response: str, tests: Any, *, partial: bool = False, **limits) -> float:
+  return grade_code(response, tests, partial=partial, **limits).reward
+
+
+def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **limits) -> list[Grade]:
+  """grade_code over pairs, in a bounded pool of threads (each drives one sandbox process tree)."""
+  if len(responses) != len(tests):
+    raise ValueError(f"{len(responses)} responses but {len(tests)} tests")
+  workers = max_workers or os.cpu_count() or 1
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    return list(pool.map(lambda r, t: grade_code(r, t, partial=partial, **limits), responses, tests))

@@ -1,0 +1,201 @@
+"""Runs untrusted programs (code-task rollouts) against test inputs, isolated from the trainer.
+
+Each call starts one sandbox process tree (sandbox_child.py) that runs the program once per test case.
+What holds it in (Linux; measured on the project's machine, root in a VM container with CAP_SYS_ADMIN):
+  - separate processes in their own session; the wall-clock timeout kills the whole process group, and
+    a new pid namespace makes the kernel kill every process left in it (setsid or daemon escapes too);
+  - rlimits per test case: CPU seconds, address space, file size (which also caps stdout/stderr: they
+    are memfds, so a program cannot fill the disk by printing), open files, no core dumps;
+  - as root: the program runs as a random unprivileged uid/gid (2**30 + r, or nobody if that range is
+    not mapped), so it cannot signal or ptrace the trainer, read its /proc/<pid>/environ, or touch files
+    that are not world-writable; RLIMIT_NPROC then caps its own process count (root is exempt, and the
+    count is per uid, so a uid of its own per run keeps concurrent sandboxes from starving each other);
+  - new network namespace (only a down loopback), mount namespace with a fresh /proc and size-capped
+    private tmpfs over /tmp, /var/tmp and /dev/shm, scrubbed environment, a private 0700 work directory;
+  - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged.
+Fallbacks (reported in `SandboxRun.isolation`): without the namespaces (unshare refused, e.g. Docker's
+default seccomp profile) a Python audit hook refuses sockets, ctypes and process launches (soft: native
+code could bypass it) and processes that escaped the process group are killed by uid when we are root.
+As non-root, a user namespace is tried first (same isolation minus the uid drop); without one the
+program keeps the caller's uid: no file protection and no process cap (RLIMIT_NPROC would count the
+trainer's threads), so run training as root in a container or give the trainer its own user.
+"""
+import dataclasses
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+MODES = ("stdio", "call", "script")
+UID_RANGE = (1 << 30, 1 << 20)   # start, size: ids far above any real account
+NOBODY = 65534
+STARTUP_S = 5.0                  # interpreter start and namespace setup, added to the total timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+  timeout_s: float = 2.0          # wall clock per test case
+  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s)
+  memory_mb: int = 1024           # RLIMIT_AS per test case
+  output_bytes: int = 1 << 20     # RLIMIT_FSIZE, so also the most stdout one test case can produce
+  nofile: int = 64                # RLIMIT_NOFILE
+  nproc: int = 64                 # RLIMIT_NPROC (see the module docstring for when it applies)
+  tmpfs_mb: int = 64              # size of the private /tmp
+  namespaces: bool = True         # try network, mount and pid namespaces
+  total_timeout_s: float | None = None   # whole run; None: timeout_s * cases + STARTUP_S
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name != "namespaces" and value is not None and not value > 0:
+        raise ValueError(f"SandboxLimits.{field.name} must be positive, got {value!r}")
+
+  @classmethod
+  def make(cls, **limits):
+    """From keyword arguments, naming the allowed ones when one is unknown."""
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(limits) - set(allowed))
+    if unknown:
+      raise ValueError(f"unknown sandbox limit(s) {unknown}; allowed: {allowed}")
+    return cls(**limits)
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxRun:
+  cases: list        # per case run, in order: {"status": "ok"|"timeout"|"error", "stdout", "stderr", ...}
+  isolation: dict    # what the child managed to apply (see the module docstring)
+  error: str | None  # set when the sandbox itself failed (then `cases` may be short)
+
+
+def _sandbox_uid():
+  """A fresh uid per run when we are root and the id range is mapped here; else None (keep ours)."""
+  if os.geteuid() != 0:
+    return None
+  start, size = UID_RANGE
+  with open("/proc/self/uid_map") as f:
+    ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+  if any(inner <= start and start + size <= inner + count for inner, _, count in ranges):
+    return start + random.SystemRandom().randrange(size)
+  return NOBODY
+
+
+def _case_limits(limits):
+  """(soft, hard) per rlimit, clamped to our own hard limits (we may lack CAP_SYS_RESOURCE)."""
+  cpu = limits.cpu_s or math.ceil(limits.timeout_s)
+  wanted = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
+            "RLIMIT_FSIZE": (limits.output_bytes,) * 2, "RLIMIT_NOFILE": (limits.nofile,) * 2,
+            "RLIMIT_CORE": (0, 0)}
+  clamp = lambda v, hard: v if hard == resource.RLIM_INFINITY else min(v, hard)
+  result = {}
+  for name, (soft, hard) in wanted.items():
+    own_hard = resource.getrlimit(getattr(resource, name))[1]
+    result[name] = (clamp(soft, own_hard), clamp(hard, own_hard))
+  return result
+
+
+def _python_paths():
+  return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+
+
+def _kill_uid(uid):
+  """SIGKILLs every process of `uid` (fallback cleanup when no pid namespace held them)."""
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        if os.stat(f"/proc/{entry}").st_uid == uid:
+          os.kill(int(entry), signal.SIGKILL)
+      except OSError:  # exited meanwhile
+        pass
+
+
+def _parse(stream):
+  cases, isolation, error, done = [], {}, None, False
+  for line in stream.splitlines():
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if "isolation" in record:
+      isolation = record["isolation"]
+    elif "case" in record:
+      cases.append(record)
+    elif "sandbox_error" in record:
+      error = record["sandbox_error"]
+    done = done or record.get("done", False)
+  if not done and error is None:
+    error = "sandbox ended before reporting every case (harness killed, or the total timeout)"
+  return cases, isolation, error
+
+
+def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_on_failure=True,
+              limits=SandboxLimits(), work_root=None):
+  """Runs `program` once per entry of `cases` in a fresh sandbox and returns the raw outcomes.
+
+  mode "stdio": each case is the stdin text; "call": each case is the list of arguments of `fn_name`
+  (a function of the program, or a method of its class Solution), its JSON result is returned;
+  "script": one case (None), the program runs between `prefix` and `script` and must exit 0.
+  `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no preexec_fn).
+  """
+  if mode not in MODES:
+    raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
+  if mode == "call" and not fn_name:
+    raise ValueError("sandbox mode 'call' needs fn_name")
+  uid = _sandbox_uid()
+  job = {"program": program, "mode": mode, "cases": list(cases), "fn_name": fn_name,
+         "prefix": prefix, "script": script, "stop_on_failure": stop_on_failure,
+         "timeout_s": limits.timeout_s, "output_bytes": limits.output_bytes, "nproc": limits.nproc,
+         "tmpfs_mb": limits.tmpfs_mb, "namespaces": limits.namespaces, "uid": uid,
+         "case_limits": _case_limits(limits), "python_paths": _python_paths()}
+  total = limits.total_timeout_s or limits.timeout_s * max(len(job["cases"]), 1) + STARTUP_S
+  base = tempfile.mkdtemp(prefix="sparrow_sandbox_", dir=work_root)
+  try:
+    work = os.path.join(base, "work")
+    os.mkdir(work, 0o700)
+    if uid is not None:
+      os.chown(work, uid, uid)
+    with open(os.path.join(base, "job.json"), "w") as f:
+      json.dump(job, f)
+    with open(os.path.join(base, "job.json"), "rb") as stdin, \
+         open(os.path.join(base, "out"), "w+b") as stdout, \
+         open(os.path.join(base, "err"), "w+b") as stderr:
+      proc = subprocess.Popen(
+          [sys.executable, "-I", "-B", CHILD], stdin=stdin, stdout=stdout, stderr=stderr, cwd=work,
+          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
+          start_new_session=True, close_fds=True)
+      try:
+        proc.wait(timeout=total)
+      except subprocess.TimeoutExpired:
+        pass
+      finally:
+        try:
+          os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:  # the group is already gone
+          pass
+        proc.wait()
+      # The harness caps each case's output; this bounds a subverted harness too.
+      cap = (len(job["cases"]) + 4) * (4 * limits.output_bytes + 8192)
+      stdout.seek(0)
+      cases_out, isolation, error = _parse(stdout.read(cap).decode("utf-8", "replace"))
+      if error is not None:
+        stderr.seek(0)
+        tail = stderr.read(4096).decode("utf-8", "replace").strip()
+        error = f"{error}; {tail}" if tail else error
+    if uid is not None and not isolation.get("pidns"):
+      _kill_uid(uid)
+    return SandboxRun(cases=cases_out, isolation=isolation, error=error)
+  finally:
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def probe(limits=SandboxLimits()):
+  """Runs a trivial program; returns its isolation facts plus "works" (whether it printed correctly)."""
+  run = run_cases("print(input()[::-1])", "stdio", ["ok"], limits=limits)
+  works = run.error is None and len(run.cases) == 1 and run.cases[0]["stdout"] == "ko\n"
+  return {**run.isolation, "works": works, "error": run.error}
