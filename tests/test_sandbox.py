@@ -138,6 +138,16 @@ def test_files_outside_the_work_dir_survive(namespaces, tmp_path):
   assert sentinel.read_text() == "keep"
 
 
+def test_disk_writes_are_capped(namespaces):
+  big_file = "open('big', 'wb').write(b'x' * (1 << 20))"
+  assert "File too large" in stdio_run(big_file, namespaces=namespaces).cases[0]["stderr"]
+  many_files = "for i in range(64):\n  open(f'f{i}', 'wb').write(b'x' * (1 << 15))"
+  run = stdio_run(many_files, namespaces=namespaces, tmpfs_mb=1)
+  if not run.isolation.get("private_tmp"):
+    pytest.skip("no mount namespace: the work directory is on disk (only each file is capped)")
+  assert "No space left on device" in run.cases[0]["stderr"]
+
+
 def test_parent_environment_is_invisible(namespaces, monkeypatch):
   monkeypatch.setenv("SPARROW_TEST_SECRET", "s3cret-value")
   program = ("import os\nfound = os.environ.get('SPARROW_TEST_SECRET', '')\n"

@@ -11,11 +11,13 @@ What holds it in (Linux; measured on the project's machine, root in a VM contain
     that are not world-writable; RLIMIT_NPROC then caps its own process count (root is exempt, and the
     count is per uid, so a uid of its own per run keeps concurrent sandboxes from starving each other);
   - new network namespace (only a down loopback), mount namespace with a fresh /proc and size-capped
-    private tmpfs over /tmp, /var/tmp and /dev/shm, scrubbed environment, a private 0700 work directory;
+    private tmpfs over /tmp, /var/tmp and /dev/shm (the work directory is in that /tmp, so written files
+    cannot fill the disk), scrubbed environment, a private 0700 work directory;
   - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged.
 Fallbacks (reported in `SandboxRun.isolation`): without the namespaces (unshare refused, e.g. Docker's
 default seccomp profile) a Python audit hook refuses sockets, ctypes and process launches (soft: native
-code could bypass it) and processes that escaped the process group are killed by uid when we are root.
+code could bypass it), processes that escaped the process group are killed by uid when we are root, and
+the work directory is on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number).
 As non-root, a user namespace is tried first (same isolation minus the uid drop); without one the
 program keeps the caller's uid: no file protection and no process cap (RLIMIT_NPROC would count the
 trainer's threads), so run training as root in a container or give the trainer its own user.

@@ -108,6 +108,12 @@ def _mount_private(job, info):
     if os.path.isdir(path):
       _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmpfs_mb']}m,mode=1777")
   info["private_tmp"] = True
+  # Work in the size-capped tmpfs rather than the parent's directory on disk, so that files a program
+  # writes cannot fill the disk either.
+  os.mkdir("/tmp/work", 0o700)
+  if job["uid"] is not None:
+    os.chown("/tmp/work", job["uid"], job["uid"])
+  os.chdir("/tmp/work")
   if job["uid"] is not None:
     info["exposed"] = _expose(job["python_paths"])
 
