@@ -1,0 +1,70 @@
+"""Policy-gradient losses on sparse rollouts: PPO clipping, dual clip, truncated importance
+sampling (TIS), loss aggregation, and optional KL / entropy terms. All per-token arrays are [B, T]
+with a mask of the completion tokens; everything is pure jnp.
+"""
+import jax
+import jax.numpy as jnp
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+TIS_LEVELS = ("token", "sequence", "none")
+KL_KINDS = ("k1", "k3")
+
+
+def aggregate(loss_BT, mask_BT, mode: str = "token-mean", norm_len: float = 1.0):
+  """token-mean: mean over all completion tokens of the batch (DAPO); seq-mean-token-mean: mean per
+  sequence, then over sequences (GRPO); seq-mean-token-sum-norm: per-sequence sum / norm_len (a
+  constant such as the max length, Dr. GRPO), then mean over sequences."""
+  mask = mask_BT.astype(jnp.float32)
+  if mode == "token-mean":
+    return jnp.sum(loss_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  if mode == "seq-mean-token-mean":
+    per_seq = jnp.sum(loss_BT * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0)
+    return jnp.mean(per_seq)
+  if mode == "seq-mean-token-sum-norm":
+    return jnp.mean(jnp.sum(loss_BT * mask, 1) / norm_len)
+  raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def tis_weight(logp_old_BT, logp_rollout_BT, mask_BT, cap: float, level: str = "token"):
+  """w = min(p_old / p_rollout, cap), a constant (no gradient). Corrects for sampling from the sparse
+  policy while training the dense one. Sequence level uses the product of the token ratios."""
+  if level == "none":
+    return jnp.ones_like(logp_old_BT)
+  log_ratio = jnp.where(mask_BT, logp_old_BT - logp_rollout_BT, 0.0)
+  if level == "sequence":
+    log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, 1, keepdims=True), log_ratio.shape)
+  elif level != "token":
+    raise ValueError(f"TIS level must be one of {TIS_LEVELS}, got {level!r}")
+  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_ratio), cap))
+
+
+def ppo_token_loss(logp_BT, logp_old_BT, adv_B, eps_low: float, eps_high: float,
+                   dual_clip: float = 0.0):
+  """Clipped surrogate per token (to minimise) and whether the clip was active.
+
+  With dual_clip = c > 1, negative-advantage tokens are additionally bounded by -c * A, so a huge
+  ratio on a bad token cannot dominate the update (Ye et al. 2020)."""
+  ratio = jnp.exp(logp_BT - logp_old_BT)
+  adv = adv_B[:, None]
+  unclipped, clipped = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+  loss = jnp.maximum(unclipped, clipped)
+  if dual_clip > 0:
+    loss = jnp.where(adv < 0, jnp.minimum(loss, -adv * dual_clip), loss)
+  return loss, clipped > unclipped
+
+
+def kl_penalty(logp_BT, logp_ref_BT, kind: str = "k3", clamp: float = 10.0):
+  """Per-token estimate of KL(pi || ref) from samples of pi: k1 = log pi - log ref;
+  k3 = exp(d) - d - 1 with d = log ref - log pi (Schulman's low-variance, non-negative form)."""
+  if kind == "k1":
+    return logp_BT - logp_ref_BT
+  if kind != "k3":
+    raise ValueError(f"KL estimator must be one of {KL_KINDS}, got {kind!r}")
+  d = jnp.clip(logp_ref_BT - logp_BT, -clamp, clamp)
+  return jnp.exp(d) - d - 1
+
+
+def entropy(logits_BTV):
+  """Entropy of softmax(logits) per position."""
+  logp = jax.nn.log_softmax(logits_BTV, axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
