@@ -1,0 +1,119 @@
+"""Benchmark (a): one decode step of attention only, dense vs block-sparse (XLA jnp references).
+
+  python experiments/bench_attention.py [--contexts 4096,16384,32768] [--budget 2048] [--steps 8]
+                                        [--runs 7] [--dtype float32] [--no_select]
+
+Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), batch 4, every cached token
+valid, page size 16, a 2048-token budget (128 pages, all valid). Timed, per context, side by side:
+  dense          reference.dense_decode_attention over the whole cache;
+  sparse         reference.sparse_decode_attention over 128 given pages (random distinct pages
+                 including the first and the last two); page selection not timed;
+  sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
+Each timed call is one jitted `lax.fori_loop` of --steps decode steps, each step's output being the
+next step's query (and the page list shifting by one page per step, so XLA cannot hoist the gather
+out of the loop); a cell is the median over --runs calls (after a warm-up call) divided by --steps.
+Why a loop: a decode loop reuses its buffers, while a lone jitted call allocates its outputs and
+temporaries afresh, and on this VM first-touching fresh memory costs ~1.5 us per 4 KiB page, which
+would dominate the sparse step (--steps 1 shows that single-call regime).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sparrow_jax.attention import reference, select  # noqa: E402
+
+BATCH, KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 4, 8, 2, 128, 16
+
+
+def _median_ms(fn, args, runs):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def _loops(steps, n_selected):
+  def dense(q, k, v, lengths):
+    body = lambda i, q: reference.dense_decode_attention(q, k, v, lengths)
+    return jax.lax.fori_loop(0, steps, body, q)
+
+  def sparse(q, k, v, page_idx, n_valid, lengths):
+    P = k.shape[2] // PAGE_SIZE
+    body = lambda i, q: reference.sparse_decode_attention(
+        q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE)
+    return jax.lax.fori_loop(0, steps, body, q)
+
+  def sparse_select(q, k, v, centroid_sum, lengths):
+    config = select.SparseConfig(page_size=PAGE_SIZE)
+    budget = jnp.full(lengths.shape, n_selected, jnp.int32)
+
+    def body(i, q):
+      page_idx, n_valid = select.decode_pages(q, centroid_sum, lengths, budget, config, n_selected)
+      return reference.sparse_decode_attention(q, k, v, page_idx, n_valid, lengths,
+                                               page_size=PAGE_SIZE)
+    return jax.lax.fori_loop(0, steps, body, q)
+
+  return jax.jit(dense), jax.jit(sparse), jax.jit(sparse_select)
+
+
+def _inputs(context, n_selected, dtype, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  shape = (BATCH, KV_HEADS, context, HEAD_DIM)
+  q = jax.random.normal(kq, (BATCH, KV_HEADS, GROUP, HEAD_DIM), dtype)
+  k = jax.random.normal(kk, shape, dtype)
+  v = jax.random.normal(kv, shape, dtype)
+  P = context // PAGE_SIZE
+  rng = np.random.default_rng(seed)
+  rows = [np.concatenate([[0, P - 2, P - 1], 1 + rng.permutation(P - 3)[:n_selected - 3]])
+          for _ in range(BATCH * KV_HEADS)]
+  page_idx = jnp.asarray(np.stack(rows).reshape(BATCH, KV_HEADS, n_selected), jnp.int32)
+  n_valid = jnp.full((BATCH, KV_HEADS), n_selected, jnp.int32)
+  lengths = jnp.full((BATCH,), context, jnp.int32)
+  return q, k, v, page_idx, n_valid, lengths
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--contexts", default="4096,16384,32768")
+  parser.add_argument("--budget", type=int, default=2048, help="tokens (a multiple of 16)")
+  parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
+  parser.add_argument("--runs", type=int, default=7)
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--no_select", action="store_true", help="skip the sparse+select column")
+  args = parser.parse_args()
+  n_selected = args.budget // PAGE_SIZE
+  dense, sparse, sparse_select = _loops(args.steps, n_selected)
+
+  print(f"{jax.default_backend()} x{os.cpu_count()} cores, {args.dtype}, batch {BATCH}, "
+        f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, budget "
+        f"{args.budget} tokens ({n_selected} pages of {PAGE_SIZE}); ms per decode step "
+        f"(median of {args.runs} calls of {args.steps} steps)")
+  print(f"{'context':>8} {'dense':>9} {'sparse':>9} {'ratio':>7} {'sparse+select':>14} {'ratio':>7}")
+  for context in (int(c) for c in args.contexts.split(",")):
+    q, k, v, page_idx, n_valid, lengths = _inputs(context, n_selected, jnp.dtype(args.dtype))
+    dense_ms = _median_ms(dense, (q, k, v, lengths), args.runs) / args.steps
+    sparse_ms = _median_ms(sparse, (q, k, v, page_idx, n_valid, lengths), args.runs) / args.steps
+    row = f"{context:>8} {dense_ms:>9.2f} {sparse_ms:>9.2f} {dense_ms / sparse_ms:>6.1f}x"
+    if not args.no_select:
+      centroid_sum = k.astype(jnp.float32).reshape(
+          BATCH, KV_HEADS, context // PAGE_SIZE, PAGE_SIZE, HEAD_DIM).sum(axis=3)
+      select_ms = _median_ms(sparse_select, (q, k, v, centroid_sum, lengths),
+                             args.runs) / args.steps
+      row += f" {select_ms:>14.2f} {dense_ms / select_ms:>6.1f}x"
+    print(row, flush=True)
+    del q, k, v
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,163 @@
+"""Block-sparse flash-decoding over the paged KV cache (Pallas; Triton lowering on GPU).
+
+Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one decode
+query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k] pages listed
+first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked), tokens at positions
+>= lengths_B[b] masked. An empty selection gives zeros.
+
+Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of page slots, a block of
+pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a jnp
+epilogue merges the splits (flash-decoding: splits give the GPU enough programs when B * K is small).
+Blocks past n_valid are never loaded, so a budget below the static maximum N costs only what it reads.
+
+Triton constraints met by construction: every loaded or computed block has power-of-two sizes, and
+tl.dot needs M, N, K >= 16, so the G query heads are zero-padded to >= 16 rows (sliced off after),
+a block holds >= 16 tokens (several pages when page_size < 16), and head_dim must be a power of two
+>= 16 (Qwen3: 128).
+
+jax 0.10.2 Pallas on GPU: pallas_call lowers to Mosaic GPU unless its compiler params say otherwise
+(config jax_pallas_use_mosaic_gpu defaults to True); passing
+`compiler_params=jax.experimental.pallas.triton.CompilerParams(num_warps=..., num_stages=...)` selects
+the Triton lowering (there is no `backend=` argument). The Triton lowering has no scalar prefetch
+("scalar prefetch not implemented in the Triton backend"), so the page list is an ordinary input block
+and pages are fetched by indexing the cache ref with the loaded page ids (a gather load).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from sparrow_jax.attention import reference
+
+_MIN_DOT = 16        # tl.dot: M, N and K must be >= 16
+_BLOCK_TOKENS = 64   # tokens loaded per inner step (whole pages)
+_TARGET_PROGRAMS = 256  # default splits aim at about this many programs (a few waves on one GPU)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
+            scale, page_size, pages_per_block, blocks_per_split):
+  """One (b, k, split): online softmax over this split's blocks of selected pages."""
+  split = pl.program_id(2)
+  n_valid = n_valid_ref[0]
+  length = length_ref[0]
+  q_GE = q_ref[...]
+  G, E = q_GE.shape
+  T = pages_per_block * page_size
+  first_slot = split * (blocks_per_split * pages_per_block)
+  remaining = jnp.maximum(n_valid - first_slot, 0)
+  n_blocks = jnp.minimum(jax.lax.div(remaining + pages_per_block - 1, pages_per_block),
+                         blocks_per_split)
+
+  def body(j, carry):
+    m_G, l_G, acc_GE = carry
+    ids_N = page_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    k_TE = k_ref[ids_N].reshape(T, E).astype(q_GE.dtype)
+    v_TE = v_ref[ids_N].reshape(T, E)
+    s_GT = pltriton.dot(q_GE, k_TE, trans_b=True) * scale
+    slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
+    pos_NZ = ids_N[:, None] * page_size + jnp.arange(page_size)[None, :]
+    valid_T = ((slot_N[:, None] < n_valid) & (pos_NZ < length)).reshape(T)
+    s_GT = jnp.where(valid_T[None, :], s_GT, -jnp.inf)
+    m_new_G = jnp.maximum(m_G, jnp.max(s_GT, axis=1))
+    # All-masked so far: keep exp() at 0 instead of exp(-inf - -inf) = NaN.
+    m_safe_G = jnp.where(m_new_G == -jnp.inf, 0.0, m_new_G)
+    corr_G = jnp.exp(m_G - m_safe_G)
+    p_GT = jnp.exp(s_GT - m_safe_G[:, None])
+    l_G = l_G * corr_G + jnp.sum(p_GT, axis=1)
+    # p stays float32 (v upcast): keeps the kernel within float32 rounding of the reference.
+    acc_GE = acc_GE * corr_G[:, None] + pltriton.dot(p_GT, v_TE.astype(jnp.float32))
+    return m_new_G, l_G, acc_GE
+
+  init = (jnp.full((G,), -jnp.inf, jnp.float32), jnp.zeros((G,), jnp.float32),
+          jnp.zeros((G, E), jnp.float32))
+  m_G, l_G, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
+  m_ref[...] = m_G
+  l_ref[...] = l_G
+  acc_ref[...] = acc_GE
+
+
+def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
+  """Combine per-split partial softmaxes; splits (or rows) with nothing valid weigh 0."""
+  m_BKG = jnp.max(m_BKXG, axis=2)
+  m_BKG = jnp.where(jnp.isfinite(m_BKG), m_BKG, 0.0)
+  w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
+  l_BKG = jnp.sum(l_BKXG * w_BKXG, axis=2)
+  acc_BKGE = jnp.sum(acc_BKXGE * w_BKXG[..., None], axis=2)
+  return acc_BKGE / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
+
+
+def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                            *, page_size, scale=None, num_splits=None, interpret=None):
+  """Pallas twin of reference.sparse_decode_attention (same arguments, same result).
+
+  Kernel-only knobs: num_splits (page ranges per (b, k); default aims at ~256 programs) and
+  interpret (default: True unless the backend is a GPU).
+  """
+  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
+                              lengths_B, page_size)
+  B, K, G, E = q_BKGE.shape
+  P = k_cache_BKSE.shape[2] // page_size
+  N = page_idx_BKN.shape[2]
+  if E < _MIN_DOT or E & (E - 1):
+    raise ValueError(f"head_dim must be a power of two >= {_MIN_DOT} for the Triton dot, got {E}")
+  scale = reference.default_scale(E) if scale is None else scale
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+
+  pages_per_block = max(_BLOCK_TOKENS, page_size) // page_size
+  n_blocks = -(-N // pages_per_block)
+  if num_splits is None:
+    num_splits = min(n_blocks, max(1, _TARGET_PROGRAMS // (B * K)))
+  if not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+  blocks_per_split = -(-n_blocks // num_splits)
+  per_split = blocks_per_split * pages_per_block
+  # Padding slots sit at index >= N >= n_valid, so the kernel masks them like the caller's padding.
+  page_idx_BKXN = jnp.pad(page_idx_BKN.astype(jnp.int32),
+                          ((0, 0), (0, 0), (0, num_splits * per_split - N)))
+  page_idx_BKXN = page_idx_BKXN.reshape(B, K, num_splits, per_split)
+  Gp = max(_MIN_DOT, _next_pow2(G))
+  # The Triton dot wants one element type: q and the cache meet at their promoted type.
+  dot_dtype = jnp.promote_types(q_BKGE.dtype, k_cache_BKSE.dtype)
+  q_BKGE_padded = jnp.pad(q_BKGE.astype(dot_dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+  k_BKPZE = k_cache_BKSE.reshape(B, K, P, page_size, E)
+  v_BKPZE = v_cache_BKSE.reshape(B, K, P, page_size, E)
+
+  kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
+                             pages_per_block=pages_per_block, blocks_per_split=blocks_per_split)
+  cache_spec = pl.BlockSpec((None, None, P, page_size, E), lambda b, k, s: (b, k, 0, 0, 0))
+  m_BKXG, l_BKXG, acc_BKXGE = pl.pallas_call(
+      kernel,
+      grid=(B, K, num_splits),
+      in_specs=[
+          pl.BlockSpec((None, None, None, per_split), lambda b, k, s: (b, k, s, 0)),
+          pl.BlockSpec((None, None, 1), lambda b, k, s: (b, k, 0)),
+          pl.BlockSpec((None, 1), lambda b, k, s: (b, 0)),
+          pl.BlockSpec((None, None, Gp, E), lambda b, k, s: (b, k, 0, 0)),
+          cache_spec,
+          cache_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+          pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+          pl.BlockSpec((None, None, None, Gp, E), lambda b, k, s: (b, k, s, 0, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+          jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
+      ],
+      # Selects the Triton lowering on GPU (default would be Mosaic GPU); ignored in interpret mode.
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+      name="sparse_decode",
+  )(page_idx_BKXN, n_valid_BK.astype(jnp.int32)[..., None], lengths_B.astype(jnp.int32)[:, None],
+    q_BKGE_padded, k_BKPZE, v_BKPZE)
+  out_BKGE = _merge_splits(m_BKXG, l_BKXG, acc_BKXGE)
+  return out_BKGE[:, :, :G].astype(q_BKGE.dtype)

@@ -1,0 +1,126 @@
+"""Decode attention over the paged KV cache: jnp references (dense, block-sparse) and dispatch.
+
+Cache layout (see paged_cache.py): k_cache_BKSE / v_cache_BKSE with S = P * Z; page p of (b, k) is
+k_cache_BKSE[b, k, p*Z:(p+1)*Z]. Positions < lengths_B[b] are valid (the decode token included).
+Sparse selection: the first n_valid_BK[b, k] entries of page_idx_BKN[b, k] are distinct page ids in any
+order; the rest are padding that holds a valid page id and is masked here. Within a selected page,
+positions >= lengths_B[b] are masked (the partial last page).
+
+Both references take the softmax in float32 and return q's dtype. A row with nothing to attend to
+(n_valid == 0, or length 0) returns zeros, not NaN: its max score is -inf, replaced by 0 so every
+exp() is 0, and its zero normaliser is replaced by 1.
+
+Written for XLA on CPU, where the rollout runs without a GPU (measured by
+experiments/bench_attention.py):
+  - sparse: XLA CPU fuses a gather into elementwise consumers but not into a dot, so a gather over
+    all B*K rows at once materialises 2 x B*K*N*Z*E values (2 x 32 MiB for Qwen3-1.7B, batch 4, 2K
+    budget) and streams them through memory twice. `lax.map` over the B*K rows gathers one row's pages
+    at a time (2 x 1 MiB, cache resident) and runs about 2x faster than the best batched layout.
+  - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension; mapping
+    over rows is slower here (each row's K/V slice is copied out for the dot).
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.attention import paged_cache
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def default_scale(head_dim: int) -> float:
+  return 1.0 / math.sqrt(head_dim)
+
+
+def check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                      page_size) -> None:
+  """Static shape checks shared by the reference and the Pallas kernel."""
+  paged_cache.check_page_size(page_size)
+  B, K, _, E = q_BKGE.shape
+  S = k_cache_BKSE.shape[2]
+  if k_cache_BKSE.shape != (B, K, S, E) or v_cache_BKSE.shape != k_cache_BKSE.shape:
+    raise ValueError(f"k_cache/v_cache must be [B, K, S, E] = {(B, K, 'S', E)} like q_BKGE "
+                     f"{q_BKGE.shape}, got {k_cache_BKSE.shape} and {v_cache_BKSE.shape}")
+  if S % page_size:
+    raise ValueError(f"cache length S={S} must be a multiple of page_size={page_size}")
+  if page_idx_BKN.ndim != 3 or page_idx_BKN.shape[:2] != (B, K):
+    raise ValueError(f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, "
+                     f"got {page_idx_BKN.shape}")
+  if n_valid_BK.shape != (B, K):
+    raise ValueError(f"n_valid_BK must be [B, K] = {(B, K)}, got {n_valid_BK.shape}")
+  if lengths_B.shape != (B,):
+    raise ValueError(f"lengths_B must be [B] = {(B,)}, got {lengths_B.shape}")
+
+
+def _softmax_av(s_XGT, valid_XT, v_XTE):
+  """softmax(s) @ v over the last axis of s with invalid slots masked; all-masked rows give 0."""
+  s_XGT = jnp.where(valid_XT[..., None, :], s_XGT, -jnp.inf)
+  m_XG1 = jnp.max(s_XGT, axis=-1, keepdims=True)
+  m_XG1 = jnp.where(jnp.isfinite(m_XG1), m_XG1, 0.0)
+  p_XGT = jnp.exp(s_XGT - m_XG1)
+  l_XG = jnp.sum(p_XGT, axis=-1)
+  o_XGE = jnp.einsum("...gt,...te->...ge", p_XGT, v_XTE.astype(jnp.float32))
+  return o_XGE / jnp.where(l_XG == 0.0, 1.0, l_XG)[..., None]
+
+
+def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, scale=None):
+  """Attention of one decode query per sequence over the whole cache (positions < lengths_B)."""
+  B, K, G, E = q_BKGE.shape
+  S = k_cache_BKSE.shape[2]
+  scale = default_scale(E) if scale is None else scale
+  s_BKGS = jnp.einsum("bkge,bkse->bkgs", q_BKGE.astype(jnp.float32),
+                      k_cache_BKSE.astype(jnp.float32)) * scale
+  valid_B11S = (jnp.arange(S) < lengths_B[:, None])[:, None, :]
+  return _softmax_av(s_BKGS, valid_B11S, v_cache_BKSE).astype(q_BKGE.dtype)
+
+
+def _sparse_row(q_GE, k_PZE, v_PZE, page_idx_N, n_valid, length, scale):
+  """One (sequence, KV head): gather the selected pages, then masked softmax attention."""
+  N = page_idx_N.shape[0]
+  _, Z, E = k_PZE.shape
+  # mode="clip" clamps the N page ids once; the default fill mode would add a per-element select.
+  k_TE = k_PZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
+  v_TE = v_PZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
+  s_GT = jnp.einsum("ge,te->gt", q_GE.astype(jnp.float32), k_TE.astype(jnp.float32)) * scale
+  pos_T = (page_idx_N[:, None] * Z + jnp.arange(Z)).reshape(N * Z)
+  slot_T = jnp.arange(N * Z) // Z
+  valid_T = (slot_T < n_valid) & (pos_T < length)
+  return _softmax_av(s_GT, valid_T, v_TE)
+
+
+def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                            *, page_size, scale=None):
+  """Attention of one decode query per sequence over the selected pages only (see module doc)."""
+  check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                    page_size)
+  B, K, G, E = q_BKGE.shape
+  P = k_cache_BKSE.shape[2] // page_size
+  N = page_idx_BKN.shape[2]
+  scale = default_scale(E) if scale is None else scale
+  rows = (q_BKGE.reshape(B * K, G, E),
+          k_cache_BKSE.reshape(B * K, P, page_size, E),
+          v_cache_BKSE.reshape(B * K, P, page_size, E),
+          page_idx_BKN.reshape(B * K, N),
+          n_valid_BK.reshape(B * K),
+          jnp.repeat(lengths_B, K))
+  out_RGE = jax.lax.map(lambda row: _sparse_row(*row, scale), rows)
+  return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
+
+
+def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *,
+                     page_size, scale=None, impl="auto"):
+  """Sparse decode attention by `impl`: "xla" (the reference above), "pallas" (kernels/), or
+  "auto" (Pallas on a GPU backend, XLA elsewhere)."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if impl == "xla":
+    fn = sparse_decode_attention
+  else:
+    # Imported here: kernels/ imports this module for its shape checks.
+    from kernels import sparse_decode
+    fn = sparse_decode.sparse_decode_attention
+  return fn(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+            page_size=page_size, scale=scale)
