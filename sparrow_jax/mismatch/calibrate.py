@@ -1,0 +1,328 @@
+"""Calibrating a KV-budget schedule: the cheapest per-bin budget whose p5 acceptance stays >= tau.
+
+Sparrow's recipe: sample rollouts on a prompt set (each prompt repeated 8x), re-score them densely
+and sparsely under a grid of candidate budgets, take the 5th percentile of the per-token acceptance
+alpha per position bin for every candidate (the "p5 surface"), and choose per bin the cheapest
+candidate whose p5 >= tau, made non-decreasing. p5 barely moves during training, so this runs once.
+
+Candidates are top-k page counts in the paper's form: candidate c keeps min(c + always_kept,
+cached pages) pages at every step, and the chosen schedule is a `KVSchedule.table` of candidates.
+
+Bins. The per-token alpha of the token at position j compares the two next-token distributions
+computed at the query j - 1, whose decode step saw `cached_len = j` tokens; a table schedule's bin
+for that step is ceil(j / page_size) // (bin_size // page_size). Tokens are binned by exactly that
+(not by j itself, which differs within a page of each bin edge), so the value chosen for bin b is
+the one that governs the tokens whose p5 was measured in bin b.
+
+The expensive part is the grid: one dense pass per batch of sequences, then one sparse
+teacher-forced pass per candidate, all candidates through a single compiled function (the budget is
+a traced lookup table, not a static schedule), `candidates_per_pass` of them vmapped together.
+"""
+import functools
+import time
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.model import qwen3
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.rollout import sampler
+
+# The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
+PAPER_CANDIDATES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893,
+                    1021)
+
+
+class _BudgetLookup(NamedTuple):
+  """Schedule-like pytree: `budget_pages` reads a traced table, so one compiled pass serves every
+  candidate (a `KVSchedule` is static under jit and would recompile per budget)."""
+  budget_by_len: jax.Array   # [S + 1] pages kept at each cached length
+
+  def budget_pages(self, cached_len):
+    return self.budget_by_len[cached_len]
+
+
+class Calibration(NamedTuple):
+  schedule: KVSchedule       # the chosen table
+  p5: np.ndarray             # [num_candidates, num_bins] p5 acceptance (NaN for empty bins)
+  count: np.ndarray          # [num_bins] generated tokens per bin (the same for every candidate)
+  candidates: tuple          # top-k pages per candidate, increasing
+  tau: float
+  bin_size: int
+
+
+def candidate_schedule(topk: int, sparse: SparseConfig, bin_size: int = 2048) -> KVSchedule:
+  """Constant top-k `topk` (plus the always-kept pages) as a one-value table."""
+  return KVSchedule.table((int(topk),), sparse.page_size, sparse.always_kept, bin_size)
+
+
+def default_candidates(max_len: int, page_size: int = 16, always_kept: int = 3,
+                       num: int = 18) -> tuple:
+  """The paper's grid when the context has room for it (>= 1021 scored pages); otherwise `num`
+  geometric-ish top-k values from 1 up to every scored page (fewer if there are fewer pages), so
+  the largest reproduces dense attention."""
+  scored = -(-max_len // page_size) - always_kept
+  if scored >= PAPER_CANDIDATES[-1]:
+    return PAPER_CANDIDATES
+  if scored < 1:
+    raise ValueError(f"max_len={max_len} fits in {always_kept} always-kept pages of {page_size} "
+                     "tokens: there is no budget to calibrate")
+  n = num  # rounding merges small values: densify until `num` distinct ones (or all of them)
+  while True:
+    cands = np.unique(np.round(np.geomspace(1, scored, n)).astype(int))
+    if len(cands) >= min(num, scored):
+      return tuple(int(c) for c in cands)
+    n += 1
+
+
+def token_bins(gen_mask_BS, page_size: int, bin_size: int):
+  """Which alphas count, and where: (mask, stat_pos), both [B, S - 1], for the tokens at positions
+  1..S-1 (alpha_BS[:, :-1] scores them); stat_pos = pages cached at the token's decode step times
+  page_size, so stat_pos // bin_size is the schedule's bin (see the module docstring)."""
+  if bin_size < page_size or bin_size % page_size:
+    raise ValueError(f"bin_size ({bin_size}) must be a positive multiple of page_size "
+                     f"({page_size})")
+  B, S = gen_mask_BS.shape
+  cached_len_S = jnp.arange(1, S)
+  stat_pos_S = -(-cached_len_S // page_size) * page_size
+  return jnp.asarray(gen_mask_BS, bool)[:, 1:], jnp.broadcast_to(stat_pos_S, (B, S - 1))
+
+
+def bin_counts(gen_mask_BS, page_size: int, bin_size: int, num_bins: int) -> np.ndarray:
+  """Generated tokens per schedule bin -> int [num_bins]."""
+  mask_BS, pos_BS = token_bins(gen_mask_BS, page_size, bin_size)
+  bins = np.asarray(pos_BS)[np.asarray(mask_BS)] // bin_size
+  return np.bincount(bins[bins < num_bins], minlength=num_bins)[:num_bins]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _dense_logits(params, tokens_BS, valid_BS, *, cfg):
+  return qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sparse"))
+def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, logits_p_BSV, budget_CL, temperature,
+                  *, cfg, sparse):
+  """alpha_CBS between the dense logits and the sparse teacher-forced logits of each candidate
+  (budget table row). The candidate axis is vmapped; its size is the only shape it adds."""
+  def one(budget_L):
+    logits_q_BSV = qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS, sparse=sparse,
+                                 schedule=_BudgetLookup(budget_L), prompt_len_B=prompt_len_B)
+    return acceptance_rate(logits_p_BSV, logits_q_BSV, temperature)
+  return jax.vmap(one)(budget_CL)
+
+
+_p5_per_bin = jax.jit(lambda alpha, mask, pos, bin_size, num_bins: tail_stats(
+    alpha, mask, pos, bin_size, num_bins)["p5_bin"], static_argnums=(3, 4))
+
+
+def _check_candidates(candidates):
+  cands = tuple(int(c) for c in candidates)
+  if not cands or any(c < 0 for c in cands) or any(b <= a for a, b in zip(cands, cands[1:])):
+    raise ValueError(f"candidates must be non-negative top-k page counts, strictly increasing; "
+                     f"got {list(candidates)}")
+  return cands
+
+
+def _check_sparse_layers(cfg, sparse):
+  if sparse.dense_layers >= cfg.num_hidden_layers:
+    raise ValueError(f"SparseConfig.dense_layers ({sparse.dense_layers}) leaves none of the "
+                     f"{cfg.num_hidden_layers} layers sparse: every budget would look exact")
+
+
+def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
+               candidates: Sequence[int], sparse: SparseConfig, bin_size: int, num_bins: int,
+               batch_size: int = 8, candidates_per_pass: int = 1, temperature: float = 1.0,
+               verbose: bool = True) -> np.ndarray:
+  """p5 of the per-token acceptance per schedule bin for each candidate -> float [C, num_bins].
+
+  tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
+  gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
+  candidates: top-k pages (paper form), strictly increasing. Each batch of `batch_size` rows gets
+  one dense pass; its float32 logits [batch_size, S, V] stay in memory while every candidate's
+  sparse pass is compared with them, `candidates_per_pass` candidates at a time (vmapped: memory
+  grows with it). Empty bins are NaN. Prints one progress line per pass when `verbose`.
+  """
+  cands = _check_candidates(candidates)
+  tokens_BS = np.asarray(tokens_BS, np.int32)
+  gen_mask_BS = np.asarray(gen_mask_BS, bool)
+  prompt_len_B = np.asarray(prompt_len_B, np.int32)
+  R, S = tokens_BS.shape
+  if gen_mask_BS.shape != (R, S) or prompt_len_B.shape != (R,):
+    raise ValueError(f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
+                     f"prompt_len_B {prompt_len_B.shape} must be ({R},)")
+  if batch_size < 1 or candidates_per_pass < 1:
+    raise ValueError(f"batch_size ({batch_size}) and candidates_per_pass "
+                     f"({candidates_per_pass}) must be >= 1")
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0 (acceptance compares sampling distributions), got "
+                     f"{temperature}")
+  _check_sparse_layers(cfg, sparse)
+  stat_mask_BS, stat_pos_BS = token_bins(gen_mask_BS, sparse.page_size, bin_size)
+
+  # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
+  # (scored nowhere), the last candidate group with copies of the largest candidate.
+  batch_size = min(batch_size, R)
+  pad_rows = -R % batch_size
+  row_idx = np.concatenate([np.arange(R), np.zeros(pad_rows, int)])
+  valid_BS = (np.arange(S)[None] < prompt_len_B[:, None]) | gen_mask_BS
+  tables = np.stack([sampler.budget_table(candidate_schedule(c, sparse, bin_size), S, sparse)
+                     for c in cands])
+  per_pass = min(candidates_per_pass, len(cands))
+  groups = -(-len(cands) // per_pass)
+  tables = np.concatenate([tables, np.repeat(tables[-1:], groups * per_pass - len(cands), 0)])
+
+  alpha_CBS = np.zeros((len(cands), R, S), np.float32)
+  batches, start_time, done = (R + pad_rows) // batch_size, time.time(), 0
+  for b in range(batches):
+    rows = row_idx[b * batch_size:(b + 1) * batch_size]
+    real = rows[:min(batch_size, R - b * batch_size)]
+    args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
+    logits_p_BSV = _dense_logits(params, *args, cfg=cfg)
+    for g in range(groups):
+      alpha = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), logits_p_BSV,
+                            jnp.asarray(tables[g * per_pass:(g + 1) * per_pass]),
+                            jnp.float32(temperature), cfg=cfg, sparse=sparse)
+      c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
+      alpha_CBS[c0:c1, real] = np.asarray(alpha)[:c1 - c0, :len(real)]
+      done += 1
+      if verbose:
+        elapsed = time.time() - start_time
+        eta = elapsed / done * (batches * groups - done)
+        print(f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
+              f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
+              flush=True)
+  return np.stack([np.asarray(_p5_per_bin(jnp.asarray(alpha_BS[:, :-1]), stat_mask_BS,
+                                          stat_pos_BS, bin_size, num_bins))
+                   for alpha_BS in alpha_CBS])
+
+
+def choose_schedule(p5_CB, candidates: Sequence[int], tau: float, *, page_size: int = 16,
+                    always_kept: int = 3, bin_size: int = 2048) -> KVSchedule:
+  """Per bin the cheapest candidate with p5 >= tau (the largest if none meets it), then a running
+  maximum so the budget never shrinks with length -> `KVSchedule.table` of top-k values.
+
+  A bin with no data (all NaN) takes the previous bin's value (the smallest candidate when it is
+  the first): the running maximum does that by itself once an empty bin starts from the smallest.
+  """
+  cands = _check_candidates(candidates)
+  p5_CB = np.asarray(p5_CB, np.float64)
+  if p5_CB.ndim != 2 or p5_CB.shape[0] != len(cands):
+    raise ValueError(f"p5_CB must be [num_candidates={len(cands)}, num_bins], got "
+                     f"{p5_CB.shape}")
+  meets_CB = p5_CB >= tau                                  # NaN compares False
+  pick_B = np.where(meets_CB.any(0), meets_CB.argmax(0), len(cands) - 1)
+  pick_B = np.where(np.isnan(p5_CB).all(0), 0, pick_B)
+  pick_B = np.maximum.accumulate(pick_B)
+  return KVSchedule.table([cands[i] for i in pick_B], page_size, always_kept, bin_size)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
+  """Right-padded prompt_BT and prompt_len_B from variable-length token-id lists."""
+  lengths = [len(p) for p in prompts]
+  if not prompts or min(lengths) < 1:
+    raise ValueError(f"prompts must be a non-empty list of non-empty token-id lists; got lengths "
+                     f"{lengths[:8]}")
+  prompt_BT = np.full((len(prompts), max(lengths)), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    prompt_BT[i, :len(p)] = p
+  return prompt_BT, np.asarray(lengths, np.int32)
+
+
+def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *,
+              max_new_tokens: int, tau: float = 0.86, candidates: Optional[Sequence[int]] = None,
+              repeats: int = 8, bin_size: int = 2048, sparse: SparseConfig = SparseConfig(),
+              sample_sparse: bool = True, sample_topk: Optional[int] = None,
+              temperature: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
+              batch_size: int = 8, generate_batch_size: int = 64, candidates_per_pass: int = 1,
+              verbose: bool = True) -> Calibration:
+  """End to end: rollouts -> p5 surface -> chosen schedule.
+
+  Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
+  the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
+  densely when `sample_sparse` is False. Then `p5_surface` over `candidates` (default
+  `default_candidates` for the longest row) and `choose_schedule` at `tau`.
+  """
+  _check_sparse_layers(cfg, sparse)
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1 (samples per prompt), got {repeats}")
+  prompt_BT, prompt_len_B = pad_prompts(prompts, pad_id)
+  prompt_BT, prompt_len_B = np.repeat(prompt_BT, repeats, 0), np.repeat(prompt_len_B, repeats)
+  max_len = prompt_BT.shape[1] + max_new_tokens
+  cands = _check_candidates(candidates if candidates is not None else default_candidates(
+      max_len, sparse.page_size, sparse.always_kept))
+  sample_schedule = None
+  if sample_sparse:
+    sample_schedule = candidate_schedule(cands[-1] if sample_topk is None else sample_topk,
+                                         sparse, bin_size)
+
+  R, gen_bs = len(prompt_len_B), min(generate_batch_size, len(prompt_len_B))
+  idx = np.concatenate([np.arange(R), np.zeros(-R % gen_bs, int)])  # same shape every batch
+  seqs, masks, t0 = [], [], time.time()
+  for i in range(0, len(idx), gen_bs):
+    rows = idx[i:i + gen_bs]
+    out = sampler.generate(params, cfg, prompt_BT[rows], prompt_len_B[rows],
+                           jax.random.fold_in(key, i), max_new_tokens=max_new_tokens,
+                           temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
+                           sparse=sparse if sample_sparse else None, schedule=sample_schedule)
+    seq_BS, gen_mask_BS = sampler.full_sequences(prompt_BT[rows], prompt_len_B[rows], out, pad_id)
+    seqs.append(np.asarray(seq_BS))
+    masks.append(np.asarray(gen_mask_BS))
+    if verbose:
+      print(f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
+            f"({'sparse top-k ' + str(sample_schedule.values[0]) if sample_sparse else 'dense'}, "
+            f"mean length {float(np.mean(out.lengths)):.0f}) {time.time() - t0:.1f}s", flush=True)
+  tokens_BS, gen_mask_BS = np.concatenate(seqs)[:R], np.concatenate(masks)[:R]
+
+  # Bins up to the last one holding a generated token (the table's last value holds beyond).
+  count = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_len // bin_size + 2)
+  count = count[:int(np.nonzero(count)[0].max()) + 1 if count.any() else 1]
+  p5 = p5_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, cands, sparse, bin_size,
+                  len(count), batch_size, candidates_per_pass, temperature, verbose)
+  schedule = choose_schedule(p5, cands, tau, page_size=sparse.page_size,
+                             always_kept=sparse.always_kept, bin_size=bin_size)
+  return Calibration(schedule, p5, count, cands, float(tau), bin_size)
+
+
+def surface_dict(result: Calibration) -> dict:
+  """JSON-ready surface: p5 per candidate per bin (null for empty bins) with the token counts."""
+  return {"tau": result.tau, "bin_size": result.bin_size,
+          "page_size": result.schedule.page_size, "always_kept": result.schedule.always_kept,
+          "candidates": list(result.candidates), "count_bin": [int(n) for n in result.count],
+          "p5": {str(c): [None if np.isnan(v) else float(v) for v in p5_B]
+                 for c, p5_B in zip(result.candidates, result.p5)},
+          "chosen_topk": list(result.schedule.values)}
+
+
+def plot_calibration(path: str, result: Calibration):
+  """PNG: p5 vs schedule bin for every candidate with the tau line and the chosen candidate marked
+  (top), and the chosen top-k per bin (bottom)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  num_bins = result.p5.shape[1]
+  x_B = (np.arange(num_bins) + 0.5) * result.bin_size
+  fig, (ax_p5, ax_k) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                    gridspec_kw={"height_ratios": [2, 1]})
+  colors = matplotlib.colormaps["viridis"](np.linspace(0, 1, len(result.candidates)))
+  for c, p5_B, color in zip(result.candidates, result.p5, colors):
+    ax_p5.plot(x_B, p5_B, marker=".", color=color, label=f"top-k {c}")
+  pick_B = [result.candidates.index(v) for v in result.schedule.values]
+  ax_p5.plot(x_B, result.p5[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
+  ax_p5.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
+  ax_p5.set_ylabel("p5 acceptance rate")
+  ax_p5.set_title(f"Calibration: p5 per {result.bin_size}-token bin of cached length")
+  ax_p5.legend(fontsize=6, ncol=3, loc="lower left")
+  ax_k.stairs(result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None,
+            color="black")
+  ax_k.set_ylabel(f"chosen top-k pages\n(+{result.schedule.always_kept} always kept)")
+  ax_k.set_xlabel("cached length (tokens)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
