@@ -1,7 +1,6 @@
 """Schedule calibration: the choice rule on planted surfaces, the p5 surface against a per-candidate
 computation, one compilation across candidates, and the CLI end to end."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
