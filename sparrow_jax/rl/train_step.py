@@ -43,6 +43,7 @@ class StepConfig:
   entropy_coef: float = 0.0
   ppo_epochs: int = 1
   num_minibatches: int = 1
+  dapo_filter: bool = False      # drop zero-variance groups from the loss (DAPO dynamic sampling)
   distill: bool = True           # DistillSparse LoRA update in the same step
   distill_kl_coef: float = 1e-3  # lambda of the k3 term
   tau: float = 0.86              # acceptance threshold (for the "fraction under tau" metric)
@@ -158,6 +159,10 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
     raise ValueError("StepConfig.distill needs lora_optimizer, sparse and schedule")
 
   def train_step(state: TrainState, batch):
+    if sc.dapo_filter:
+      keep_B = jnp.repeat(advantages.informative_groups(batch["rewards"], sc.group_size),
+                          sc.group_size)
+      batch = dict(batch, gen_mask=batch["gen_mask"] & keep_B[:, None])
     mask = batch["gen_mask"]
     adv_B = advantages.advantages(batch["rewards"], sc.group_size, sc.estimator)
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)

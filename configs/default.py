@@ -1,0 +1,75 @@
+"""Embedded default: sparse-rollout GRPO + DistillSparse on the pointer-chasing task with the tiny
+Qwen3 shipped in assets/, on a laptop CPU in minutes.
+
+  python -m sparrow_jax.train --config=configs/default.py [--config.total_steps=50 ...]
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.workdir = "workdir/default"      # checkpoints, TensorBoard events, metrics.jsonl; reused = resume
+  c.seed = 0                         # params init (if random), LoRA init and rollout PRNG
+  c.total_steps = 40                 # RL steps (one rollout batch + one fused train step each)
+  c.ckpt_every = 10                  # steps between orbax checkpoints
+  c.keep_checkpoints = 2             # newest checkpoints kept
+  c.max_nonfinite_steps = 3          # abort after this many skipped (non-finite) updates in a row
+  c.hardware = "h200"                # cost-model hardware for the predicted rollout speedup metric
+
+  c.model = ml_collections.ConfigDict()
+  c.model.hf_dir = "assets/tiny-pointer-chase"  # HF Qwen3 dir (config.json, safetensors, tokenizer)
+  c.model.preset = ""                # instead of hf_dir: a Qwen3Config preset, randomly initialised
+  c.model.dtype = "float32"          # params dtype: float32 | bfloat16
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
+  c.task.path = ""                   # local data file/dir for dataset tasks ("" = none)
+  c.task.min_hops = 24               # synthetic task: chain length range (response ~3 tokens/hop)
+  c.task.max_hops = 128
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompts_per_step = 2     # distinct prompts per step
+  c.rollout.group_size = 8           # samples per prompt (GRPO group, n in the paper)
+  c.rollout.max_prompt_len = 512     # prompts are right-padded to this static width
+  c.rollout.max_new_tokens = 400     # generation cutoff
+  c.rollout.temperature = 1.0        # sampling temperature (also used when re-scoring)
+  c.rollout.top_p = 1.0              # nucleus sampling mass (1.0 = off)
+  c.rollout.sparse = True            # block top-k sparse rollouts (False = dense baseline)
+  c.rollout.schedule = "assets/tiny-pointer-chase/schedule_tau0.86.json"  # KVSchedule: JSON path,
+  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86)
+  c.rollout.page_size = 16           # tokens per KV page (power of two)
+  c.rollout.dense_layers = 2         # first layers kept dense
+  c.rollout.attention_impl = "auto"  # auto (Pallas on GPU, XLA elsewhere) | xla | pallas
+  c.rollout.num_top_logprobs = 20    # top-k log-probs kept per step (top-k acceptance bound); 0 = off
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.learning_rate = 1e-4          # AdamW peak learning rate of the base params
+  c.rl.warmup_steps = 5              # linear warmup, then constant
+  c.rl.weight_decay = 0.0            # AdamW decoupled weight decay
+  c.rl.max_grad_norm = 1.0           # clip by global norm
+  c.rl.estimator = "grpo"            # grpo | dr_grpo | rloo
+  c.rl.eps_low = 0.2                 # PPO clip below
+  c.rl.eps_high = 0.28               # PPO clip above (clip-higher, DAPO)
+  c.rl.dual_clip = 3.0               # dual-clip bound c for negative advantages (0 = off)
+  c.rl.tis_cap = 2.0                 # truncated importance sampling cap C
+  c.rl.tis_level = "token"           # token | sequence | none
+  c.rl.loss_agg = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+  c.rl.kl_coef = 0.0                 # KL to the initial policy (0 = none, no reference kept)
+  c.rl.entropy_coef = 0.0            # entropy bonus
+  c.rl.ppo_epochs = 1                # passes over each batch
+  c.rl.num_minibatches = 1           # minibatches per pass
+  c.rl.dapo_filter = False           # drop zero-variance groups from the loss (DAPO dynamic sampling)
+
+  c.distill = ml_collections.ConfigDict()
+  c.distill.enabled = True           # DistillSparse LoRA in the sparse actor (needs rollout.sparse)
+  c.distill.rank = 8                 # LoRA rank
+  c.distill.alpha = 16.0             # LoRA alpha (scale = alpha / rank)
+  c.distill.targets = "q,k,v,o"      # projections with adapters (q,k,v,o,gate,up,down)
+  c.distill.learning_rate = 1e-3     # Adam learning rate of the LoRA params
+  c.distill.kl_coef = 1e-3           # lambda of the k3 term to the dense log-probs
+
+  c.stats = ml_collections.ConfigDict()
+  c.stats.tau = 0.86                 # acceptance threshold (p5 target; "fraction below tau" metric)
+  c.stats.bin_size = 128             # tokens per position bin of the tail statistics
+  c.stats.num_bins = 8               # bins (static shape; later positions count only overall)
+  return c

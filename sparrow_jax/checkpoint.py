@@ -1,0 +1,31 @@
+"""Orbax checkpoints of the train state plus a small JSON of loop metadata (data position, ...).
+
+Restarting with the same workdir resumes from the latest checkpoint: the rollout PRNG key is
+derived from (seed, step) and the data position is stored, so the resumed run replays exactly what
+an uninterrupted run would have done.
+"""
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
+                               options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+
+def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
+  mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                         meta=ocp.args.JsonSave(meta)))
+
+
+def restore_latest(mgr: ocp.CheckpointManager, like_state):
+  """(state, meta) of the newest checkpoint, or None when there is none."""
+  step = mgr.latest_step()
+  if step is None:
+    return None
+  abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
+  restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                       meta=ocp.args.JsonRestore()))
+  return restored.state, restored.meta

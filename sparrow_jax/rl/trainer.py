@@ -1,0 +1,245 @@
+"""The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log, checkpoint.
+
+Everything a step needs is a pure function of (config, step, restored state): the data position is
+`step * prompts_per_step`, the rollout key is fold_in(seed key, step). So a run killed at any point
+and restarted with the same workdir replays exactly the steps an uninterrupted run would have taken.
+"""
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from sparrow_jax import checkpoint
+from sparrow_jax import logging as metrics_log
+from sparrow_jax.attention.select import IMPLS, SparseConfig
+from sparrow_jax.data import synthetic, tasks
+from sparrow_jax.data.tokenizer import Tokenizer, load_tokenizer
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.model.hf import load_hf
+from sparrow_jax.model.qwen3 import init_params
+from sparrow_jax.rl import advantages, losses
+from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rollout import sampler
+
+
+def _require(ok: bool, field: str, value, allowed: str):
+  if not ok:
+    raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Rejects a bad config up front, naming the field."""
+  r = c.rollout
+  _require(0 < c.stats.tau <= 1, "stats.tau", c.stats.tau, "must lie in (0, 1]")
+  p = r.page_size
+  _require(isinstance(p, int) and p > 0 and not p & (p - 1), "rollout.page_size", p,
+           "must be a power of two")
+  _require(r.group_size >= 2, "rollout.group_size", r.group_size, "must be >= 2 (GRPO groups)")
+  _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
+  batch = r.prompts_per_step * r.group_size
+  _require(batch % c.rl.num_minibatches == 0, "rl.num_minibatches", c.rl.num_minibatches,
+           f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)")
+  _require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be positive")
+  _require(r.temperature > 0, "rollout.temperature", r.temperature,
+           "must be > 0 (log-probs of a greedy policy are not defined)")
+  _require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
+  _require(c.rl.estimator in advantages.ESTIMATORS, "rl.estimator", c.rl.estimator,
+           f"one of {advantages.ESTIMATORS}")
+  _require(c.rl.loss_agg in losses.AGGREGATIONS, "rl.loss_agg", c.rl.loss_agg,
+           f"one of {losses.AGGREGATIONS}")
+  _require(c.rl.tis_level in losses.TIS_LEVELS, "rl.tis_level", c.rl.tis_level,
+           f"one of {losses.TIS_LEVELS}")
+  _require(c.rl.tis_cap >= 1, "rl.tis_cap", c.rl.tis_cap, "must be >= 1")
+  _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
+  _require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
+  _require(bool(c.model.hf_dir) != bool(c.model.preset), "model.hf_dir / model.preset",
+           (c.model.hf_dir, c.model.preset), "set exactly one of the two")
+  _require(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype,
+           "float32 | bfloat16")
+  _require(not c.distill.enabled or r.sparse, "distill.enabled", c.distill.enabled,
+           "DistillSparse adapts the sparse actor: needs rollout.sparse = True")
+  targets = tuple(t for t in c.distill.targets.split(",") if t)
+  _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
+           f"comma-separated subset of {lora_lib.TARGETS}")
+  if r.sparse:
+    schedule = make_schedule(r.schedule, p)
+    _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
+             "budget below the always-kept pages")
+
+
+def make_schedule(spec: str, page_size: int) -> KVSchedule:
+  """'fixed:PAGES' | 'paper:MODEL:TAU' | path to a KVSchedule JSON."""
+  if spec.startswith("fixed:"):
+    return KVSchedule.fixed(int(spec.split(":")[1]), page_size=page_size)
+  if spec.startswith("paper:"):
+    _, model, tau = spec.split(":")
+    schedule = KVSchedule.paper(model, float(tau))
+  elif os.path.isfile(spec):
+    with open(spec) as f:
+      schedule = KVSchedule.from_json(f.read())
+  else:
+    raise ValueError(f"config.rollout.schedule = {spec!r}: not 'fixed:PAGES', 'paper:MODEL:TAU' or "
+                     "an existing KVSchedule JSON file")
+  if schedule.page_size != page_size:
+    raise ValueError(f"config.rollout.schedule has page_size {schedule.page_size} but "
+                     f"config.rollout.page_size is {page_size}")
+  return schedule
+
+
+def make_task(c):
+  if c.task.name == synthetic.PointerChase.name:
+    return synthetic.PointerChase(min_hops=c.task.min_hops, max_hops=c.task.max_hops, seed=c.seed)
+  return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed)
+
+
+def load_model(c, task):
+  """(cfg, params, tokenizer). A random preset model takes the synthetic task's tokenizer."""
+  dtype = jnp.dtype(c.model.dtype)
+  if c.model.hf_dir:
+    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
+    return cfg, params, load_tokenizer(c.model.hf_dir)
+  if not isinstance(task, synthetic.PointerChase):
+    raise ValueError("config.model.preset (random init) needs the synthetic task's tokenizer; "
+                     "set config.model.hf_dir for dataset tasks")
+  tokenizer = Tokenizer(tok=task.tokenizer, eos_ids=(task.eos_id,), pad_id=task.pad_id)
+  preset = Qwen3Config.preset(c.model.preset)
+  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
+  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
+
+
+def step_config(c) -> ts.StepConfig:
+  return ts.StepConfig(
+      group_size=c.rollout.group_size, estimator=c.rl.estimator, eps_low=c.rl.eps_low,
+      eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip, tis_cap=c.rl.tis_cap,
+      tis_level=c.rl.tis_level, loss_agg=c.rl.loss_agg, kl_coef=c.rl.kl_coef,
+      entropy_coef=c.rl.entropy_coef, ppo_epochs=c.rl.ppo_epochs,
+      num_minibatches=c.rl.num_minibatches, dapo_filter=c.rl.dapo_filter,
+      distill=c.distill.enabled, distill_kl_coef=c.distill.kl_coef, tau=c.stats.tau,
+      bin_size=c.stats.bin_size, num_bins=c.stats.num_bins, temperature=c.rollout.temperature)
+
+
+def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg, sparse, page_size):
+  """KV pages read by the sparse rollout relative to dense, over all generated tokens and layers."""
+  if sparse is None:
+    return 1.0
+  read = dense = 0.0
+  sparse_layers = cfg.num_hidden_layers - min(sparse.dense_layers, cfg.num_hidden_layers)
+  for p, n in zip(np.asarray(prompt_len_B), np.asarray(lengths_B)):
+    cached = np.arange(p + 1, p + n + 1)  # cache length when decoding each generated token
+    pages = -(-cached // page_size)
+    read += np.sum(sparse.dense_layers * pages + sparse_layers * np.minimum(budget_by_len[cached], pages))
+    dense += np.sum(cfg.num_hidden_layers * pages)
+  return float(read / max(dense, 1.0))
+
+
+def _prompts(problems, tokenizer, group_size, width):
+  texts = [p.prompt for p in problems for _ in range(group_size)]
+  tokens, lengths = tokenizer.encode_batch(texts)
+  if tokens.shape[1] > width:
+    raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than config.rollout."
+                     f"max_prompt_len = {width}")
+  tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=tokenizer.pad_id)
+  return jnp.asarray(tokens), jnp.asarray(lengths)
+
+
+def _responses(rollout, tokenizer):
+  tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+  return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
+
+
+def train(c: ml_collections.ConfigDict) -> list:
+  """Runs (or resumes) the job described by config `c`; returns the per-step metrics rows."""
+  validate(c)
+  task = make_task(c)
+  cfg, params, tokenizer = load_model(c, task)
+  r = c.rollout
+  sparse = SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
+                        attention_impl=r.attention_impl) if r.sparse else None
+  schedule = make_schedule(r.schedule, r.page_size) if r.sparse else None
+  sc = step_config(c)
+  lr = optax.join_schedules([optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
+                            optax.constant_schedule(c.rl.learning_rate)], [c.rl.warmup_steps])
+  optimizer = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
+                          optax.adamw(lr, weight_decay=c.rl.weight_decay))
+  lora = lora_opt = None
+  if c.distill.enabled:
+    lora = lora_lib.init_lora(params, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank,
+                              alpha=c.distill.alpha, targets=tuple(c.distill.targets.split(",")))
+    lora_opt = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
+                           optax.adam(c.distill.learning_rate))
+  state = ts.init_state(params, optimizer, lora, lora_opt, keep_reference=c.rl.kl_coef > 0)
+  train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse, schedule)
+
+  os.makedirs(c.workdir, exist_ok=True)
+  with open(os.path.join(c.workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
+  restored = checkpoint.restore_latest(mgr, state)
+  start = 0
+  if restored is not None:
+    state, meta = restored
+    start = int(meta["step"])
+    print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
+  logger = metrics_log.MetricsLogger(c.workdir)
+  cache_len = r.max_prompt_len + r.max_new_tokens
+  budget_by_len = (sampler.budget_table(schedule, cache_len, sparse) if sparse else None)
+  key = jax.random.PRNGKey(c.seed)
+  n_prompts, rows, nonfinite, t_start = r.prompts_per_step, [], 0, time.time()
+
+  for step in range(start, c.total_steps):
+    t0 = time.time()
+    problems = task.sample(n_prompts, step * n_prompts)
+    prompt, prompt_len = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
+    rollout = sampler.generate(
+        state.params, cfg, prompt, prompt_len, jax.random.fold_in(key, step),
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        eos_ids=tokenizer.eos_ids, sparse=sparse, schedule=schedule, lora=state.lora,
+        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id)
+    jax.block_until_ready(rollout.tokens)
+    t_rollout = time.time() - t0
+    grouped = [p for p in problems for _ in range(r.group_size)]
+    rewards = task.reward(_responses(rollout, tokenizer), grouped)
+    batch = ts.batch_from_rollout(prompt, prompt_len, rollout, rewards)
+    t1 = time.time()
+    state, metrics = train_step(state, batch)
+    metrics = jax.device_get(metrics)
+    t_train = time.time() - t1
+
+    generated = int(np.sum(rollout.lengths))
+    metrics.update({
+        "perf/rollout_tokens_per_s": generated / t_rollout, "perf/train_step_s": t_train,
+        "lr": float(lr(step)),
+        "kv/read_fraction": kv_read_fraction(budget_by_len, prompt_len, rollout.lengths, cfg,
+                                             sparse, r.page_size)})
+    if sparse is not None:
+      metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
+          cfg, schedule, int(np.mean(prompt_len)), max(int(np.mean(rollout.lengths)), 1),
+          n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers)
+    logger.write(step + 1, metrics)
+    rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
+    nonfinite = nonfinite + 1 if metrics["skipped"] else 0
+    if nonfinite >= c.max_nonfinite_steps:
+      raise FloatingPointError(f"{nonfinite} non-finite updates in a row (step {step + 1}); "
+                               f"see {c.workdir}/metrics.jsonl")
+    done = step + 1 - start
+    eta = (time.time() - t_start) / done * (c.total_steps - step - 1)
+    print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
+          f"p5 {metrics['acceptance/p5']:.3f}  len {metrics['response_length/mean']:.0f}  "
+          f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
+          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta:.0f}s", flush=True)
+    if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
+      checkpoint.save(mgr, step + 1, state, {"step": step + 1,
+                                             "data_position": (step + 1) * n_prompts})
+  mgr.wait_until_finished()
+  logger.close()
+  with open(os.path.join(c.workdir, "summary.json"), "w") as f:
+    json.dump({"steps": c.total_steps, "last": rows[-1] if rows else None}, f, indent=2)
+  return rows
