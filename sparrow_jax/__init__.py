@@ -1,6 +1,8 @@
 """sparrow_jax: sparse-attention rollouts for long-context RL of Qwen3 models, in JAX."""
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
+from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import forward, init_params, token_logprobs
-from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.rollout.sampler import Rollout, generate

@@ -14,8 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
-
-IMPLS = ("auto", "xla", "pallas")
+from sparrow_jax.attention.reference import IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
