@@ -32,3 +32,32 @@ def hf_logits(model, tokens_BT, mask_BT=None, positions_BT=None):
     kwargs["position_ids"] = torch.tensor(np.asarray(positions_BT, np.int64))
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens_BT, np.int64)), **kwargs).logits.numpy()
+
+
+def write_tiny_hf_dir(directory, num_hidden_layers=3, corpus=()):
+  """A random tiny Qwen3 with a small byte-level BPE tokenizer (Qwen special tokens, EOS
+  <|im_end|>) as a Hugging Face dir: what load_hf + load_tokenizer read. Nothing downloaded."""
+  import json
+  import os
+
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                 "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  text = ["user assistant system", "Please reason step by step, and put your final answer within "
+          "\\boxed{}.", "What is 12 + 7 - 3 * 4? 0 1 2 3 4 5 6 7 8 9"] + list(corpus)
+  tok.train_from_iterator(text, trainer)
+  tok.add_tokens(["<think>", "</think>"])
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)
+  cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                    num_hidden_layers=num_hidden_layers, max_position_embeddings=1024)
+  sj.save_hf(str(directory), cfg, sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2),
+             generation_config={"eos_token_id": tok.token_to_id("<|im_end|>")})
+  return cfg
