@@ -7,6 +7,7 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.data import synthetic
+from sparrow_jax.data.tokenizer import load_tokenizer
 
 ASSET_DIR = os.path.join(os.path.dirname(__file__), "..", "assets", "pointer_chase_tiny")
 
@@ -88,6 +89,8 @@ def test_shipped_model_loads_and_predicts_lookups():
   assert cfg.vocab_size == len(synthetic.vocab())
   with open(os.path.join(ASSET_DIR, "generation_config.json")) as f:
     assert json.load(f)["eos_token_id"] == [synthetic.SPECIAL_TOKENS.index("<|im_end|>")]
+  tok = load_tokenizer(ASSET_DIR)
+  assert tok.eos_ids == (2,) and tok.pad_id == 0
   task = synthetic.PointerChase(min_hops=8, max_hops=8)
   (p,) = task.sample(1, 10_000)
   seq = np.array([list(p.prompt_ids) + list(p.reference_ids)])
