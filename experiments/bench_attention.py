@@ -11,7 +11,9 @@ valid, page size 16, a 2048-token budget (128 pages, all valid). Timed, per cont
   sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
 Each timed call is one jitted `lax.fori_loop` of --steps decode steps, each step's output being the
 next step's query (and the page list shifting by one page per step, so XLA cannot hoist the gather
-out of the loop); a cell is the median over --runs calls (after a warm-up call) divided by --steps.
+out of the loop); a cell is the median over --runs calls (after a warm-up call) divided by --steps,
+the columns' calls interleaved run by run so that they share whatever else loads the machine;
+"min ratio" divides the fastest dense call by the fastest sparse one (less sensitive to that load).
 Why a loop: a decode loop reuses its buffers, while a lone jitted call allocates its outputs and
 temporaries afresh, and on this VM first-touching fresh memory costs ~1.5 us per 4 KiB page, which
 would dominate the sparse step (--steps 1 shows that single-call regime).
@@ -33,14 +35,18 @@ from sparrow_jax.attention import reference, select  # noqa: E402
 BATCH, KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 4, 8, 2, 128, 16
 
 
-def _median_ms(fn, args, runs):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
+def _times_ms(calls, runs):
+  """(median, min) ms per call of each (fn, args), the calls interleaved run by run so that they
+  share whatever else loads the machine."""
+  for fn, args in calls:
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) * 1e3
+  times = [[] for _ in calls]
+  for _ in range(runs):
+    for (fn, args), t in zip(calls, times):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      t.append(time.perf_counter() - start)
+  return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
 def _loops(steps, n_selected):
@@ -98,21 +104,24 @@ def main():
   print(f"{jax.default_backend()} x{os.cpu_count()} cores, {args.dtype}, batch {BATCH}, "
         f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, budget "
         f"{args.budget} tokens ({n_selected} pages of {PAGE_SIZE}); ms per decode step "
-        f"(median of {args.runs} calls of {args.steps} steps)")
-  print(f"{'context':>8} {'dense':>9} {'sparse':>9} {'ratio':>7} {'sparse+select':>14} {'ratio':>7}")
+        f"(median of {args.runs} calls of {args.steps} steps); 1-min load average at start "
+        f"{os.getloadavg()[0]:.1f}")
+  print(f"{'context':>8} {'dense':>9} {'sparse':>9} {'ratio':>7} {'min ratio':>10} "
+        f"{'sparse+select':>14} {'ratio':>7}")
   for context in (int(c) for c in args.contexts.split(",")):
     q, k, v, page_idx, n_valid, lengths = _inputs(context, n_selected, jnp.dtype(args.dtype))
-    dense_ms = _median_ms(dense, (q, k, v, lengths), args.runs) / args.steps
-    sparse_ms = _median_ms(sparse, (q, k, v, page_idx, n_valid, lengths), args.runs) / args.steps
-    row = f"{context:>8} {dense_ms:>9.2f} {sparse_ms:>9.2f} {dense_ms / sparse_ms:>6.1f}x"
+    calls = [(dense, (q, k, v, lengths)), (sparse, (q, k, v, page_idx, n_valid, lengths))]
     if not args.no_select:
       centroid_sum = k.astype(jnp.float32).reshape(
           BATCH, KV_HEADS, context // PAGE_SIZE, PAGE_SIZE, HEAD_DIM).sum(axis=3)
-      select_ms = _median_ms(sparse_select, (q, k, v, centroid_sum, lengths),
-                             args.runs) / args.steps
-      row += f" {select_ms:>14.2f} {dense_ms / select_ms:>6.1f}x"
+      calls.append((sparse_select, (q, k, v, centroid_sum, lengths)))
+    (dense_ms, dense_min), (sparse_ms, sparse_min), *select_ms = [
+        (med / args.steps, low / args.steps) for med, low in _times_ms(calls, args.runs)]
+    row = (f"{context:>8} {dense_ms:>9.2f} {sparse_ms:>9.2f} {dense_ms / sparse_ms:>6.1f}x "
+           f"{dense_min / sparse_min:>9.1f}x")
+    if select_ms:
+      row += f" {select_ms[0][0]:>14.2f} {dense_ms / select_ms[0][0]:>6.1f}x"
     print(row, flush=True)
-    del q, k, v
 
 
 if __name__ == "__main__":

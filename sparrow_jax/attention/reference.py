@@ -18,6 +18,10 @@ experiments/bench_attention.py):
     at a time (2 x 1 MiB, cache resident) and runs about 2x faster than the best batched layout.
   - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension; mapping
     over rows is slower here (each row's K/V slice is copied out for the dot).
+  - float32 caches (the CPU default): XLA CPU runs a bfloat16 gather or loop-sliced bfloat16 array in
+    float32 and hoists the conversion of the whole cache out of the row loop, so bfloat16 caches
+    make both functions several times slower here (measured 5x for sparse at 16K). On GPU the Pallas
+    kernel reads bfloat16 pages directly.
 """
 import math
 
