@@ -1,6 +1,6 @@
 """Pretrains the embedded default model: a tiny Qwen3 on the pointer-chasing task, on a CPU.
 
-  nice -n 10 python experiments/pretrain_tiny.py --workdir runs/pretrain_tiny --steps 6000
+  nice -n 10 python experiments/pretrain_tiny.py --workdir runs/pretrain_tiny --steps 3000
 
 Teacher-forced next-token loss on the response tokens only (the prompt's table is random, so there is
 nothing to learn from predicting it). Problems of every length (1..128 hops) are mixed from the first
@@ -29,14 +29,19 @@ import sparrow_jax as sj
 from sparrow_jax.data import synthetic
 from sparrow_jax.model import qwen3
 
-# Steps cycle through three length buckets of equal tokens per step (rows x row_len), each with the
-# hop counts that fit it: short rows keep the T^2 attention cheap where most problems are short, and
-# every few steps the model sees every length (1..128 hops; 128 is the evaluation length).
-BUCKETS = (  # (row_len, rows, task)
-    (256, 8, synthetic.PointerChase(min_hops=1, max_hops=32)),
-    (512, 4, synthetic.PointerChase(min_hops=33, max_hops=72)),
-    (896, 2, synthetic.PointerChase(min_hops=73, max_hops=128)),
-)
+# Each step draws one length bucket (rows x row_len tokens, with the hop counts that fit it): short
+# rows keep the T^2 attention cheap where problems are short. Tiny tables (1..6 hops) dominate the
+# first `--early_steps`: with few entries a half-formed lookup circuit already lowers the loss, which
+# shortens the plateau before the lookup (induction) skill appears; every length (up to 128 hops, the
+# evaluation length) stays in the mix from the first steps, then the cycle balances the buckets.
+BUCKETS = {  # name: (row_len, rows, task)
+    "tiny": (128, 8, synthetic.PointerChase(min_hops=1, max_hops=6)),
+    "short": (256, 8, synthetic.PointerChase(min_hops=7, max_hops=32)),
+    "mid": (512, 4, synthetic.PointerChase(min_hops=33, max_hops=72)),
+    "long": (896, 2, synthetic.PointerChase(min_hops=73, max_hops=128)),
+}
+EARLY_CYCLE = ("tiny", "tiny", "short", "tiny", "tiny", "mid", "tiny", "tiny", "long")
+LATE_CYCLE = ("tiny", "short", "mid", "long", "short", "mid", "long")
 EVAL_TASK = synthetic.PointerChase()
 
 
@@ -47,14 +52,19 @@ def model_config() -> sj.Qwen3Config:
       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=2048)
 
 
-def pack_batch(seed: int, step: int, scale: int = 1):
-  """Packs freshly sampled problems into the rows of step `step`'s bucket (rows x `scale`).
+def bucket(step: int, early_steps: int) -> str:
+  cycle = EARLY_CYCLE if step < early_steps else LATE_CYCLE
+  return cycle[step % len(cycle)]
+
+
+def pack_batch(seed: int, step: int, name: str, scale: int = 1):
+  """Packs freshly sampled problems into the rows of bucket `name` (rows x `scale`).
 
   Returns int32 tokens, segment ids (0 = padding), positions, float32 loss weights (1 where the next
   token is a response token of the same problem) and the subset of weights on lookup targets (the
   value of each hop: the far-back retrievals), all [rows, row_len].
   """
-  row_len, rows, task = BUCKETS[step % len(BUCKETS)]
+  row_len, rows, task = BUCKETS[name]
   rows *= scale
   rng = np.random.default_rng([seed, step])
   out = {name: np.zeros((rows, row_len), dt) for name, dt in (
@@ -149,7 +159,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--workdir", default="runs/pretrain_tiny")
   p.add_argument("--export", default="", help="copy the final HF dir here (e.g. assets/...)")
-  p.add_argument("--steps", type=int, default=6000)
+  p.add_argument("--steps", type=int, default=3000)
+  p.add_argument("--early_steps", type=int, default=1200, help="steps of the tiny-table-heavy mix")
   p.add_argument("--batch_scale", type=int, default=1, help="multiplies every bucket's rows")
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--warmup", type=int, default=100)
@@ -179,7 +190,7 @@ def main():
   writer = SummaryWriter(os.path.join(args.workdir, "tb"))
   t_last, t_ckpt, acc = time.time(), time.time(), []
   while step < args.steps:
-    batch = pack_batch(args.seed, step, args.batch_scale)
+    batch = pack_batch(args.seed, step, bucket(step, args.early_steps), args.batch_scale)
     params, opt_state, metrics = train_step(params, opt_state, batch)
     step += 1
     acc.append(metrics)
