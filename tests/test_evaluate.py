@@ -1,0 +1,159 @@
+"""experiments/evaluate.py: the unbiased pass@k estimator, and the script end to end on an offline
+reasoning-gym math task with a tiny random Qwen3 and a small BPE tokenizer built here."""
+import importlib.util
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import sparrow_jax as sj
+from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "experiments", "evaluate.py")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["What is 12 + 7 * 3 - 4? Calculate the following expression.",
+          "Please reason step by step, and put your final answer within \\boxed{}.",
+          "user assistant <think> </think> the answer is \\boxed{25}", "0 1 2 3 4 5 6 7 8 9 + - * / ="]
+
+
+def _load_evaluate():
+  spec = importlib.util.spec_from_file_location("evaluate_script", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+evaluate = _load_evaluate()
+
+
+@pytest.mark.parametrize("n, c, k, want", [
+    (10, 0, 1, 0.0), (10, 10, 5, 1.0), (10, 3, 1, 0.3), (5, 1, 5, 1.0),
+    (4, 1, 2, 0.5),            # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (10, 2, 3, 1 - 56 / 120),  # 1 - C(8,3)/C(10,3)
+    (16, 4, 4, 1 - 495 / 1820),
+])
+def test_pass_at_k_hand_computed(n, c, k, want):
+  assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
+
+
+def test_pass_at_k_matches_brute_force_over_subsets():
+  """pass@k = the fraction of the C(n, k) subsets of k samples that hold a correct one."""
+  for n in range(1, 8):
+    for c in range(n + 1):
+      correct = [i < c for i in range(n)]
+      for k in range(1, n + 1):
+        subsets = list(itertools.combinations(correct, k))
+        want = sum(any(s) for s in subsets) / len(subsets)
+        assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+  assert evaluate.pass_at_k(200, 3, 100) == pytest.approx(
+      1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
+
+
+def test_summarize_and_bad_k():
+  rewards = np.array([[1, 0, 0, 0], [0.5, 0.5, 0, 0]])
+  correct = rewards == 1
+  m = evaluate.summarize(rewards, correct, [1, 2])
+  assert m["mean@1"] == m["mean@2"] == pytest.approx(0.25)
+  assert m["pass@1"] == pytest.approx((0.25 + 0) / 2)
+  assert m["pass@2"] == pytest.approx((0.5 + 0) / 2)
+  with pytest.raises(ValueError, match="--k"):
+    evaluate.parse_ks("1,8", samples=4)
+  with pytest.raises(ValueError, match="c <= n"):
+    evaluate.pass_at_k(3, 4, 1)
+
+
+def _tiny_model_dir(directory):
+  """A HF Qwen3 dir: safetensors of a random tiny model, a byte-level BPE tokenizer.json with Qwen's
+  special tokens, tokenizer_config.json (EOS / pad) and generation_config.json (EOS id)."""
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+      vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.add_tokens(["<think>", "</think>"])
+  cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                    max_position_embeddings=1024)
+  sj.save_hf(str(directory), cfg, sj.init_params(cfg, jax.random.PRNGKey(0)))
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+  (directory / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+  return directory
+
+
+def test_evaluate_end_to_end_on_reasoning_gym(tmp_path):
+  model_dir = _tiny_model_dir(tmp_path / "model")
+  out = tmp_path / "eval" / "results.json"
+  cmd = [sys.executable, SCRIPT, "--model_dir", str(model_dir),
+         "--task", "math:reasoning_gym:basic_arithmetic", "--num_problems", "3", "--samples", "4",
+         "--k", "1,2,4", "--max_new_tokens", "12", "--batch_size", "8", "--out", str(out),
+         "--sparse", "--schedule", "fixed:4", "--page_size", "8", "--dense_layers", "1"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  for k in (1, 2, 4):
+    assert f"mean@{k}" in proc.stdout and f"pass@{k}" in proc.stdout
+  assert "12/12 samples" in proc.stdout   # progress over two batches (8 + 4 rows)
+
+  results = json.loads(out.read_text())
+  assert results["task"] == "math:reasoning_gym:basic_arithmetic" and results["sparse"]
+  assert results["num_problems"] == 3 and results["samples"] == 4 and results["k"] == [1, 2, 4]
+  assert len(results["per_problem"]) == 3
+  assert sum(results["grade_reasons"].values()) == 12
+  metrics = results["metrics"]
+  for k in (1, 2, 4):
+    assert 0.0 <= metrics[f"mean@{k}"] <= 1.0
+    assert 0.0 <= metrics[f"pass@{k}"] <= 1.0
+  assert metrics["pass@1"] <= metrics["pass@2"] <= metrics["pass@4"]
+  assert 0 < metrics["response_length/mean"] <= 12
+  # The per-problem counts reproduce the summary.
+  n_correct = [p["correct"] for p in results["per_problem"]]
+  assert metrics["pass@2"] == pytest.approx(np.mean([evaluate.pass_at_k(4, c, 2) for c in n_correct]))
+  assert os.listdir(tmp_path / "eval" / "results_tb")   # TensorBoard event file
+
+
+def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
+  """With a scripted sampler that answers the first 1 + (problem index) samples of each problem
+  right (and leaves the others unanswered), the per-problem counts and pass@k / mean@k follow."""
+  from sparrow_jax.data.tokenizer import load_tokenizer
+  from sparrow_jax.rollout.sampler import Rollout
+  model_dir = _tiny_model_dir(tmp_path / "model")
+  tok = load_tokenizer(str(model_dir))
+  args = evaluate.parser().parse_args([
+      "--model_dir", str(model_dir), "--task", "math:reasoning_gym:basic_arithmetic",
+      "--num_problems", "3", "--samples", "4", "--k", "1,4", "--max_new_tokens", "64",
+      "--batch_size", "5", "--out", str(tmp_path / "r.json")])
+  problems = evaluate._problems(evaluate.trainer.make_task(evaluate._config(args)), 3)
+  answer_of = {p.prompt: p.reference for p in problems}
+  rows_seen = []
+
+  def scripted_generate(params, cfg, prompt_BT, prompt_len_B, key, *, max_new_tokens, **kwargs):
+    tokens, lengths = [], []
+    for row, n in zip(np.asarray(prompt_BT), np.asarray(prompt_len_B)):
+      problem = list(answer_of).index(tok.decode(row[:n]))
+      sample = sum(1 for r in rows_seen if r == problem)
+      rows_seen.append(problem)
+      text = f"so \\boxed{{{answer_of[tok.decode(row[:n])]}}}" if sample <= problem else "hmm"
+      ids = tok.encode(text + "<|im_end|>")[:max_new_tokens]
+      tokens.append(ids + [tok.pad_id] * (max_new_tokens - len(ids)))
+      lengths.append(len(ids))
+    return Rollout(np.array(tokens), np.zeros((len(tokens), max_new_tokens)), np.array(lengths))
+
+  monkeypatch.setattr(evaluate.sj, "generate", scripted_generate)
+  results = evaluate.evaluate(args)
+  assert [p["correct"] for p in results["per_problem"]] == [1, 2, 3]
+  m = results["metrics"]
+  assert m["mean@1"] == m["mean@4"] == pytest.approx(6 / 12)
+  assert m["pass@1"] == pytest.approx((1 / 4 + 2 / 4 + 3 / 4) / 3)
+  assert m["pass@4"] == pytest.approx(1.0)
+  assert results["grade_reasons"]["correct"] == 6
+  assert json.loads((tmp_path / "r.json").read_text())["metrics"] == m
