@@ -8,17 +8,13 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import sparrow_jax as sj
-from tests.helpers import tiny_config
+from tests.helpers import write_tiny_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "experiments", "evaluate.py")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["What is 12 + 7 * 3 - 4? Calculate the following expression.",
           "Please reason step by step, and put your final answer within \\boxed{}.",
           "user assistant <think> </think> the answer is \\boxed{25}", "0 1 2 3 4 5 6 7 8 9 + - * / ="]
@@ -71,22 +67,7 @@ def test_summarize_and_bad_k():
 
 
 def _tiny_model_dir(directory):
-  """A HF Qwen3 dir: safetensors of a random tiny model, a byte-level BPE tokenizer.json with Qwen's
-  special tokens, tokenizer_config.json (EOS / pad) and generation_config.json (EOS id)."""
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-      vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok.add_tokens(["<think>", "</think>"])
-  cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                    max_position_embeddings=1024)
-  sj.save_hf(str(directory), cfg, sj.init_params(cfg, jax.random.PRNGKey(0)))
-  tok.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps(
-      {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
-  (directory / "generation_config.json").write_text(json.dumps(
-      {"eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}))
+  write_tiny_hf_dir(directory, corpus=CORPUS)
   return directory
 
 

@@ -1,6 +1,5 @@
 """Hugging Face checkpoint I/O: round trips through transformers, sharding, bad input."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
