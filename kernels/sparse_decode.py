@@ -1,26 +1,28 @@
 """Block-sparse flash-decoding over the paged KV cache (Pallas; Triton lowering on GPU).
 
-Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one decode
-query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k] pages listed
-first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked), tokens at positions
->= lengths_B[b] masked. An empty selection gives zeros.
+Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one
+decode query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k]
+pages listed first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked),
+tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
 
-Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of page slots, a block of
-pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a jnp
-epilogue merges the splits (flash-decoding: splits give the GPU enough programs when B * K is small).
-Blocks past n_valid are never loaded, so a budget below the static maximum N costs only what it reads.
+Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of page slots, a block
+of pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a
+jnp epilogue merges the splits (flash-decoding: splits give the GPU enough programs when B * K is
+small). Blocks past n_valid are never loaded, so a budget below the static maximum N costs only
+what it reads. Both dots accumulate in float32 at full precision (p @ v with p kept in float32).
 
-Triton constraints met by construction: every loaded or computed block has power-of-two sizes, and
-tl.dot needs M, N, K >= 16, so the G query heads are zero-padded to >= 16 rows (sliced off after),
-a block holds >= 16 tokens (several pages when page_size < 16), and head_dim must be a power of two
->= 16 (Qwen3: 128).
+Triton constraints met by construction: every loaded or computed block has power-of-two sizes,
+and tl.dot needs M, N, K >= 16, so the G query heads are zero-padded to >= 16 rows (sliced off
+after), a block holds >= 16 tokens (several pages when page_size < 16), and head_dim must be a
+power of two >= 16 (Qwen3: 128).
 
-jax 0.10.2 Pallas on GPU: pallas_call lowers to Mosaic GPU unless its compiler params say otherwise
-(config jax_pallas_use_mosaic_gpu defaults to True); passing
-`compiler_params=jax.experimental.pallas.triton.CompilerParams(num_warps=..., num_stages=...)` selects
-the Triton lowering (there is no `backend=` argument). The Triton lowering has no scalar prefetch
-("scalar prefetch not implemented in the Triton backend"), so the page list is an ordinary input block
-and pages are fetched by indexing the cache ref with the loaded page ids (a gather load).
+jax 0.10.2 Pallas on GPU: pallas_call lowers to Mosaic GPU unless its compiler params say
+otherwise (config jax_pallas_use_mosaic_gpu defaults to True); passing
+`compiler_params=jax.experimental.pallas.triton.CompilerParams(num_warps=.., num_stages=..)`
+selects the Triton lowering (pallas_call has no `backend=` argument). The Triton lowering has no
+scalar prefetch ("scalar prefetch not implemented in the Triton backend"), so the page list is an
+ordinary input block and pages are fetched by indexing the cache ref with the loaded page ids (a
+gather load). Its float32 dots default to TF32 (Precision.DEFAULT); HIGHEST makes them IEEE.
 """
 import functools
 
@@ -34,6 +36,7 @@ from sparrow_jax.attention import reference
 _MIN_DOT = 16        # tl.dot: M, N and K must be >= 16
 _BLOCK_TOKENS = 64   # tokens loaded per inner step (whole pages)
 _TARGET_PROGRAMS = 256  # default splits aim at about this many programs (a few waves on one GPU)
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _next_pow2(n: int) -> int:
@@ -59,7 +62,8 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
     ids_N = page_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
     k_TE = k_ref[ids_N].reshape(T, E).astype(q_GE.dtype)
     v_TE = v_ref[ids_N].reshape(T, E)
-    s_GT = pltriton.dot(q_GE, k_TE, trans_b=True) * scale
+    # HIGHEST: the Triton lowering otherwise runs float32 dots in TF32 (10-bit mantissa).
+    s_GT = pltriton.dot(q_GE, k_TE, trans_b=True, precision=_HIGHEST) * scale
     slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
     pos_NZ = ids_N[:, None] * page_size + jnp.arange(page_size)[None, :]
     valid_T = ((slot_N[:, None] < n_valid) & (pos_NZ < length)).reshape(T)
@@ -71,7 +75,8 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
     p_GT = jnp.exp(s_GT - m_safe_G[:, None])
     l_G = l_G * corr_G + jnp.sum(p_GT, axis=1)
     # p stays float32 (v upcast): keeps the kernel within float32 rounding of the reference.
-    acc_GE = acc_GE * corr_G[:, None] + pltriton.dot(p_GT, v_TE.astype(jnp.float32))
+    pv_GE = pltriton.dot(p_GT, v_TE.astype(jnp.float32), precision=_HIGHEST)
+    acc_GE = acc_GE * corr_G[:, None] + pv_GE
     return m_new_G, l_G, acc_GE
 
   init = (jnp.full((G,), -jnp.inf, jnp.float32), jnp.zeros((G,), jnp.float32),

@@ -1,27 +1,27 @@
 """Decode attention over the paged KV cache: jnp references (dense, block-sparse) and dispatch.
 
-Cache layout (see paged_cache.py): k_cache_BKSE / v_cache_BKSE with S = P * Z; page p of (b, k) is
-k_cache_BKSE[b, k, p*Z:(p+1)*Z]. Positions < lengths_B[b] are valid (the decode token included).
-Sparse selection: the first n_valid_BK[b, k] entries of page_idx_BKN[b, k] are distinct page ids in any
-order; the rest are padding that holds a valid page id and is masked here. Within a selected page,
-positions >= lengths_B[b] are masked (the partial last page).
+Cache layout (see paged_cache.py): k_cache_BKSE / v_cache_BKSE with S = P * Z; page p of (b, k)
+is k_cache_BKSE[b, k, p*Z:(p+1)*Z]. Positions < lengths_B[b] are valid (the decode token
+included). Sparse selection: the first n_valid_BK[b, k] entries of page_idx_BKN[b, k] are distinct
+page ids in any order; the rest are padding that holds a valid page id and is masked here. Within
+a selected page, positions >= lengths_B[b] are masked (the partial last page).
 
 Both references take the softmax in float32 and return q's dtype. A row with nothing to attend to
 (n_valid == 0, or length 0) returns zeros, not NaN: its max score is -inf, replaced by 0 so every
 exp() is 0, and its zero normaliser is replaced by 1.
 
-Written for XLA on CPU, where the rollout runs without a GPU (measured by
-experiments/bench_attention.py):
-  - sparse: XLA CPU fuses a gather into elementwise consumers but not into a dot, so a gather over
-    all B*K rows at once materialises 2 x B*K*N*Z*E values (2 x 32 MiB for Qwen3-1.7B, batch 4, 2K
-    budget) and streams them through memory twice. `lax.map` over the B*K rows gathers one row's pages
-    at a time (2 x 1 MiB, cache resident) and runs about 2x faster than the best batched layout.
-  - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension; mapping
-    over rows is slower here (each row's K/V slice is copied out for the dot).
-  - float32 caches (the CPU default): XLA CPU runs a bfloat16 gather or loop-sliced bfloat16 array in
-    float32 and hoists the conversion of the whole cache out of the row loop, so bfloat16 caches
-    make both functions several times slower here (measured 5x for sparse at 16K). On GPU the Pallas
-    kernel reads bfloat16 pages directly.
+Laid out for XLA on CPU, where the rollout runs without a GPU (experiments/bench_attention.py):
+  - sparse: a gather that feeds a dot is materialised, so gathering all B*K rows at once writes
+    and re-reads 2 x B*K*N*Z*E values (2 x 32 MiB for Qwen3-1.7B, batch 4, a 2K budget), out of
+    cache. `lax.map` over the B*K rows gathers one row's pages at a time (2 x 1 MiB, cache
+    resident): measured at 32K, about 2x faster than the best batched layout and 3-4x faster than a
+    batched take_along_axis + einsum.
+  - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension;
+    mapping over rows is 3x slower here (each row's K/V slice is copied out for its dot).
+  - float32 caches (the CPU default): XLA CPU runs a bfloat16 gather or loop-sliced bfloat16 array
+    in float32 and hoists the conversion of the whole cache out of the row loop, so bfloat16 caches
+    make both functions several times slower here (5x for sparse at 16K). On GPU the Pallas kernel
+    reads bfloat16 pages directly.
 """
 import math
 
