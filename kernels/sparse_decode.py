@@ -111,7 +111,8 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   N = page_idx_BKN.shape[2]
   if E < _MIN_DOT or E & (E - 1):
     raise ValueError(f"head_dim must be a power of two >= {_MIN_DOT} for the Triton dot, got {E}")
-  scale = reference.default_scale(E) if scale is None else scale
+  # A Python float: the kernel bakes it in (a traced scale cannot be closed over by pallas_call).
+  scale = reference.default_scale(E) if scale is None else float(scale)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
