@@ -87,11 +87,12 @@ def main():
   p.add_argument("--bin_size", type=int, default=128)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--seed", type=int, default=1234, help="held-out task seed (training used 0)")
+  p.add_argument("--hops", type=int, default=128, help="chain length H (128: ~880-token sequences)")
   p.add_argument("--out", default="", help="JSON path (default <model>/measurements.json)")
   args = p.parse_args()
   budgets = [int(b) for b in args.budgets.split(",")]
   cfg, params = sj.load_hf(args.model)
-  task = synthetic.PointerChase(seed=args.seed)
+  task = synthetic.PointerChase(min_hops=args.hops, max_hops=args.hops, seed=args.seed)
   problems = task.sample(args.n, 0)
   key = jax.random.PRNGKey(args.seed)
   sparse = sj.SparseConfig(page_size=16, dense_layers=args.dense_layers)
