@@ -96,3 +96,11 @@ def test_tokens_outside_vocab_rejected():
     sj.forward(params, jnp.asarray([[1, 97]]), cfg)
   with pytest.raises(ValueError, match="min -1"):
     sj.forward(params, jnp.asarray([[-1, 3]]), cfg)
+
+
+def test_concrete_tokens_captured_under_jit():
+  cfg = tiny_config()
+  params = sj.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jnp.asarray([[1, 2, 3]])
+  out = jax.jit(lambda p: sj.forward(p, tokens, cfg))(params)
+  np.testing.assert_allclose(out, sj.forward(params, tokens, cfg), atol=1e-6)

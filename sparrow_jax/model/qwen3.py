@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparrow_jax.attention import paged_cache, reference, select
 from sparrow_jax.model.config import Qwen3Config
@@ -115,8 +116,8 @@ def init_params(cfg: Qwen3Config, key, dtype=jnp.float32, std: float = 0.02):
 
 def embed(params, tokens_BT, cfg: Qwen3Config):
   """Token embeddings; a token id outside [0, vocab) is an error (checked when concrete)."""
-  if not isinstance(tokens_BT, jax.core.Tracer):
-    lo, hi = int(jnp.min(tokens_BT)), int(jnp.max(tokens_BT))
+  if not isinstance(tokens_BT, jax.core.Tracer):  # numpy: a concrete array captured under jit too
+    lo, hi = int(np.min(np.asarray(tokens_BT))), int(np.max(np.asarray(tokens_BT)))
     if lo < 0 or hi >= cfg.vocab_size:
       raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size); "
                        f"got min {lo}, max {hi}")
