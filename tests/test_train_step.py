@@ -56,14 +56,15 @@ def test_fused_step_equals_separate_updates():
   (_, aux), g = jax.value_and_grad(ts.policy_loss, has_aux=True)(params, batch, adv, CFG, SC)
   upd, _ = opt.update(g, opt.init(params), params)
   new_params = optax.apply_updates(params, upd)
-  lg = jax.grad(lambda l: ts.distill_loss(l, new_params, batch, adv, aux["logp"], CFG, SC, SPARSE,
+  lg = jax.grad(lambda l: ts.distill_loss(l, params, batch, adv, aux["logp"], CFG, SC, SPARSE,
                                           SCHEDULE)[0])(lora)
   lupd, _ = lora_opt.update(lg, lora_opt.init(lora), lora)
   new_lora = optax.apply_updates(lora, lupd)
-  # Adam turns float noise in near-zero gradients into up to ~1% of one lr step (1e-3): atol 1e-5.
-  close = lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5)
-  jax.tree_util.tree_map(close, fused.params, new_params)
-  jax.tree_util.tree_map(close, fused.lora, new_lora)
+  # Adam turns float noise in near-zero gradients into up to ~1% of one step: atol = lr / 100.
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), fused.params,
+                         new_params)  # lr 1e-3
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), fused.lora,
+                         new_lora)  # lr 1e-2
   assert float(jnp.abs(fused.params["embed"] - params["embed"]).max()) > 5e-4  # it did move
 
 

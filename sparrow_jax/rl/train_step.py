@@ -4,7 +4,8 @@
                                  acceptance denominator and the DistillSparse teacher, all at once
   GRPO/DAPO loss x TIS        -> optax update of the base params
   sparse teacher-forced + LoRA -> PPO on the sparse actor + lambda * k3(dense || sparse)
-                                 -> optax update of the LoRA params only (base frozen, post-update)
+                                 -> optax update of the LoRA params only (on the frozen pre-update
+                                    base, the one the dense teacher log-probs come from)
   acceptance + tail stats     -> metrics
 With one PPO update per batch (the default) the dense log-probs come out of the gradient pass
 itself (ratio = exp(logp - stop_grad(logp)) = 1 with the right gradient), so nothing is computed
@@ -46,6 +47,7 @@ class StepConfig:
   dapo_filter: bool = False      # drop zero-variance groups from the loss (DAPO dynamic sampling)
   distill: bool = True           # DistillSparse LoRA update in the same step
   distill_kl_coef: float = 1e-3  # lambda of the k3 term
+  distill_ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
   tau: float = 0.86              # acceptance threshold (for the "fraction under tau" metric)
   bin_size: int = 2048           # position bin of the tail statistics
   num_bins: int = 20
@@ -108,7 +110,8 @@ def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig,
   pg, _ = losses.ppo_token_loss(logp_q, batch["logp_rollout"], adv_B, sc.eps_low, sc.eps_high,
                                 sc.dual_clip)
   kl = losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
-  loss = losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1]) + sc.distill_kl_coef * kl
+  loss = (sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
+          + sc.distill_kl_coef * kl)
   return loss, {"distill_kl": kl}
 
 
@@ -197,8 +200,11 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
 
     lora, lora_opt_state = state.lora, state.lora_opt_state
     if sc.distill:
+      # The teacher log-probs are those of the pre-update base, so the adapter is fitted on that
+      # same base: fitting sparse(new base) + LoRA to dense(old base) would teach the adapter to
+      # undo each policy update, and the actor would drift from the policy step after step.
       (d_loss, d_aux), d_grads = jax.value_and_grad(distill_loss, has_aux=True)(
-          lora, params, batch, adv_B, logp_dense, cfg, sc, sparse, schedule)
+          lora, state.params, batch, adv_B, logp_dense, cfg, sc, sparse, schedule)
       lora, lora_opt_state, d_norm, d_finite = _guarded_update(
           lora_optimizer, d_grads, lora_opt_state, lora, d_loss)
       metrics.update({"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"],

@@ -122,7 +122,8 @@ def step_config(c) -> ts.StepConfig:
       tis_level=c.rl.tis_level, loss_agg=c.rl.loss_agg, kl_coef=c.rl.kl_coef,
       entropy_coef=c.rl.entropy_coef, ppo_epochs=c.rl.ppo_epochs,
       num_minibatches=c.rl.num_minibatches, dapo_filter=c.rl.dapo_filter,
-      distill=c.distill.enabled, distill_kl_coef=c.distill.kl_coef, tau=c.stats.tau,
+      distill=c.distill.enabled, distill_kl_coef=c.distill.kl_coef,
+      distill_ppo_coef=c.distill.ppo_coef, tau=c.stats.tau,
       bin_size=c.stats.bin_size, num_bins=c.stats.num_bins, temperature=c.rollout.temperature)
 
 
