@@ -228,7 +228,6 @@ def token_logprobs(logits_BTV, targets_BT, temperature: float = 1.0):
   return jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
-
 def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None):
   """Dense pass over right-padded prompts that fills the cache. Returns the logits_BV of each row's
   last prompt token (which predict the first generated token) and the cache."""
