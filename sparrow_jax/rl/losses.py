@@ -65,6 +65,6 @@ def kl_penalty(logp_BT, logp_ref_BT, kind: str = "k3", clamp: float = 10.0):
 
 
 def entropy(logits_BTV):
-  """Entropy of softmax(logits) per position."""
+  """Entropy of softmax(logits) per position (log-probs work too: log_softmax is idempotent)."""
   logp = jax.nn.log_softmax(logits_BTV, axis=-1)
   return -jnp.sum(jnp.exp(logp) * logp, axis=-1)

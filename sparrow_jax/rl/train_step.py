@@ -66,7 +66,11 @@ class TrainState:
 
 def sequence_logprobs(logits_BSV, tokens_BS, temperature: float = 1.0):
   """[B, S] log-prob of token s from the logits at s - 1 (0 at s = 0)."""
-  logp = qwen3.token_logprobs(logits_BSV[:, :-1], tokens_BS[:, 1:], temperature)
+  return _gather_next(jax.nn.log_softmax(logits_BSV / temperature, axis=-1), tokens_BS)
+
+
+def _gather_next(logp_BSV, tokens_BS):
+  logp = jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
@@ -79,13 +83,14 @@ def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref
   """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update)."""
   mask = batch["gen_mask"]
   logits = qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
-  logp = sequence_logprobs(logits, batch["tokens"], sc.temperature)
+  logp_BSV = jax.nn.log_softmax(logits / sc.temperature, axis=-1)  # shared by logp, entropy, top-k
+  logp = _gather_next(logp_BSV, batch["tokens"])
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
   pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
   w = losses.tis_weight(old, batch["logp_rollout"], mask, sc.tis_cap, sc.tis_level)
   norm_len = mask.shape[1]
   loss = losses.aggregate(pg * w, mask, sc.loss_agg, norm_len)
-  ent = losses.aggregate(losses.entropy(logits[:, :-1] / sc.temperature), mask[:, 1:])
+  ent = losses.aggregate(losses.entropy(logp_BSV[:, :-1]), mask[:, 1:])
   loss = loss - sc.entropy_coef * ent
   if ref_params is not None and sc.kl_coef > 0:
     ref_logits = qwen3.forward(jax.lax.stop_gradient(ref_params), batch["tokens"], cfg,
@@ -94,7 +99,7 @@ def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref
     loss = loss + sc.kl_coef * losses.aggregate(losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
   aux = {"logp": jax.lax.stop_gradient(logp), "entropy": ent, "tis_weight": w,
          "clip_frac": losses.aggregate(clipped.astype(jnp.float32), mask),
-         "top_logp": jax.lax.top_k(jax.nn.log_softmax(logits / sc.temperature), 20)
+         "top_logp": jax.lax.top_k(jax.lax.stop_gradient(logp_BSV), 20)
          if "top_logp" in batch else None}
   return loss, aux
 

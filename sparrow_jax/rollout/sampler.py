@@ -67,29 +67,32 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, *, cfg,
                                  params["embed"].dtype)
   logits_BV, cache = qwen3.prefill(params, prompt_BT, prompt_len_B, cfg, cache, lora=lora)
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-  k = max(num_top_logprobs, 1)
 
   def emit(t, logits_BV, state):
     token_B, logp_BV = sample_token(logits_BV, jax.random.fold_in(key, t), temperature, top_p, top_k)
     done_B = state["done"]
     token_B = jnp.where(done_B, pad_id, token_B).astype(jnp.int32)
-    top_lp, top_id = jax.lax.top_k(logp_BV, k)
-    return dict(
+    new = dict(
         state,
         token=token_B,
         tokens=state["tokens"].at[:, t].set(token_B),
         logprobs=state["logprobs"].at[:, t].set(
             jnp.where(done_B, 0.0, jnp.take_along_axis(logp_BV, token_B[:, None], 1)[:, 0])),
-        top_lp=state["top_lp"].at[:, t].set(top_lp),
-        top_id=state["top_id"].at[:, t].set(top_id),
         lengths=state["lengths"] + (~done_B).astype(jnp.int32),
         done=done_B | jnp.isin(token_B, eos),
         t=t + 1)
+    if num_top_logprobs:  # only when asked: a top-k over the vocabulary at every step
+      top_lp, top_id = jax.lax.top_k(logp_BV, num_top_logprobs)
+      new.update(top_lp=state["top_lp"].at[:, t].set(top_lp),
+                 top_id=state["top_id"].at[:, t].set(top_id))
+    return new
 
   state = dict(t=0, token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
                tokens=jnp.full((B, N), pad_id, jnp.int32), logprobs=jnp.zeros((B, N), jnp.float32),
-               top_lp=jnp.zeros((B, N, k), jnp.float32), top_id=jnp.zeros((B, N, k), jnp.int32),
                lengths=jnp.zeros((B,), jnp.int32), cache=cache)
+  if num_top_logprobs:
+    state.update(top_lp=jnp.zeros((B, N, num_top_logprobs), jnp.float32),
+                 top_id=jnp.zeros((B, N, num_top_logprobs), jnp.int32))
   state = emit(0, logits_BV, state)
 
   def cond(state):
