@@ -62,9 +62,7 @@ def merge(base_params, lora: LoRA):
 
 
 def unmerge(merged_params, lora: LoRA):
-  """Inverse of `merge` (up to rounding in low precision)."""
-  return merge(merged_params, LoRA(
-      params=jax.tree_util.tree_map(lambda x: x, {"layers": [
-          {n: {"a": ad["a"], "b": -ad["b"]} for n, ad in layer.items()}
-          for layer in lora.params["layers"]]}),
-      scale=lora.scale))
+  """Inverse of `merge` (up to rounding in low precision): merge the negated adapters."""
+  negated = [{n: {"a": ad["a"], "b": -ad["b"]} for n, ad in layer.items()}
+             for layer in lora.params["layers"]]
+  return merge(merged_params, lora.replace(params={"layers": negated}))
