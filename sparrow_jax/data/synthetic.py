@@ -21,9 +21,11 @@ Interface as sparrow_jax.data.tasks.Task: `sample(n, position)` (problem i is a 
 `accuracy(...)`. Responses may be text or token ids (padding after <|im_end|> is ignored).
 
 Scoring: a hop is right when it starts from the previous hop's value (the start symbol for the
-first) and its value is the table's value for its key. The per-step score is the fraction of the
-H + 1 lookups (the `end` one included) the first H + 1 written hops get right: a dense reward that
-credits every correct lookup even after an earlier slip. Accuracy is the exact final answer.
+first), its key is on the chain and not credited before, and its value is the table's value for that
+key. The per-step score is the number of right hops among the first H + 1 written, over H + 1: a dense
+reward that credits every chain entry followed correctly even after an earlier slip, but not a loop
+back over entries already followed (a slip to an earlier key would otherwise re-earn them) nor a walk
+down the distractor chain. Accuracy is the exact final answer.
 """
 import dataclasses
 import json
@@ -183,16 +185,18 @@ class PointerChase:
     return words
 
   def step_scores(self, response, problem: Problem) -> float:
-    """Fraction of the problem's H + 1 lookups that the response's first H + 1 hops get right."""
+    """Right hops (see the module docstring) among the response's first H + 1, over H + 1."""
     words = self._words(response)
     if "answer" in words:
       words = words[:words.index("answer")]
-    right, expected = 0, problem.start
+    credited, expected = set(), problem.start
     for j in range(min(len(words) // 3, problem.num_steps)):
       a, b, sep = words[3 * j:3 * j + 3]
-      right += a == expected and sep == ";" and problem.table.get(a) == b
+      if (a == expected and sep == ";" and a in problem.chain and a not in credited
+          and problem.table[a] == b):
+        credited.add(a)
       expected = b
-    return right / problem.num_steps
+    return len(credited) / problem.num_steps
 
   def is_correct(self, response, problem: Problem) -> bool:
     """Exact final answer: the word after the first `answer` is s_H."""
