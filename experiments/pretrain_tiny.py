@@ -1,12 +1,14 @@
 """Pretrains the embedded default model: a tiny Qwen3 on the pointer-chasing task, on a CPU.
 
-  nice -n 10 python experiments/pretrain_tiny.py --workdir runs/pretrain_tiny --steps 3000
+  nice -n 10 python experiments/pretrain_tiny.py --workdir runs/pretrain_tiny --steps 3000 \
+      --decay_frac 0.2 --export assets/pointer_chase_tiny
 
 Teacher-forced next-token loss on the response tokens only (the prompt's table is random, so there is
-nothing to learn from predicting it). Problems of every length (1..128 hops) are mixed from the first
-step and packed into fixed rows with a per-problem attention mask and positions restarting at 0, so
-one compiled shape serves all lengths and short problems (where the lookup skill appears first) share
-each update with long ones. Small batches: many cheap updates beat few big ones for this model.
+nothing to learn from predicting it). Problems are packed into fixed rows with a per-problem attention
+mask and positions restarting at 0, one compiled shape per curriculum level (LEVELS below): the run
+starts on 1..4-hop tables and moves up a level (to 128 hops) each time the lookup accuracy on the
+current one reaches --promote_acc, replaying the lower levels on every other step. Small batches:
+many cheap updates beat few big ones for this model.
 
 Resumable: every `--ckpt_minutes` the params, optimizer state and step go to <workdir>/ckpt.npz
 (atomically), and the Hugging Face export is refreshed in <workdir>/hf; rerunning the same command
@@ -27,44 +29,53 @@ from tensorboardX import SummaryWriter
 
 import sparrow_jax as sj
 from sparrow_jax.data import synthetic
+from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import qwen3
 
-# Each step draws one length bucket (rows x row_len tokens, with the hop counts that fit it): short
-# rows keep the T^2 attention cheap where problems are short. Tiny tables (1..6 hops) dominate the
-# first `--early_steps`: with few entries a half-formed lookup circuit already lowers the loss, which
-# shortens the plateau before the lookup (induction) skill appears; every length (up to 128 hops, the
-# evaluation length) stays in the mix from the first steps, then the cycle balances the buckets.
-BUCKETS = {  # name: (row_len, rows, task)
-    "tiny": (128, 8, synthetic.PointerChase(min_hops=1, max_hops=6)),
-    "short": (256, 8, synthetic.PointerChase(min_hops=7, max_hops=32)),
-    "mid": (512, 4, synthetic.PointerChase(min_hops=33, max_hops=72)),
-    "long": (896, 2, synthetic.PointerChase(min_hops=73, max_hops=128)),
-}
-EARLY_CYCLE = ("tiny", "tiny", "short", "tiny", "tiny", "mid", "tiny", "tiny", "long")
-LATE_CYCLE = ("tiny", "short", "mid", "long", "short", "mid", "long")
+# A length curriculum. Level k trains on LEVELS[k] (hop range, row_len, rows: ~2K tokens a step, rows
+# short where problems are short so the T^2 attention stays cheap). The lookup (an induction circuit:
+# a previous-token head, then a head matching the query key against it) forms within a few hundred
+# updates on 1..4-hop tables but not when long tables dominate the batches (a 5100-step run mixing all
+# lengths from step 0 never formed it), so the run moves up a level once the lookup accuracy on the
+# current level reaches --promote_acc. Every other step replays a lower level so shorter lengths are
+# not forgotten.
+LEVELS = (  # (min_hops, max_hops, row_len, rows)
+    (1, 4, 64, 32),
+    (5, 8, 128, 16),
+    (9, 16, 256, 8),
+    (17, 32, 256, 8),
+    (33, 64, 512, 4),
+    (65, 128, 896, 2),
+)
 EVAL_TASK = synthetic.PointerChase()
 
 
 def model_config() -> sj.Qwen3Config:
+  # Two layers: the lookup needs exactly two (previous-token head, then the matching head), and half
+  # the depth is twice the updates per CPU-minute; with rollout.dense_layers = 1 the matching layer is
+  # the sparse one, so a small KV budget hits exactly the far-back lookups.
   return sj.Qwen3Config(
       vocab_size=len(synthetic.vocab()), hidden_size=128, intermediate_size=384,
-      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=2048)
 
 
-def bucket(step: int, early_steps: int) -> str:
-  cycle = EARLY_CYCLE if step < early_steps else LATE_CYCLE
-  return cycle[step % len(cycle)]
+def step_level(step: int, level: int) -> int:
+  """Even steps train the current level, odd steps replay the lower ones in turn."""
+  if level == 0 or step % 2 == 0:
+    return level
+  return (step // 2) % level
 
 
-def pack_batch(seed: int, step: int, name: str, scale: int = 1):
-  """Packs freshly sampled problems into the rows of bucket `name` (rows x `scale`).
+def pack_batch(seed: int, step: int, level: int, scale: int = 1):
+  """Packs freshly sampled problems of curriculum `level` into its rows (rows x `scale`).
 
   Returns int32 tokens, segment ids (0 = padding), positions, float32 loss weights (1 where the next
   token is a response token of the same problem) and the subset of weights on lookup targets (the
   value of each hop: the far-back retrievals), all [rows, row_len].
   """
-  row_len, rows, task = BUCKETS[name]
+  min_hops, max_hops, row_len, rows = LEVELS[level]
+  task = synthetic.PointerChase(min_hops=min_hops, max_hops=max_hops)
   rows *= scale
   rng = np.random.default_rng([seed, step])
   out = {name: np.zeros((rows, row_len), dt) for name, dt in (
@@ -124,13 +135,14 @@ def make_optimizer(args):
                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01)), schedule
 
 
-def save_checkpoint(workdir, step, elapsed, params, opt_state, history):
+def save_checkpoint(workdir, params, opt_state, state):
+  """Atomic: params + optimizer state to ckpt.npz, step / level / curves to state.json."""
   leaves = jax.tree_util.tree_leaves((params, opt_state))
   tmp = os.path.join(workdir, "ckpt.tmp.npz")
   np.savez(tmp, *[np.asarray(x) for x in leaves])
   os.replace(tmp, os.path.join(workdir, "ckpt.npz"))
   with open(os.path.join(workdir, "state.tmp.json"), "w") as f:
-    json.dump({"step": step, "elapsed_s": elapsed, "history": history}, f)
+    json.dump(state, f)
   os.replace(os.path.join(workdir, "state.tmp.json"), os.path.join(workdir, "state.json"))
 
 
@@ -140,8 +152,7 @@ def load_checkpoint(workdir, params, opt_state):
   treedef = jax.tree_util.tree_structure((params, opt_state))
   params, opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
   with open(os.path.join(workdir, "state.json")) as f:
-    state = json.load(f)
-  return params, opt_state, state["step"], state["elapsed_s"], state["history"]
+    return params, opt_state, json.load(f)
 
 
 def export(directory, cfg, params):
@@ -159,26 +170,36 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--workdir", default="runs/pretrain_tiny")
   p.add_argument("--export", default="", help="copy the final HF dir here (e.g. assets/...)")
-  p.add_argument("--steps", type=int, default=3000)
-  p.add_argument("--early_steps", type=int, default=1200, help="steps of the tiny-table-heavy mix")
-  p.add_argument("--batch_scale", type=int, default=1, help="multiplies every bucket's rows")
+  p.add_argument("--steps", type=int, default=12000)
+  p.add_argument("--promote_acc", type=float, default=0.85,
+                 help="lookup accuracy on the current level that moves the run up a level")
+  p.add_argument("--promote_window", type=int, default=100,
+                 help="current-level steps the promotion accuracy is averaged over")
+  p.add_argument("--batch_scale", type=int, default=1, help="multiplies every level's rows")
   p.add_argument("--lr", type=float, default=2e-3)
   p.add_argument("--warmup", type=int, default=100)
-  p.add_argument("--decay_frac", type=float, default=0.2, help="final share of steps decaying lr")
+  p.add_argument("--decay_frac", type=float, default=0.0, help="final share of steps decaying lr")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--log_every", type=int, default=20)
+  p.add_argument("--log_every", type=int, default=50)
   p.add_argument("--ckpt_minutes", type=float, default=4.0)
+  p.add_argument("--snapshot_every", type=int, default=0,
+                 help="also export <workdir>/snapshots/step_N every N steps (0 = off), to pick the "
+                      "checkpoint whose skill leaves RL room")
   args = p.parse_args()
   os.makedirs(args.workdir, exist_ok=True)
   cfg = model_config()
   params = sj.init_params(cfg, jax.random.PRNGKey(args.seed))
   optimizer, schedule = make_optimizer(args)
   opt_state = optimizer.init(params)
-  step, elapsed, history = 0, 0.0, []
+  # level_acc: lookup accuracy of the last --promote_window current-level steps, checkpointed so a
+  # resumed run promotes at the same step.
+  state = {"step": 0, "elapsed_s": 0.0, "level": 0, "level_acc": [], "promotions": [],
+           "history": []}
   if os.path.exists(os.path.join(args.workdir, "ckpt.npz")):
-    params, opt_state, step, elapsed, history = load_checkpoint(args.workdir, params, opt_state)
-    print(f"resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
-  print(f"params {qwen3.param_count(params):,}  cfg {cfg}", flush=True)
+    params, opt_state, state = load_checkpoint(args.workdir, params, opt_state)
+    print(f"resumed at step {state['step']}, level {state['level']} "
+          f"({state['elapsed_s'] / 60:.1f} min trained)", flush=True)
+  print(f"params {cost_model.param_count(cfg):,}  cfg {cfg}", flush=True)
 
   @jax.jit
   def train_step(params, opt_state, batch):
@@ -188,34 +209,54 @@ def main():
     return optax.apply_updates(params, updates), opt_state, metrics
 
   writer = SummaryWriter(os.path.join(args.workdir, "tb"))
-  t_last, t_ckpt, acc = time.time(), time.time(), []
-  while step < args.steps:
-    batch = pack_batch(args.seed, step, bucket(step, args.early_steps), args.batch_scale)
-    params, opt_state, metrics = train_step(params, opt_state, batch)
-    step += 1
-    acc.append(metrics)
+  t_last, t_ckpt, window, pending = time.time(), time.time(), [], []
+  while state["step"] < args.steps:
+    step, level = state["step"], state["level"]
+    trained = step_level(step, level)
+    params, opt_state, metrics = train_step(
+        params, opt_state, pack_batch(args.seed, step, trained, args.batch_scale))
+    state["step"] = step = step + 1
+    window.append(metrics)
+    if trained == level:
+      pending.append(metrics["lookup_acc"])   # read back at the log step, not every step
     if step % args.log_every == 0 or step == args.steps:
       now = time.time()
-      elapsed += now - t_last
-      mean = {k: float(np.mean([float(m[k]) for m in acc])) for k in acc[0]}
-      acc, t_last = [], now
+      state["elapsed_s"] += now - t_last
+      mean = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
+      state["level_acc"] = (state["level_acc"] + [float(x) for x in pending])[-args.promote_window:]
+      mean["level_lookup_acc"] = float(np.mean(state["level_acc"]))
+      window, pending, t_last = [], [], now
       for k, v in mean.items():
         writer.add_scalar(f"pretrain/{k}", v, step)
+      writer.add_scalar("pretrain/level", level, step)
       writer.add_scalar("pretrain/lr", float(schedule(step)), step)
-      history.append({"step": step, "minutes": round(elapsed / 60, 2),
-                      **{k: round(v, 4) for k, v in mean.items()}})
-      print(f"step {step:6d}  {elapsed / 60:6.1f} min  loss {mean['loss']:.4f}  "
-            f"tok_acc {mean['token_acc']:.3f}  lookup_acc {mean['lookup_acc']:.3f}  "
-            f"lookup_nll {mean['lookup_nll']:.3f}  gnorm {mean['grad_norm']:.2f}", flush=True)
+      state["history"].append({"step": step, "minutes": round(state["elapsed_s"] / 60, 2),
+                               "level": level, **{k: round(v, 4) for k, v in mean.items()}})
+      print(f"step {step:6d}  {state['elapsed_s'] / 60:6.1f} min  level {level} "
+            f"(hops {LEVELS[level][0]}-{LEVELS[level][1]})  loss {mean['loss']:.4f}  "
+            f"lookup_acc {mean['lookup_acc']:.3f}  level_lookup_acc "
+            f"{mean['level_lookup_acc']:.3f}  gnorm {mean['grad_norm']:.2f}", flush=True)
+      if (level + 1 < len(LEVELS) and len(state["level_acc"]) == args.promote_window
+          and mean["level_lookup_acc"] >= args.promote_acc):
+        state["level"] = level + 1
+        state["promotions"].append({"step": step, "level": level + 1,
+                                    "minutes": round(state["elapsed_s"] / 60, 2)})
+        state["level_acc"] = []
+        print(f"-> level {level + 1} (hops {LEVELS[level + 1][0]}-{LEVELS[level + 1][1]})",
+              flush=True)
+      if args.snapshot_every and step % args.snapshot_every == 0:
+        export(os.path.join(args.workdir, "snapshots", f"step_{step}"), cfg, params)
       if now - t_ckpt > args.ckpt_minutes * 60 or step == args.steps:
-        save_checkpoint(args.workdir, step, elapsed, params, opt_state, history)
+        save_checkpoint(args.workdir, params, opt_state, state)
         export(os.path.join(args.workdir, "hf"), cfg, params)
         t_ckpt = now
   writer.close()
   if args.export:
     export(args.export, cfg, params)
+    history = state["history"]
     with open(os.path.join(args.export, "pretrain_log.json"), "w") as f:
-      json.dump({"args": vars(args), "train_minutes": round(elapsed / 60, 1),
+      json.dump({"args": vars(args), "train_minutes": round(state["elapsed_s"] / 60, 1),
+                 "promotions": state["promotions"],
                  "history": history[::max(len(history) // 100, 1)] + history[-1:]}, f, indent=1)
     print(f"exported to {args.export}", flush=True)
 
