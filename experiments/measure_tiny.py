@@ -11,6 +11,8 @@
    bin of `--bin_size` tokens, with the per-step score of those sparse samples.
 3. Under the small budget `--small_budget`: the per-step score on all `--n` problems beside the dense
    one (same problems, same sampling key).
+4. With `--schedule` (a calibrated KVSchedule JSON): the same acceptance figures under it, and whether
+   p5 >= `--tau` holds in every position bin on these held-out problems.
 Prints a table and writes the figures to <model>/measurements.json.
 """
 import argparse
@@ -26,6 +28,7 @@ import sparrow_jax as sj
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.rl import trainer
 from sparrow_jax.rollout.sampler import full_sequences
 
 
@@ -83,7 +86,9 @@ def main():
   p.add_argument("--n_accept", type=int, default=64, help="problems per budget for acceptance")
   p.add_argument("--budgets", default="4,6,8,12,16,24", help="fixed KV budgets in pages")
   p.add_argument("--small_budget", type=int, default=8)
-  p.add_argument("--dense_layers", type=int, default=2)
+  p.add_argument("--dense_layers", type=int, default=1)
+  p.add_argument("--schedule", default="", help="KVSchedule JSON to check on held-out problems")
+  p.add_argument("--tau", type=float, default=0.86, help="p5 target of --schedule per bin")
   p.add_argument("--bin_size", type=int, default=128)
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--seed", type=int, default=1234, help="held-out task seed (training used 0)")
@@ -115,25 +120,44 @@ def main():
         f"context {ctx_len:.0f} tokens (response {resp_len:.0f})  [{time.time() - t0:.0f}s]",
         flush=True)
 
-  print(f"\n{'pages':>5} {'share':>6} {'score':>6} {'acc':>5} {'mean_a':>7} {'p5':>6} {'p1':>6}"
-        f"  p5 per {args.bin_size}-token bin (from bin 0)")
-  for pages in budgets:
-    schedule = KVSchedule.fixed(pages, page_size=16)
+  def measure(schedule):
+    """Sparse samples of the first --n_accept problems under `schedule`: scores and alpha tails."""
     sub = problems[:args.n_accept]
     rolls = sample(params, cfg, task, sub, key, sparse, schedule, args.batch)
     s_score, s_acc = scores(task, sub, rolls)
     a_N, m_N, pos_N = alphas(params, cfg, rolls, sparse, schedule, task.pad_id)
     st = {k: np.asarray(v).tolist() for k, v in acceptance.tail_stats(
         a_N, m_N, pos_N, bin_size=args.bin_size, num_bins=num_bins).items()}
-    row = {"share_of_context": pages * 16 / ctx_len, "step_score": float(s_score.mean()),
-           "dense_step_score_same_problems": float(dense_score[:args.n_accept].mean()),
-           "accuracy": float(s_acc.mean()), **{k: st[k] for k in (
-               "mean", "p1", "p5", "p10", "p50", "frac_above_0999", "count", "p5_bin", "mean_bin",
-               "count_bin")}}
+    return {"step_score": float(s_score.mean()),
+            "dense_step_score_same_problems": float(dense_score[:args.n_accept].mean()),
+            "accuracy": float(s_acc.mean()), **{k: st[k] for k in (
+                "mean", "p1", "p5", "p10", "p50", "frac_above_0999", "count", "p5_bin",
+                "mean_bin", "count_bin")}}
+
+  def bins(row):
+    return " ".join("  -  " if c == 0 else f"{v:.2f}"
+                    for v, c in zip(row["p5_bin"], row["count_bin"]))
+
+  print(f"\n{'pages':>5} {'share':>6} {'score':>6} {'acc':>5} {'mean_a':>7} {'p5':>6} {'p1':>6}"
+        f"  p5 per {args.bin_size}-token bin (from bin 0)")
+  for pages in budgets:
+    row = {"share_of_context": pages * 16 / ctx_len,
+           **measure(KVSchedule.fixed(pages, page_size=16))}
     results["sparse"]["budgets"][str(pages)] = row
-    bins = " ".join("  -  " if c == 0 else f"{v:.2f}" for v, c in zip(st["p5_bin"], st["count_bin"]))
     print(f"{pages:5d} {row['share_of_context']:6.1%} {row['step_score']:6.3f} {row['accuracy']:5.2f}"
-          f" {st['mean']:7.4f} {st['p5']:6.3f} {st['p1']:6.3f}  {bins}  [{time.time() - t0:.0f}s]",
+          f" {row['mean']:7.4f} {row['p5']:6.3f} {row['p1']:6.3f}  {bins(row)}  "
+          f"[{time.time() - t0:.0f}s]", flush=True)
+
+  if args.schedule:
+    schedule = trainer.make_schedule(args.schedule, page_size=16)
+    row = measure(schedule)
+    counted = [v for v, c in zip(row["p5_bin"], row["count_bin"]) if c > 0]
+    row.update(schedule=args.schedule, tau=args.tau, min_p5_bin=min(counted),
+               all_bins_at_tau=bool(min(counted) >= args.tau))
+    results["calibrated"] = row
+    print(f"\ncalibrated {args.schedule}: score {row['step_score']:.3f}  mean_a {row['mean']:.4f}  "
+          f"p5 {row['p5']:.3f}  p5 per bin {bins(row)}  min {row['min_p5_bin']:.3f} "
+          f"{'>=' if row['all_bins_at_tau'] else '<'} tau {args.tau}  [{time.time() - t0:.0f}s]",
           flush=True)
 
   schedule = KVSchedule.fixed(args.small_budget, page_size=16)
