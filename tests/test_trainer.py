@@ -7,10 +7,13 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+import sparrow_jax as sj
 from configs import default
+from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.rl import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,3 +119,21 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
   assert len(rows) == 2
   assert all(0.0 <= r["reward/mean"] <= 1.0 and r["kv/read_fraction"] < 1.0 for r in rows)
   assert os.path.exists(tmp_path / "run" / "summary.json")
+  # The final policy is exported as an HF dir with the source model's tokenizer.
+  hf_dir, model_dir = str(tmp_path / "run" / "hf"), str(tmp_path / "model")
+  assert sj.load_hf(hf_dir)[0] == sj.load_hf(model_dir)[0]
+  assert load_tokenizer(hf_dir).eos_ids == load_tokenizer(model_dir).eos_ids
+
+
+def test_export_policy_round_trips(tmp_path):
+  """A random-preset policy exports with the synthetic task's tokenizer and loads back bit-exact."""
+  c = config(model__hf_dir="", model__preset="tiny")
+  task = trainer.make_task(c)
+  cfg, params, _ = trainer.load_model(c, task)
+  trainer.export_policy(c, cfg, params, str(tmp_path / "hf"))
+  cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
+  assert cfg2 == cfg
+  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tok = load_tokenizer(str(tmp_path / "hf"))
+  assert tok.eos_ids == (task.eos_id,) and tok.pad_id == task.pad_id

@@ -6,6 +6,7 @@ and restarted with the same workdir replays exactly the steps an uninterrupted r
 """
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -23,7 +24,7 @@ from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_hf
+from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rl import train_step as ts
@@ -113,6 +114,23 @@ def load_model(c, task):
   preset = Qwen3Config.preset(c.model.preset)
   cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
   return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
+
+
+def export_policy(c, cfg, params, directory):
+  """The trained policy as a Hugging Face dir (sj.load_hf, transformers, experiments/evaluate.py):
+  weights and config, plus the tokenizer and generation files of the source model dir (or the
+  synthetic task's tokenizer for a random preset)."""
+  save_hf(directory, cfg, params)
+  if not c.model.hf_dir:
+    synthetic.save_tokenizer(directory)
+    return
+  for name in _TOKENIZER_FILES:
+    if os.path.exists(os.path.join(c.model.hf_dir, name)):
+      shutil.copy(os.path.join(c.model.hf_dir, name), directory)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "generation_config.json")
 
 
 def step_config(c) -> ts.StepConfig:
@@ -241,6 +259,8 @@ def train(c: ml_collections.ConfigDict) -> list:
                                              "data_position": (step + 1) * n_prompts})
   mgr.wait_until_finished()
   logger.close()
+  if c.export_hf:
+    export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"))
   with open(os.path.join(c.workdir, "summary.json"), "w") as f:
     json.dump({"steps": c.total_steps, "last": rows[-1] if rows else None}, f, indent=2)
   return rows
