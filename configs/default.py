@@ -3,7 +3,7 @@ Qwen3 shipped in assets/, on a laptop CPU in minutes.
 
 The shipped model (0.42M params, 2 layers, 2400 steps of curriculum pretraining on this CPU) retrieves
 the value of every hop from the prompt's table up to ~800 tokens back, but sampled at temperature 1.0
-it slips on about one lookup in a hundred, and a slip derails the chain: its per-step score on
+it first slips around hop 17 on average, and a slip derails the chain: its per-step score on
 128-hop chains (~450 prompt tokens, responses up to 390) leaves RL room. Layer 0 (it gathers each
 table entry into its `;`) stays dense; layer 1 does the lookups under the tau-0.86 schedule calibrated
 for this model (assets/pointer_chase_tiny/calibration/). See README "Embedded default".

@@ -33,8 +33,9 @@ from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import qwen3
 
 # A length curriculum. Level k trains on LEVELS[k] (hop range, row_len, rows: ~2K tokens a step, rows
-# short where problems are short so the T^2 attention stays cheap). The lookup (an induction circuit:
-# a previous-token head, then a head matching the query key against it) forms within a few hundred
+# short where problems are short so the T^2 attention stays cheap). The lookup (a two-layer circuit:
+# layer 0 gathers each entry's key into its `;`, a layer-1 head matches the current key there and
+# copies the value; see assets/pointer_chase_tiny/README.md) forms within a few hundred
 # updates on 1..4-hop tables but not when long tables dominate the batches (a 5100-step run mixing all
 # lengths from step 0 never formed it), so the run moves up a level once the lookup accuracy on the
 # current level reaches --promote_acc. Every other step replays a lower level so shorter lengths are
@@ -51,7 +52,7 @@ EVAL_TASK = synthetic.PointerChase()
 
 
 def model_config() -> sj.Qwen3Config:
-  # Two layers: the lookup needs exactly two (previous-token head, then the matching head), and half
+  # Two layers: the lookup needs two (gather each entry into its `;`, then match and copy), and half
   # the depth is twice the updates per CPU-minute; with rollout.dense_layers = 1 the matching layer is
   # the sparse one, so a small KV budget hits exactly the far-back lookups.
   return sj.Qwen3Config(

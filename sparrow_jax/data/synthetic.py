@@ -189,10 +189,10 @@ class PointerChase:
     words = self._words(response)
     if "answer" in words:
       words = words[:words.index("answer")]
-    credited, expected = set(), problem.start
+    chain, credited, expected = set(problem.chain), set(), problem.start
     for j in range(min(len(words) // 3, problem.num_steps)):
       a, b, sep = words[3 * j:3 * j + 3]
-      if (a == expected and sep == ";" and a in problem.chain and a not in credited
+      if (a == expected and sep == ";" and a in chain and a not in credited
           and problem.table[a] == b):
         credited.add(a)
       expected = b
