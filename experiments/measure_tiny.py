@@ -127,7 +127,8 @@ def main():
     s_score, s_acc = scores(task, sub, rolls)
     a_N, m_N, pos_N = alphas(params, cfg, rolls, sparse, schedule, task.pad_id)
     st = {k: np.asarray(v).tolist() for k, v in acceptance.tail_stats(
-        a_N, m_N, pos_N, bin_size=args.bin_size, num_bins=num_bins).items()}
+        a_N, m_N, pos_N, bin_size=args.bin_size, num_bins=num_bins,
+        page_size=sparse.page_size).items()}
     return {"step_score": float(s_score.mean()),
             "dense_step_score_same_problems": float(dense_score[:args.n_accept].mean()),
             "accuracy": float(s_acc.mean()), **{k: st[k] for k in (

@@ -9,7 +9,12 @@ from sparrow_jax.rl import advantages, losses
 
 def test_grpo_drgrpo_rloo_by_hand():
   r = jnp.asarray([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
-  np.testing.assert_allclose(advantages.advantages(r, 4, "grpo"), [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
+  np.testing.assert_allclose(advantages.advantages(r, 4, "grpo", std_ddof=0),
+                             [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
+  # the default, as the reference's torch.std: the unbiased std sqrt(1/3) of [1, 0, 0, 1]
+  np.testing.assert_allclose(advantages.advantages(r, 4, "grpo"),
+                             np.asarray([1, -1, -1, 1, 0, 0, 0, 0]) * 0.5 / np.sqrt(1 / 3),
+                             atol=1e-5)
   np.testing.assert_allclose(advantages.advantages(r, 4, "dr_grpo"),
                              [.5, -.5, -.5, .5, 0, 0, 0, 0], atol=1e-6)
   # rloo: r_i - mean of the other three, e.g. 1 - (0 + 0 + 1) / 3 = 2/3
@@ -75,3 +80,20 @@ def test_kl_estimators_and_entropy():
   np.testing.assert_allclose(losses.kl_penalty(lp, ref, "k3"), [0.5 + np.log(2) - 1], rtol=1e-5)
   assert float(losses.kl_penalty(lp, lp, "k3")[0]) == 0.0
   np.testing.assert_allclose(losses.entropy(jnp.zeros((1, 4))), [np.log(4)], rtol=1e-6)
+
+
+def test_k3_is_capped_like_verl_low_var_kl():
+  lp = jnp.log(jnp.asarray([1e-30, 0.5, 0.9]))
+  ref = jnp.log(jnp.asarray([0.9, 0.5, 0.9 * np.exp(-5.0)]))
+  k3 = losses.kl_penalty(lp, ref, "k3")
+  # d = log ref - log pi = +69 (clamped to 20: e^20 - 21, capped at 10), 0, -5 (e^-5 + 5 - 1)
+  np.testing.assert_allclose(k3, [10.0, 0.0, np.exp(-5.0) + 4], rtol=1e-5)
+  assert float(jnp.max(k3)) <= losses.K3_CAP
+
+
+def test_ppo_ratio_overflow_gives_finite_gradients():
+  logp_old = jnp.asarray([[-200.0, 0.0]])     # a token the old policy all but ruled out
+  logp = jnp.asarray([[-1.0, 0.0]])           # exp(199) overflows float32 without the clamp
+  loss = lambda lp: losses.ppo_token_loss(lp, logp_old, jnp.asarray([-1.0]), 0.2, 0.28)[0].sum()
+  value, grad = jax.value_and_grad(loss)(logp)
+  assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()

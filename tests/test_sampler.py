@@ -114,3 +114,31 @@ def test_bad_input_rejected():
                 schedule=KVSchedule.fixed(8, page_size=16))
   with pytest.raises(ValueError, match="attention_impl"):
     SparseConfig(attention_impl="cuda")
+
+
+@pytest.mark.parametrize("trunc", [dict(top_k=5), dict(top_p=0.6), dict(top_k=8, top_p=0.8)])
+def test_logprobs_are_of_the_truncated_distribution(trunc):
+  """Under top-k / top-p the behaviour log-prob is that of the renormalised truncated softmax (what
+  was sampled), not of the full softmax."""
+  out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(9), max_new_tokens=20,
+                    temperature=0.7, num_top_logprobs=3, **trunc)
+  seq_BS, _ = sampler.full_sequences(PROMPT, PROMPT_LEN, out)
+  logp_BSV = np.asarray(jax.nn.log_softmax(sj.forward(PARAMS, seq_BS, CFG) / 0.7, axis=-1),
+                        np.float64)
+  valid = np.arange(20)[None] < np.asarray(out.lengths)[:, None]
+  for b in range(3):
+    for j in np.nonzero(valid[b])[0]:
+      p_V = np.exp(logp_BSV[b, int(PROMPT_LEN[b]) + j - 1])  # the logits that predicted token j
+      order = np.argsort(-p_V)
+      keep = np.zeros_like(p_V, bool)
+      keep[order[:trunc.get("top_k", len(p_V))]] = True
+      q_V = np.where(keep, p_V, 0) / np.where(keep, p_V, 0).sum()
+      if "top_p" in trunc:
+        sorted_q = q_V[order]
+        keep[order[(np.cumsum(sorted_q) - sorted_q) >= trunc["top_p"]]] = False
+        q_V = np.where(keep, q_V, 0) / np.where(keep, q_V, 0).sum()
+      token = int(out.tokens[b, j])
+      assert keep[token], (b, j)
+      np.testing.assert_allclose(float(out.logprobs[b, j]), np.log(q_V[token]), atol=1e-4)
+      np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[b, j], np.float64)),
+                                 np.sort(q_V)[::-1][:3], atol=1e-4)

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparrow_jax.mismatch import schedule as schedule_lib
 from sparrow_jax.mismatch.schedule import KVSchedule
 
 # The tau-0.86 tables (and 1.7B at 0.80) as printed in the project brief.
@@ -126,3 +127,39 @@ def test_unknown_paper_schedule_lists_known_ones():
     KVSchedule.paper("qwen3-8b", 0.88)
   with pytest.raises(ValueError, match="known"):
     KVSchedule.paper("llama-8b", 0.86)
+
+
+def test_parse_specs_and_errors_name_the_field(tmp_path):
+  assert KVSchedule.parse("fixed:9", 16) == KVSchedule.fixed(9)
+  assert KVSchedule.parse("paper:qwen3-4b:0.86", 16) == KVSchedule.paper("qwen3-4b", 0.86)
+  path = tmp_path / "s.json"
+  path.write_text(KVSchedule.table((1, 2), page_size=4, bin_size=8).to_json())
+  assert KVSchedule.parse(str(path), 4).values == (1, 2)
+  for spec, match in [("fixed:abc", "fixed:abc"), ("paper:qwen3-1.7b", "paper:MODEL:TAU"),
+                      ("nope.json", "KVSchedule JSON"), (str(path), "page_size 4")]:
+    with pytest.raises(ValueError, match="rollout.schedule") as e:
+      KVSchedule.parse(spec, 16)
+    assert match in str(e.value)
+
+
+def test_stages_switch_at_their_steps():
+  stages = schedule_lib.parse_stages("0:paper:qwen3-1.7b:0.86,200:paper:qwen3-1.7b:0.80", 16)
+  assert [start for start, _ in stages] == [0, 200]
+  assert schedule_lib.stage_at(stages, 199) == KVSchedule.paper("qwen3-1.7b", 0.86)
+  assert schedule_lib.stage_at(stages, 200) == KVSchedule.paper("qwen3-1.7b", 0.80)
+  assert schedule_lib.parse_stages("fixed:8", 16) == ((0, KVSchedule.fixed(8)),)
+  for spec in ("5:fixed:8", "0:fixed:8,0:fixed:9", "0:fixed:8,x"):
+    with pytest.raises(ValueError, match="rollout.schedule"):
+      schedule_lib.parse_stages(spec, 16)
+
+
+def test_position_bin_is_the_table_schedules_bin():
+  # cached lengths 0..40 at page 4, bins of 8 tokens: bin = ceil(len / 4) // 2
+  lens = np.arange(41)
+  np.testing.assert_array_equal(schedule_lib.position_bin(lens, 4, 8), -(-lens // 4) // 2)
+  table = KVSchedule.table((0, 1, 2, 3, 4, 5), page_size=4, always_kept=0, bin_size=8)
+  pages = -(-lens // 4)
+  want = np.minimum(np.minimum(schedule_lib.position_bin(lens, 4, 8), 5), pages)
+  np.testing.assert_array_equal(table.budget_pages(lens), want)
+  with pytest.raises(ValueError, match="bin_size"):
+    schedule_lib.position_bin(lens, 16, 24)

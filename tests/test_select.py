@@ -32,3 +32,10 @@ def test_decode_pages_equal_keep_pages(sink, local):
   # the full budget keeps every page holding tokens
   n_pages = (np.asarray(lengths) - 1) // 4 + 1
   assert (np.asarray(want).sum(-1)[-1] == np.minimum(budget[-1], n_pages[-1])).all()
+
+
+def test_zero_local_pages_rejected():
+  # With no local page the partial current page would be scored, and its teacher-forced centroid
+  # would include keys written after the query: sampler and trainer would disagree.
+  with pytest.raises(ValueError, match="local_pages"):
+    SparseConfig(local_pages=0)

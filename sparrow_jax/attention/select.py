@@ -31,6 +31,11 @@ class SparseConfig:
     for name in ("sink_pages", "local_pages", "dense_layers"):
       if getattr(self, name) < 0:
         raise ValueError(f"SparseConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.local_pages < 1:
+      # The current page is partial while it fills: as a scored page its centroid would mix in the
+      # keys written after the query in teacher forcing, so sampler and trainer would disagree.
+      raise ValueError(f"SparseConfig.local_pages must be >= 1 (the current, partial page is "
+                       f"always read), got {self.local_pages}")
     if self.attention_impl not in IMPLS:
       raise ValueError(f"SparseConfig.attention_impl must be one of {IMPLS}, "
                        f"got {self.attention_impl!r}")

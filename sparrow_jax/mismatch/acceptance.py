@@ -11,6 +11,8 @@ with by the `mask_BT` of the statistics functions.
 import jax.numpy as jnp
 from jax import lax
 
+from sparrow_jax.mismatch.schedule import position_bin
+
 PERCENTILES = (1, 5, 10, 50)
 HIGH_ALPHA = 0.999  # "frac_above_0999": tokens where p and q practically agree
 
@@ -88,6 +90,30 @@ def topk_acceptance_bound(top_logp_p_BTk, top_ids_p_BTk, top_logp_q_BTk, top_ids
   return jnp.exp(jnp.minimum(top_logp_p_BTk, lq_at_p_BTk)).sum(-1)
 
 
+def topk_bound_from_logits(logits_p_BTV, logits_q_BTV, k=20, temperature=1.0, chunk_size=8192):
+  """`topk_acceptance_bound` of each side's top-`k` of log_softmax(logits / T): the reference
+  code's `sum_min_from_topk` (k = 20), the statistic the paper's tau was measured with.
+
+  The top-k is taken on the raw logits (dividing by T > 0 keeps the order) and normalized with the
+  chunked logsumexp, so no [B, T, V] log-softmax copy is made (151K vocabulary).
+  """
+  if logits_p_BTV.shape != logits_q_BTV.shape:
+    raise ValueError(f"logits_p_BTV {logits_p_BTV.shape} and logits_q_BTV {logits_q_BTV.shape} "
+                     "must have the same shape")
+  if not 1 <= k <= logits_p_BTV.shape[-1]:
+    raise ValueError(f"k must be in [1, {logits_p_BTV.shape[-1]}] (the vocabulary), got {k}")
+  if isinstance(temperature, (int, float)) and temperature <= 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}")
+  inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
+
+  def top(logits_BTV):
+    top_BTk, ids_BTk = lax.top_k(logits_BTV, k)
+    lse_BT = _logsumexp(logits_BTV, chunk_size, inv_temp)
+    return top_BTk.astype(jnp.float32) * inv_temp - lse_BT[..., None], ids_BTk
+
+  return topk_acceptance_bound(*top(logits_p_BTV), *top(logits_q_BTV))
+
+
 def sampled_acceptance(logp_p_BT, logp_q_BT):
   """min(1, p(x)/q(x)) for the token x that was sampled from q: an unbiased estimate of alpha,
   free in every RL step (logp_q from the rollout, logp_p from the dense re-score)."""
@@ -112,12 +138,15 @@ def _summary(sorted_N, start, count, sum_alpha, num_high, suffix):
   return stats
 
 
-def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20):
+def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page_size=1):
   """Masked tail statistics of alpha, overall and per position bin.
 
   positions_BT is each token's absolute position in its sequence, counting prompt + generated
-  tokens (position 0 = first prompt token), so bin b holds positions [b*bin_size, (b+1)*bin_size).
-  Tokens at positions >= num_bins * bin_size count in the overall statistics only.
+  tokens (position 0 = first prompt token), which is also the number of tokens cached when it was
+  decoded. Bins are `schedule.position_bin(position, page_size, bin_size)`: with page_size 1, bin b
+  holds positions [b*bin_size, (b+1)*bin_size); with the KV page size, a token is binned by the
+  whole pages cached at its decode step, exactly as a table schedule picks that step's budget.
+  Tokens past the last bin count in the overall statistics only.
 
   Returns a dict of jnp arrays: overall scalars "p1", "p5", "p10", "p50", "mean",
   "frac_above_0999", "count" (int32), and the same per bin with a "_bin" suffix, shape [num_bins].
@@ -126,7 +155,7 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20):
   """
   alpha_N = jnp.asarray(alpha_BT, jnp.float32).reshape(-1)
   valid_N = jnp.asarray(mask_BT, bool).reshape(-1)
-  bin_N = jnp.asarray(positions_BT).reshape(-1) // bin_size
+  bin_N = position_bin(jnp.asarray(positions_BT).reshape(-1), page_size, bin_size)
   high_N = (alpha_N > HIGH_ALPHA) & valid_N
   count = valid_N.sum(dtype=jnp.int32)
   overall = _summary(jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)), 0, count,

@@ -21,7 +21,11 @@ Kinds (`values` depends on the kind):
 """
 import dataclasses
 import json
+import os
+import re
 
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 _KINDS = ("fixed", "table", "linear")
@@ -154,13 +158,37 @@ class KVSchedule:
     if self.kind == "fixed":
       want = jnp.full_like(cached_pages, self.values[0])
     elif self.kind == "table":
-      bins = jnp.minimum(cached_pages // (self.bin_size // self.page_size), len(self.values) - 1)
+      bins = jnp.minimum(position_bin(cached_len, self.page_size, self.bin_size),
+                         len(self.values) - 1)
       want = jnp.asarray(self.values, jnp.int32)[bins] + self.always_kept
     else:
       ratio, max_topk = self.values
       topk = jnp.floor(ratio * cached_pages.astype(jnp.float32)).astype(jnp.int32)
       want = jnp.minimum(topk, max_topk) + self.always_kept
     return jnp.minimum(want, cached_pages)
+
+  @classmethod
+  def parse(cls, spec: str, page_size: int, field: str = "rollout.schedule") -> "KVSchedule":
+    """'fixed:PAGES' | 'paper:MODEL:TAU' | path to a KVSchedule JSON; errors name `field`."""
+    try:
+      if spec.startswith("fixed:"):
+        schedule = cls.fixed(int(spec[len("fixed:"):]), page_size=page_size)
+      elif spec.startswith("paper:"):
+        if spec.count(":") != 2:
+          raise ValueError("expected 'paper:MODEL:TAU', e.g. 'paper:qwen3-1.7b:0.86'")
+        model, tau = spec[len("paper:"):].split(":")
+        schedule = cls.paper(model, float(tau))
+      elif os.path.isfile(spec):
+        with open(spec) as f:
+          schedule = cls.from_json(f.read())
+      else:
+        raise ValueError("not 'fixed:PAGES', 'paper:MODEL:TAU' or an existing KVSchedule JSON file")
+    except ValueError as e:
+      raise ValueError(f"config.{field} = {spec!r}: {e}") from None
+    if schedule.page_size != page_size:
+      raise ValueError(f"config.{field} = {spec!r} has page_size {schedule.page_size} but "
+                       f"config.rollout.page_size is {page_size}")
+    return schedule
 
   def to_json(self) -> str:
     return json.dumps({name: getattr(self, name) for name in _FIELDS})
@@ -172,6 +200,58 @@ class KVSchedule:
       got = sorted(d) if isinstance(d, dict) else type(d).__name__
       raise ValueError(f"KVSchedule JSON must have exactly the fields {list(_FIELDS)}, got {got}")
     return cls(**d)
+
+
+def parse_stages(spec: str, page_size: int, field: str = "rollout.schedule") -> tuple:
+  """A schedule that changes during training: 'STEP:SCHEDULE,STEP:SCHEDULE,...' (steps increasing,
+  the first 0), e.g. '0:paper:qwen3-1.7b:0.86,200:paper:qwen3-1.7b:0.80' as the paper switches
+  tau with DistillSparse; a plain schedule spec is one stage from step 0.
+  -> ((start_step, KVSchedule), ...)."""
+  parts = spec.split(",") if re.match(r"^\d+:", spec) else [f"0:{spec}"]
+  stages = []
+  for part in parts:
+    match = re.match(r"^(\d+):(.+)$", part.strip())
+    if not match:
+      raise ValueError(f"config.{field} = {spec!r}: stage {part!r} is not 'STEP:SCHEDULE'")
+    stages.append((int(match.group(1)), KVSchedule.parse(match.group(2), page_size, field)))
+  starts = [start for start, _ in stages]
+  if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+    raise ValueError(f"config.{field} = {spec!r}: stage steps must start at 0 and increase, got "
+                     f"{starts}")
+  return tuple(stages)
+
+
+def stage_at(stages, step: int) -> KVSchedule:
+  """The schedule in force at training step `step` (0-based)."""
+  return [schedule for start, schedule in stages if start <= step][-1]
+
+
+@flax.struct.dataclass
+class BudgetTable:
+  """A schedule evaluated at every cached length 0..max_len: the budget representation that
+  crosses jit (train step, sparse teacher forcing, calibration). It is a traced int32 array, so a
+  new schedule (a training stage, a calibration candidate) never recompiles; a `KVSchedule` is a
+  static argument and would."""
+  pages_by_len: jax.Array  # [max_len + 1] pages kept at each cached length
+
+  def budget_pages(self, cached_len):
+    return self.pages_by_len[cached_len]
+
+
+def position_bin(cached_len, page_size: int, bin_size: int):
+  """Bin of a decode step that attends to `cached_len` tokens: whole pages cached // pages per bin.
+
+  The one position binning of the project: a table schedule's budget, calibration's p5 surface and
+  the trainer's tail statistics all bin by it, so "bin k" covers the same tokens everywhere. In the
+  token alignment of the trainer and calibration (value[s] concerns token s), the step that
+  produced token s attended to s cached tokens, so cached_len is the token's index s. With
+  page_size 1 it is plain `cached_len // bin_size`.
+  """
+  if page_size < 1 or bin_size < page_size or bin_size % page_size:
+    raise ValueError(f"bin_size ({bin_size}) must be a positive multiple of page_size "
+                     f"({page_size})")
+  cached_pages = (jnp.asarray(cached_len, jnp.int32) + page_size - 1) // page_size
+  return cached_pages // (bin_size // page_size)
 
 
 def _is_int(x) -> bool:

@@ -14,10 +14,12 @@ def _groups(rewards_B, group_size):
   return rewards_B.reshape(-1, group_size).astype(jnp.float32)
 
 
-def advantages(rewards_B, group_size: int, estimator: str = "grpo", eps: float = 1e-6):
+def advantages(rewards_B, group_size: int, estimator: str = "grpo", eps: float = 1e-6,
+               std_ddof: int = 1):
   """Per-row advantages [B].
 
-  grpo: (r - group mean) / group std (DeepSeekMath); dr_grpo: r - group mean, no std (Dr. GRPO,
+  grpo: (r - group mean) / group std (DeepSeekMath; by default the unbiased std, std_ddof=1, as the
+  reference's `torch.std`; 0 for the population std); dr_grpo: r - group mean, no std (Dr. GRPO,
   Liu et al. 2025, which removes the difficulty bias of the std); rloo: r - mean of the *other*
   rows of the group (leave-one-out baseline, Ahmadian et al. 2024).
   """
@@ -26,7 +28,7 @@ def advantages(rewards_B, group_size: int, estimator: str = "grpo", eps: float =
   r_GN = _groups(rewards_B, group_size)
   mean = jnp.mean(r_GN, axis=1, keepdims=True)
   if estimator == "grpo":
-    std = jnp.std(r_GN, axis=1, keepdims=True)
+    std = jnp.std(r_GN, axis=1, keepdims=True, ddof=std_ddof)
     adv = jnp.where(std > eps, (r_GN - mean) / jnp.maximum(std, eps), 0.0)
   elif estimator == "dr_grpo":
     adv = r_GN - mean

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 TIS_LEVELS = ("token", "sequence", "none")
 KL_KINDS = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp (verl's PPO ratio and low_var_kl)
+K3_CAP = 10.0           # per-token k3 cap (verl's low_var_kl)
 
 
 def aggregate(loss_BT, mask_BT, mode: str = "token-mean", norm_len: float = 1.0):
@@ -44,7 +46,9 @@ def ppo_token_loss(logp_BT, logp_old_BT, adv_B, eps_low: float, eps_high: float,
 
   With dual_clip = c > 1, negative-advantage tokens are additionally bounded by -c * A, so a huge
   ratio on a bad token cannot dominate the update (Ye et al. 2020)."""
-  ratio = jnp.exp(logp_BT - logp_old_BT)
+  # Clamped before exp as verl does: an overflow would give inf * 0 = NaN gradients (a skipped
+  # update) where the clip makes the gradient zero anyway.
+  ratio = jnp.exp(jnp.clip(logp_BT - logp_old_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
   adv = adv_B[:, None]
   unclipped, clipped = -adv * ratio, -adv * jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
   loss = jnp.maximum(unclipped, clipped)
@@ -53,15 +57,17 @@ def ppo_token_loss(logp_BT, logp_old_BT, adv_B, eps_low: float, eps_high: float,
   return loss, clipped > unclipped
 
 
-def kl_penalty(logp_BT, logp_ref_BT, kind: str = "k3", clamp: float = 10.0):
+def kl_penalty(logp_BT, logp_ref_BT, kind: str = "k3"):
   """Per-token estimate of KL(pi || ref) from samples of pi: k1 = log pi - log ref;
-  k3 = exp(d) - d - 1 with d = log ref - log pi (Schulman's low-variance, non-negative form)."""
+  k3 = exp(d) - d - 1 with d = log ref - log pi (Schulman's low-variance, non-negative form),
+  capped like verl's `low_var_kl`: d clamped to +-20, the per-token value to <= 10 (a token the
+  policy all but rules out would otherwise contribute up to e^20 and swamp the batch)."""
   if kind == "k1":
     return logp_BT - logp_ref_BT
   if kind != "k3":
     raise ValueError(f"KL estimator must be one of {KL_KINDS}, got {kind!r}")
-  d = jnp.clip(logp_ref_BT - logp_BT, -clamp, clamp)
-  return jnp.exp(d) - d - 1
+  d = jnp.clip(logp_ref_BT - logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return jnp.minimum(jnp.exp(d) - d - 1, K3_CAP)
 
 
 def entropy(logits_BTV):

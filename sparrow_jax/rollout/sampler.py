@@ -21,9 +21,9 @@ from sparrow_jax.model.config import Qwen3Config
 @flax.struct.dataclass
 class Rollout:
   tokens: jax.Array          # [B, N] completion tokens (EOS kept), pad_id after each row's length
-  logprobs: jax.Array        # [B, N] log-prob of each sampled token under the sampling policy
+  logprobs: jax.Array        # [B, N] log-prob of each sampled token under the sampled distribution
   lengths: jax.Array         # [B] completion lengths
-  top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k log-probs per step (if asked)
+  top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k of those log-probs per step (if asked)
   top_ids: Optional[jax.Array] = None       # [B, N, k] their token ids
 
 
@@ -39,21 +39,24 @@ def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
 
 
 def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
-  """Draws one token per row. Greedy when temperature == 0. Returns (token_B, logp_BV) where logp is
-  the policy's temperature-scaled log-softmax (top-p / top-k only restrict which token is drawn)."""
+  """Draws one token per row -> (token_B, logp_BV), logp being the log-probs of the distribution
+  actually sampled: softmax(logits / temperature) truncated to the top-k tokens and then to the
+  top-p mass, renormalised (-inf outside). Those are the behaviour log-probs that importance
+  weights and acceptance need. Greedy when temperature == 0 (a point mass: log-prob 0)."""
   if temperature == 0.0:
-    return jnp.argmax(logits_BV, axis=-1), jax.nn.log_softmax(logits_BV, axis=-1)
+    token_B = jnp.argmax(logits_BV, axis=-1)
+    hit_BV = jnp.arange(logits_BV.shape[-1]) == token_B[:, None]
+    return token_B, jnp.where(hit_BV, 0.0, -jnp.inf)
   logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
-  masked = logp_BV
   if top_k > 0:
     kth = jax.lax.top_k(logp_BV, top_k)[0][:, -1:]
-    masked = jnp.where(logp_BV < kth, -jnp.inf, masked)
+    logp_BV = jax.nn.log_softmax(jnp.where(logp_BV < kth, -jnp.inf, logp_BV), axis=-1)
   if top_p < 1.0:
-    sorted_desc = -jnp.sort(-masked, axis=-1)
+    sorted_desc = -jnp.sort(-logp_BV, axis=-1)
     mass_before = jnp.cumsum(jnp.exp(sorted_desc), axis=-1) - jnp.exp(sorted_desc)
     cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    masked = jnp.where(masked < cutoff, -jnp.inf, masked)
-  return jax.random.categorical(key, masked, axis=-1), logp_BV
+    logp_BV = jax.nn.log_softmax(jnp.where(logp_BV < cutoff, -jnp.inf, logp_BV), axis=-1)
+  return jax.random.categorical(key, logp_BV, axis=-1), logp_BV
 
 
 @functools.partial(jax.jit, static_argnames=(
