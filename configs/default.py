@@ -41,10 +41,11 @@ def get_config():
   c.rollout.max_prompt_len = 512     # prompts are right-padded to this static width
   c.rollout.max_new_tokens = 400     # generation cutoff (a 128-hop answer is 390 tokens)
   c.rollout.temperature = 1.0        # sampling temperature (also used when re-scoring)
-  c.rollout.top_p = 1.0              # nucleus sampling mass (1.0 = off)
+  c.rollout.top_p = 1.0              # nucleus sampling mass; must stay 1.0 in training (README)
   c.rollout.sparse = True            # block top-k sparse rollouts (False = dense baseline)
   c.rollout.schedule = "assets/pointer_chase_tiny/calibration/schedule.json"  # KVSchedule: JSON path,
-  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86)
+  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
+  #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling
   c.rollout.page_size = 16           # tokens per KV page (power of two; the paper uses 16)
   c.rollout.dense_layers = 1         # first layers kept dense (the paper: 2 of 28)
   c.rollout.attention_impl = "auto"  # auto (Pallas on GPU, XLA elsewhere) | xla | pallas
@@ -56,6 +57,7 @@ def get_config():
   c.rl.weight_decay = 0.0            # AdamW decoupled weight decay
   c.rl.max_grad_norm = 1.0           # clip by global norm
   c.rl.estimator = "grpo"            # grpo | dr_grpo | rloo
+  c.rl.grpo_std_ddof = 1             # group std: 1 unbiased (the reference's torch.std) | 0
   c.rl.eps_low = 0.2                 # PPO clip below
   c.rl.eps_high = 0.28               # PPO clip above (clip-higher, DAPO)
   c.rl.dual_clip = 3.0               # dual-clip bound c for negative advantages (0 = off)
@@ -72,7 +74,7 @@ def get_config():
   c.distill.enabled = True           # DistillSparse LoRA in the sparse actor (needs rollout.sparse)
   c.distill.rank = 8                 # LoRA rank
   c.distill.alpha = 16.0             # LoRA alpha (scale = alpha / rank)
-  c.distill.targets = "q,k,v,o"      # projections with adapters (q,k,v,o,gate,up,down)
+  c.distill.targets = "q,k,v,o,gate,up,down"  # projections with adapters (the reference: all)
   c.distill.learning_rate = 1e-3     # Adam learning rate of the LoRA params
   # The paper pairs lambda = 1e-3 with the actor's own PPO term (weight 1) at RL learning rates of
   # ~1e-6; at this demo's rates that PPO term pulled the actor away from the policy (p5 0.875 ->
@@ -83,6 +85,8 @@ def get_config():
 
   c.stats = ml_collections.ConfigDict()
   c.stats.tau = 0.86                 # acceptance threshold (p5 target; "fraction below tau" metric)
-  c.stats.bin_size = 128             # tokens per position bin of the tail statistics
+  c.stats.exact_acceptance = True    # log exact alpha as acceptance/* (a no-grad sparse pass
+  #                                    when distill is off or with minibatches; README)
+  c.stats.bin_size = 128             # tokens per position bin (a multiple of page_size)
   c.stats.num_bins = 7               # bins (static shape; later positions count only overall)
   return c

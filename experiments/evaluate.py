@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 
 import sparrow_jax as sj  # noqa: E402
 from sparrow_jax.attention.select import IMPLS  # noqa: E402
+from sparrow_jax.mismatch.schedule import KVSchedule  # noqa: E402
 from sparrow_jax.rl import trainer  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def evaluate(args) -> dict:
   if args.sparse:
     sparse = sj.SparseConfig(page_size=args.page_size, dense_layers=args.dense_layers,
                              attention_impl=args.attention_impl)
-    schedule = trainer.make_schedule(args.schedule, args.page_size)
+    schedule = KVSchedule.parse(args.schedule, args.page_size, field="--schedule")
   problems = _problems(task, args.num_problems)
   n_rows = len(problems) * args.samples
   batch_size = min(args.batch_size, n_rows)

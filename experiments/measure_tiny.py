@@ -28,7 +28,6 @@ import sparrow_jax as sj
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch.schedule import KVSchedule
-from sparrow_jax.rl import trainer
 from sparrow_jax.rollout.sampler import full_sequences
 
 
@@ -150,7 +149,7 @@ def main():
           f"[{time.time() - t0:.0f}s]", flush=True)
 
   if args.schedule:
-    schedule = trainer.make_schedule(args.schedule, page_size=16)
+    schedule = KVSchedule.parse(args.schedule, page_size=16, field="--schedule")
     row = measure(schedule)
     counted = [v for v, c in zip(row["p5_bin"], row["count_bin"]) if c > 0]
     row.update(schedule=args.schedule, tau=args.tau, min_p5_bin=min(counted),

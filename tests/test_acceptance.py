@@ -165,3 +165,21 @@ def test_histogram_and_fraction_below_match_numpy():
   np.testing.assert_array_equal(ones, [0, 0, 0, 3])
   np.testing.assert_allclose(acceptance.fraction_below(alpha, mask, 0.86),
                              (alpha[mask] < 0.86).mean(), rtol=1e-6)
+
+
+def test_sampled_estimator_p5_is_biased_low_where_exact_is_not():
+  """Every position has p = [.5, .49, .01], q = [.5, .4, .1]: exact alpha 0.91 everywhere. Tokens
+  sampled from q hit the third (p/q = 0.1) 10% of the time, so the estimator min(1, p(x)/q(x)) is
+  unbiased for the mean (0.91) but its 5th percentile is 0.1."""
+  n = 20000
+  logits_p = jnp.log(jnp.broadcast_to(jnp.asarray([0.5, 0.49, 0.01]), (1, n, 3)))
+  logits_q = jnp.log(jnp.broadcast_to(jnp.asarray([0.5, 0.4, 0.1]), (1, n, 3)))
+  x = jax.random.categorical(jax.random.PRNGKey(0), logits_q)
+  logp = lambda logits: jnp.take_along_axis(jax.nn.log_softmax(logits), x[..., None], -1)[..., 0]
+  mask, pos = jnp.ones((1, n), bool), jnp.zeros((1, n), jnp.int32)
+  exact = acceptance.tail_stats(acceptance.acceptance_rate(logits_p, logits_q), mask, pos)
+  sampled = acceptance.tail_stats(acceptance.sampled_acceptance(logp(logits_p), logp(logits_q)),
+                                  mask, pos)
+  np.testing.assert_allclose(exact["p5"], 0.91, atol=1e-5)
+  np.testing.assert_allclose(sampled["mean"], 0.91, atol=0.01)
+  np.testing.assert_allclose(sampled["p5"], 0.1, atol=1e-5)

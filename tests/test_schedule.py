@@ -145,8 +145,8 @@ def test_parse_specs_and_errors_name_the_field(tmp_path):
 def test_stages_switch_at_their_steps():
   stages = schedule_lib.parse_stages("0:paper:qwen3-1.7b:0.86,200:paper:qwen3-1.7b:0.80", 16)
   assert [start for start, _ in stages] == [0, 200]
-  assert schedule_lib.stage_at(stages, 199) == KVSchedule.paper("qwen3-1.7b", 0.86)
-  assert schedule_lib.stage_at(stages, 200) == KVSchedule.paper("qwen3-1.7b", 0.80)
+  assert stages[schedule_lib.stage_index(stages, 199)][1] == KVSchedule.paper("qwen3-1.7b", 0.86)
+  assert stages[schedule_lib.stage_index(stages, 200)][1] == KVSchedule.paper("qwen3-1.7b", 0.80)
   assert schedule_lib.parse_stages("fixed:8", 16) == ((0, KVSchedule.fixed(8)),)
   for spec in ("5:fixed:8", "0:fixed:8,0:fixed:9", "0:fixed:8,x"):
     with pytest.raises(ValueError, match="rollout.schedule"):

@@ -1,21 +1,27 @@
 """The fused train step: equivalence with separate updates, gradient isolation, no recompiles,
 guards. (DistillSparse raising the acceptance tail: tests/test_distill_sparse.py.)"""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.mismatch import acceptance
+from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import advantages, train_step as ts
+from sparrow_jax.rollout import sampler
 from tests.helpers import tiny_config
 
 CFG = tiny_config(num_hidden_layers=3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 SCHEDULE = KVSchedule.fixed(4, page_size=4)
-SC = ts.StepConfig(group_size=4, bin_size=16, num_bins=4)
+SC = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, page_size=4)
+BUDGET = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, 12 + 24, SPARSE)))  # prompt + new
 
 
 def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
@@ -48,8 +54,8 @@ def setup(seed=0):
 def test_fused_step_equals_separate_updates():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=1)
-  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE, SCHEDULE)
-  fused, metrics = step(state_of(params, opt, lora, lora_opt), batch)
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
+  fused, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert not bool(metrics["skipped"])
 
   adv = advantages.advantages(batch["rewards"], SC.group_size)
@@ -80,23 +86,24 @@ def test_gradient_isolation():
                                               SCHEDULE)[0])(lora)
   assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree_util.tree_leaves(g_lora))
   # The dense policy never sees the adapter: a different LoRA gives the same base update.
-  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE, SCHEDULE)
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   other = jax.tree_util.tree_map(lambda x: x * 3.0, lora)
-  a, _ = step(state_of(params, opt, lora, lora_opt), batch)
-  b, _ = step(state_of(params, opt, other, lora_opt), batch)
+  a, _ = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
+  b, _ = step(state_of(params, opt, other, lora_opt), batch, BUDGET)
   jax.tree_util.tree_map(np.testing.assert_array_equal, a.params, b.params)
 
 
 def test_no_recompilation_and_metrics():
   params, lora, opt, lora_opt = setup()
-  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE, SCHEDULE)
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   state = state_of(params, opt, lora, lora_opt)
   for seed in range(3):
-    state, metrics = step(state, make_batch(state.params, state.lora, seed=10 + seed, top=True))
+    state, metrics = step(state, make_batch(state.params, state.lora, seed=10 + seed, top=True),
+                         BUDGET)
   assert step._cache_size() == 1
   assert int(state.step) == 3
   assert metrics["acceptance/p5_bin"].shape == (4,)
-  bound, mean = float(metrics["acceptance/topk_bound_mean"]), float(metrics["acceptance/mean"])
+  bound, mean = float(metrics["acceptance_topk20/mean"]), float(metrics["acceptance/mean"])
   assert 0.0 < bound <= 1.0 and 0.0 < mean <= 1.0
 
 
@@ -104,18 +111,96 @@ def test_nonfinite_loss_skips_update():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=3)
   batch["logp_rollout"] = jnp.where(batch["gen_mask"], jnp.nan, batch["logp_rollout"])
-  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE, SCHEDULE)
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   before = jax.tree_util.tree_map(np.asarray, params)
-  state, metrics = step(state_of(params, opt, lora, lora_opt), batch)
+  state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert bool(metrics["skipped"])
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, before)
 
 
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
-  sc = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, ppo_epochs=2, num_minibatches=2,
-                     distill=False)
-  step = ts.make_train_step(CFG, sc, opt)
-  state, metrics = step(state_of(params, opt), make_batch(params, None, seed=4))
+  sc = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, page_size=4, ppo_epochs=2,
+                     num_minibatches=2, distill=False)
+  step = ts.make_train_step(CFG, sc, opt, sparse=SPARSE)
+  state, metrics = step(state_of(params, opt), make_batch(params, None, seed=4), BUDGET)
   assert not bool(metrics["skipped"]) and int(state.step) == 1
 
+
+
+def reference_exact_stats(params, lora, batch, sc=SC):
+  """Exact alpha between the pre-update dense policy and the rollout policy (sparse + LoRA), from
+  sj.forward and acceptance_rate alone, binned like the step (token s was decoded with s cached)."""
+  S = batch["tokens"].shape[1]
+  valid = jnp.arange(S)[None] < (batch["prompt_len"] + batch["gen_mask"].sum(1))[:, None]
+  dense = sj.forward(params, batch["tokens"], CFG, mask_BT=valid)
+  rollout = sj.forward(params, batch["tokens"], CFG, mask_BT=valid, lora=lora, sparse=SPARSE,
+                       schedule=SCHEDULE, prompt_len_B=batch["prompt_len"])
+  alpha = jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
+  pos = jnp.broadcast_to(jnp.arange(S), alpha.shape)
+  return acceptance.tail_stats(alpha, batch["gen_mask"], pos, sc.bin_size, sc.num_bins,
+                               sc.page_size)
+
+
+@pytest.mark.parametrize("distill, minibatches", [(True, 1), (False, 1), (True, 4)])
+def test_logged_p5_is_exact_acceptance(distill, minibatches):
+  params, lora, opt, lora_opt = setup()
+  batch = make_batch(params, lora if distill else None, seed=5, top=True)
+  sc = dataclasses.replace(SC, distill=distill, num_minibatches=minibatches)
+  step = ts.make_train_step(CFG, sc, opt, lora_opt if distill else None, SPARSE)
+  _, metrics = step(state_of(params, opt, lora if distill else None, lora_opt if distill else None),
+                    batch, BUDGET)
+  want = reference_exact_stats(params, lora if distill else None, batch)
+  for key in ("p1", "p5", "p50", "mean", "p5_bin", "count_bin"):
+    np.testing.assert_allclose(metrics[f"acceptance/{key}"], want[key], atol=1e-5, err_msg=key)
+  assert float(metrics["acceptance/p5"]) < 0.99  # the budget is small: q really differs from p
+  # the top-20 bound and the exact rate: bound <= exact token by token, so also in the mean
+  assert float(metrics["acceptance_topk20/mean"]) <= float(metrics["acceptance/mean"]) + 1e-6
+
+
+DOCUMENTED = ["loss/policy", "grad_norm/policy", "ppo/clip_frac", "skipped", "skipped_updates",
+              "entropy", "tis/weight_mean", "tis/weight_min", "tis/clipped_frac", "reward/mean",
+              "reward/std", "response_length/mean", "response_length/max", "loss/distill",
+              "distill/k3", "grad_norm/lora", "skipped_lora"] + [
+    f"{family}/{stat}" for family in ("acceptance", "acceptance_sampled", "acceptance_topk20")
+    for stat in ("p1", "p5", "p10", "p50", "mean", "p5_bin", "frac_below_tau", "histogram")]
+
+
+def test_minibatches_log_every_metric_from_the_full_batch():
+  params, lora, opt, lora_opt = setup()
+  batch = make_batch(params, lora, seed=6, top=True)
+  runs = {}
+  for n in (1, 4):
+    step = ts.make_train_step(CFG, dataclasses.replace(SC, num_minibatches=n), opt, lora_opt,
+                              SPARSE)
+    runs[n] = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)[1]
+    assert set(DOCUMENTED) <= set(runs[n]), set(DOCUMENTED) - set(runs[n])
+    assert not bool(runs[n]["skipped"]) and int(runs[n]["skipped_updates"]) == 0
+  # Pre-update quantities do not depend on how the updates are split.
+  for key in DOCUMENTED:
+    if key.startswith(("tis/", "acceptance", "entropy", "reward", "response")):
+      np.testing.assert_allclose(runs[4][key], runs[1][key], atol=1e-5, err_msg=key)
+  assert 0.0 <= float(runs[4]["ppo/clip_frac"]) <= 1.0
+  assert float(runs[4]["grad_norm/policy"]) > 0 and float(runs[4]["grad_norm/lora"]) > 0
+
+
+def test_a_skipped_minibatch_is_reported():
+  params, lora, opt, lora_opt = setup()
+  batch = make_batch(params, lora, seed=7)
+  # NaN behaviour log-probs in the first of 4 minibatches (rows 0-1) only
+  batch["logp_rollout"] = batch["logp_rollout"].at[:2].set(jnp.nan)
+  step = ts.make_train_step(CFG, dataclasses.replace(SC, num_minibatches=4), opt, lora_opt, SPARSE)
+  state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
+  assert bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1
+  assert float(jnp.abs(state.params["embed"] - params["embed"]).max()) > 0  # the others applied
+
+
+def test_a_new_budget_table_does_not_recompile():
+  params, lora, opt, lora_opt = setup()
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
+  state = state_of(params, opt, lora, lora_opt)
+  other = BudgetTable(jnp.asarray(sampler.budget_table(KVSchedule.fixed(6, page_size=4), 36,
+                                                        SPARSE)))
+  for seed, budget in ((20, BUDGET), (21, other)):
+    state, _ = step(state, make_batch(state.params, state.lora, seed=seed), budget)
+  assert step._cache_size() == 1

@@ -100,6 +100,10 @@ def config(**changes):
     ({"distill__targets": "q,lm_head"}, "distill.targets"),
     ({"rollout__sparse": False}, "distill.enabled"),
     ({"model__preset": "tiny"}, "model.hf_dir / model.preset"),
+    ({"rollout__top_p": 0.9}, "rollout.top_p"),
+    ({"stats__bin_size": 100}, "stats.bin_size"),
+    ({"rollout__schedule": "0:fixed:8,0:fixed:9"}, "rollout.schedule"),
+    ({"rollout__schedule": "paper:qwen3-1.7b"}, "rollout.schedule"),
 ])
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -137,3 +141,16 @@ def test_export_policy_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   tok = load_tokenizer(str(tmp_path / "hf"))
   assert tok.eos_ids == (task.eos_id,) and tok.pad_id == task.pad_id
+
+
+def test_schedule_stages_switch_without_recompiling(tmp_path):
+  from sparrow_jax.rollout import sampler
+  c = config(workdir=str(tmp_path / "run"), total_steps=3, model__hf_dir="", model__preset="tiny",
+             rollout__schedule="0:fixed:4,2:fixed:6", rollout__page_size=8,
+             rollout__dense_layers=1, task__min_hops=4, task__max_hops=8,
+             rollout__max_prompt_len=64, rollout__max_new_tokens=40, stats__bin_size=16,
+             rollout__group_size=4, rl__num_minibatches=1, export_hf=False)
+  compiled = sampler._generate._cache_size()
+  rows = trainer.train(c)
+  assert [r["kv/schedule_stage"] for r in rows] == [0, 0, 1]
+  assert sampler._generate._cache_size() == compiled + 1  # both stages: one sampler program

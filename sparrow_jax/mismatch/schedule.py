@@ -37,7 +37,9 @@ _FIELDS = ("kind", "page_size", "always_kept", "bin_size", "values")
 # That file compares `cached_block_len = ceil(cached_seq_len / 16)` against multiples of 125 pages,
 # i.e. bins of 2000 tokens measured in whole pages, which `paper()` reproduces with bin_size=2000.
 # These are all the (model, tau) pairs the repo publishes: 8B has no 0.88/0.90 table (it has 0.87),
-# and 14B only 0.86.
+# and 14B only 0.86. Their tau thresholds the p5 of the top-20 lower bound on alpha (the reference's
+# `sum_min_from_topk`, the paper's footnote), not of exact alpha, which is >= the bound: compare them
+# with `calibrate(alpha="topk20")` schedules and `acceptance_topk20/*` tail stats.
 _PAPER_TABLES = {
     ("qwen3-1.7b", 0.75): (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12,
     ("qwen3-1.7b", 0.80): (29, 45, 61, 77, 93, 93, 125, 125, 125) + (157,) * 11,
@@ -138,7 +140,8 @@ class KVSchedule:
 
   @classmethod
   def paper(cls, model: str, tau: float) -> "KVSchedule":
-    """The published table for `model` ("qwen3-1.7b", ...) calibrated at threshold `tau`."""
+    """The published table for `model` ("qwen3-1.7b", ...) calibrated at threshold `tau` on the
+    p5 of the top-20 lower bound of alpha (see `_PAPER_TABLES`)."""
     key = (model.lower(), round(float(tau), 2))
     if key not in _PAPER_TABLES:
       known = ", ".join(f"{m}@{t:.2f}" for m, t in sorted(_PAPER_TABLES))
@@ -168,7 +171,7 @@ class KVSchedule:
     return jnp.minimum(want, cached_pages)
 
   @classmethod
-  def parse(cls, spec: str, page_size: int, field: str = "rollout.schedule") -> "KVSchedule":
+  def parse(cls, spec: str, page_size: int, field: str = "config.rollout.schedule") -> "KVSchedule":
     """'fixed:PAGES' | 'paper:MODEL:TAU' | path to a KVSchedule JSON; errors name `field`."""
     try:
       if spec.startswith("fixed:"):
@@ -184,9 +187,9 @@ class KVSchedule:
       else:
         raise ValueError("not 'fixed:PAGES', 'paper:MODEL:TAU' or an existing KVSchedule JSON file")
     except ValueError as e:
-      raise ValueError(f"config.{field} = {spec!r}: {e}") from None
+      raise ValueError(f"{field} = {spec!r}: {e}") from None
     if schedule.page_size != page_size:
-      raise ValueError(f"config.{field} = {spec!r} has page_size {schedule.page_size} but "
+      raise ValueError(f"{field} = {spec!r} has page_size {schedule.page_size} but "
                        f"config.rollout.page_size is {page_size}")
     return schedule
 
@@ -202,7 +205,7 @@ class KVSchedule:
     return cls(**d)
 
 
-def parse_stages(spec: str, page_size: int, field: str = "rollout.schedule") -> tuple:
+def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedule") -> tuple:
   """A schedule that changes during training: 'STEP:SCHEDULE,STEP:SCHEDULE,...' (steps increasing,
   the first 0), e.g. '0:paper:qwen3-1.7b:0.86,200:paper:qwen3-1.7b:0.80' as the paper switches
   tau with DistillSparse; a plain schedule spec is one stage from step 0.
@@ -212,18 +215,18 @@ def parse_stages(spec: str, page_size: int, field: str = "rollout.schedule") -> 
   for part in parts:
     match = re.match(r"^(\d+):(.+)$", part.strip())
     if not match:
-      raise ValueError(f"config.{field} = {spec!r}: stage {part!r} is not 'STEP:SCHEDULE'")
+      raise ValueError(f"{field} = {spec!r}: stage {part!r} is not 'STEP:SCHEDULE'")
     stages.append((int(match.group(1)), KVSchedule.parse(match.group(2), page_size, field)))
   starts = [start for start, _ in stages]
   if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
-    raise ValueError(f"config.{field} = {spec!r}: stage steps must start at 0 and increase, got "
+    raise ValueError(f"{field} = {spec!r}: stage steps must start at 0 and increase, got "
                      f"{starts}")
   return tuple(stages)
 
 
-def stage_at(stages, step: int) -> KVSchedule:
-  """The schedule in force at training step `step` (0-based)."""
-  return [schedule for start, schedule in stages if start <= step][-1]
+def stage_index(stages, step: int) -> int:
+  """Which of `parse_stages`' stages is in force at training step `step` (0-based)."""
+  return max(i for i, (start, _) in enumerate(stages) if start <= step)
 
 
 @flax.struct.dataclass

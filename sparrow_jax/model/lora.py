@@ -17,8 +17,9 @@ class LoRA:
   scale: float = flax.struct.field(pytree_node=False, default=1.0)
 
 
-def init_lora(base_params, key, rank: int = 8, alpha: float = 16.0, targets=("q", "k", "v", "o"),
+def init_lora(base_params, key, rank: int = 8, alpha: float = 16.0, targets=TARGETS,
               dtype=jnp.float32) -> LoRA:
+  """Adapters on `targets` (default: all seven projections, as the reference's all-linear)."""
   bad = [t for t in targets if t not in TARGETS]
   if bad or not targets:
     raise ValueError(f"lora targets {list(targets)} invalid; choose from {TARGETS}")

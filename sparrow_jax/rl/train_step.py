@@ -1,15 +1,16 @@
 """The fused RL step: one `jax.jit` call per batch of sparse rollouts.
 
-  dense re-score (grad pass)  -> logp_dense, the PPO "old" log-probs, the TIS numerator, the
-                                 acceptance denominator and the DistillSparse teacher, all at once
-  GRPO/DAPO loss x TIS        -> optax update of the base params
-  sparse teacher-forced + LoRA -> PPO on the sparse actor + lambda * k3(dense || sparse)
-                                 -> optax update of the LoRA params only (on the frozen pre-update
-                                    base, the one the dense teacher log-probs come from)
-  acceptance + tail stats     -> metrics
-With one PPO update per batch (the default) the dense log-probs come out of the gradient pass
-itself (ratio = exp(logp - stop_grad(logp)) = 1 with the right gradient), so nothing is computed
-twice. With several epochs / minibatches a first no-grad pass fixes the old log-probs.
+  pre-update passes (full batch) -> the dense policy p (PPO "old" log-probs, TIS numerator,
+                                    DistillSparse teacher, top-20) and the rollout policy q
+  per minibatch (x ppo_epochs)   -> GRPO/DAPO x TIS: optax update of the base params, then
+                                    DistillSparse: PPO on the sparse actor + lambda * k3(p || q):
+                                    optax update of the LoRA only, on the frozen pre-update base
+  metrics (full batch)           -> acceptance tail stats (exact alpha, the sampled estimator and
+                                    the top-20 bound), TIS, losses averaged over minibatches
+With one PPO update per batch (the default) p comes out of the gradient pass itself (ratio =
+exp(logp - stop_grad(logp)) = 1 with the right gradient), and q out of the DistillSparse gradient
+pass, so nothing is computed twice. With several updates, a no-grad pass fixes p first, and exact
+acceptance costs one more no-grad sparse teacher-forced pass for q (as it does without distill).
 
 Sequences are right-padded rows of prompt + completion; every per-token array is aligned to them:
 value[b, s] concerns token s (its log-prob given tokens < s), and `gen_mask[b, s]` marks completion
@@ -28,11 +29,14 @@ from sparrow_jax.model import qwen3
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
 
+TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
   group_size: int = 8
   estimator: str = "grpo"
+  grpo_std_ddof: int = 1         # 1: unbiased group std (the reference's torch.std); 0: population
   eps_low: float = 0.2
   eps_high: float = 0.28
   dual_clip: float = 3.0
@@ -48,10 +52,39 @@ class StepConfig:
   distill: bool = True           # DistillSparse LoRA update in the same step
   distill_kl_coef: float = 1e-3  # lambda of the k3 term
   distill_ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
+  exact_acceptance: bool = True  # log exact alpha = sum_x min(p, q) (see the module docstring)
   tau: float = 0.86              # acceptance threshold (for the "fraction under tau" metric)
-  bin_size: int = 2048           # position bin of the tail statistics
+  bin_size: int = 2048           # position bin of the tail statistics (schedule.position_bin)
   num_bins: int = 20
+  page_size: int = 16            # KV page size: tokens are binned by whole pages cached
   temperature: float = 1.0       # rollout temperature (log-probs are of logits / temperature)
+
+  def __post_init__(self):
+    def require(ok, name, allowed):
+      if not ok:
+        raise ValueError(f"StepConfig.{name} = {getattr(self, name)!r} is invalid: {allowed}")
+    require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO groups)")
+    require(self.estimator in advantages.ESTIMATORS, "estimator", f"one of {advantages.ESTIMATORS}")
+    require(self.grpo_std_ddof in (0, 1), "grpo_std_ddof", "0 or 1")
+    require(0 <= self.eps_low < 1, "eps_low", "must lie in [0, 1)")
+    require(self.eps_high >= 0, "eps_high", "must be >= 0")
+    require(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", "0 (off) or > 1")
+    require(self.tis_cap >= 1, "tis_cap", "must be >= 1")
+    require(self.tis_level in losses.TIS_LEVELS, "tis_level", f"one of {losses.TIS_LEVELS}")
+    require(self.loss_agg in losses.AGGREGATIONS, "loss_agg", f"one of {losses.AGGREGATIONS}")
+    require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+    require(self.kl_kind in losses.KL_KINDS, "kl_kind", f"one of {losses.KL_KINDS}")
+    require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+    require(self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
+    require(self.distill_kl_coef >= 0, "distill_kl_coef", "must be >= 0")
+    require(self.distill_ppo_coef >= 0, "distill_ppo_coef", "must be >= 0")
+    require(0 < self.tau <= 1, "tau", "must lie in (0, 1]")
+    require(self.page_size >= 1 and not self.page_size & (self.page_size - 1), "page_size",
+            "must be a power of two")
+    require(self.bin_size >= self.page_size and self.bin_size % self.page_size == 0, "bin_size",
+            f"must be a positive multiple of page_size ({self.page_size})")
+    require(self.num_bins >= 1, "num_bins", "must be >= 1")
+    require(self.temperature > 0, "temperature", "must be > 0")
 
 
 @flax.struct.dataclass
@@ -64,14 +97,21 @@ class TrainState:
   ref_params: Optional[dict] = None
 
 
+def next_token_aligned(x_BS):
+  """Per-position values of the distribution at s (which predicts token s + 1) moved to the token
+  alignment: out[:, s] = x[:, s - 1], out[:, 0] = 0 (trailing axes are carried along)."""
+  pad = ((0, 0), (1, 0)) + ((0, 0),) * (x_BS.ndim - 2)
+  return jnp.pad(x_BS[:, :-1], pad)
+
+
 def sequence_logprobs(logits_BSV, tokens_BS, temperature: float = 1.0):
   """[B, S] log-prob of token s from the logits at s - 1 (0 at s = 0)."""
   return _gather_next(jax.nn.log_softmax(logits_BSV / temperature, axis=-1), tokens_BS)
 
 
 def _gather_next(logp_BSV, tokens_BS):
-  logp = jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
-  return jnp.pad(logp, ((0, 0), (1, 0)))
+  logp_BS = jnp.take_along_axis(logp_BSV, jnp.roll(tokens_BS, -1, axis=1)[..., None], axis=-1)
+  return next_token_aligned(logp_BS[..., 0])
 
 
 def _valid_mask(batch):
@@ -79,8 +119,19 @@ def _valid_mask(batch):
   return jnp.arange(S)[None] < (batch["prompt_len"] + jnp.sum(batch["gen_mask"], 1))[:, None]
 
 
+def _token_stats(logp_BSV, batch, with_top: bool):
+  """From one log-softmax: token log-probs, per-token entropy and (if asked) the top-20, all in
+  the token alignment."""
+  stats = {"logp": _gather_next(logp_BSV, batch["tokens"]),
+           "entropy_BS": next_token_aligned(losses.entropy(logp_BSV))}
+  if with_top:
+    stats["top"] = tuple(next_token_aligned(x) for x in jax.lax.top_k(logp_BSV, TOP_K))
+  return jax.lax.stop_gradient(stats)
+
+
 def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None):
-  """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update)."""
+  """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update),
+  and aux carries its logits and token statistics for the step's metrics."""
   mask = batch["gen_mask"]
   logits = qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
   logp_BSV = jax.nn.log_softmax(logits / sc.temperature, axis=-1)  # shared by logp, entropy, top-k
@@ -88,36 +139,42 @@ def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
   pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
   w = losses.tis_weight(old, batch["logp_rollout"], mask, sc.tis_cap, sc.tis_level)
-  norm_len = mask.shape[1]
-  loss = losses.aggregate(pg * w, mask, sc.loss_agg, norm_len)
-  ent = losses.aggregate(losses.entropy(logp_BSV[:, :-1]), mask[:, 1:])
-  loss = loss - sc.entropy_coef * ent
+  loss = losses.aggregate(pg * w, mask, sc.loss_agg, mask.shape[1])
+  if sc.entropy_coef:
+    ent_BS = next_token_aligned(losses.entropy(logp_BSV))
+    loss = loss - sc.entropy_coef * losses.aggregate(ent_BS, mask)
   if ref_params is not None and sc.kl_coef > 0:
     ref_logits = qwen3.forward(jax.lax.stop_gradient(ref_params), batch["tokens"], cfg,
                                mask_BT=_valid_mask(batch))
     ref_logp = sequence_logprobs(ref_logits, batch["tokens"], sc.temperature)
     loss = loss + sc.kl_coef * losses.aggregate(losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
-  aux = {"logp": jax.lax.stop_gradient(logp), "entropy": ent, "tis_weight": w,
-         "clip_frac": losses.aggregate(clipped.astype(jnp.float32), mask),
-         "top_logp": jax.lax.top_k(jax.lax.stop_gradient(logp_BSV), 20)
-         if "top_logp" in batch else None}
+  aux = {"clip_frac": losses.aggregate(clipped.astype(jnp.float32), mask)}
+  if logp_old_BS is None:
+    aux.update(logits=jax.lax.stop_gradient(logits),
+               **_token_stats(logp_BSV, batch, "top_logp" in batch))
   return loss, aux
 
 
-def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, schedule):
+def rollout_logits(params, lora, batch, cfg, sparse, budget):
+  """Teacher-forced logits of the policy that sampled the batch: sparse attention under the step's
+  budget (exactly the pages the sampler read), with the LoRA when DistillSparse is on."""
+  return qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch), lora=lora,
+                       sparse=sparse, schedule=budget, prompt_len_B=batch["prompt_len"])
+
+
+def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget):
   """DistillSparse: PPO on the sparse actor's own rollouts (its rollout log-probs are the old
-  policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient)."""
+  policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient). aux carries
+  the sparse+LoRA logits (with the pre-update adapter they are exactly the rollout policy q)."""
   mask = batch["gen_mask"]
-  logits = qwen3.forward(jax.lax.stop_gradient(params), batch["tokens"], cfg,
-                         mask_BT=_valid_mask(batch), lora=lora, sparse=sparse, schedule=schedule,
-                         prompt_len_B=batch["prompt_len"])
+  logits = rollout_logits(jax.lax.stop_gradient(params), lora, batch, cfg, sparse, budget)
   logp_q = sequence_logprobs(logits, batch["tokens"], sc.temperature)
   pg, _ = losses.ppo_token_loss(logp_q, batch["logp_rollout"], adv_B, sc.eps_low, sc.eps_high,
                                 sc.dual_clip)
   kl = losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
   loss = (sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
           + sc.distill_kl_coef * kl)
-  return loss, {"distill_kl": kl}
+  return loss, {"distill_kl": kl, "logits": jax.lax.stop_gradient(logits)}
 
 
 def _guarded_update(optimizer, grads, opt_state, params, loss):
@@ -139,81 +196,121 @@ def _minibatches(batch, adv_B, logp_old_BS, n):
   return [jax.tree_util.tree_map(lambda x: x[i], parts) for i in range(n)]
 
 
-def _acceptance_metrics(batch, logp_dense_BS, top_dense, sc: StepConfig):
-  """Sampled-token estimator always; the top-k lower bound when the rollout carried top-20."""
+def _token_weighted(rows):
+  """Token-weighted mean of each metric over the updates' rows [(metrics, tokens), ...]."""
+  tokens = jnp.stack([n for _, n in rows]).astype(jnp.float32)
+  weights = tokens / jnp.maximum(tokens.sum(), 1.0)
+  return {k: sum(w * m[k] for w, (m, _) in zip(weights, rows)) for k in rows[0][0]}
+
+
+def _acceptance_metrics(batch, logp_old_BS, top_old, logits_p, logits_q, sc: StepConfig):
+  """Tail stats per family of per-token acceptance, binned by `schedule.position_bin`:
+  "acceptance" (exact alpha = sum_x min(p, q), when q's logits are at hand), "acceptance_sampled"
+  (min(1, p(x)/q(x)) of the sampled token: unbiased for the mean, biased low in the tail) and
+  "acceptance_topk20" (the reference's lower bound from both top-20s, when the rollout has them)."""
   mask = batch["gen_mask"]
   positions = jnp.broadcast_to(jnp.arange(mask.shape[1])[None], mask.shape)
-  alpha = acceptance.sampled_acceptance(logp_dense_BS, batch["logp_rollout"])
-  stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins)
-  metrics = {f"acceptance/{k}": v for k, v in stats.items()}
-  metrics["acceptance/frac_below_tau"] = acceptance.fraction_below(alpha, mask, sc.tau)
-  metrics["acceptance/histogram"] = acceptance.alpha_histogram(alpha, mask)
-  if top_dense is not None:
-    # the distribution that predicted token s sits at logits[s - 1]: shift to the token alignment
-    shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))
-    bound = acceptance.topk_acceptance_bound(shift(top_dense[0]), shift(top_dense[1]),
-                                             batch["top_logp"], batch["top_ids"])
-    metrics["acceptance/topk_bound_mean"] = jnp.sum(bound * mask) / jnp.maximum(jnp.sum(mask), 1)
+  families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS,
+                                                                  batch["logp_rollout"])}
+  if logits_q is not None:
+    families["acceptance"] = next_token_aligned(
+        acceptance.acceptance_rate(logits_p, logits_q, sc.temperature))
+  if top_old is not None:
+    families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
+        *top_old, batch["top_logp"], batch["top_ids"])
+  metrics = {}
+  for name, alpha in families.items():
+    stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size)
+    metrics.update({f"{name}/{k}": v for k, v in stats.items()})
+    metrics[f"{name}/frac_below_tau"] = acceptance.fraction_below(alpha, mask, sc.tau)
+    metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
   return metrics
 
 
-def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=None, schedule=None):
-  """Returns train_step(state, batch) -> (state, metrics), jit-compiled with the state donated.
+def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=None):
+  """Returns train_step(state, batch, budget=None) -> (state, metrics), jit-compiled with the state
+  donated.
 
-  batch: tokens [B,S] int32, gen_mask [B,S] bool, prompt_len [B], logp_rollout [B,S] (the sparse
-  sampler's log-probs, token-aligned), rewards [B]; optionally top_logp / top_ids [B,S,20].
+  batch: tokens [B,S] int32, gen_mask [B,S] bool, prompt_len [B], logp_rollout [B,S] (the sampler's
+  log-probs, token-aligned), rewards [B]; optionally top_logp / top_ids [B,S,20]. budget: the
+  rollout's `schedule.BudgetTable` (traced: a new schedule stage does not recompile), required with
+  `sparse` (the rollouts' SparseConfig; None = dense rollouts, whose q is p itself).
   """
-  if sc.distill and (lora_optimizer is None or sparse is None or schedule is None):
-    raise ValueError("StepConfig.distill needs lora_optimizer, sparse and schedule")
+  if sc.distill and (lora_optimizer is None or sparse is None):
+    raise ValueError("StepConfig.distill needs lora_optimizer and sparse")
 
-  def train_step(state: TrainState, batch):
+  def train_step(state: TrainState, batch, budget=None):
+    if (sparse is None) != (budget is None):
+      raise ValueError("train_step needs a budget (schedule.BudgetTable) exactly when the "
+                       "rollouts are sparse")
     if sc.dapo_filter:
       keep_B = jnp.repeat(advantages.informative_groups(batch["rewards"], sc.group_size),
                           sc.group_size)
       batch = dict(batch, gen_mask=batch["gen_mask"] & keep_B[:, None])
     mask = batch["gen_mask"]
-    adv_B = advantages.advantages(batch["rewards"], sc.group_size, sc.estimator)
-    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
-    n_updates = sc.ppo_epochs * sc.num_minibatches
-    params, opt_state = state.params, state.opt_state
-    if n_updates == 1:
-      (loss, aux), grads = grad_fn(params, batch, adv_B, cfg, sc, None, state.ref_params)
-      params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params, loss)
-      logp_dense = aux["logp"]
-    else:
-      logits = qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
-      logp_dense = sequence_logprobs(logits, batch["tokens"], sc.temperature)
-      for _ in range(sc.ppo_epochs):
-        for mb, adv_mb, old_mb in _minibatches(batch, adv_B, logp_dense, sc.num_minibatches):
-          (loss, aux), grads = grad_fn(params, mb, adv_mb, cfg, sc, old_mb, state.ref_params)
-          params, opt_state, grad_norm, finite = _guarded_update(
-              optimizer, grads, opt_state, params, loss)
-      aux = dict(aux, top_logp=None)
+    adv_B = advantages.advantages(batch["rewards"], sc.group_size, sc.estimator,
+                                  std_ddof=sc.grpo_std_ddof)
+    with_top = "top_logp" in batch
+    single = sc.ppo_epochs * sc.num_minibatches == 1
+    old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
+    if not single:
+      logits_p = qwen3.forward(state.params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
+      old = dict(logits=logits_p, **_token_stats(
+          jax.nn.log_softmax(logits_p / sc.temperature, axis=-1), batch, with_top))
 
-    metrics = {"loss/policy": loss, "grad_norm/policy": grad_norm, "skipped": ~finite,
-               "entropy": aux["entropy"], "ppo/clip_frac": aux["clip_frac"]}
-    w = aux["tis_weight"]
-    if w.shape == mask.shape:  # (last minibatch's weights otherwise)
-      metrics.update({
-          "tis/weight_mean": jnp.sum(w * mask) / jnp.maximum(jnp.sum(mask), 1),
-          "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
-          "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / jnp.maximum(jnp.sum(mask), 1)})
+    params, opt_state, lora, lora_opt_state = (state.params, state.opt_state, state.lora,
+                                               state.lora_opt_state)
+    base_rows, lora_rows, skipped, skipped_lora, logits_q = [], [], [], [], None
+    for _ in range(sc.ppo_epochs):
+      for mb, adv_mb, old_mb in _minibatches(batch, adv_B, None if single else old["logp"],
+                                             sc.num_minibatches):
+        (loss, aux), grads = jax.value_and_grad(policy_loss, has_aux=True)(
+            params, mb, adv_mb, cfg, sc, old_mb, state.ref_params)
+        params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params,
+                                                               loss)
+        old = aux if single else old
+        n_tokens = jnp.sum(mb["gen_mask"])
+        base_rows.append(({"loss/policy": loss, "grad_norm/policy": grad_norm,
+                           "ppo/clip_frac": aux["clip_frac"]}, n_tokens))
+        skipped.append(~finite)
+        if sc.distill:
+          # The teacher log-probs are those of the pre-update base, so the adapter is fitted on
+          # that same base: fitting sparse(new base) + LoRA to dense(old base) would teach the
+          # adapter to undo each policy update, and the actor would drift from the policy.
+          teacher = old["logp"] if single else old_mb
+          (d_loss, d_aux), d_grads = jax.value_and_grad(distill_loss, has_aux=True)(
+              lora, state.params, mb, adv_mb, teacher, cfg, sc, sparse, budget)
+          lora, lora_opt_state, d_norm, d_finite = _guarded_update(
+              lora_optimizer, d_grads, lora_opt_state, lora, d_loss)
+          logits_q = d_aux["logits"] if single else None
+          lora_rows.append(({"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"],
+                             "grad_norm/lora": d_norm}, n_tokens))
+          skipped_lora.append(~d_finite)
+
+    metrics = _token_weighted(base_rows)
+    metrics["skipped_updates"] = jnp.sum(jnp.stack(skipped))
+    metrics["skipped"] = metrics["skipped_updates"] > 0
+    if lora_rows:
+      metrics.update(_token_weighted(lora_rows))
+      metrics["skipped_lora"] = jnp.any(jnp.stack(skipped_lora))
+
+    w = losses.tis_weight(old["logp"], batch["logp_rollout"], mask, sc.tis_cap, sc.tis_level)
+    n_gen = jnp.maximum(jnp.sum(mask), 1)
     lengths = jnp.sum(mask, 1)
-    metrics.update({"reward/mean": jnp.mean(batch["rewards"]), "reward/std": jnp.std(batch["rewards"]),
-                    "response_length/mean": jnp.mean(lengths), "response_length/max": jnp.max(lengths)})
-    metrics.update(_acceptance_metrics(batch, logp_dense, aux["top_logp"], sc))
-
-    lora, lora_opt_state = state.lora, state.lora_opt_state
-    if sc.distill:
-      # The teacher log-probs are those of the pre-update base, so the adapter is fitted on that
-      # same base: fitting sparse(new base) + LoRA to dense(old base) would teach the adapter to
-      # undo each policy update, and the actor would drift from the policy step after step.
-      (d_loss, d_aux), d_grads = jax.value_and_grad(distill_loss, has_aux=True)(
-          lora, state.params, batch, adv_B, logp_dense, cfg, sc, sparse, schedule)
-      lora, lora_opt_state, d_norm, d_finite = _guarded_update(
-          lora_optimizer, d_grads, lora_opt_state, lora, d_loss)
-      metrics.update({"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"],
-                      "grad_norm/lora": d_norm, "skipped_lora": ~d_finite})
+    metrics.update({
+        "entropy": losses.aggregate(old["entropy_BS"], mask),
+        "tis/weight_mean": jnp.sum(w * mask) / n_gen,
+        "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
+        "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / n_gen,
+        "reward/mean": jnp.mean(batch["rewards"]), "reward/std": jnp.std(batch["rewards"]),
+        "response_length/mean": jnp.mean(lengths), "response_length/max": jnp.max(lengths)})
+    if sc.exact_acceptance:
+      if sparse is None:
+        logits_q = old["logits"]  # dense rollouts: the rollout policy is p itself
+      elif logits_q is None:
+        logits_q = rollout_logits(state.params, state.lora, batch, cfg, sparse, budget)
+    metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), old["logits"],
+                                       logits_q if sc.exact_acceptance else None, sc))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, lora=lora,
                               lora_opt_state=lora_opt_state)
     return new_state, metrics

@@ -21,7 +21,7 @@ from sparrow_jax.attention.select import IMPLS, SparseConfig
 from sparrow_jax.data import synthetic, tasks
 from sparrow_jax.data.tokenizer import Tokenizer, load_tokenizer
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.mismatch import schedule as schedule_lib
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
@@ -51,6 +51,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be positive")
   _require(r.temperature > 0, "rollout.temperature", r.temperature,
            "must be > 0 (log-probs of a greedy policy are not defined)")
+  _require(r.top_p == 1.0, "rollout.top_p", r.top_p,
+           "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
+           "with the dense policy's full softmax, which a truncated sampler does not match")
   _require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
   _require(c.rl.estimator in advantages.ESTIMATORS, "rl.estimator", c.rl.estimator,
            f"one of {advantages.ESTIMATORS}")
@@ -70,29 +73,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   targets = tuple(t for t in c.distill.targets.split(",") if t)
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
+  _require(c.stats.bin_size >= p and c.stats.bin_size % p == 0, "stats.bin_size",
+           c.stats.bin_size, f"must be a positive multiple of rollout.page_size ({p})")
   if r.sparse:
-    schedule = make_schedule(r.schedule, p)
-    _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
-             "budget below the always-kept pages")
-
-
-def make_schedule(spec: str, page_size: int) -> KVSchedule:
-  """'fixed:PAGES' | 'paper:MODEL:TAU' | path to a KVSchedule JSON."""
-  if spec.startswith("fixed:"):
-    return KVSchedule.fixed(int(spec.split(":")[1]), page_size=page_size)
-  if spec.startswith("paper:"):
-    _, model, tau = spec.split(":")
-    schedule = KVSchedule.paper(model, float(tau))
-  elif os.path.isfile(spec):
-    with open(spec) as f:
-      schedule = KVSchedule.from_json(f.read())
-  else:
-    raise ValueError(f"config.rollout.schedule = {spec!r}: not 'fixed:PAGES', 'paper:MODEL:TAU' or "
-                     "an existing KVSchedule JSON file")
-  if schedule.page_size != page_size:
-    raise ValueError(f"config.rollout.schedule has page_size {schedule.page_size} but "
-                     f"config.rollout.page_size is {page_size}")
-  return schedule
+    for _, schedule in schedule_lib.parse_stages(r.schedule, p):
+      _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
+               "budget below the always-kept pages")
 
 
 def make_task(c):
@@ -135,14 +121,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 def step_config(c) -> ts.StepConfig:
   return ts.StepConfig(
-      group_size=c.rollout.group_size, estimator=c.rl.estimator, eps_low=c.rl.eps_low,
+      group_size=c.rollout.group_size, estimator=c.rl.estimator,
+      grpo_std_ddof=c.rl.grpo_std_ddof, eps_low=c.rl.eps_low,
       eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip, tis_cap=c.rl.tis_cap,
       tis_level=c.rl.tis_level, loss_agg=c.rl.loss_agg, kl_coef=c.rl.kl_coef,
       entropy_coef=c.rl.entropy_coef, ppo_epochs=c.rl.ppo_epochs,
       num_minibatches=c.rl.num_minibatches, dapo_filter=c.rl.dapo_filter,
       distill=c.distill.enabled, distill_kl_coef=c.distill.kl_coef,
-      distill_ppo_coef=c.distill.ppo_coef, tau=c.stats.tau,
-      bin_size=c.stats.bin_size, num_bins=c.stats.num_bins, temperature=c.rollout.temperature)
+      distill_ppo_coef=c.distill.ppo_coef, exact_acceptance=c.stats.exact_acceptance,
+      tau=c.stats.tau, bin_size=c.stats.bin_size, num_bins=c.stats.num_bins,
+      page_size=c.rollout.page_size, temperature=c.rollout.temperature)
 
 
 def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg, sparse, page_size):
@@ -182,7 +170,7 @@ def train(c: ml_collections.ConfigDict) -> list:
   r = c.rollout
   sparse = SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
                         attention_impl=r.attention_impl) if r.sparse else None
-  schedule = make_schedule(r.schedule, r.page_size) if r.sparse else None
+  stages = schedule_lib.parse_stages(r.schedule, r.page_size) if r.sparse else None
   sc = step_config(c)
   lr = optax.join_schedules([optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
                             optax.constant_schedule(c.rl.learning_rate)], [c.rl.warmup_steps])
@@ -195,7 +183,7 @@ def train(c: ml_collections.ConfigDict) -> list:
     lora_opt = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
                            optax.adam(c.distill.learning_rate))
   state = ts.init_state(params, optimizer, lora, lora_opt, keep_reference=c.rl.kl_coef > 0)
-  train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse, schedule)
+  train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse)
 
   os.makedirs(c.workdir, exist_ok=True)
   with open(os.path.join(c.workdir, "config.json"), "w") as f:
@@ -209,26 +197,36 @@ def train(c: ml_collections.ConfigDict) -> list:
     print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   logger = metrics_log.MetricsLogger(c.workdir)
   cache_len = r.max_prompt_len + r.max_new_tokens
-  budget_by_len = (sampler.budget_table(schedule, cache_len, sparse) if sparse else None)
+  # Each stage's budget table, and one static cap on selected pages for all of them: switching
+  # stages changes only traced values, so neither the sampler nor the train step recompiles.
+  tables = [sampler.budget_table(s, cache_len, sparse) for _, s in stages] if sparse else None
+  max_selected = (1 << max(int(max(t.max() for t in tables)) - 1, 1).bit_length()
+                  if sparse else None)
   key = jax.random.PRNGKey(c.seed)
   n_prompts, rows, nonfinite, t_start = r.prompts_per_step, [], 0, time.time()
 
   for step in range(start, c.total_steps):
     t0 = time.time()
+    schedule = budget_by_len = None
+    if sparse:
+      stage = schedule_lib.stage_index(stages, step)
+      schedule, budget_by_len = stages[stage][1], tables[stage]
     problems = task.sample(n_prompts, step * n_prompts)
     prompt, prompt_len = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
     rollout = sampler.generate(
         state.params, cfg, prompt, prompt_len, jax.random.fold_in(key, step),
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        eos_ids=tokenizer.eos_ids, sparse=sparse, schedule=schedule, lora=state.lora,
-        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id)
+        eos_ids=tokenizer.eos_ids, sparse=sparse,
+        schedule=schedule, lora=state.lora,
+        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected)
     jax.block_until_ready(rollout.tokens)
     t_rollout = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]
     rewards = task.reward(_responses(rollout, tokenizer), grouped)
     batch = ts.batch_from_rollout(prompt, prompt_len, rollout, rewards)
     t1 = time.time()
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(
+        state, batch, schedule_lib.BudgetTable(jnp.asarray(budget_by_len)) if sparse else None)
     metrics = jax.device_get(metrics)
     t_train = time.time() - t1
 
@@ -239,6 +237,7 @@ def train(c: ml_collections.ConfigDict) -> list:
         "kv/read_fraction": kv_read_fraction(budget_by_len, prompt_len, rollout.lengths, cfg,
                                              sparse, r.page_size)})
     if sparse is not None:
+      metrics["kv/schedule_stage"] = stage
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
           cfg, schedule, int(np.mean(prompt_len)), max(int(np.mean(rollout.lengths)), 1),
           n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers)
@@ -251,7 +250,8 @@ def train(c: ml_collections.ConfigDict) -> list:
     done = step + 1 - start
     eta = (time.time() - t_start) / done * (c.total_steps - step - 1)
     print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
-          f"p5 {metrics['acceptance/p5']:.3f}  len {metrics['response_length/mean']:.0f}  "
+          f"p5 {metrics.get('acceptance/p5', metrics['acceptance_sampled/p5']):.3f}  "
+          f"len {metrics['response_length/mean']:.0f}  "
           f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
           f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta:.0f}s", flush=True)
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
