@@ -7,6 +7,10 @@ calibration.png to --out_dir.
 
 Prompts: "synthetic" (pointer chasing, sparrow_jax.data.synthetic, --min_hops..--max_hops) or a
 .jsonl file with one prompt per line, either a JSON list of token ids or {"prompt_ids": [...]}.
+--alpha topk20 scores the reference code's top-20 lower bound on alpha (what the paper's tau was
+measured with; larger budgets than exact alpha at the same tau). --on_policy samples each
+candidate's rollouts under its own schedule instead of one set under the largest (one generation
+per candidate: slower).
 A --preset model is randomly initialised (std --init_std, peaky enough attention for sparsity to
 matter): a smoke run of the pipeline, not a meaningful schedule.
 """
@@ -80,6 +84,8 @@ def main(argv=None):
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--eos_ids", default="", help="comma list; default from the model dir / task")
   p.add_argument("--tau", type=float, default=0.86)
+  p.add_argument("--alpha", choices=tuple(cal.ALPHAS), default="exact",
+                 help="exact: sum_x min(p, q); topk20: the paper's top-20 lower bound")
   p.add_argument("--bin_size", type=int, default=2048)
   p.add_argument("--page_size", type=int, default=16)
   p.add_argument("--dense_layers", type=int, default=2)
@@ -89,6 +95,8 @@ def main(argv=None):
   p.add_argument("--sample", choices=("sparse", "dense"), default="sparse",
                  help="rollout policy (sparse: top-k --sample_topk, default the largest candidate)")
   p.add_argument("--sample_topk", type=int, default=None)
+  p.add_argument("--on_policy", action="store_true",
+                 help="each candidate scores rollouts sampled under its own schedule")
   p.add_argument("--batch_size", type=int, default=8, help="rows per teacher-forced pass")
   p.add_argument("--candidates_per_pass", type=int, default=1, help="candidates vmapped together")
   p.add_argument("--out_dir", required=True)
@@ -114,14 +122,15 @@ def main(argv=None):
 
   sparse = sj.SparseConfig(page_size=args.page_size, dense_layers=args.dense_layers)
   print(f"[calibrate] model {args.model_dir or args.preset + ' (random init)'}, {len(prompts)} "
-        f"prompts x {args.repeats}, max_new_tokens {args.max_new_tokens}, tau {args.tau}, "
-        f"bins of {args.bin_size} tokens, page size {args.page_size}", flush=True)
+        f"prompts x {args.repeats}, max_new_tokens {args.max_new_tokens}, tau {args.tau} "
+        f"({args.alpha} alpha, {'on' if args.on_policy else 'off'}-policy), bins of "
+        f"{args.bin_size} tokens, page size {args.page_size}", flush=True)
   result = cal.calibrate(
       params, cfg, prompts, jax.random.PRNGKey(args.seed + 1), max_new_tokens=args.max_new_tokens,
       tau=args.tau, candidates=candidates, repeats=args.repeats, bin_size=args.bin_size,
       sparse=sparse, sample_sparse=args.sample == "sparse", sample_topk=args.sample_topk,
       temperature=args.temperature, eos_ids=eos_ids, pad_id=pad_id, batch_size=args.batch_size,
-      candidates_per_pass=args.candidates_per_pass)
+      candidates_per_pass=args.candidates_per_pass, alpha=args.alpha, on_policy=args.on_policy)
 
   os.makedirs(args.out_dir, exist_ok=True)
   with open(os.path.join(args.out_dir, "schedule.json"), "w") as f:
@@ -131,7 +140,8 @@ def main(argv=None):
     f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in items) + "\n}\n")
   cal.plot_calibration(os.path.join(args.out_dir, "calibration.png"), result)
   print(f"[calibrate] candidates (top-k pages): {list(result.candidates)}")
-  print(f"[calibrate] tokens per bin: {result.count.tolist()}")
+  print(f"[calibrate] tokens per bin: {result.count.max(0).tolist()}"
+        f"{' (most over candidates)' if result.on_policy else ''}")
   print(f"[calibrate] chosen top-k per bin: {list(result.schedule.values)} "
         f"(+{result.schedule.always_kept} always kept)")
   print(f"[calibrate] wrote schedule.json, surface.json, calibration.png to {args.out_dir} "

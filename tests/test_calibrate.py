@@ -1,5 +1,6 @@
 """Schedule calibration: the choice rule on planted surfaces, the p5 surface against a per-candidate
-computation, one compilation across candidates, and the CLI end to end."""
+computation, one compilation across candidates, the top-20 bound against exact alpha, on-policy
+calibration, and the CLI end to end."""
 import json
 
 import jax
@@ -11,8 +12,9 @@ import sparrow_jax as sj
 from experiments import calibrate_schedule
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate as cal
-from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
+from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats, topk_bound_from_logits
 from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.rollout import sampler
 from tests.helpers import tiny_config
 
 CFG = tiny_config(num_hidden_layers=3)
@@ -135,6 +137,81 @@ def test_sparse_pass_compiles_once_across_candidates(rows):
   assert cal._sparse_alpha._cache_size() == before + 1
 
 
+def test_topk_bound_from_logits_matches_numpy():
+  rng = np.random.RandomState(5)
+  p = rng.randn(2, 3, 30) * 2
+  q = p + rng.randn(2, 3, 30)        # related, so the top-5 sets overlap, but not fully
+  temperature, k = 0.7, 5
+  def logp_top(x):
+    logp = x / temperature - np.log(np.exp(x / temperature).sum(-1, keepdims=True))
+    return logp, np.argsort(-logp, -1)[..., :k]
+  (lp, ip), (lq, iq) = logp_top(p), logp_top(q)
+  expected = np.zeros((2, 3))
+  for b, t in np.ndindex(2, 3):
+    for x in set(ip[b, t]) & set(iq[b, t]):
+      expected[b, t] += np.exp(min(lp[b, t, x], lq[b, t, x]))
+  assert (expected > 0).all()
+  got = topk_bound_from_logits(jnp.asarray(p), jnp.asarray(q), k=k, temperature=temperature,
+                               chunk_size=8)   # several vocabulary chunks, the last one shifted
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+  np.testing.assert_allclose(topk_bound_from_logits(p, q, k=30, temperature=temperature),
+                             acceptance_rate(p, q, temperature), atol=1e-6)  # whole vocabulary
+  with pytest.raises(ValueError, match="k must be in \\[1, 30\\].*got 31"):
+    topk_bound_from_logits(p, q, k=31)
+
+
+def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
+  cands = (0, 1, 3, 16)
+  exact, topk20 = (cal.p5_surface(PARAMS, CFG, *rows, PROMPT_LEN, cands, SPARSE, BIN, 4,
+                                  candidates_per_pass=4, alpha=a, verbose=False)
+                   for a in ("exact", "topk20"))
+  np.testing.assert_array_equal(np.isnan(topk20), np.isnan(exact))
+  seen = ~np.isnan(exact)
+  assert (topk20[seen] <= exact[seen] + 1e-6).all()
+  assert (topk20[seen] < exact[seen] - 1e-3).any()      # vocab 97 > 20: the bound drops mass
+  for tau in (0.3, 0.5, 0.7, 0.9):
+    pick = [cal.choose_schedule(p5, cands, tau, page_size=4, bin_size=BIN).values
+            for p5 in (exact, topk20)]
+    assert all(t >= e for e, t in zip(*pick)), (tau, pick)
+
+
+def test_unknown_alpha_is_rejected_by_name(rows):
+  message = r"alpha must be one of \['exact', 'topk20'\], got 'top20'"
+  with pytest.raises(ValueError, match=message):
+    cal.p5_surface(PARAMS, CFG, *rows, PROMPT_LEN, (1,), SPARSE, BIN, 4, alpha="top20")
+  with pytest.raises(ValueError, match=message):
+    cal.calibrate(PARAMS, CFG, [[1, 2]], jax.random.PRNGKey(0), max_new_tokens=4, alpha="top20")
+
+
+def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
+  prompts = [PROMPT[0, :PROMPT_LEN[0]].tolist(), PROMPT[1, :PROMPT_LEN[1]].tolist()]
+  key, cands = jax.random.PRNGKey(7), (1, 3, 12)   # 12 + 3 pages cover 21 + 30 tokens: dense
+  result = cal.calibrate(PARAMS, CFG, prompts, key, max_new_tokens=30, tau=0.9, candidates=cands,
+                         repeats=2, bin_size=BIN, sparse=SPARSE, eos_ids=(5, 6, 7), on_policy=True)
+  assert "ETA" in capsys.readouterr().out
+  num_bins = result.p5.shape[1]
+  assert result.p5.shape == result.count.shape == (3, num_bins) and result.on_policy
+  np.testing.assert_array_equal(np.isnan(result.p5), result.count == 0)
+  np.testing.assert_allclose(result.p5[-1][result.count[-1] > 0], 1.0, atol=1e-5)
+  # the middle row is p5_surface on top-k 3's own rollouts (same prompts, same keys)
+  prompt_BT, prompt_len_B = cal.pad_prompts(prompts)
+  prompt_BT, prompt_len_B = np.repeat(prompt_BT, 2, 0), np.repeat(prompt_len_B, 2)
+  out = sj.generate(PARAMS, CFG, prompt_BT, prompt_len_B, jax.random.fold_in(key, 0),
+                    max_new_tokens=30, eos_ids=(5, 6, 7), sparse=SPARSE,
+                    schedule=cal.candidate_schedule(3, SPARSE, BIN))
+  tokens_BS, gen_mask_BS = sampler.full_sequences(prompt_BT, prompt_len_B, out)
+  np.testing.assert_array_equal(cal.bin_counts(gen_mask_BS, 4, BIN, num_bins), result.count[1])
+  own = cal.p5_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN,
+                       num_bins, verbose=False)
+  np.testing.assert_allclose(result.p5[1], own[0], atol=1e-6)
+  surface = cal.surface_dict(result)
+  assert surface["on_policy"] and surface["alpha"] == "exact"
+  assert surface["count_bin"] == result.count.max(0).tolist()
+  assert surface["count_bin_by_candidate"]["3"] == result.count[1].tolist()
+  with pytest.raises(ValueError, match="sample_topk=5"):
+    cal.calibrate(PARAMS, CFG, prompts, key, max_new_tokens=4, on_policy=True, sample_topk=5)
+
+
 def test_default_candidates():
   assert cal.default_candidates(40960) == cal.PAPER_CANDIDATES
   small = cal.default_candidates(340)
@@ -150,12 +227,13 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, capsys):
   calibrate_schedule.main([
       "--preset", "tiny-untied", "--prompts", str(prompts), "--num_prompts", "2", "--repeats", "2",
       "--max_new_tokens", "24", "--page_size", "4", "--bin_size", "16", "--dense_layers", "1",
-      "--candidates", "1,2,8", "--tau", "0.9", "--out_dir", str(out)])
+      "--candidates", "1,2,8", "--tau", "0.9", "--alpha", "topk20", "--out_dir", str(out)])
   assert "ETA" in capsys.readouterr().out
   sched = KVSchedule.from_json((out / "schedule.json").read_text())
   surface = json.loads((out / "surface.json").read_text())
   assert sched.kind == "table" and sched.page_size == 4 and sched.bin_size == 16
   assert surface["candidates"] == [1, 2, 8]
+  assert surface["alpha"] == "topk20" and surface["on_policy"] is False
   assert list(sched.values) == surface["chosen_topk"]
   assert len(surface["count_bin"]) == len(sched.values) == len(surface["p5"]["8"])
   assert sum(surface["count_bin"]) > 0

@@ -9,10 +9,21 @@ Candidates are top-k page counts in the paper's form: candidate c keeps min(c + 
 cached pages) pages at every step, and the chosen schedule is a `KVSchedule.table` of candidates.
 
 Bins. The per-token alpha of the token at position j compares the two next-token distributions
-computed at the query j - 1, whose decode step saw `cached_len = j` tokens; a table schedule's bin
-for that step is ceil(j / page_size) // (bin_size // page_size). Tokens are binned by exactly that
-(not by j itself, which differs within a page of each bin edge), so the value chosen for bin b is
-the one that governs the tokens whose p5 was measured in bin b.
+computed at the query j - 1, whose decode step saw `cached_len = j` tokens. Tokens are binned by
+`schedule.position_bin(j, page_size, bin_size)`, the function a table schedule uses for that step's
+budget (and the trainer for its tail statistics), so the value chosen for bin b is the one that
+governs the tokens whose p5 was measured in bin b.
+
+Alpha. "exact" scores sum_x min(p, q) (`acceptance_rate`); "topk20" scores the reference code's
+lower bound from each side's top-20 (`topk_bound_from_logits`), which is what the paper's tau (0.86)
+was measured with. The bound is <= the exact rate token by token, so at the same tau it picks
+budgets at least as large: use "topk20" to compare with the paper's tau and published tables.
+
+Rollouts. By default one set is sampled (sparse at the largest candidate, like the paper, or dense)
+and re-scored under every candidate. `on_policy` instead samples each candidate's rollouts with the
+sparse sampler under that candidate's own schedule (same prompts, same keys) and scores them
+against its sparse teacher-forced logits, i.e. the policy that sampled them; each candidate then has
+its own token counts per bin.
 
 The expensive part is the grid: one dense pass per batch of sequences, then one sparse
 teacher-forced pass per candidate, all candidates through a single compiled function (the budget is
@@ -27,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.mismatch.acceptance import (acceptance_rate, tail_stats,
+                                             topk_bound_from_logits)
+from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import sampler
@@ -36,24 +48,20 @@ from sparrow_jax.rollout import sampler
 # The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
 PAPER_CANDIDATES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893,
                     1021)
-
-
-class _BudgetLookup(NamedTuple):
-  """Schedule-like pytree: `budget_pages` reads a traced table, so one compiled pass serves every
-  candidate (a `KVSchedule` is static under jit and would recompile per budget)."""
-  budget_by_len: jax.Array   # [S + 1] pages kept at each cached length
-
-  def budget_pages(self, cached_len):
-    return self.budget_by_len[cached_len]
+# Per-token acceptance the p5 is taken of: name -> fn(logits_p, logits_q, temperature=T).
+ALPHAS = {"exact": acceptance_rate, "topk20": functools.partial(topk_bound_from_logits, k=20)}
 
 
 class Calibration(NamedTuple):
   schedule: KVSchedule       # the chosen table
   p5: np.ndarray             # [num_candidates, num_bins] p5 acceptance (NaN for empty bins)
-  count: np.ndarray          # [num_bins] generated tokens per bin (the same for every candidate)
+  count: np.ndarray          # [num_candidates, num_bins] generated tokens behind each p5 (rows
+                             # differ only on-policy, where each candidate samples its own)
   candidates: tuple          # top-k pages per candidate, increasing
   tau: float
   bin_size: int
+  alpha: str                 # a key of ALPHAS
+  on_policy: bool
 
 
 def candidate_schedule(topk: int, sparse: SparseConfig, bin_size: int = 2048) -> KVSchedule:
@@ -80,23 +88,19 @@ def default_candidates(max_len: int, page_size: int = 16, always_kept: int = 3,
     n += 1
 
 
-def token_bins(gen_mask_BS, page_size: int, bin_size: int):
-  """Which alphas count, and where: (mask, stat_pos), both [B, S - 1], for the tokens at positions
-  1..S-1 (alpha_BS[:, :-1] scores them); stat_pos = pages cached at the token's decode step times
-  page_size, so stat_pos // bin_size is the schedule's bin (see the module docstring)."""
-  if bin_size < page_size or bin_size % page_size:
-    raise ValueError(f"bin_size ({bin_size}) must be a positive multiple of page_size "
-                     f"({page_size})")
+def token_bins(gen_mask_BS):
+  """Which alphas count, and where: (mask, cached_len), both [B, S - 1], for the tokens at
+  positions 1..S-1 (alpha_BS[:, :-1] scores them); cached_len = j for the token at j, to be binned
+  by `position_bin` (see the module docstring)."""
   B, S = gen_mask_BS.shape
-  cached_len_S = jnp.arange(1, S)
-  stat_pos_S = -(-cached_len_S // page_size) * page_size
-  return jnp.asarray(gen_mask_BS, bool)[:, 1:], jnp.broadcast_to(stat_pos_S, (B, S - 1))
+  return (jnp.asarray(gen_mask_BS, bool)[:, 1:],
+          jnp.broadcast_to(jnp.arange(1, S), (B, S - 1)))
 
 
 def bin_counts(gen_mask_BS, page_size: int, bin_size: int, num_bins: int) -> np.ndarray:
   """Generated tokens per schedule bin -> int [num_bins]."""
-  mask_BS, pos_BS = token_bins(gen_mask_BS, page_size, bin_size)
-  bins = np.asarray(pos_BS)[np.asarray(mask_BS)] // bin_size
+  mask_BS, cached_len_BS = token_bins(gen_mask_BS)
+  bins = np.asarray(position_bin(cached_len_BS, page_size, bin_size))[np.asarray(mask_BS)]
   return np.bincount(bins[bins < num_bins], minlength=num_bins)[:num_bins]
 
 
@@ -105,20 +109,21 @@ def _dense_logits(params, tokens_BS, valid_BS, *, cfg):
   return qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sparse"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sparse", "alpha"))
 def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, logits_p_BSV, budget_CL, temperature,
-                  *, cfg, sparse):
-  """alpha_CBS between the dense logits and the sparse teacher-forced logits of each candidate
-  (budget table row). The candidate axis is vmapped; its size is the only shape it adds."""
+                  *, cfg, sparse, alpha):
+  """alpha_CBS (ALPHAS[alpha]) between the dense logits and the sparse teacher-forced logits of
+  each candidate (budget table row). The candidate axis is vmapped; its size is the only shape it
+  adds."""
   def one(budget_L):
     logits_q_BSV = qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS, sparse=sparse,
-                                 schedule=_BudgetLookup(budget_L), prompt_len_B=prompt_len_B)
-    return acceptance_rate(logits_p_BSV, logits_q_BSV, temperature)
+                                 schedule=BudgetTable(budget_L), prompt_len_B=prompt_len_B)
+    return ALPHAS[alpha](logits_p_BSV, logits_q_BSV, temperature=temperature)
   return jax.vmap(one)(budget_CL)
 
 
-_p5_per_bin = jax.jit(lambda alpha, mask, pos, bin_size, num_bins: tail_stats(
-    alpha, mask, pos, bin_size, num_bins)["p5_bin"], static_argnums=(3, 4))
+_p5_per_bin = jax.jit(lambda alpha, mask, pos, bin_size, num_bins, page_size: tail_stats(
+    alpha, mask, pos, bin_size, num_bins, page_size)["p5_bin"], static_argnums=(3, 4, 5))
 
 
 def _check_candidates(candidates):
@@ -127,6 +132,11 @@ def _check_candidates(candidates):
     raise ValueError(f"candidates must be non-negative top-k page counts, strictly increasing; "
                      f"got {list(candidates)}")
   return cands
+
+
+def _check_alpha(alpha):
+  if alpha not in ALPHAS:
+    raise ValueError(f"alpha must be one of {list(ALPHAS)}, got {alpha!r}")
 
 
 def _check_sparse_layers(cfg, sparse):
@@ -138,7 +148,7 @@ def _check_sparse_layers(cfg, sparse):
 def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
                candidates: Sequence[int], sparse: SparseConfig, bin_size: int, num_bins: int,
                batch_size: int = 8, candidates_per_pass: int = 1, temperature: float = 1.0,
-               verbose: bool = True) -> np.ndarray:
+               alpha: str = "exact", verbose: bool = True) -> np.ndarray:
   """p5 of the per-token acceptance per schedule bin for each candidate -> float [C, num_bins].
 
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
@@ -146,9 +156,11 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   candidates: top-k pages (paper form), strictly increasing. Each batch of `batch_size` rows gets
   one dense pass; its float32 logits [batch_size, S, V] stay in memory while every candidate's
   sparse pass is compared with them, `candidates_per_pass` candidates at a time (vmapped: memory
-  grows with it). Empty bins are NaN. Prints one progress line per pass when `verbose`.
+  grows with it). `alpha`: "exact" or "topk20" (see the module docstring). Empty bins are NaN.
+  Prints one progress line per pass when `verbose`.
   """
   cands = _check_candidates(candidates)
+  _check_alpha(alpha)
   tokens_BS = np.asarray(tokens_BS, np.int32)
   gen_mask_BS = np.asarray(gen_mask_BS, bool)
   prompt_len_B = np.asarray(prompt_len_B, np.int32)
@@ -163,7 +175,8 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
     raise ValueError(f"temperature must be > 0 (acceptance compares sampling distributions), got "
                      f"{temperature}")
   _check_sparse_layers(cfg, sparse)
-  stat_mask_BS, stat_pos_BS = token_bins(gen_mask_BS, sparse.page_size, bin_size)
+  position_bin(0, sparse.page_size, bin_size)  # checks the bin size before the expensive part
+  stat_mask_BS, cached_len_BS = token_bins(gen_mask_BS)
 
   # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
   # (scored nowhere), the last candidate group with copies of the largest candidate.
@@ -185,11 +198,11 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
     args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
     logits_p_BSV = _dense_logits(params, *args, cfg=cfg)
     for g in range(groups):
-      alpha = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), logits_p_BSV,
-                            jnp.asarray(tables[g * per_pass:(g + 1) * per_pass]),
-                            jnp.float32(temperature), cfg=cfg, sparse=sparse)
+      alpha_GBS = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), logits_p_BSV,
+                                jnp.asarray(tables[g * per_pass:(g + 1) * per_pass]),
+                                jnp.float32(temperature), cfg=cfg, sparse=sparse, alpha=alpha)
       c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
-      alpha_CBS[c0:c1, real] = np.asarray(alpha)[:c1 - c0, :len(real)]
+      alpha_CBS[c0:c1, real] = np.asarray(alpha_GBS)[:c1 - c0, :len(real)]
       done += 1
       if verbose:
         elapsed = time.time() - start_time
@@ -198,7 +211,8 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
               f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
               flush=True)
   return np.stack([np.asarray(_p5_per_bin(jnp.asarray(alpha_BS[:, :-1]), stat_mask_BS,
-                                          stat_pos_BS, bin_size, num_bins))
+                                          cached_len_BS, bin_size, num_bins,
+                                          sparse.page_size))
                    for alpha_BS in alpha_CBS])
 
 
@@ -234,33 +248,12 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
   return prompt_BT, np.asarray(lengths, np.int32)
 
 
-def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *,
-              max_new_tokens: int, tau: float = 0.86, candidates: Optional[Sequence[int]] = None,
-              repeats: int = 8, bin_size: int = 2048, sparse: SparseConfig = SparseConfig(),
-              sample_sparse: bool = True, sample_topk: Optional[int] = None,
-              temperature: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-              batch_size: int = 8, generate_batch_size: int = 64, candidates_per_pass: int = 1,
-              verbose: bool = True) -> Calibration:
-  """End to end: rollouts -> p5 surface -> chosen schedule.
-
-  Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
-  the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
-  densely when `sample_sparse` is False. Then `p5_surface` over `candidates` (default
-  `default_candidates` for the longest row) and `choose_schedule` at `tau`.
-  """
-  _check_sparse_layers(cfg, sparse)
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1 (samples per prompt), got {repeats}")
-  prompt_BT, prompt_len_B = pad_prompts(prompts, pad_id)
-  prompt_BT, prompt_len_B = np.repeat(prompt_BT, repeats, 0), np.repeat(prompt_len_B, repeats)
-  max_len = prompt_BT.shape[1] + max_new_tokens
-  cands = _check_candidates(candidates if candidates is not None else default_candidates(
-      max_len, sparse.page_size, sparse.always_kept))
-  sample_schedule = None
-  if sample_sparse:
-    sample_schedule = candidate_schedule(cands[-1] if sample_topk is None else sample_topk,
-                                         sparse, bin_size)
-
+def _rollouts(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, schedule,
+              sparse: SparseConfig, *, max_new_tokens: int, temperature: float, eos_ids,
+              pad_id: int, generate_batch_size: int, verbose: bool):
+  """Right-padded prompt + completion rows and their completion mask (tokens_BS, gen_mask_BS),
+  sampled densely when `schedule` is None, else sparsely under it. The batch starting at row i
+  draws with fold_in(key, i), so every schedule sees the same prompts and keys."""
   R, gen_bs = len(prompt_len_B), min(generate_batch_size, len(prompt_len_B))
   idx = np.concatenate([np.arange(R), np.zeros(-R % gen_bs, int)])  # same shape every batch
   seqs, masks, t0 = [], [], time.time()
@@ -269,33 +262,100 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
     out = sampler.generate(params, cfg, prompt_BT[rows], prompt_len_B[rows],
                            jax.random.fold_in(key, i), max_new_tokens=max_new_tokens,
                            temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
-                           sparse=sparse if sample_sparse else None, schedule=sample_schedule)
+                           sparse=None if schedule is None else sparse, schedule=schedule)
     seq_BS, gen_mask_BS = sampler.full_sequences(prompt_BT[rows], prompt_len_B[rows], out, pad_id)
     seqs.append(np.asarray(seq_BS))
     masks.append(np.asarray(gen_mask_BS))
     if verbose:
       print(f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
-            f"({'sparse top-k ' + str(sample_schedule.values[0]) if sample_sparse else 'dense'}, "
+            f"({'dense' if schedule is None else 'sparse top-k ' + str(schedule.values[0])}, "
             f"mean length {float(np.mean(out.lengths)):.0f}) {time.time() - t0:.1f}s", flush=True)
-  tokens_BS, gen_mask_BS = np.concatenate(seqs)[:R], np.concatenate(masks)[:R]
+  return np.concatenate(seqs)[:R], np.concatenate(masks)[:R]
+
+
+def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *,
+              max_new_tokens: int, tau: float = 0.86, candidates: Optional[Sequence[int]] = None,
+              repeats: int = 8, bin_size: int = 2048, sparse: SparseConfig = SparseConfig(),
+              sample_sparse: bool = True, sample_topk: Optional[int] = None,
+              temperature: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
+              batch_size: int = 8, generate_batch_size: int = 64, candidates_per_pass: int = 1,
+              alpha: str = "exact", on_policy: bool = False, verbose: bool = True) -> Calibration:
+  """End to end: rollouts -> p5 surface -> chosen schedule.
+
+  Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
+  the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
+  densely when `sample_sparse` is False; then `p5_surface` scores those rollouts under every one of
+  `candidates` (default `default_candidates` for the longest row). With `on_policy`, each candidate
+  samples its own rollouts under its own schedule and `p5_surface` scores them for that candidate
+  alone (the sample_* options do not apply). Then `choose_schedule` at `tau`. `alpha`: "exact" or
+  "topk20" (see the module docstring).
+  """
+  _check_sparse_layers(cfg, sparse)
+  _check_alpha(alpha)
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1 (samples per prompt), got {repeats}")
+  if on_policy and (not sample_sparse or sample_topk is not None):
+    raise ValueError(f"on_policy samples each candidate under its own schedule: sample_sparse="
+                     f"{sample_sparse} / sample_topk={sample_topk} do not apply (leave them at "
+                     "True / None)")
+  prompt_BT, prompt_len_B = pad_prompts(prompts, pad_id)
+  prompt_BT, prompt_len_B = np.repeat(prompt_BT, repeats, 0), np.repeat(prompt_len_B, repeats)
+  max_len = prompt_BT.shape[1] + max_new_tokens
+  cands = _check_candidates(candidates if candidates is not None else default_candidates(
+      max_len, sparse.page_size, sparse.always_kept))
+  # runs of (candidates scored, the schedule their rollouts are sampled under; None: dense)
+  if on_policy:
+    runs = [((c,), candidate_schedule(c, sparse, bin_size)) for c in cands]
+  elif sample_sparse:
+    top = cands[-1] if sample_topk is None else sample_topk
+    runs = [(cands, candidate_schedule(top, sparse, bin_size))]
+  else:
+    runs = [(cands, None)]
+
+  max_bins = max_len // bin_size + 2
+  p5, count, t0 = [], [], time.time()
+  for r, (run_cands, schedule) in enumerate(runs):
+    tokens_BS, gen_mask_BS = _rollouts(
+        params, cfg, prompt_BT, prompt_len_B, key, schedule, sparse, max_new_tokens=max_new_tokens,
+        temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
+        generate_batch_size=generate_batch_size, verbose=verbose and not on_policy)
+    count_B = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_bins)
+    count.append(np.repeat(count_B[None], len(run_cands), 0))
+    p5.append(p5_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, run_cands, sparse,
+                         bin_size, max_bins, batch_size, candidates_per_pass, temperature, alpha,
+                         verbose and not on_policy))
+    if verbose and on_policy:
+      elapsed = time.time() - t0
+      print(f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
+            f"{gen_mask_BS.sum(1).mean():.0f}, p5 per non-empty bin "
+            f"{[round(float(v), 3) for v in p5[-1][0, count_B > 0]]} {elapsed:.1f}s elapsed, "
+            f"ETA {elapsed / (r + 1) * (len(runs) - r - 1):.1f}s", flush=True)
+  p5, count = np.concatenate(p5), np.concatenate(count)
 
   # Bins up to the last one holding a generated token (the table's last value holds beyond).
-  count = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_len // bin_size + 2)
-  count = count[:int(np.nonzero(count)[0].max()) + 1 if count.any() else 1]
-  p5 = p5_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, cands, sparse, bin_size,
-                  len(count), batch_size, candidates_per_pass, temperature, verbose)
+  used = np.nonzero(count.any(0))[0]
+  num_bins = int(used.max()) + 1 if used.size else 1
+  p5, count = p5[:, :num_bins], count[:, :num_bins]
   schedule = choose_schedule(p5, cands, tau, page_size=sparse.page_size,
                              always_kept=sparse.always_kept, bin_size=bin_size)
-  return Calibration(schedule, p5, count, cands, float(tau), bin_size)
+  return Calibration(schedule, p5, count, cands, float(tau), bin_size, alpha, bool(on_policy))
 
 
 def surface_dict(result: Calibration) -> dict:
-  """JSON-ready surface: p5 per candidate per bin (null for empty bins) with the token counts."""
-  return {"tau": result.tau, "bin_size": result.bin_size,
-          "page_size": result.schedule.page_size, "always_kept": result.schedule.always_kept,
-          "candidates": list(result.candidates), "count_bin": [int(n) for n in result.count],
-          "p5": {str(c): [None if np.isnan(v) else float(v) for v in p5_B]
-                 for c, p5_B in zip(result.candidates, result.p5)},
+  """JSON-ready surface: p5 per candidate per bin (null for empty bins) with the token counts.
+
+  "count_bin" is the tokens per bin, the most over candidates; on-policy, where each candidate
+  scored its own rollouts, "count_bin_by_candidate" holds every candidate's counts as well.
+  """
+  out = {"tau": result.tau, "alpha": result.alpha, "on_policy": result.on_policy,
+         "bin_size": result.bin_size, "page_size": result.schedule.page_size,
+         "always_kept": result.schedule.always_kept, "candidates": list(result.candidates),
+         "count_bin": result.count.max(0).tolist()}
+  if result.on_policy:
+    out["count_bin_by_candidate"] = {str(c): count_B.tolist()
+                                     for c, count_B in zip(result.candidates, result.count)}
+  return {**out, "p5": {str(c): [None if np.isnan(v) else float(v) for v in p5_B]
+                        for c, p5_B in zip(result.candidates, result.p5)},
           "chosen_topk": list(result.schedule.values)}
 
 
@@ -317,7 +377,9 @@ def plot_calibration(path: str, result: Calibration):
   ax_p5.plot(x_B, result.p5[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
   ax_p5.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
   ax_p5.set_ylabel("p5 acceptance rate")
-  ax_p5.set_title(f"Calibration: p5 per {result.bin_size}-token bin of cached length")
+  ax_p5.set_title(f"Calibration ({result.alpha} alpha, "
+                  f"{'on' if result.on_policy else 'off'}-policy rollouts): p5 per "
+                  f"{result.bin_size}-token bin of cached length")
   ax_p5.legend(fontsize=6, ncol=3, loc="lower left")
   ax_k.stairs(result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None,
             color="black")
