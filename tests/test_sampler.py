@@ -142,3 +142,15 @@ def test_logprobs_are_of_the_truncated_distribution(trunc):
       np.testing.assert_allclose(float(out.logprobs[b, j]), np.log(q_V[token]), atol=1e-4)
       np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[b, j], np.float64)),
                                  np.sort(q_V)[::-1][:3], atol=1e-4)
+
+
+def test_schedule_geometry_must_match_the_sparse_config():
+  """SparseConfig is the one source of truth for page size and always-kept pages: a schedule
+  built for another geometry is rejected, naming both values."""
+  key = jax.random.PRNGKey(0)
+  with pytest.raises(ValueError, match="always_kept = 2 differs .* always-kept pages .*: 3"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=4, sparse=SPARSE,
+                schedule=KVSchedule.fixed(8, page_size=4, always_kept=2))
+  with pytest.raises(ValueError, match="page_size = 16 differs .* page size: 4"):
+    sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, key, max_new_tokens=4, sparse=SPARSE,
+                schedule=KVSchedule.fixed(8, page_size=16))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels import sparse_decode
-from sparrow_jax.attention import reference
+from sparrow_jax.attention import policy, reference
 
 # bf16 inputs: both sides accumulate in float32 but sum in different orders and round the output to
 # bf16 (8 significant bits), so they may land one bf16 ulp apart: |diff| <= 2^-7 * |out| + 2^-9.
@@ -131,15 +131,15 @@ def test_dispatch_and_budget_change_does_not_recompile():
   q, kc, vc, page_idx, n_valid, lengths = _inputs(3, B=2, K=2, G=2, E=16, Z=8, P=6, N=4)
   xla = _jit(reference.sparse_decode_attention, page_size=8)(q, kc, vc, page_idx, n_valid, lengths)
   for impl in ("auto", "xla"):  # auto is XLA on this CPU backend
-    got = _jit(reference.decode_attention, page_size=8, impl=impl)(
+    got = _jit(policy.decode_attention, page_size=8, impl=impl)(
         q, kc, vc, page_idx, n_valid, lengths)
     np.testing.assert_array_equal(got, xla)
-  step = _jit(reference.decode_attention, page_size=8, impl="pallas")
+  step = _jit(policy.decode_attention, page_size=8, impl="pallas")
   np.testing.assert_allclose(step(q, kc, vc, page_idx, n_valid, lengths), xla, atol=1e-5)
   step(q, kc, vc, page_idx, jnp.minimum(n_valid, 1), lengths)
   assert step._cache_size() == 1
   with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'xla', 'pallas'\)"):
-    reference.decode_attention(q, kc, vc, page_idx, n_valid, lengths, page_size=8, impl="triton")
+    policy.decode_attention(q, kc, vc, page_idx, n_valid, lengths, page_size=8, impl="triton")
 
 
 def test_bad_arguments_raise():

@@ -58,7 +58,7 @@ def test_fused_step_equals_separate_updates():
   fused, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert not bool(metrics["skipped"])
 
-  adv = advantages.advantages(batch["rewards"], SC.group_size)
+  adv = advantages.advantages(batch.rewards, SC.group_size)
   (_, aux), g = jax.value_and_grad(ts.policy_loss, has_aux=True)(params, batch, adv, CFG, SC)
   upd, _ = opt.update(g, opt.init(params), params)
   new_params = optax.apply_updates(params, upd)
@@ -77,7 +77,7 @@ def test_fused_step_equals_separate_updates():
 def test_gradient_isolation():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=2)
-  adv = advantages.advantages(batch["rewards"], SC.group_size)
+  adv = advantages.advantages(batch.rewards, SC.group_size)
   logp_dense = ts.policy_loss(params, batch, adv, CFG, SC)[1]["logp"]
   g_base = jax.grad(lambda p: ts.distill_loss(lora, p, batch, adv, logp_dense, CFG, SC, SPARSE,
                                               SCHEDULE)[0])(params)
@@ -110,7 +110,7 @@ def test_no_recompilation_and_metrics():
 def test_nonfinite_loss_skips_update():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=3)
-  batch["logp_rollout"] = jnp.where(batch["gen_mask"], jnp.nan, batch["logp_rollout"])
+  batch = batch.replace(logp_rollout=jnp.where(batch.gen_mask, jnp.nan, batch.logp_rollout))
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   before = jax.tree_util.tree_map(np.asarray, params)
   state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
@@ -131,14 +131,14 @@ def test_ppo_minibatches_run():
 def reference_exact_stats(params, lora, batch, sc=SC):
   """Exact alpha between the pre-update dense policy and the rollout policy (sparse + LoRA), from
   sj.forward and acceptance_rate alone, binned like the step (token s was decoded with s cached)."""
-  S = batch["tokens"].shape[1]
-  valid = jnp.arange(S)[None] < (batch["prompt_len"] + batch["gen_mask"].sum(1))[:, None]
-  dense = sj.forward(params, batch["tokens"], CFG, mask_BT=valid)
-  rollout = sj.forward(params, batch["tokens"], CFG, mask_BT=valid, lora=lora, sparse=SPARSE,
-                       schedule=SCHEDULE, prompt_len_B=batch["prompt_len"])
+  S = batch.tokens.shape[1]
+  valid = jnp.arange(S)[None] < (batch.prompt_len + batch.gen_mask.sum(1))[:, None]
+  dense = sj.forward(params, batch.tokens, CFG, mask_BT=valid)
+  rollout = sj.forward(params, batch.tokens, CFG, mask_BT=valid, lora=lora, sparse=SPARSE,
+                       schedule=SCHEDULE, prompt_len_B=batch.prompt_len)
   alpha = jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
   pos = jnp.broadcast_to(jnp.arange(S), alpha.shape)
-  return acceptance.tail_stats(alpha, batch["gen_mask"], pos, sc.bin_size, sc.num_bins,
+  return acceptance.tail_stats(alpha, batch.gen_mask, pos, sc.bin_size, sc.num_bins,
                                sc.page_size)
 
 
@@ -188,7 +188,7 @@ def test_a_skipped_minibatch_is_reported():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=7)
   # NaN behaviour log-probs in the first of 4 minibatches (rows 0-1) only
-  batch["logp_rollout"] = batch["logp_rollout"].at[:2].set(jnp.nan)
+  batch = batch.replace(logp_rollout=batch.logp_rollout.at[:2].set(jnp.nan))
   step = ts.make_train_step(CFG, dataclasses.replace(SC, num_minibatches=4), opt, lora_opt, SPARSE)
   state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1

@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV cache: jnp references (dense, block-sparse) and dispatch.
+"""Decode attention over the paged KV cache: the jnp references (dense, block-sparse), which the
+Pallas kernel in kernels/ twins (the dispatch between them is attention/policy.py).
 
 Cache layout (see paged_cache.py): k_cache_BKSE / v_cache_BKSE with S = P * Z; page p of (b, k)
 is k_cache_BKSE[b, k, p*Z:(p+1)*Z]. Positions < lengths_B[b] are valid (the decode token
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas")  # decode attention implementations (dispatch: policy.py)
 
 
 def default_scale(head_dim: int) -> float:
@@ -57,15 +58,21 @@ def check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_
     raise ValueError(f"lengths_B must be [B] = {(B,)}, got {lengths_B.shape}")
 
 
+def masked_softmax(s_XT, valid_XT):
+  """Softmax over the last axis with the invalid entries masked (valid broadcasts against s). A row
+  with nothing valid gives zeros, not NaN: its max is -inf, replaced by 0 so every exp() is 0, and
+  its zero normaliser by 1. Shared by every jnp attention (decode and teacher-forced)."""
+  s_XT = jnp.where(valid_XT, s_XT, -jnp.inf)
+  m_X1 = jnp.max(s_XT, axis=-1, keepdims=True)
+  p_XT = jnp.exp(s_XT - jnp.where(jnp.isfinite(m_X1), m_X1, 0.0))
+  l_X1 = jnp.sum(p_XT, axis=-1, keepdims=True)
+  return p_XT / jnp.where(l_X1 == 0.0, 1.0, l_X1)
+
+
 def _softmax_av(s_XGT, valid_XT, v_XTE):
   """softmax(s) @ v over the last axis of s with invalid slots masked; all-masked rows give 0."""
-  s_XGT = jnp.where(valid_XT[..., None, :], s_XGT, -jnp.inf)
-  m_XG1 = jnp.max(s_XGT, axis=-1, keepdims=True)
-  m_XG1 = jnp.where(jnp.isfinite(m_XG1), m_XG1, 0.0)
-  p_XGT = jnp.exp(s_XGT - m_XG1)
-  l_XG = jnp.sum(p_XGT, axis=-1)
-  o_XGE = jnp.einsum("...gt,...te->...ge", p_XGT, v_XTE.astype(jnp.float32))
-  return o_XGE / jnp.where(l_XG == 0.0, 1.0, l_XG)[..., None]
+  p_XGT = masked_softmax(s_XGT, valid_XT[..., None, :])
+  return jnp.einsum("...gt,...te->...ge", p_XGT, v_XTE.astype(jnp.float32))
 
 
 def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, scale=None):
@@ -110,21 +117,3 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
           jnp.repeat(lengths_B, K))
   out_RGE = jax.lax.map(lambda row: _sparse_row(*row, scale), rows)
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
-
-
-def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *,
-                     page_size, scale=None, impl="auto"):
-  """Sparse decode attention by `impl`: "xla" (the reference above), "pallas" (kernels/), or
-  "auto" (Pallas on a GPU backend, XLA elsewhere)."""
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if impl == "auto":
-    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl == "xla":
-    fn = sparse_decode_attention
-  else:
-    # Imported here: kernels/ imports this module for its shape checks.
-    from kernels import sparse_decode
-    fn = sparse_decode.sparse_decode_attention
-  return fn(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-            page_size=page_size, scale=scale)

@@ -110,16 +110,3 @@ def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseC
   budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], centroid_BKPE.shape[2],
                         schedule.budget_pages(pos_T + 1)[None])
   return keep_pages(scores_BKTP, pos_T[None, None], budget_BT[:, None], sparse)
-
-
-def teacher_forced_attention_fn(sparse: SparseConfig, schedule, prompt_len_B, dense_fn):
-  """An `attention_fn` for qwen3.forward that restricts each query to its selected pages."""
-  def attention(layer, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
-    if layer < sparse.dense_layers:
-      return dense_fn(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)
-    keep_BKTP = teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse)
-    S = k_BSKE.shape[1]
-    keep_BKTS = jnp.repeat(keep_BKTP, sparse.page_size, axis=-1)[..., :S]
-    return dense_fn(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS[:, None] & keep_BKTS)
-  return attention
-

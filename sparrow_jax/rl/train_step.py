@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sparrow_jax.attention import policy
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
+from sparrow_jax.rollout import sampler
 
 TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)
 
@@ -97,6 +99,18 @@ class TrainState:
   ref_params: Optional[dict] = None
 
 
+@flax.struct.dataclass
+class Batch:
+  """One step's rollouts, token-aligned (value[b, s] concerns token s)."""
+  tokens: jax.Array          # [B, S] int32 right-padded prompt + completion rows
+  gen_mask: jax.Array        # [B, S] bool, the completion tokens
+  prompt_len: jax.Array      # [B] int32, where decoding began
+  logp_rollout: jax.Array    # [B, S] the sampler's (behaviour) log-prob of each completion token
+  rewards: jax.Array         # [B] float32
+  top_logp: Optional[jax.Array] = None  # [B, S, 20] the sampler's top-20 log-probs (if kept)
+  top_ids: Optional[jax.Array] = None   # [B, S, 20] their token ids
+
+
 def next_token_aligned(x_BS):
   """Per-position values of the distribution at s (which predicts token s + 1) moved to the token
   alignment: out[:, s] = x[:, s - 1], out[:, 0] = 0 (trailing axes are carried along)."""
@@ -115,14 +129,14 @@ def _gather_next(logp_BSV, tokens_BS):
 
 
 def _valid_mask(batch):
-  S = batch["tokens"].shape[1]
-  return jnp.arange(S)[None] < (batch["prompt_len"] + jnp.sum(batch["gen_mask"], 1))[:, None]
+  S = batch.tokens.shape[1]
+  return jnp.arange(S)[None] < (batch.prompt_len + jnp.sum(batch.gen_mask, 1))[:, None]
 
 
 def _token_stats(logp_BSV, batch, with_top: bool):
   """From one log-softmax: token log-probs, per-token entropy and (if asked) the top-20, all in
   the token alignment."""
-  stats = {"logp": _gather_next(logp_BSV, batch["tokens"]),
+  stats = {"logp": _gather_next(logp_BSV, batch.tokens),
            "entropy_BS": next_token_aligned(losses.entropy(logp_BSV))}
   if with_top:
     stats["top"] = tuple(next_token_aligned(x) for x in jax.lax.top_k(logp_BSV, TOP_K))
@@ -132,44 +146,44 @@ def _token_stats(logp_BSV, batch, with_top: bool):
 def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None):
   """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update),
   and aux carries its logits and token statistics for the step's metrics."""
-  mask = batch["gen_mask"]
-  logits = qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
+  mask = batch.gen_mask
+  logits = qwen3.forward(params, batch.tokens, cfg, mask_BT=_valid_mask(batch))
   logp_BSV = jax.nn.log_softmax(logits / sc.temperature, axis=-1)  # shared by logp, entropy, top-k
-  logp = _gather_next(logp_BSV, batch["tokens"])
+  logp = _gather_next(logp_BSV, batch.tokens)
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
   pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
-  w = losses.tis_weight(old, batch["logp_rollout"], mask, sc.tis_cap, sc.tis_level)
+  w = losses.tis_weight(old, batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
   loss = losses.aggregate(pg * w, mask, sc.loss_agg, mask.shape[1])
   if sc.entropy_coef:
     ent_BS = next_token_aligned(losses.entropy(logp_BSV))
     loss = loss - sc.entropy_coef * losses.aggregate(ent_BS, mask)
   if ref_params is not None and sc.kl_coef > 0:
-    ref_logits = qwen3.forward(jax.lax.stop_gradient(ref_params), batch["tokens"], cfg,
+    ref_logits = qwen3.forward(jax.lax.stop_gradient(ref_params), batch.tokens, cfg,
                                mask_BT=_valid_mask(batch))
-    ref_logp = sequence_logprobs(ref_logits, batch["tokens"], sc.temperature)
+    ref_logp = sequence_logprobs(ref_logits, batch.tokens, sc.temperature)
     loss = loss + sc.kl_coef * losses.aggregate(losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
   aux = {"clip_frac": losses.aggregate(clipped.astype(jnp.float32), mask)}
   if logp_old_BS is None:
     aux.update(logits=jax.lax.stop_gradient(logits),
-               **_token_stats(logp_BSV, batch, "top_logp" in batch))
+               **_token_stats(logp_BSV, batch, batch.top_logp is not None))
   return loss, aux
 
 
 def rollout_logits(params, lora, batch, cfg, sparse, budget):
   """Teacher-forced logits of the policy that sampled the batch: sparse attention under the step's
   budget (exactly the pages the sampler read), with the LoRA when DistillSparse is on."""
-  return qwen3.forward(params, batch["tokens"], cfg, mask_BT=_valid_mask(batch), lora=lora,
-                       sparse=sparse, schedule=budget, prompt_len_B=batch["prompt_len"])
+  return policy.forward(params, batch.tokens, cfg, mask_BT=_valid_mask(batch), lora=lora,
+                        sparse=sparse, schedule=budget, prompt_len_B=batch.prompt_len)
 
 
 def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget):
   """DistillSparse: PPO on the sparse actor's own rollouts (its rollout log-probs are the old
   policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient). aux carries
   the sparse+LoRA logits (with the pre-update adapter they are exactly the rollout policy q)."""
-  mask = batch["gen_mask"]
+  mask = batch.gen_mask
   logits = rollout_logits(jax.lax.stop_gradient(params), lora, batch, cfg, sparse, budget)
-  logp_q = sequence_logprobs(logits, batch["tokens"], sc.temperature)
-  pg, _ = losses.ppo_token_loss(logp_q, batch["logp_rollout"], adv_B, sc.eps_low, sc.eps_high,
+  logp_q = sequence_logprobs(logits, batch.tokens, sc.temperature)
+  pg, _ = losses.ppo_token_loss(logp_q, batch.logp_rollout, adv_B, sc.eps_low, sc.eps_high,
                                 sc.dual_clip)
   kl = losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
   loss = (sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
@@ -208,16 +222,16 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, logits_p, logits_q, sc: Ste
   "acceptance" (exact alpha = sum_x min(p, q), when q's logits are at hand), "acceptance_sampled"
   (min(1, p(x)/q(x)) of the sampled token: unbiased for the mean, biased low in the tail) and
   "acceptance_topk20" (the reference's lower bound from both top-20s, when the rollout has them)."""
-  mask = batch["gen_mask"]
+  mask = batch.gen_mask
   positions = jnp.broadcast_to(jnp.arange(mask.shape[1])[None], mask.shape)
   families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS,
-                                                                  batch["logp_rollout"])}
+                                                                  batch.logp_rollout)}
   if logits_q is not None:
     families["acceptance"] = next_token_aligned(
         acceptance.acceptance_rate(logits_p, logits_q, sc.temperature))
   if top_old is not None:
     families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
-        *top_old, batch["top_logp"], batch["top_ids"])
+        *top_old, batch.top_logp, batch.top_ids)
   metrics = {}
   for name, alpha in families.items():
     stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size)
@@ -231,8 +245,7 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
   """Returns train_step(state, batch, budget=None) -> (state, metrics), jit-compiled with the state
   donated.
 
-  batch: tokens [B,S] int32, gen_mask [B,S] bool, prompt_len [B], logp_rollout [B,S] (the sampler's
-  log-probs, token-aligned), rewards [B]; optionally top_logp / top_ids [B,S,20]. budget: the
+  batch: a `Batch` (the top-20 bound is logged when it carries top_logp / top_ids). budget: the
   rollout's `schedule.BudgetTable` (traced: a new schedule stage does not recompile), required with
   `sparse` (the rollouts' SparseConfig; None = dense rollouts, whose q is p itself).
   """
@@ -244,17 +257,17 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
       raise ValueError("train_step needs a budget (schedule.BudgetTable) exactly when the "
                        "rollouts are sparse")
     if sc.dapo_filter:
-      keep_B = jnp.repeat(advantages.informative_groups(batch["rewards"], sc.group_size),
+      keep_B = jnp.repeat(advantages.informative_groups(batch.rewards, sc.group_size),
                           sc.group_size)
-      batch = dict(batch, gen_mask=batch["gen_mask"] & keep_B[:, None])
-    mask = batch["gen_mask"]
-    adv_B = advantages.advantages(batch["rewards"], sc.group_size, sc.estimator,
+      batch = batch.replace(gen_mask=batch.gen_mask & keep_B[:, None])
+    mask = batch.gen_mask
+    adv_B = advantages.advantages(batch.rewards, sc.group_size, sc.estimator,
                                   std_ddof=sc.grpo_std_ddof)
-    with_top = "top_logp" in batch
+    with_top = batch.top_logp is not None
     single = sc.ppo_epochs * sc.num_minibatches == 1
     old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
     if not single:
-      logits_p = qwen3.forward(state.params, batch["tokens"], cfg, mask_BT=_valid_mask(batch))
+      logits_p = qwen3.forward(state.params, batch.tokens, cfg, mask_BT=_valid_mask(batch))
       old = dict(logits=logits_p, **_token_stats(
           jax.nn.log_softmax(logits_p / sc.temperature, axis=-1), batch, with_top))
 
@@ -269,7 +282,7 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
         params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params,
                                                                loss)
         old = aux if single else old
-        n_tokens = jnp.sum(mb["gen_mask"])
+        n_tokens = jnp.sum(mb.gen_mask)
         base_rows.append(({"loss/policy": loss, "grad_norm/policy": grad_norm,
                            "ppo/clip_frac": aux["clip_frac"]}, n_tokens))
         skipped.append(~finite)
@@ -294,7 +307,7 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
       metrics.update(_token_weighted(lora_rows))
       metrics["skipped_lora"] = jnp.any(jnp.stack(skipped_lora))
 
-    w = losses.tis_weight(old["logp"], batch["logp_rollout"], mask, sc.tis_cap, sc.tis_level)
+    w = losses.tis_weight(old["logp"], batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
     n_gen = jnp.maximum(jnp.sum(mask), 1)
     lengths = jnp.sum(mask, 1)
     metrics.update({
@@ -302,7 +315,7 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
         "tis/weight_mean": jnp.sum(w * mask) / n_gen,
         "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
         "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / n_gen,
-        "reward/mean": jnp.mean(batch["rewards"]), "reward/std": jnp.std(batch["rewards"]),
+        "reward/mean": jnp.mean(batch.rewards), "reward/std": jnp.std(batch.rewards),
         "response_length/mean": jnp.mean(lengths), "response_length/max": jnp.max(lengths)})
     if sc.exact_acceptance:
       if sparse is None:
@@ -326,17 +339,14 @@ def init_state(params, optimizer, lora: Optional[LoRA] = None, lora_optimizer=No
       ref_params=jax.tree_util.tree_map(jnp.copy, params) if keep_reference else None)
 
 
-def batch_from_rollout(prompt_BT, prompt_len_B, rollout, rewards_B):
+def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, rewards_B) -> Batch:
   """Token-aligned train batch from a sampler Rollout and its rewards."""
-  from sparrow_jax.rollout.sampler import full_sequences
-  tokens, gen_mask = full_sequences(prompt_BT, prompt_len_B, rollout)
+  tokens, gen_mask = sampler.full_sequences(prompt_BT, prompt_len_B, rollout)
   S, N = tokens.shape[1], rollout.tokens.shape[1]
   j = jnp.clip(jnp.arange(S)[None] - prompt_len_B[:, None], 0, N - 1)
-  align = lambda x: jnp.take_along_axis(x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
-  batch = {"tokens": tokens, "gen_mask": gen_mask, "prompt_len": jnp.asarray(prompt_len_B, jnp.int32),
-           "logp_rollout": jnp.where(gen_mask, align(rollout.logprobs), 0.0),
-           "rewards": jnp.asarray(rewards_B, jnp.float32)}
-  if rollout.top_logprobs is not None:
-    batch["top_logp"] = align(rollout.top_logprobs)
-    batch["top_ids"] = align(rollout.top_ids)
-  return batch
+  align = lambda x: None if x is None else jnp.take_along_axis(
+      x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
+  return Batch(tokens=tokens, gen_mask=gen_mask, prompt_len=jnp.asarray(prompt_len_B, jnp.int32),
+               logp_rollout=jnp.where(gen_mask, align(rollout.logprobs), 0.0),
+               rewards=jnp.asarray(rewards_B, jnp.float32), top_logp=align(rollout.top_logprobs),
+               top_ids=align(rollout.top_ids))

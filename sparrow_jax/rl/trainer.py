@@ -26,7 +26,6 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
-from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 
@@ -37,31 +36,23 @@ def _require(ok: bool, field: str, value, allowed: str):
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Rejects a bad config up front, naming the field."""
+  """Rejects a bad config up front, naming the field. The train step's own fields are checked by
+  `StepConfig.__post_init__` (via `step_config`) and the sparse ones by `SparseConfig`; what is
+  left here is what only the whole config knows."""
   r = c.rollout
-  _require(0 < c.stats.tau <= 1, "stats.tau", c.stats.tau, "must lie in (0, 1]")
+  step_config(c)
   p = r.page_size
   _require(isinstance(p, int) and p > 0 and not p & (p - 1), "rollout.page_size", p,
            "must be a power of two")
-  _require(r.group_size >= 2, "rollout.group_size", r.group_size, "must be >= 2 (GRPO groups)")
   _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
   batch = r.prompts_per_step * r.group_size
   _require(batch % c.rl.num_minibatches == 0, "rl.num_minibatches", c.rl.num_minibatches,
            f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)")
   _require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be positive")
-  _require(r.temperature > 0, "rollout.temperature", r.temperature,
-           "must be > 0 (log-probs of a greedy policy are not defined)")
   _require(r.top_p == 1.0, "rollout.top_p", r.top_p,
            "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
            "with the dense policy's full softmax, which a truncated sampler does not match")
   _require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
-  _require(c.rl.estimator in advantages.ESTIMATORS, "rl.estimator", c.rl.estimator,
-           f"one of {advantages.ESTIMATORS}")
-  _require(c.rl.loss_agg in losses.AGGREGATIONS, "rl.loss_agg", c.rl.loss_agg,
-           f"one of {losses.AGGREGATIONS}")
-  _require(c.rl.tis_level in losses.TIS_LEVELS, "rl.tis_level", c.rl.tis_level,
-           f"one of {losses.TIS_LEVELS}")
-  _require(c.rl.tis_cap >= 1, "rl.tis_cap", c.rl.tis_cap, "must be >= 1")
   _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   _require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _require(bool(c.model.hf_dir) != bool(c.model.preset), "model.hf_dir / model.preset",
@@ -73,8 +64,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   targets = tuple(t for t in c.distill.targets.split(",") if t)
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
-  _require(c.stats.bin_size >= p and c.stats.bin_size % p == 0, "stats.bin_size",
-           c.stats.bin_size, f"must be a positive multiple of rollout.page_size ({p})")
   if r.sparse:
     for _, schedule in schedule_lib.parse_stages(r.schedule, p):
       _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
@@ -82,9 +71,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 
 def make_task(c):
-  if c.task.name == synthetic.PointerChase.name:
-    return synthetic.PointerChase(min_hops=c.task.min_hops, max_hops=c.task.max_hops, seed=c.seed)
-  return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed)
+  """The task of config `c` (its `task` group and `seed`) from the task registry."""
+  return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed,
+                         min_hops=c.task.min_hops, max_hops=c.task.max_hops)
 
 
 def load_model(c, task):
@@ -119,32 +108,31 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.json", "merges.txt", "generation_config.json")
 
 
+# StepConfig field -> the config field it comes from (errors name the latter).
+_STEP_FIELDS = {
+    "group_size": "rollout.group_size", "estimator": "rl.estimator",
+    "grpo_std_ddof": "rl.grpo_std_ddof", "eps_low": "rl.eps_low", "eps_high": "rl.eps_high",
+    "dual_clip": "rl.dual_clip", "tis_cap": "rl.tis_cap", "tis_level": "rl.tis_level",
+    "loss_agg": "rl.loss_agg", "kl_coef": "rl.kl_coef", "entropy_coef": "rl.entropy_coef",
+    "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
+    "dapo_filter": "rl.dapo_filter", "distill": "distill.enabled",
+    "distill_kl_coef": "distill.kl_coef", "distill_ppo_coef": "distill.ppo_coef",
+    "exact_acceptance": "stats.exact_acceptance", "tau": "stats.tau",
+    "bin_size": "stats.bin_size", "num_bins": "stats.num_bins", "page_size": "rollout.page_size",
+    "temperature": "rollout.temperature"}
+
+
 def step_config(c) -> ts.StepConfig:
-  return ts.StepConfig(
-      group_size=c.rollout.group_size, estimator=c.rl.estimator,
-      grpo_std_ddof=c.rl.grpo_std_ddof, eps_low=c.rl.eps_low,
-      eps_high=c.rl.eps_high, dual_clip=c.rl.dual_clip, tis_cap=c.rl.tis_cap,
-      tis_level=c.rl.tis_level, loss_agg=c.rl.loss_agg, kl_coef=c.rl.kl_coef,
-      entropy_coef=c.rl.entropy_coef, ppo_epochs=c.rl.ppo_epochs,
-      num_minibatches=c.rl.num_minibatches, dapo_filter=c.rl.dapo_filter,
-      distill=c.distill.enabled, distill_kl_coef=c.distill.kl_coef,
-      distill_ppo_coef=c.distill.ppo_coef, exact_acceptance=c.stats.exact_acceptance,
-      tau=c.stats.tau, bin_size=c.stats.bin_size, num_bins=c.stats.num_bins,
-      page_size=c.rollout.page_size, temperature=c.rollout.temperature)
-
-
-def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg, sparse, page_size):
-  """KV pages read by the sparse rollout relative to dense, over all generated tokens and layers."""
-  if sparse is None:
-    return 1.0
-  read = dense = 0.0
-  sparse_layers = cfg.num_hidden_layers - min(sparse.dense_layers, cfg.num_hidden_layers)
-  for p, n in zip(np.asarray(prompt_len_B), np.asarray(lengths_B)):
-    cached = np.arange(p + 1, p + n + 1)  # cache length when decoding each generated token
-    pages = -(-cached // page_size)
-    read += np.sum(sparse.dense_layers * pages + sparse_layers * np.minimum(budget_by_len[cached], pages))
-    dense += np.sum(cfg.num_hidden_layers * pages)
-  return float(read / max(dense, 1.0))
+  """The train step's config from the experiment config; a bad value names its config field."""
+  values = {f: c[group][name] for f, (group, name) in
+            ((f, path.split(".")) for f, path in _STEP_FIELDS.items())}
+  try:
+    return ts.StepConfig(**values)
+  except ValueError as e:
+    for f, path in _STEP_FIELDS.items():
+      if str(e).startswith(f"StepConfig.{f} "):
+        raise ValueError(f"config.{path}{str(e)[len('StepConfig.' + f):]}") from None
+    raise
 
 
 def _prompts(problems, tokenizer, group_size, width):
@@ -234,8 +222,8 @@ def train(c: ml_collections.ConfigDict) -> list:
     metrics.update({
         "perf/rollout_tokens_per_s": generated / t_rollout, "perf/train_step_s": t_train,
         "lr": float(lr(step)),
-        "kv/read_fraction": kv_read_fraction(budget_by_len, prompt_len, rollout.lengths, cfg,
-                                             sparse, r.page_size)})
+        "kv/read_fraction": cost_model.kv_read_fraction(budget_by_len, prompt_len,
+                                                        rollout.lengths, cfg, sparse)})
     if sparse is not None:
       metrics["kv/schedule_stage"] = stage
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(

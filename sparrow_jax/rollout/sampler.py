@@ -1,8 +1,9 @@
 """Jit-compiled sampler: dense prefill, then a `lax.while_loop` of decode steps, dense or sparse.
 
-The KV budget enters as an int32 table `budget_by_len[cached_len]` (a traced argument built from any
-schedule outside jit), so switching schedules never recompiles; only the static cap on selected pages
-(`max_selected`, the schedule's maximum rounded up to a power of two) is part of the compiled shape.
+The KV budget enters as a `schedule.BudgetTable` (a traced int32 table indexed by cached length,
+built from any schedule outside jit), so switching schedules never recompiles; only the static cap on
+selected pages (`max_selected`, the schedule's maximum rounded up to a power of two) is part of the
+compiled shape. The sparsity policy itself (dense layers, page selection) is attention/policy.py's.
 """
 import functools
 from typing import Optional, Sequence
@@ -12,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import paged_cache
+from sparrow_jax.attention import paged_cache, policy
 from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.schedule import BudgetTable
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 
@@ -28,7 +30,17 @@ class Rollout:
 
 
 def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
-  """Pages kept at each cached length 0..max_len, from any schedule with `budget_pages(len)`."""
+  """Pages kept at each cached length 0..max_len, from any schedule with `budget_pages(len)`,
+  after checking that a KVSchedule's page geometry (page size, always-kept pages) is the sparse
+  config's: SparseConfig is the one source of truth for the geometry the sampler reads with."""
+  geometry = (("page_size", sparse.page_size, "page size"),
+              ("always_kept", sparse.always_kept, f"always-kept pages (sink_pages "
+                                                  f"{sparse.sink_pages} + local_pages "
+                                                  f"{sparse.local_pages})"))
+  for name, want, what in geometry:
+    if getattr(schedule, name, want) != want:
+      raise ValueError(f"schedule.{name} = {getattr(schedule, name)} differs from the "
+                       f"SparseConfig's {what}: {want}")
   budget = np.asarray(jax.device_get(schedule.budget_pages(jnp.arange(max_len + 1))), np.int32)
   pages = -(-np.arange(max_len + 1) // sparse.page_size)
   low = np.nonzero(budget < np.minimum(sparse.always_kept, pages))[0]
@@ -62,7 +74,7 @@ def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "sparse", "max_selected",
     "num_top_logprobs", "pad_id", "cache_len"))
-def _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, *, cfg, max_new_tokens,
+def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_new_tokens,
               temperature, top_p, top_k, eos_ids, sparse, max_selected, num_top_logprobs, pad_id,
               cache_len):
   B, N = prompt_BT.shape[0], max_new_tokens
@@ -101,10 +113,12 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, *, cfg,
   def cond(state):
     return (state["t"] < N) & ~jnp.all(state["done"])
 
+  attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
+                  else None)
+
   def body(state):
-    logits_BV, cache = qwen3.decode_step(
-        params, state["token"], cfg, state["cache"], sparse=sparse, budget_by_len=budget_by_len,
-        lora=lora, max_selected=max_selected)
+    logits_BV, cache = qwen3.decode_step(params, state["token"], cfg, state["cache"],
+                                         attention_fn=attention_fn, lora=lora)
     return emit(state["t"], logits_BV, dict(state, cache=cache))
 
   state = jax.lax.while_loop(cond, body, state)
@@ -139,17 +153,15 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   if cache_len > cfg.max_position_embeddings:
     raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {cache_len} exceeds the "
                      f"cache / max_position_embeddings ({cfg.max_position_embeddings})")
-  budget_by_len = None
+  budget = None
   if sparse is not None:
     if schedule is None:
       raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
-    if getattr(schedule, "page_size", sparse.page_size) != sparse.page_size:
-      raise ValueError(f"schedule.page_size ({schedule.page_size}) differs from "
-                       f"SparseConfig.page_size ({sparse.page_size})")
-    budget_by_len = jnp.asarray(budget_table(schedule, cache_len, sparse))
+    pages_by_len = budget_table(schedule, cache_len, sparse)
+    budget = BudgetTable(jnp.asarray(pages_by_len))
     if max_selected is None:
-      max_selected = 1 << max(int(budget_by_len.max()) - 1, 1).bit_length()
-  return _generate(params, prompt_BT, prompt_len_B, key, budget_by_len, lora, cfg=cfg,
+      max_selected = 1 << max(int(pages_by_len.max()) - 1, 1).bit_length()
+  return _generate(params, prompt_BT, prompt_len_B, key, budget, lora, cfg=cfg,
                    max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
                    sparse=sparse, max_selected=max_selected, num_top_logprobs=num_top_logprobs,

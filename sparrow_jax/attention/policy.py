@@ -1,0 +1,72 @@
+"""The sparsity policy in one place: which layers stay dense, which pages the others read, and
+which implementation reads them. The model (model/qwen3.py) knows Qwen3 only; this module builds
+the attention functions it takes, for teacher forcing (`forward`: trainer, calibration) and for
+decoding (`decode_attention_fn`: the sampler), from the same `select` rule, so both read the same
+pages.
+"""
+import jax
+import jax.numpy as jnp
+
+from kernels import sparse_decode
+from sparrow_jax.attention import reference, select
+from sparrow_jax.model import qwen3
+
+
+def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
+  """An `attention_fn` for qwen3.forward that restricts each query to the pages the sparse sampler
+  read at that step (layers below `dense_layers` stay dense)."""
+  def attention(layer, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
+    if layer < sparse.dense_layers:
+      return qwen3.dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)
+    keep_BKTP = select.teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse)
+    S = k_BSKE.shape[1]
+    keep_BKTS = jnp.repeat(keep_BKTP, sparse.page_size, axis=-1)[..., :S]
+    return qwen3.dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS[:, None] & keep_BKTS)
+  return attention
+
+
+def forward(params, tokens_BT, cfg, *, sparse=None, schedule=None, prompt_len_B=None, **kwargs):
+  """Teacher-forced logits_BTV (float32), dense or sparse (`sj.forward`).
+
+  With `sparse` (a SparseConfig) and `schedule` (anything with `budget_pages(cached_len)`: a
+  KVSchedule, or a schedule.BudgetTable under jit), each query position attends to exactly the pages
+  the sparse sampler read at that step (dense before `prompt_len_B`: prefill is dense). Sparse
+  teacher forcing needs right-padded rows (cache slot == position), as the sampler makes. Other
+  keyword arguments go to `qwen3.forward` (mask_BT, positions_BT, lora, ...).
+  """
+  if sparse is not None:
+    if schedule is None or prompt_len_B is None:
+      raise ValueError("forward(sparse=...) needs `schedule` and `prompt_len_B` (where decoding "
+                       "began)")
+    kwargs["attention_fn"] = teacher_forced_attention_fn(sparse, schedule, prompt_len_B)
+  return qwen3.forward(params, tokens_BT, cfg, **kwargs)
+
+
+def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *,
+                     page_size, scale=None, impl="auto"):
+  """Sparse decode attention by `impl`: "xla" (the jnp reference), "pallas" (kernels/), or "auto"
+  (Pallas on a GPU backend, XLA elsewhere)."""
+  if impl not in reference.IMPLS:
+    raise ValueError(f"impl must be one of {reference.IMPLS}, got {impl!r}")
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+  fn = (reference.sparse_decode_attention if impl == "xla"
+        else sparse_decode.sparse_decode_attention)
+  return fn(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+            page_size=page_size, scale=scale)
+
+
+def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
+  """An `attention_fn` for qwen3.decode_step: layers below `dense_layers` read the whole cache, the
+  others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
+  schedule.BudgetTable: traced, so a new schedule does not recompile), at most `max_selected`
+  (static) pages."""
+  def attention(layer, q_BKGE, cache, lengths_B):
+    if layer < sparse.dense_layers:
+      return qwen3.dense_decode_fn(layer, q_BKGE, cache, lengths_B)
+    page_idx_BKN, n_valid_BK = select.decode_pages(
+        q_BKGE, cache.centroid_sum[layer], lengths_B, budget.budget_pages(lengths_B), sparse,
+        min(max_selected, cache.num_pages))
+    return decode_attention(q_BKGE, cache.k[layer], cache.v[layer], page_idx_BKN, n_valid_BK,
+                            lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)
+  return attention
