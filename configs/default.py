@@ -12,6 +12,8 @@ for this model (assets/pointer_chase_tiny/calibration/). See README "Embedded de
 """
 import ml_collections
 
+from configs import common
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -24,31 +26,13 @@ def get_config():
   c.hardware = "h200"                # cost-model hardware for the predicted rollout speedup metric
   c.export_hf = True                 # write the final policy as a Hugging Face dir to <workdir>/hf
 
-  c.model = ml_collections.ConfigDict()
-  c.model.hf_dir = "assets/pointer_chase_tiny"  # HF Qwen3 dir (config.json, safetensors, tokenizer)
-  c.model.preset = ""                # instead of hf_dir: a Qwen3Config preset, randomly initialised
-  c.model.dtype = "float32"          # params dtype: float32 | bfloat16
+  c.model = common.model()           # the shipped tiny model (configs/common.py has every field)
+  c.task = common.task()             # 128-hop pointer chasing, the length calibrated for
 
-  c.task = ml_collections.ConfigDict()
-  c.task.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
-  c.task.path = ""                   # local data file/dir for dataset tasks ("" = none)
-  c.task.min_hops = 128              # synthetic task: chain length range (~3 response tokens a hop);
-  c.task.max_hops = 128              # 128 (~450 prompt tokens) is the length calibrated for
-
-  c.rollout = ml_collections.ConfigDict()
+  c.rollout = common.rollout()       # lengths, temperature, sparse attention and its schedule
   c.rollout.prompts_per_step = 4     # distinct prompts per step
   c.rollout.group_size = 8           # samples per prompt (GRPO group, n in the paper)
   c.rollout.max_prompt_len = 512     # prompts are right-padded to this static width
-  c.rollout.max_new_tokens = 400     # generation cutoff (a 128-hop answer is 390 tokens)
-  c.rollout.temperature = 1.0        # sampling temperature (also used when re-scoring)
-  c.rollout.top_p = 1.0              # nucleus sampling mass; must stay 1.0 in training (README)
-  c.rollout.sparse = True            # block top-k sparse rollouts (False = dense baseline)
-  c.rollout.schedule = "assets/pointer_chase_tiny/calibration/schedule.json"  # KVSchedule: JSON path,
-  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
-  #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling
-  c.rollout.page_size = 16           # tokens per KV page (power of two; the paper uses 16)
-  c.rollout.dense_layers = 1         # first layers kept dense (the paper: 2 of 28)
-  c.rollout.attention_impl = "auto"  # auto (Pallas on GPU, XLA elsewhere) | xla | pallas
   c.rollout.num_top_logprobs = 20    # top-k log-probs kept per step (top-k acceptance bound); 0 = off
 
   c.rl = ml_collections.ConfigDict()
@@ -86,10 +70,8 @@ def get_config():
   c.distill.kl_coef = 1.0            # lambda of the k3 term to the dense log-probs
   c.distill.ppo_coef = 0.0           # weight of the sparse actor's own PPO term
 
-  c.stats = ml_collections.ConfigDict()
-  c.stats.tau = 0.86                 # acceptance threshold (p5 target; "fraction below tau" metric)
+  c.stats = common.stats()           # tau and the position bin size
   c.stats.exact_acceptance = True    # log exact alpha as acceptance/* (a no-grad sparse pass
   #                                    when distill is off or with minibatches; README)
-  c.stats.bin_size = 128             # tokens per position bin (a multiple of page_size)
   c.stats.num_bins = 7               # bins (static shape; later positions count only overall)
   return c

@@ -1,20 +1,18 @@
 """Evaluate a checkpoint: mean@k and pass@k on a math / code task, dense or sparse generation.
 
-  python experiments/evaluate.py --model_dir DIR --task math:reasoning_gym:basic_arithmetic \
-      --num_problems 50 --samples 16 --k 1,4,16 --max_new_tokens 4096 --out eval.json \
-      [--path DATA] [--temperature 1.0] [--top_p 1.0] [--batch_size 16] [--seed 0] [--step 0]
-      [--sparse --schedule paper:qwen3-1.7b:0.86 --page_size 16 --dense_layers 2]
-      [--logdir DIR]   # TensorBoard (default: the --out path without .json, + "_tb")
+  python experiments/evaluate.py --config=configs/evaluate.py [--config.model.hf_dir=DIR ...]
 
---task is a registry name (sparrow_jax.data.tasks.task_names(): math:aime, code:humaneval, ...,
-math:reasoning_gym:<dataset>) read from --path, or "synthetic:pointer_chase". The task and the model
-are built by the trainer's own `make_task` / `load_model`, and --schedule takes the trainer's spec
-strings ('fixed:PAGES' | 'paper:MODEL:TAU' | a KVSchedule JSON path), so an evaluation sees exactly
-what training saw. Problems are the task's first --num_problems in its (seeded) order; each is
-sampled --samples (n) times with `sj.generate` (right-padded prompts, the tokenizer's EOS ids) in
-batches of --batch_size rows of one static shape (one compile), and graded with task.grade: a
-sample is correct when its grade reason is "correct" (math: math-verify match of the last \\boxed{};
-code: all tests pass; pointer chase: exact final answer).
+configs/evaluate.py documents every field (and a math example). config.task.name is a registry name
+(sparrow_jax.data.tasks.task_names(): math:aime, code:humaneval, ..., math:reasoning_gym:<dataset>)
+read from config.task.path, or "synthetic:pointer_chase". The task and the model are built by the
+trainer's own `make_task` / `load_model` from this config's model, task and seed, and
+config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' | 'paper:MODEL:TAU' | a
+KVSchedule JSON path), so an evaluation sees exactly what training saw. Problems are the task's first
+config.num_problems in its (seeded) order; each is sampled config.samples (n) times with
+`sj.generate` (right-padded prompts, the tokenizer's EOS ids) in batches of config.batch_size rows of
+one static shape (one compile), and graded with task.grade: a sample is correct when its grade
+reason is "correct" (math: math-verify match of the last \\boxed{}; code: all tests pass; pointer
+chase: exact final answer).
 
 Metrics, each over problems:
   mean@k  the expected mean reward of k samples. For k <= n its unbiased estimate is the mean over
@@ -22,26 +20,23 @@ Metrics, each over problems:
           AMC's mean@4 by name).
   pass@k  the chance that at least one of k samples is correct, unbiased from n >= k samples with c
           correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k).
-Results go to --out (JSON: settings, metrics, per-problem counts, grade reasons) and to TensorBoard
-as eval/<metric> at --step (e.g. the checkpoint's training step, to plot checkpoints as curves).
+Results go to config.out (JSON: settings, metrics, per-problem counts, grade reasons) and to
+TensorBoard as eval/<metric> at config.step (e.g. the checkpoint's training step, to plot
+checkpoints as curves).
 """
-import argparse
 import collections
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
+import jax
+from ml_collections import config_flags
+import numpy as np
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-
-import sparrow_jax as sj  # noqa: E402
-from sparrow_jax.attention.select import IMPLS  # noqa: E402
-from sparrow_jax.mismatch.schedule import KVSchedule  # noqa: E402
-from sparrow_jax.rl import trainer  # noqa: E402
+import sparrow_jax as sj
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.rl import trainer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -69,27 +64,18 @@ def parse_ks(text: str, samples: int) -> list:
   try:
     ks = sorted({int(k) for k in text.split(",") if k.strip()})
   except ValueError:
-    raise ValueError(f"--k must be comma-separated integers, got {text!r}") from None
+    raise ValueError(f"config.k must be comma-separated integers, got {text!r}") from None
   if not ks or ks[0] < 1 or ks[-1] > samples:
-    raise ValueError(f"--k values must lie in [1, --samples={samples}], got {text!r}")
+    raise ValueError(f"config.k values must lie in [1, config.samples={samples}], got {text!r}")
   return ks
-
-
-def _config(args) -> ml_collections.ConfigDict:
-  """The slice of a trainer config that trainer.make_task / load_model read."""
-  return ml_collections.ConfigDict({
-      "seed": args.seed,
-      "task": {"name": args.task, "path": args.path, "min_hops": args.min_hops,
-               "max_hops": args.max_hops},
-      "model": {"hf_dir": args.model_dir, "preset": "", "dtype": args.dtype}})
 
 
 def _problems(task, num_problems: int) -> list:
   if hasattr(task, "__len__"):  # a finite eval set; the synthetic task is an endless stream
     num_problems = min(num_problems or len(task), len(task))
   if num_problems < 1:
-    raise ValueError("--num_problems must be >= 1 for a task without a fixed size "
-                     f"({task.name})")
+    raise ValueError(f"config.num_problems = {num_problems} must be >= 1 for a task without a "
+                     f"fixed size ({task.name})")
   return task.sample(num_problems, 0)
 
 
@@ -104,37 +90,40 @@ def _prompt_batches(problems, samples, tokenizer, batch_size):
     yield start, take, tokens_RT[take], lengths_R[take]
 
 
-def evaluate(args) -> dict:
-  """Generates, grades and summarizes; returns the results dict (also written to args.out)."""
-  ks = parse_ks(args.k, args.samples)
-  c = _config(args)
+def evaluate(c) -> dict:
+  """Generates, grades and summarizes; returns the results dict (also written to c.out)."""
+  r = c.rollout
+  if c.samples < 1 or r.max_new_tokens < 1 or c.batch_size < 1:
+    raise ValueError(f"config.samples, config.rollout.max_new_tokens and config.batch_size must be "
+                     f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}")
+  ks = parse_ks(c.k, c.samples)
   task = trainer.make_task(c)
   cfg, params, tokenizer = trainer.load_model(c, task)
   sparse = schedule = None
-  if args.sparse:
-    sparse = sj.SparseConfig(page_size=args.page_size, dense_layers=args.dense_layers,
-                             attention_impl=args.attention_impl)
-    schedule = KVSchedule.parse(args.schedule, args.page_size, field="--schedule")
-  problems = _problems(task, args.num_problems)
-  n_rows = len(problems) * args.samples
-  batch_size = min(args.batch_size, n_rows)
-  mode = f"sparse ({args.schedule})" if sparse else "dense"
-  print(f"{task.name}: {len(problems)} problems x {args.samples} samples, {mode}, max_new_tokens "
-        f"{args.max_new_tokens}, temperature {args.temperature}, batches of {batch_size}", flush=True)
+  if r.sparse:
+    sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
+                             attention_impl=r.attention_impl)
+    schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
+  problems = _problems(task, c.num_problems)
+  n_rows = len(problems) * c.samples
+  batch_size = min(c.batch_size, n_rows)
+  mode = f"sparse ({r.schedule})" if sparse else "dense"
+  print(f"{task.name}: {len(problems)} problems x {c.samples} samples, {mode}, max_new_tokens "
+        f"{r.max_new_tokens}, temperature {r.temperature}, batches of {batch_size}", flush=True)
 
-  key = jax.random.PRNGKey(args.seed)
+  key = jax.random.PRNGKey(c.seed)
   rewards_R, correct_R, lengths_R = np.zeros(n_rows), np.zeros(n_rows, bool), np.zeros(n_rows, int)
   reasons, t_start, generated = collections.Counter(), time.time(), 0
   for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
-      _prompt_batches(problems, args.samples, tokenizer, batch_size)):
+      _prompt_batches(problems, c.samples, tokenizer, batch_size)):
     rollout = sj.generate(params, cfg, prompt_BT, prompt_len_B, jax.random.fold_in(key, b),
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, eos_ids=tokenizer.eos_ids, sparse=sparse,
+                          max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          top_p=r.top_p, eos_ids=tokenizer.eos_ids, sparse=sparse,
                           schedule=schedule, pad_id=tokenizer.pad_id)
     tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
     real = take[:min(batch_size, n_rows - start)]
     responses = [tokenizer.decode(tokens_BN[j, :lengths_B[j]]) for j in range(len(real))]
-    grades = task.grade(responses, [problems[i // args.samples] for i in real])
+    grades = task.grade(responses, [problems[i // c.samples] for i in real])
     rewards_R[real] = [g.reward for g in grades]
     correct_R[real] = [g.reason == "correct" for g in grades]
     lengths_R[real] = lengths_B[:len(real)]
@@ -145,75 +134,45 @@ def evaluate(args) -> dict:
           f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
           f"ETA {elapsed / done * (n_rows - done):.0f}s", flush=True)
 
-  shape = (len(problems), args.samples)
+  shape = (len(problems), c.samples)
   metrics = summarize(rewards_R.reshape(shape), correct_R.reshape(shape), ks)
   metrics["response_length/mean"] = float(lengths_R.mean())
-  metrics["truncated_fraction"] = float(np.mean(lengths_R >= args.max_new_tokens))
+  metrics["truncated_fraction"] = float(np.mean(lengths_R >= r.max_new_tokens))
   results = {
-      "task": task.name, "path": args.path, "model_dir": args.model_dir, "step": args.step,
-      "sparse": bool(sparse), "schedule": args.schedule if sparse else None,
-      "num_problems": len(problems), "samples": args.samples, "k": ks,
-      "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-      "top_p": args.top_p, "seed": args.seed, "metrics": metrics, "grade_reasons": dict(reasons),
+      "task": task.name, "path": c.task.path, "model_dir": c.model.hf_dir, "step": c.step,
+      "sparse": bool(sparse), "schedule": r.schedule if sparse else None,
+      "num_problems": len(problems), "samples": c.samples, "k": ks,
+      "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+      "top_p": r.top_p, "seed": c.seed, "metrics": metrics, "grade_reasons": dict(reasons),
       "generation_s": time.time() - t_start,
-      "per_problem": [{"id": str(p.id), "correct": int(c), "mean_reward": float(r)}
-                      for p, c, r in zip(problems, correct_R.reshape(shape).sum(1),
-                                         rewards_R.reshape(shape).mean(1))]}
+      "per_problem": [{"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
+                      for p, n, mean in zip(problems, correct_R.reshape(shape).sum(1),
+                                            rewards_R.reshape(shape).mean(1))]}
   for name, value in metrics.items():
     print(f"{name:>22}  {value:.4f}")
-  _write(results, args)
+  _write(results, c)
   return results
 
 
-def _write(results, args):
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
+def _write(results, c):
+  os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
+  with open(c.out, "w") as f:
     json.dump(results, f, indent=2)
   from tensorboardX import SummaryWriter
-  logdir = args.logdir or os.path.splitext(args.out)[0] + "_tb"
+  logdir = c.logdir or os.path.splitext(c.out)[0] + "_tb"
   with SummaryWriter(logdir) as writer:
     for name, value in results["metrics"].items():
-      writer.add_scalar(f"eval/{name}", value, args.step)
-  print(f"wrote {args.out} and TensorBoard scalars eval/* to {logdir}")
+      writer.add_scalar(f"eval/{name}", value, c.step)
+  print(f"wrote {c.out} and TensorBoard scalars eval/* to {logdir}")
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--model_dir", required=True, help="HF Qwen3 dir with tokenizer.json")
-  p.add_argument("--task", required=True,
-                 help="registry name (math:aime, code:humaneval, math:reasoning_gym:<dataset>, ...) "
-                      "or synthetic:pointer_chase")
-  p.add_argument("--path", default="", help="local data file/dir of dataset tasks")
-  p.add_argument("--num_problems", type=int, default=0, help="0 = all problems of a finite task")
-  p.add_argument("--samples", type=int, default=16, help="n, samples per problem")
-  p.add_argument("--k", default="1", help="comma-separated k <= n for mean@k / pass@k")
-  p.add_argument("--max_new_tokens", type=int, default=4096)
-  p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--top_p", type=float, default=1.0)
-  p.add_argument("--batch_size", type=int, default=16, help="rows per generate call")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--sparse", action="store_true", help="block top-k sparse generation")
-  p.add_argument("--schedule", default="paper:qwen3-1.7b:0.86",
-                 help="'fixed:PAGES' | 'paper:MODEL:TAU' | KVSchedule JSON path (with --sparse)")
-  p.add_argument("--page_size", type=int, default=16)
-  p.add_argument("--dense_layers", type=int, default=2)
-  p.add_argument("--attention_impl", default="auto", choices=IMPLS)
-  p.add_argument("--min_hops", type=int, default=128, help="synthetic:pointer_chase chain lengths")
-  p.add_argument("--max_hops", type=int, default=128)
-  p.add_argument("--seed", type=int, default=0, help="problem order and sampling key")
-  p.add_argument("--step", type=int, default=0, help="TensorBoard step (e.g. the checkpoint's)")
-  p.add_argument("--out", required=True, help="results JSON path")
-  p.add_argument("--logdir", default="", help="TensorBoard dir (default: <out>_tb)")
-  return p
-
-
-def main(argv=None):
-  args = parser().parse_args(argv)
-  if args.samples < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
-    raise ValueError(f"--samples, --max_new_tokens and --batch_size must be >= 1; got "
-                     f"{args.samples}, {args.max_new_tokens}, {args.batch_size}")
-  evaluate(args)
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  evaluate(flags.FLAGS.config)
 
 
 if __name__ == "__main__":
-  main()
+  # Defined here, not at import: tests import this module beside other scripts defining --config.
+  config_flags.DEFINE_config_file("config", "configs/evaluate.py", "experiment config")
+  app.run(main)

@@ -1,64 +1,44 @@
 """Pretrains the embedded default model: a tiny Qwen3 on the pointer-chasing task, on a CPU.
 
-  nice -n 10 python experiments/pretrain_tiny.py --workdir runs/pretrain_tiny --steps 3000 \
-      --decay_frac 0.2 --export assets/pointer_chase_tiny
+  nice -n 10 python experiments/pretrain_tiny.py --config=configs/pretrain_tiny.py \
+      [--config.export_dir=assets/pointer_chase_tiny]
 
 Teacher-forced next-token loss on the response tokens only (the prompt's table is random, so there is
 nothing to learn from predicting it). Problems are packed into fixed rows with a per-problem attention
-mask and positions restarting at 0, one compiled shape per curriculum level (LEVELS below): the run
+mask and positions restarting at 0, one compiled shape per curriculum level (config.levels): the run
 starts on 1..4-hop tables and moves up a level (to 128 hops) each time the lookup accuracy on the
-current one reaches --promote_acc, replaying the lower levels on every other step. Small batches:
-many cheap updates beat few big ones for this model.
+current one reaches config.promote_acc, replaying the lower levels on every other step. Small
+batches: many cheap updates beat few big ones for this model.
 
-Resumable: every `--ckpt_minutes` the params, optimizer state and step go to <workdir>/ckpt.npz
-(atomically), and the Hugging Face export is refreshed in <workdir>/hf; rerunning the same command
-resumes. The data of step s is a pure function of (--seed, s), so a resumed run sees the same batches.
-`--export DIR` copies the final model (config.json, model.safetensors, tokenizer.json,
-generation_config.json) to DIR, e.g. assets/pointer_chase_tiny.
+Resumable: every config.ckpt_minutes the params, optimizer state and loop state (step, level,
+curves) go to an orbax checkpoint in <workdir>/checkpoints (sparrow_jax.checkpoint), and the Hugging
+Face export is refreshed in <workdir>/hf; rerunning the same command resumes. The data of step s is
+a pure function of (config.seed, s), so a resumed run sees the same batches. Metrics go to
+<workdir>/tensorboard and <workdir>/metrics.jsonl (sparrow_jax.logging.MetricsLogger).
+config.export_dir receives the final model (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json) and pretrain_log.json, e.g. assets/pointer_chase_tiny.
 """
-import argparse
 import json
 import os
 import time
 
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 import optax
-from tensorboardX import SummaryWriter
 
 import sparrow_jax as sj
+from sparrow_jax import checkpoint
 from sparrow_jax.data import synthetic
+from sparrow_jax.logging import MetricsLogger
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import qwen3
 
-# A length curriculum. Level k trains on LEVELS[k] (hop range, row_len, rows: ~2K tokens a step, rows
-# short where problems are short so the T^2 attention stays cheap). The lookup (a two-layer circuit:
-# layer 0 gathers each entry's key into its `;`, a layer-1 head matches the current key there and
-# copies the value; see assets/pointer_chase_tiny/README.md) forms within a few hundred
-# updates on 1..4-hop tables but not when long tables dominate the batches (a 5100-step run mixing all
-# lengths from step 0 never formed it), so the run moves up a level once the lookup accuracy on the
-# current level reaches --promote_acc. Every other step replays a lower level so shorter lengths are
-# not forgotten.
-LEVELS = (  # (min_hops, max_hops, row_len, rows)
-    (1, 4, 64, 32),
-    (5, 8, 128, 16),
-    (9, 16, 256, 8),
-    (17, 32, 256, 8),
-    (33, 64, 512, 4),
-    (65, 128, 896, 2),
-)
-EVAL_TASK = synthetic.PointerChase()
 
-
-def model_config() -> sj.Qwen3Config:
-  # Two layers: the lookup needs two (gather each entry into its `;`, then match and copy), and half
-  # the depth is twice the updates per CPU-minute; with rollout.dense_layers = 1 the matching layer is
-  # the sparse one, so a small KV budget hits exactly the far-back lookups.
-  return sj.Qwen3Config(
-      vocab_size=len(synthetic.vocab()), hidden_size=128, intermediate_size=384,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-      rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=2048)
+def model_config(c) -> sj.Qwen3Config:
+  return sj.Qwen3Config(vocab_size=len(synthetic.vocab()), **c.arch.to_dict())
 
 
 def step_level(step: int, level: int) -> int:
@@ -68,14 +48,15 @@ def step_level(step: int, level: int) -> int:
   return (step // 2) % level
 
 
-def pack_batch(seed: int, step: int, level: int, scale: int = 1):
-  """Packs freshly sampled problems of curriculum `level` into its rows (rows x `scale`).
+def pack_batch(levels, seed: int, step: int, level: int, scale: int = 1):
+  """Packs freshly sampled problems of curriculum `level` (of config.levels) into its rows (rows x
+  `scale`).
 
   Returns int32 tokens, segment ids (0 = padding), positions, float32 loss weights (1 where the next
   token is a response token of the same problem) and the subset of weights on lookup targets (the
   value of each hop: the far-back retrievals), all [rows, row_len].
   """
-  min_hops, max_hops, row_len, rows = LEVELS[level]
+  min_hops, max_hops, row_len, rows = levels[level]
   task = synthetic.PointerChase(min_hops=min_hops, max_hops=max_hops)
   rows *= scale
   rng = np.random.default_rng([seed, step])
@@ -125,79 +106,46 @@ def loss_fn(params, batch, cfg):
   return loss, metrics
 
 
-def make_optimizer(args):
-  decay_start = int(args.steps * (1 - args.decay_frac))
+def make_optimizer(c):
+  lr, steps = c.learning_rate, c.total_steps
+  decay_start = int(steps * (1 - c.decay_frac))
   schedule = optax.join_schedules([
-      optax.linear_schedule(0.0, args.lr, args.warmup),
-      optax.constant_schedule(args.lr),
-      optax.linear_schedule(args.lr, args.lr * 0.1, max(args.steps - decay_start, 1))],
-      [args.warmup, decay_start])
+      optax.linear_schedule(0.0, lr, c.warmup_steps),
+      optax.constant_schedule(lr),
+      optax.linear_schedule(lr, lr * 0.1, max(steps - decay_start, 1))],
+      [c.warmup_steps, decay_start])
   return optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01)), schedule
 
 
-def save_checkpoint(workdir, params, opt_state, state):
-  """Atomic: params + optimizer state to ckpt.npz, step / level / curves to state.json."""
-  leaves = jax.tree_util.tree_leaves((params, opt_state))
-  tmp = os.path.join(workdir, "ckpt.tmp.npz")
-  np.savez(tmp, *[np.asarray(x) for x in leaves])
-  os.replace(tmp, os.path.join(workdir, "ckpt.npz"))
-  with open(os.path.join(workdir, "state.tmp.json"), "w") as f:
-    json.dump(state, f)
-  os.replace(os.path.join(workdir, "state.tmp.json"), os.path.join(workdir, "state.json"))
-
-
-def load_checkpoint(workdir, params, opt_state):
-  with np.load(os.path.join(workdir, "ckpt.npz")) as data:
-    leaves = [jnp.asarray(data[f"arr_{i}"]) for i in range(len(data.files))]
-  treedef = jax.tree_util.tree_structure((params, opt_state))
-  params, opt_state = jax.tree_util.tree_unflatten(treedef, leaves)
-  with open(os.path.join(workdir, "state.json")) as f:
-    return params, opt_state, json.load(f)
-
-
 def export(directory, cfg, params):
-  """A Hugging Face model dir that sj.load_hf and transformers load."""
-  os.makedirs(directory, exist_ok=True)
+  """A Hugging Face model dir that sj.load_hf, load_tokenizer and transformers load."""
   eos = synthetic.SPECIAL_TOKENS.index(synthetic.IM_END)
   pad = synthetic.SPECIAL_TOKENS.index(synthetic.EOT)
   sj.save_hf(directory, cfg, params, generation_config={
       "eos_token_id": [eos], "pad_token_id": pad, "do_sample": True, "temperature": 1.0,
-      "max_new_tokens": EVAL_TASK.max_response_len})
+      "max_new_tokens": synthetic.PointerChase().max_response_len})
   synthetic.save_tokenizer(directory)
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--workdir", default="runs/pretrain_tiny")
-  p.add_argument("--export", default="", help="copy the final HF dir here (e.g. assets/...)")
-  p.add_argument("--steps", type=int, default=12000)
-  p.add_argument("--promote_acc", type=float, default=0.85,
-                 help="lookup accuracy on the current level that moves the run up a level")
-  p.add_argument("--promote_window", type=int, default=100,
-                 help="current-level steps the promotion accuracy is averaged over")
-  p.add_argument("--batch_scale", type=int, default=1, help="multiplies every level's rows")
-  p.add_argument("--lr", type=float, default=2e-3)
-  p.add_argument("--warmup", type=int, default=100)
-  p.add_argument("--decay_frac", type=float, default=0.0, help="final share of steps decaying lr")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--log_every", type=int, default=50)
-  p.add_argument("--ckpt_minutes", type=float, default=4.0)
-  p.add_argument("--snapshot_every", type=int, default=0,
-                 help="also export <workdir>/snapshots/step_N every N steps (0 = off), to pick the "
-                      "checkpoint whose skill leaves RL room")
-  args = p.parse_args()
-  os.makedirs(args.workdir, exist_ok=True)
-  cfg = model_config()
-  params = sj.init_params(cfg, jax.random.PRNGKey(args.seed))
-  optimizer, schedule = make_optimizer(args)
+def pretrain(c):
+  """Runs (or resumes) the pretraining described by config `c`; returns the loop state."""
+  if not c.levels or c.promote_window < 1 or c.log_every < 1:
+    raise ValueError(f"config.levels must be non-empty and config.promote_window / log_every >= 1; "
+                     f"got {c.levels}, {c.promote_window}, {c.log_every}")
+  cfg = model_config(c)
+  params = sj.init_params(cfg, jax.random.PRNGKey(c.seed))
+  optimizer, schedule = make_optimizer(c)
   opt_state = optimizer.init(params)
-  # level_acc: lookup accuracy of the last --promote_window current-level steps, checkpointed so a
+  # level_acc: lookup accuracy of the last promote_window current-level steps, checkpointed so a
   # resumed run promotes at the same step.
   state = {"step": 0, "elapsed_s": 0.0, "level": 0, "level_acc": [], "promotions": [],
            "history": []}
-  if os.path.exists(os.path.join(args.workdir, "ckpt.npz")):
-    params, opt_state, state = load_checkpoint(args.workdir, params, opt_state)
+  mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
+  restored = checkpoint.restore_latest(mgr, {"params": params, "opt_state": opt_state})
+  if restored is not None:
+    saved, state = restored
+    params, opt_state = saved["params"], saved["opt_state"]
     print(f"resumed at step {state['step']}, level {state['level']} "
           f"({state['elapsed_s'] / 60:.1f} min trained)", flush=True)
   print(f"params {cost_model.param_count(cfg):,}  cfg {cfg}", flush=True)
@@ -209,58 +157,68 @@ def main():
     metrics["grad_norm"] = optax.global_norm(grads)
     return optax.apply_updates(params, updates), opt_state, metrics
 
-  writer = SummaryWriter(os.path.join(args.workdir, "tb"))
+  levels = c.levels
+  logger = MetricsLogger(c.workdir)
   t_last, t_ckpt, window, pending = time.time(), time.time(), [], []
-  while state["step"] < args.steps:
+  while state["step"] < c.total_steps:
     step, level = state["step"], state["level"]
     trained = step_level(step, level)
     params, opt_state, metrics = train_step(
-        params, opt_state, pack_batch(args.seed, step, trained, args.batch_scale))
+        params, opt_state, pack_batch(levels, c.seed, step, trained, c.batch_scale))
     state["step"] = step = step + 1
     window.append(metrics)
     if trained == level:
       pending.append(metrics["lookup_acc"])   # read back at the log step, not every step
-    if step % args.log_every == 0 or step == args.steps:
+    if step % c.log_every == 0 or step == c.total_steps:
       now = time.time()
       state["elapsed_s"] += now - t_last
       mean = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
-      state["level_acc"] = (state["level_acc"] + [float(x) for x in pending])[-args.promote_window:]
+      state["level_acc"] = (state["level_acc"] + [float(x) for x in pending])[-c.promote_window:]
       mean["level_lookup_acc"] = float(np.mean(state["level_acc"]))
       window, pending, t_last = [], [], now
-      for k, v in mean.items():
-        writer.add_scalar(f"pretrain/{k}", v, step)
-      writer.add_scalar("pretrain/level", level, step)
-      writer.add_scalar("pretrain/lr", float(schedule(step)), step)
+      logger.write(step, {**{f"pretrain/{k}": v for k, v in mean.items()},
+                          "pretrain/level": level, "pretrain/lr": float(schedule(step))})
       state["history"].append({"step": step, "minutes": round(state["elapsed_s"] / 60, 2),
                                "level": level, **{k: round(v, 4) for k, v in mean.items()}})
       print(f"step {step:6d}  {state['elapsed_s'] / 60:6.1f} min  level {level} "
-            f"(hops {LEVELS[level][0]}-{LEVELS[level][1]})  loss {mean['loss']:.4f}  "
+            f"(hops {levels[level][0]}-{levels[level][1]})  loss {mean['loss']:.4f}  "
             f"lookup_acc {mean['lookup_acc']:.3f}  level_lookup_acc "
             f"{mean['level_lookup_acc']:.3f}  gnorm {mean['grad_norm']:.2f}", flush=True)
-      if (level + 1 < len(LEVELS) and len(state["level_acc"]) == args.promote_window
-          and mean["level_lookup_acc"] >= args.promote_acc):
+      if (level + 1 < len(levels) and len(state["level_acc"]) == c.promote_window
+          and mean["level_lookup_acc"] >= c.promote_acc):
         state["level"] = level + 1
         state["promotions"].append({"step": step, "level": level + 1,
                                     "minutes": round(state["elapsed_s"] / 60, 2)})
         state["level_acc"] = []
-        print(f"-> level {level + 1} (hops {LEVELS[level + 1][0]}-{LEVELS[level + 1][1]})",
+        print(f"-> level {level + 1} (hops {levels[level + 1][0]}-{levels[level + 1][1]})",
               flush=True)
-      if args.snapshot_every and step % args.snapshot_every == 0:
-        export(os.path.join(args.workdir, "snapshots", f"step_{step}"), cfg, params)
-      if now - t_ckpt > args.ckpt_minutes * 60 or step == args.steps:
-        save_checkpoint(args.workdir, params, opt_state, state)
-        export(os.path.join(args.workdir, "hf"), cfg, params)
+      if c.snapshot_every and step % c.snapshot_every == 0:
+        export(os.path.join(c.workdir, "snapshots", f"step_{step}"), cfg, params)
+      if now - t_ckpt > c.ckpt_minutes * 60 or step == c.total_steps:
+        checkpoint.save(mgr, step, {"params": params, "opt_state": opt_state}, state)
+        export(os.path.join(c.workdir, "hf"), cfg, params)
         t_ckpt = now
-  writer.close()
-  if args.export:
-    export(args.export, cfg, params)
+  mgr.wait_until_finished()
+  logger.close()
+  if c.export_dir:
+    export(c.export_dir, cfg, params)
     history = state["history"]
-    with open(os.path.join(args.export, "pretrain_log.json"), "w") as f:
-      json.dump({"args": vars(args), "train_minutes": round(state["elapsed_s"] / 60, 1),
+    with open(os.path.join(c.export_dir, "pretrain_log.json"), "w") as f:
+      json.dump({"config": c.to_dict(), "train_minutes": round(state["elapsed_s"] / 60, 1),
                  "promotions": state["promotions"],
                  "history": history[::max(len(history) // 100, 1)] + history[-1:]}, f, indent=1)
-    print(f"exported to {args.export}", flush=True)
+    print(f"exported to {c.export_dir}", flush=True)
+  return state
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  pretrain(flags.FLAGS.config)
 
 
 if __name__ == "__main__":
-  main()
+  # Defined here, not at import: tests import this module beside other scripts defining --config.
+  config_flags.DEFINE_config_file("config", "configs/pretrain_tiny.py", "experiment config")
+  app.run(main)

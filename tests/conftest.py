@@ -1,6 +1,29 @@
-"""Test setup: float32 everywhere, repo root importable (`sparrow_jax`, `kernels`)."""
+"""Test setup: float32 everywhere on the CPU unless JAX_PLATFORMS says otherwise, and
+`run_experiment`, which runs an experiment script the way its docstring does.
+
+No sys.path edit: tests/ is a package (tests/__init__.py), so pytest's default "prepend" import
+mode puts its parent, the repo root, on sys.path, and `configs`, `experiments` and `tests.helpers`
+import from there (`sparrow_jax` and `kernels` are installed by `pip install -e .`)."""
 import os
+import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def run_experiment():
+  """run(script, config, overrides) runs `python experiments/<script>.py
+  --config=configs/<config>.py --config.<key>=<value> ...` in a subprocess from the repo root on
+  the CPU and returns its stdout; a non-zero exit fails the test with the output's tail."""
+  def run(script, config, overrides, timeout=300):
+    cmd = [sys.executable, f"experiments/{script}.py", f"--config=configs/{config}.py"]
+    cmd += [f"--config.{key}={value}" for key, value in overrides.items()]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+  return run

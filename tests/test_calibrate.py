@@ -219,16 +219,17 @@ def test_default_candidates():
   assert list(small) == sorted(set(small))
 
 
-def test_cli_writes_schedule_surface_and_plot(tmp_path, capsys):
+def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   rng = np.random.RandomState(3)
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("\n".join(json.dumps(rng.randint(1, 256, n).tolist()) for n in (12, 20)))
   out = tmp_path / "out"
-  calibrate_schedule.main([
-      "--preset", "tiny-untied", "--prompts", str(prompts), "--num_prompts", "2", "--repeats", "2",
-      "--max_new_tokens", "24", "--page_size", "4", "--bin_size", "16", "--dense_layers", "1",
-      "--candidates", "1,2,8", "--tau", "0.9", "--alpha", "topk20", "--out_dir", str(out)])
-  assert "ETA" in capsys.readouterr().out
+  stdout = run_experiment("calibrate_schedule", "calibrate", {
+      "model.hf_dir": "", "model.preset": "tiny-untied", "prompts": prompts, "num_prompts": 2,
+      "repeats": 2, "rollout.max_new_tokens": 24, "rollout.page_size": 4, "stats.bin_size": 16,
+      "rollout.dense_layers": 1, "candidates": "1,2,8", "stats.tau": 0.9, "stats.alpha": "topk20",
+      "out_dir": out})
+  assert "ETA" in stdout
   sched = KVSchedule.from_json((out / "schedule.json").read_text())
   surface = json.loads((out / "surface.json").read_text())
   assert sched.kind == "table" and sched.page_size == 4 and sched.bin_size == 16

@@ -5,12 +5,11 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from configs import evaluate as evaluate_config
 from tests.helpers import write_tiny_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +59,7 @@ def test_summarize_and_bad_k():
   assert m["mean@1"] == m["mean@2"] == pytest.approx(0.25)
   assert m["pass@1"] == pytest.approx((0.25 + 0) / 2)
   assert m["pass@2"] == pytest.approx((0.5 + 0) / 2)
-  with pytest.raises(ValueError, match="--k"):
+  with pytest.raises(ValueError, match="config.k"):
     evaluate.parse_ks("1,8", samples=4)
   with pytest.raises(ValueError, match="c <= n"):
     evaluate.pass_at_k(3, 4, 1)
@@ -71,19 +70,17 @@ def _tiny_model_dir(directory):
   return directory
 
 
-def test_evaluate_end_to_end_on_reasoning_gym(tmp_path):
+def test_evaluate_end_to_end_on_reasoning_gym(tmp_path, run_experiment):
   model_dir = _tiny_model_dir(tmp_path / "model")
   out = tmp_path / "eval" / "results.json"
-  cmd = [sys.executable, SCRIPT, "--model_dir", str(model_dir),
-         "--task", "math:reasoning_gym:basic_arithmetic", "--num_problems", "3", "--samples", "4",
-         "--k", "1,2,4", "--max_new_tokens", "12", "--batch_size", "8", "--out", str(out),
-         "--sparse", "--schedule", "fixed:4", "--page_size", "8", "--dense_layers", "1"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  stdout = run_experiment("evaluate", "evaluate", {
+      "model.hf_dir": model_dir, "task.name": "math:reasoning_gym:basic_arithmetic",
+      "num_problems": 3, "samples": 4, "k": "1,2,4", "rollout.max_new_tokens": 12,
+      "batch_size": 8, "out": out, "seed": 0, "rollout.sparse": True,
+      "rollout.schedule": "fixed:4", "rollout.page_size": 8, "rollout.dense_layers": 1})
   for k in (1, 2, 4):
-    assert f"mean@{k}" in proc.stdout and f"pass@{k}" in proc.stdout
-  assert "12/12 samples" in proc.stdout   # progress over two batches (8 + 4 rows)
+    assert f"mean@{k}" in stdout and f"pass@{k}" in stdout
+  assert "12/12 samples" in stdout   # progress over two batches (8 + 4 rows)
 
   results = json.loads(out.read_text())
   assert results["task"] == "math:reasoning_gym:basic_arithmetic" and results["sparse"]
@@ -109,11 +106,11 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
   from sparrow_jax.rollout.sampler import Rollout
   model_dir = _tiny_model_dir(tmp_path / "model")
   tok = load_tokenizer(str(model_dir))
-  args = evaluate.parser().parse_args([
-      "--model_dir", str(model_dir), "--task", "math:reasoning_gym:basic_arithmetic",
-      "--num_problems", "3", "--samples", "4", "--k", "1,4", "--max_new_tokens", "64",
-      "--batch_size", "5", "--out", str(tmp_path / "r.json")])
-  problems = evaluate._problems(evaluate.trainer.make_task(evaluate._config(args)), 3)
+  c = evaluate_config.get_config()
+  c.model.hf_dir, c.task.name, c.seed = str(model_dir), "math:reasoning_gym:basic_arithmetic", 0
+  c.num_problems, c.samples, c.k, c.batch_size = 3, 4, "1,4", 5
+  c.rollout.max_new_tokens, c.out = 64, str(tmp_path / "r.json")
+  problems = evaluate._problems(evaluate.trainer.make_task(c), 3)
   answer_of = {p.prompt: p.reference for p in problems}
   rows_seen = []
 
@@ -130,7 +127,7 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
     return Rollout(np.array(tokens), np.zeros((len(tokens), max_new_tokens)), np.array(lengths))
 
   monkeypatch.setattr(evaluate.sj, "generate", scripted_generate)
-  results = evaluate.evaluate(args)
+  results = evaluate.evaluate(c)
   assert [p["correct"] for p in results["per_problem"]] == [1, 2, 3]
   m = results["metrics"]
   assert m["mean@1"] == m["mean@4"] == pytest.approx(6 / 12)

@@ -1,0 +1,48 @@
+"""Calibrates a KV-budget schedule at threshold tau: by default the tau-0.86 schedule the shipped
+tiny model trains with (assets/pointer_chase_tiny/calibration/, 16 prompts of 128 hops x 8 samples,
+3.2 min on this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
+(configs/common.py), so the schedule is calibrated for the setting that will use it.
+
+  python experiments/calibrate_schedule.py --config=configs/calibrate.py \\
+      --config.out_dir=assets/pointer_chase_tiny/calibration   # the shipped schedule
+  python experiments/calibrate_schedule.py --config=configs/calibrate.py --config.model.hf_dir= \\
+      --config.model.preset=tiny-untied --config.rollout.page_size=4 --config.stats.bin_size=32 \\
+      --config.task.min_hops=8 --config.task.max_hops=16 --config.num_prompts=4 \\
+      --config.repeats=4 --config.rollout.max_new_tokens=96 --config.out_dir=/tmp/calib  # smoke
+"""
+import ml_collections
+
+from configs import common
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.seed = 0                         # synthetic prompt position, random init; sampling key seed + 1
+  c.out_dir = "workdir/calibrate"    # schedule.json, surface.json and calibration.png go here
+
+  c.model = common.model()           # the shipped tiny model, or a random preset with its own
+  #                                    vocabulary (a smoke run)
+  c.model.init_std = 0.3             # preset init std: peaky enough attention for sparsity to matter
+
+  c.prompts = "synthetic"            # "synthetic" (pointer chasing, task.min_hops..max_hops) or a
+  #                                    .jsonl file, a JSON list of token ids or {"prompt_ids": [...]}
+  #                                    a line
+  c.task = common.task("min_hops", "max_hops")  # the synthetic prompts' chain lengths
+  c.num_prompts = 16                 # distinct prompts
+  c.repeats = 8                      # samples per prompt (the paper: 8)
+  c.eos_ids = ""                     # comma list; "" = from the model dir, else the synthetic task
+
+  c.rollout = common.rollout("max_new_tokens", "temperature", "sparse", "page_size",
+                             "dense_layers", "attention_impl")  # how the scored rollouts are sampled
+  c.rollout.sample_topk = 0          # sparse rollouts' top-k pages (0 = the largest candidate)
+
+  c.stats = common.stats()           # tau: the p5 target per bin; bin_size: the schedule's bins
+  c.stats.alpha = "exact"            # exact: sum_x min(p, q) | topk20: the paper's top-20 lower
+  #                                    bound (what its tau was measured with; larger budgets)
+  c.candidates = ""                  # comma list of top-k pages; "": the paper's 18 values when the
+  #                                    context holds them, else ~18 geometric values up to all of it
+  c.on_policy = False                # each candidate scores rollouts sampled under its own schedule
+  #                                    (one generation per candidate: slower) instead of one set
+  c.batch_size = 8                   # rows per teacher-forced pass
+  c.candidates_per_pass = 1          # candidates vmapped together (memory grows with it)
+  return c

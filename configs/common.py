@@ -1,0 +1,72 @@
+"""Sub-configs shared by the trainer (configs/default.py) and the experiments (configs/*.py).
+
+Each field is defined once, here, with the trainer's default, so `c.model.hf_dir`, `c.task.name` or
+`c.rollout.page_size` mean the same in every config and their defaults cannot drift apart. Every
+function takes the names of the fields an experiment reads (none: all of them; a field nobody reads
+would be a silent no-op flag) and keyword overrides of their defaults; naming a field that does not
+exist is an error naming it.
+
+`configs` is installed with the package (pyproject.toml), so `from configs import common` works from
+`python experiments/X.py` too, whose sys.path starts at experiments/.
+"""
+import ml_collections
+
+
+def _select(c: ml_collections.ConfigDict, fields, overrides) -> ml_collections.ConfigDict:
+  """`c` cut down to `fields` (all when empty), then updated with `overrides`."""
+  known = list(c.keys())
+  fields = list(fields) or known
+  unknown = sorted(set(fields) - set(known))
+  if unknown:
+    raise ValueError(f"unknown field(s) {unknown}; known: {known}")
+  not_kept = sorted(set(overrides) - set(fields))
+  if not_kept:
+    raise ValueError(f"override(s) {not_kept} of fields not selected ({fields})")
+  for name in known:
+    if name not in fields:
+      del c[name]
+  c.update(overrides)
+  return c
+
+
+def model(*fields, **overrides) -> ml_collections.ConfigDict:
+  """The policy to load: a Hugging Face dir, or a randomly initialised preset."""
+  c = ml_collections.ConfigDict()
+  c.hf_dir = "assets/pointer_chase_tiny"  # HF Qwen3 dir (config.json, safetensors, tokenizer)
+  c.preset = ""                      # instead of hf_dir: a Qwen3Config preset, randomly initialised
+  c.dtype = "float32"                # params dtype: float32 | bfloat16
+  return _select(c, fields, overrides)
+
+
+def task(*fields, **overrides) -> ml_collections.ConfigDict:
+  """Where prompts come from (sparrow_jax.rl.trainer.make_task; seeded by the config's `seed`)."""
+  c = ml_collections.ConfigDict()
+  c.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
+  c.path = ""                        # local data file/dir for dataset tasks ("" = none)
+  c.min_hops = 128                   # synthetic task: chain length range (~3 response tokens a hop);
+  c.max_hops = 128                   # 128 (~450 prompt tokens) is the length calibrated for
+  return _select(c, fields, overrides)
+
+
+def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
+  """How rollouts are sampled: lengths, temperature and the block top-k sparse attention."""
+  c = ml_collections.ConfigDict()
+  c.max_new_tokens = 400             # generation cutoff (a 128-hop answer is 390 tokens)
+  c.temperature = 1.0                # sampling temperature (also used when re-scoring)
+  c.top_p = 1.0                      # nucleus sampling mass; must stay 1.0 in training (README)
+  c.sparse = True                    # block top-k sparse rollouts (False = dense baseline)
+  c.schedule = "assets/pointer_chase_tiny/calibration/schedule.json"  # KVSchedule: JSON path,
+  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
+  #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling
+  c.page_size = 16                   # tokens per KV page (power of two; the paper uses 16)
+  c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
+  c.attention_impl = "auto"          # auto (Pallas on GPU, XLA elsewhere) | xla | pallas
+  return _select(c, fields, overrides)
+
+
+def stats(*fields, **overrides) -> ml_collections.ConfigDict:
+  """The acceptance tail: the p5 target and the position bins it is measured in."""
+  c = ml_collections.ConfigDict()
+  c.tau = 0.86                       # acceptance threshold (p5 target; "fraction below tau" metric)
+  c.bin_size = 128                   # tokens per position bin (a multiple of page_size)
+  return _select(c, fields, overrides)

@@ -1,0 +1,95 @@
+"""Every experiment is a config file: the experiment configs share the trainer's fields, and each
+script runs end to end from its config with small overrides (subprocess, CPU, the shipped model
+or a tiny random one), writing sane outputs."""
+import json
+
+import numpy as np
+import pytest
+
+import sparrow_jax as sj
+from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny
+from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.mismatch.schedule import KVSchedule
+
+SHORT = {"task.min_hops": 4, "task.max_hops": 4}   # ~30-token prompts, 18-token answers
+
+
+@pytest.mark.parametrize("module", [calibrate, evaluate, measure_tiny])
+def test_configs_share_the_trainers_fields(module):
+  """A field an experiment shares with the trainer holds the trainer's default unless the
+  experiment documents why not (evaluate: the trained policy, dense; measure / evaluate: held-out
+  seed)."""
+  c, trainer = module.get_config(), default.get_config()
+  differs = {("model", "hf_dir"), ("rollout", "sparse")} if module is evaluate else set()
+  for group in ("model", "task", "rollout", "stats"):
+    for name in c.get(group, {}):
+      if name in trainer[group] and (group, name) not in differs:
+        assert c[group][name] == trainer[group][name], (module.__name__, group, name)
+
+
+def test_pretrain_config_builds_the_shipped_architecture():
+  from experiments import pretrain_tiny as script
+  shipped, _ = sj.load_hf("assets/pointer_chase_tiny")
+  assert script.model_config(pretrain_tiny.get_config()) == shipped
+
+
+def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
+  stdout = run_experiment("calibrate_schedule", "calibrate", {
+      **SHORT, "num_prompts": 2, "repeats": 2, "rollout.max_new_tokens": 16,
+      "rollout.page_size": 4, "stats.bin_size": 16, "candidates": "1,4", "on_policy": True,
+      "out_dir": tmp_path})
+  assert "on-policy top-k 4 (2/2)" in stdout and "chosen top-k per bin" in stdout
+  schedule = KVSchedule.from_json((tmp_path / "schedule.json").read_text())
+  surface = json.loads((tmp_path / "surface.json").read_text())
+  assert schedule.page_size == 4 and schedule.bin_size == 16 and surface["on_policy"]
+  assert set(schedule.values) <= {1, 4} and sum(surface["count_bin"]) > 0
+  assert (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluate_shipped_model_sparse_under_the_calibrated_schedule(tmp_path, run_experiment):
+  out = tmp_path / "eval.json"
+  stdout = run_experiment("evaluate", "evaluate", {
+      **SHORT, "model.hf_dir": "assets/pointer_chase_tiny", "num_problems": 3, "k": "1,2",
+      "rollout.max_new_tokens": 24, "batch_size": 4, "rollout.sparse": True, "out": out})
+  assert "6/6 samples" in stdout and "calibration/schedule.json" in stdout
+  results = json.loads(out.read_text())
+  assert results["sparse"] and results["seed"] == 1234 and len(results["per_problem"]) == 3
+  assert results["schedule"] == default.get_config().rollout.schedule
+  m = results["metrics"]
+  assert 0 < m["mean@1"] <= 1 and m["pass@1"] <= m["pass@2"]   # the model follows short chains
+  assert (tmp_path / "eval_tb").is_dir()
+
+
+def test_measure_tiny_shipped_model(tmp_path, run_experiment):
+  out = tmp_path / "measurements.json"
+  stdout = run_experiment("measure_tiny", "measure_tiny", {
+      **SHORT, "num_problems": 4, "num_accept": 2, "budgets": "3,4", "small_budget": 3,
+      "batch_size": 4, "out": out})
+  assert "calibrated assets/pointer_chase_tiny/calibration/schedule.json" in stdout
+  results = json.loads(out.read_text())
+  assert results["n"] == 4 and results["held_out_seed"] == 1234 and results["hops"] == 4
+  assert 0 < results["dense"]["step_score"] <= 1
+  assert set(results["sparse"]["budgets"]) == {"3", "4"}
+  for row in [*results["sparse"]["budgets"].values(), results["calibrated"]]:
+    assert 0 <= row["p5"] <= row["mean"] + 1e-6 <= 1 + 2e-6 and row["count"] > 0
+  # 4 pages of 16 hold these <= 58-token sequences whole: sparse is dense there
+  assert results["sparse"]["budgets"]["4"]["p5"] == pytest.approx(1.0, abs=1e-4)
+  assert results["small_budget"]["pages"] == 3
+
+
+def test_pretrain_tiny_exports_and_resumes(tmp_path, run_experiment):
+  workdir, export = tmp_path / "work", tmp_path / "export"
+  # one small curriculum level: 2-hop tables, 4 rows of 64 tokens
+  small = {"workdir": workdir, "log_every": 2, "levels": "((1,2,64,4),)"}
+  stdout = run_experiment("pretrain_tiny", "pretrain_tiny", {**small, "total_steps": 4})
+  assert "step      4" in stdout and (workdir / "hf" / "model.safetensors").exists()
+  stdout = run_experiment("pretrain_tiny", "pretrain_tiny", {
+      **small, "total_steps": 6, "export_dir": export})
+  assert "resumed at step 4" in stdout and f"exported to {export}" in stdout
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [2, 4, 6]
+  assert all(np.isfinite(r["pretrain/loss"]) for r in rows)
+  cfg, params = sj.load_hf(str(export))
+  assert cfg.num_hidden_layers == 2 and load_tokenizer(str(export)).eos_ids
+  log = json.loads((export / "pretrain_log.json").read_text())
+  assert log["config"]["total_steps"] == 6 and log["history"][-1]["step"] == 6

@@ -1,0 +1,106 @@
+"""experiments/bench_attention.py, bench_rollout.py and cost_report.py end to end: each script run
+as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
+ratio lines are printed and that bad settings fail naming the value."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import sparrow_jax as sj
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(script):
+  spec = importlib.util.spec_from_file_location(script, os.path.join(ROOT, "experiments",
+                                                                     f"{script}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run(script, *overrides, check=True):
+  """Runs experiments/<script>.py --config=configs/<script>.py with overrides; returns the result."""
+  cmd = [sys.executable, f"experiments/{script}.py", f"--config=configs/{script}.py", *overrides]
+  result = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+  if check:
+    assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def test_cost_report_prints_both_tables():
+  out = _run("cost_report", "--config.measure=False", "--config.gen_len=4096").stdout
+  assert "prompt 1024 tokens, generation 4096 tokens" in out
+  assert "this_machine" not in out
+  assert "Predicted rollout speedup" in out and "paper (4x H200)" in out
+  assert "Page-size comparison on h200" in out and "page 128" in out
+  for model in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
+    assert out.count(model) == 2, model  # one row in each table
+
+
+def test_bench_attention_prints_a_row_per_context():
+  out = _run("bench_attention", "--config.contexts=256,512", "--config.budget=64",
+             "--config.steps=2", "--config.runs=1").stdout
+  assert "budget 64 tokens (4 pages of 16)" in out and "median of 1 calls of 2 steps" in out
+  lines = out.splitlines()
+  header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "dense"])
+  assert "min ratio" in lines[header] and "sparse+select" in lines[header]
+  rows = [line.split() for line in lines[header + 1:]]
+  assert [r[0] for r in rows] == ["256", "512"]
+  assert all(len(r) == 7 and r[3].endswith("x") and r[6].endswith("x") for r in rows), rows
+
+
+def test_bench_rollout_filled_cache_is_a_prefilled_cache():
+  """The random cache (b) decodes from: keys/values in slots [0, context), page sums of exactly
+  those keys, nothing after, lengths = context."""
+  bench_rollout = _load("bench_rollout")
+  cfg = sj.Qwen3Config(**bench_rollout.TINY, max_position_embeddings=64)
+  cache = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(cache.lengths, [32, 32])
+  for k, v, sums in zip(cache.k, cache.v, cache.centroid_sum):
+    k, v, sums = np.asarray(k), np.asarray(v), np.asarray(sums)
+    assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and sums.shape[2] == 3
+    assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0) and np.all(sums[:, :, 2:] == 0)
+    assert 0.9 < k[:, :, :32].std() < 1.1 and 0.9 < v[:, :, :32].std() < 1.1
+    np.testing.assert_allclose(sums[:, :, :2], k[:, :, :32].reshape(2, -1, 2, 16, cfg.head_dim)
+                               .sum(axis=3), atol=1e-5)
+
+
+def test_bench_rollout_decode_prints_a_row_per_dense_layers():
+  out = _run("bench_rollout", "--config.decode.layers=1", "--config.decode.dense_layers=1,0",
+             "--config.decode.contexts=256", "--config.decode.steps=2", "--config.batch=1",
+             "--config.runs=1").stdout
+  assert "(b) decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
+  lines = out.splitlines()
+  header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "budget"])
+  assert "cost model" in lines[header] and "+weights" in lines[header]
+  rows = [line.split() for line in lines[header + 1:]]
+  assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
+  assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
+
+
+def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
+  """(c) with tunix.python set reruns the script there, (c) only; in an interpreter without
+  google-tunix it says how to make one (with tunix it runs the tiny comparison instead)."""
+  out = _run("bench_rollout", "--config.parts=c", f"--config.tunix.python={sys.executable}",
+             "--config.tunix.prompt=8", "--config.tunix.gen=2,4", "--config.batch=1",
+             "--config.runs=1").stdout
+  assert ("(c) skipped" in out and "--config.tunix.python=VENV/bin/python" in out
+          or "ours / tunix:" in out), out
+
+
+@pytest.mark.parametrize("script, override, message", [
+    ("bench_attention", "--config.budget=40", "budget must be a multiple of 16"),
+    ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
+    ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
+    ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
+    ("bench_rollout", "--config.parts=d", "parts takes b and/or c, got 'd'"),
+])
+def test_bad_settings_fail_naming_the_value(script, override, message):
+  result = _run(script, override, check=False)
+  assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
