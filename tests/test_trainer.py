@@ -134,7 +134,7 @@ def test_export_policy_round_trips(tmp_path):
   c = config(model__hf_dir="", model__preset="tiny")
   task = trainer.make_task(c)
   cfg, params, _ = trainer.load_model(c, task)
-  trainer.export_policy(c, cfg, params, str(tmp_path / "hf"))
+  trainer.export_policy(c, cfg, params, str(tmp_path / "hf"), task)
   cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
   assert cfg2 == cfg
   for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params2)):
@@ -154,3 +154,10 @@ def test_schedule_stages_switch_without_recompiling(tmp_path):
   rows = trainer.train(c)
   assert [r["kv/schedule_stage"] for r in rows] == [0, 0, 1]
   assert sampler._generate._cache_size() == compiled + 1  # both stages: one sampler program
+
+
+def test_random_preset_needs_a_task_with_its_own_vocabulary():
+  from sparrow_jax.data import tasks
+  c = config(model__hf_dir="", model__preset="tiny")
+  with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
+    trainer.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))

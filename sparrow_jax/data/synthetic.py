@@ -35,6 +35,7 @@ import numpy as np
 import tokenizers
 
 from sparrow_jax.data import rewards
+from sparrow_jax.data.tokenizer import Tokenizer
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = (EOT, IM_START, IM_END)   # ids 0, 1, 2: pad = <|endoftext|>, EOS = <|im_end|>
@@ -141,6 +142,15 @@ class PointerChase:
   @property
   def pad_id(self) -> int:
     return SPECIAL_TOKENS.index(EOT)
+
+  @property
+  def own_tokenizer(self) -> Tokenizer:
+    """The task's vocabulary as the trainer's Tokenizer (the `Task` protocol: a randomly
+    initialised model is sized to it, and an exported policy carries it; see `save_tokenizer`)."""
+    return Tokenizer(tok=self.tokenizer, eos_ids=(self.eos_id,), pad_id=self.pad_id)
+
+  def save_tokenizer(self, directory: str):
+    save_tokenizer(directory)
 
   def encode(self, text: str) -> list:
     return self.tokenizer.encode(text).ids

@@ -61,6 +61,10 @@ class Task:
   skipped: dict = dataclasses.field(default_factory=dict)   # reason -> malformed rows skipped
   grading: dict = dataclasses.field(default_factory=dict)   # keyword options of the grader
 
+  # A dataset task has no vocabulary of its own (the model's tokenizer is used); tasks that do
+  # (synthetic.PointerChase) give it here and save it with `save_tokenizer(directory)`.
+  own_tokenizer = None
+
   def __len__(self):
     return len(self.problems)
 

@@ -18,8 +18,8 @@ import optax
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.attention.select import IMPLS, SparseConfig
-from sparrow_jax.data import synthetic, tasks
-from sparrow_jax.data.tokenizer import Tokenizer, load_tokenizer
+from sparrow_jax.data import tasks
+from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch import schedule as schedule_lib
 from sparrow_jax.model import lora as lora_lib
@@ -77,27 +77,28 @@ def make_task(c):
 
 
 def load_model(c, task):
-  """(cfg, params, tokenizer). A random preset model takes the synthetic task's tokenizer."""
+  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
   dtype = jnp.dtype(c.model.dtype)
   if c.model.hf_dir:
     cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
     return cfg, params, load_tokenizer(c.model.hf_dir)
-  if not isinstance(task, synthetic.PointerChase):
-    raise ValueError("config.model.preset (random init) needs the synthetic task's tokenizer; "
-                     "set config.model.hf_dir for dataset tasks")
-  tokenizer = Tokenizer(tok=task.tokenizer, eos_ids=(task.eos_id,), pad_id=task.pad_id)
+  tokenizer = task.own_tokenizer
+  if tokenizer is None:
+    raise ValueError(f"config.model.preset (random init) needs a task with its own vocabulary "
+                     f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
+                     "dataset tasks")
   preset = Qwen3Config.preset(c.model.preset)
   cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
   return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
 
 
-def export_policy(c, cfg, params, directory):
+def export_policy(c, cfg, params, directory, task):
   """The trained policy as a Hugging Face dir (sj.load_hf, transformers, experiments/evaluate.py):
-  weights and config, plus the tokenizer and generation files of the source model dir (or the
-  synthetic task's tokenizer for a random preset)."""
+  weights and config, plus the tokenizer and generation files of the source model dir (or, for a
+  random preset, the task's own vocabulary)."""
   save_hf(directory, cfg, params)
   if not c.model.hf_dir:
-    synthetic.save_tokenizer(directory)
+    task.save_tokenizer(directory)
     return
   for name in _TOKENIZER_FILES:
     if os.path.exists(os.path.join(c.model.hf_dir, name)):
@@ -248,7 +249,7 @@ def train(c: ml_collections.ConfigDict) -> list:
   mgr.wait_until_finished()
   logger.close()
   if c.export_hf:
-    export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"))
+    export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"), task)
   with open(os.path.join(c.workdir, "summary.json"), "w") as f:
     json.dump({"steps": c.total_steps, "last": rows[-1] if rows else None}, f, indent=2)
   return rows
