@@ -21,11 +21,22 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
 
 
 def restore_latest(mgr: ocp.CheckpointManager, like_state):
-  """(state, meta) of the newest checkpoint, or None when there is none."""
-  step = mgr.latest_step()
-  if step is None:
-    return None
+  """(state, meta) of the newest readable checkpoint, or None when there is none.
+
+  A checkpoint that fails to restore (e.g. a write cut short) is moved aside to
+  `<step>.corrupt` with a warning naming it, and the previous one is tried: a later save at that
+  step must not collide with it, and nothing is deleted.
+  """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
-  restored = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                       meta=ocp.args.JsonRestore()))
-  return restored.state, restored.meta
+  for step in sorted(mgr.all_steps(), reverse=True):
+    try:
+      restored = mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      return restored.state, restored.meta
+    except Exception as e:  # orbax / tensorstore / JSON errors of a damaged checkpoint
+      path = os.path.join(str(mgr.directory), str(step))
+      os.replace(path, f"{path}.corrupt")
+      mgr.reload()
+      print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+            f"moved to {path}.corrupt, trying the previous one", flush=True)
+  return None

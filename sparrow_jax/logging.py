@@ -9,10 +9,20 @@ from tensorboardX import SummaryWriter
 class MetricsLogger:
   """Writes scalars, per-bin arrays (one scalar per bin) and bucketed histograms."""
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, resume_step: int = 0):
+    """Appends to the workdir's logs. A run resumed at `resume_step` first drops what was logged
+    past it (steps a killed run logged after its last checkpoint, replayed now), in metrics.jsonl
+    and in the TensorBoard events, so each step is logged once."""
     os.makedirs(workdir, exist_ok=True)
-    self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path):
+      with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(path, "w") as f:
+        f.writelines(kept)
+    self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                purge_step=resume_step + 1 if resume_step else None)
+    self.jsonl = open(path, "a")
 
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
@@ -22,13 +32,13 @@ class MetricsLogger:
         self._histogram(name, value, step)
       elif value.ndim == 0:
         self.writer.add_scalar(name, float(value), step)
-        row[name] = float(value)
+        row[name] = float(value) if np.isfinite(value) else None  # strict JSON: no NaN
       else:  # per position bin: one curve per bin, skipping empty (NaN) bins
         for i, v in enumerate(value.tolist()):
           if np.isfinite(v):
             self.writer.add_scalar(f"{name}/{i:02d}", v, step)
         row[name] = [None if not np.isfinite(v) else v for v in value.tolist()]
-    self.jsonl.write(json.dumps(row) + "\n")
+    self.jsonl.write(json.dumps(row, allow_nan=False) + "\n")
     self.jsonl.flush()
     self.writer.flush()
 

@@ -104,6 +104,19 @@ def config(**changes):
     ({"stats__bin_size": 100}, "stats.bin_size"),
     ({"rollout__schedule": "0:fixed:8,0:fixed:9"}, "rollout.schedule"),
     ({"rollout__schedule": "paper:qwen3-1.7b"}, "rollout.schedule"),
+    ({"rl__learning_rate": -1e-4}, "rl.learning_rate"),
+    ({"rl__warmup_steps": -1}, "rl.warmup_steps"),
+    ({"rl__eps_low": -0.1}, "rl.eps_low"),
+    ({"rl__max_grad_norm": -1.0}, "rl.max_grad_norm"),
+    ({"rl__ppo_epochs": 0}, "rl.ppo_epochs"),
+    ({"stats__bin_size": 0}, "stats.bin_size"),
+    ({"stats__num_bins": 0}, "stats.num_bins"),
+    ({"keep_checkpoints": 0}, "keep_checkpoints"),
+    ({"distill__rank": 0}, "distill.rank"),
+    ({"hardware": "tpu9"}, "hardware"),
+    ({"rollout__dense_layers": 99}, "rollout.dense_layers"),
+    ({"rollout__max_new_tokens": 100000}, "max_new_tokens = 100512"),
+    ({"rollout__schedule": "fixed:abc"}, "rollout.schedule"),
 ])
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -161,3 +174,53 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
   c = config(model__hf_dir="", model__preset="tiny")
   with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
     trainer.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
+
+
+def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
+       f"--config.workdir={tmp_path / 'run'}", "--config.rl.learning_rate=-1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      "error: config.rl.learning_rate = -1.0 is invalid: must be > 0 (--verbose for the "
+      "traceback)"]
+  assert not (tmp_path / "run").exists()
+
+
+def small(workdir, **changes):
+  return config(workdir=str(workdir), model__hf_dir="", model__preset="tiny",
+                rollout__schedule="fixed:4", rollout__page_size=8, rollout__dense_layers=1,
+                task__min_hops=4, task__max_hops=8, rollout__max_prompt_len=64,
+                rollout__max_new_tokens=40, stats__bin_size=16, rollout__group_size=4,
+                rl__num_minibatches=1, export_hf=False, **changes)
+
+
+def test_resume_is_safe(tmp_path, capsys):
+  """A changed config is refused naming the fields; a finished run rewrites nothing; a corrupt
+  newest checkpoint falls back to the previous one, and the replayed step is logged once."""
+  work = tmp_path / "run"
+  first = trainer.train(small(work, total_steps=3, ckpt_every=2))
+  with pytest.raises(ValueError, match=r"rl\.learning_rate: 0\.0002 -> 0\.001"):
+    trainer.train(small(work, total_steps=3, ckpt_every=2, rl__learning_rate=1e-3))
+  summary = (work / "summary.json").stat().st_mtime_ns
+  assert trainer.train(small(work, total_steps=3, ckpt_every=2)) == []
+  assert (work / "summary.json").stat().st_mtime_ns == summary
+  json.loads((work / "summary.json").read_text())  # strict JSON (NaN bins are null)
+
+  newest = work / "checkpoints" / "3"
+  for f in newest.rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"")  # a write cut short
+  capsys.readouterr()
+  again = trainer.train(small(work, total_steps=3, ckpt_every=2))
+  out = capsys.readouterr().out
+  assert f"checkpoint {newest} is unreadable" in out and "at step 2" in out
+  assert (work / "checkpoints" / "3.corrupt").exists()
+  steps = [json.loads(line)["step"] for line in (work / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2, 3]
+  for name, value in first[2].items():
+    if not name.startswith("perf/"):
+      np.testing.assert_allclose(np.asarray(again[0][name], float), np.asarray(value, float),
+                                 rtol=1e-5, err_msg=name)

@@ -102,16 +102,20 @@ class Task:
 
 def _read_json_rows(path):
   opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt", encoding="utf-8") as f:
-    if ".jsonl" in os.path.basename(path):
-      for line_no, line in enumerate(f, 1):
+  if ".jsonl" in os.path.basename(path):
+    with opener(path, "rb") as f:  # bytes: one bad UTF-8 byte costs its line, not the file
+      for line in f:
         if line.strip():
           try:
-            yield json.loads(line)
-          except ValueError:
+            yield json.loads(line.decode("utf-8"))
+          except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
             yield Skip("bad_json_line")
-      return
-    data = json.load(f)
+    return
+  try:
+    with opener(path, "rt", encoding="utf-8") as f:
+      data = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path}: not a JSON file ({e})") from None
   yield from data if isinstance(data, list) else data.get("data", [])
 
 
@@ -367,4 +371,7 @@ def make_task(name: str, path: str | None = None, *, split: str = "train", seed:
   if unknown:
     raise ValueError(f"unknown grading option(s) {unknown} for {kind} task {name}; allowed: {allowed}")
   problems, skipped = _problems(name, rows, convert, kind, enable_thinking, limit)
+  if not problems:
+    raise ValueError(f"task {name}: no usable problems in {path or 'the generator'} (malformed "
+                     f"rows skipped, by reason: {skipped or 'none; the source is empty'})")
   return Task(name=name, kind=kind, problems=problems, seed=seed, skipped=skipped, grading=grading)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from sparrow_jax.model.config import Qwen3Config
@@ -48,6 +48,14 @@ def hf_tensor_specs(cfg: Qwen3Config) -> dict:
   return specs
 
 
+def _open(file: str):
+  """safe_open, with errors (a truncated or corrupt file) that name the file."""
+  try:
+    return safe_open(file, "np")
+  except (SafetensorError, OSError) as e:
+    raise ValueError(f"{file}: unreadable safetensors file ({e})") from None
+
+
 def _tensor_files(path: str) -> dict:
   """HF tensor name -> safetensors file holding it."""
   index = os.path.join(path, "model.safetensors.index.json")
@@ -58,7 +66,7 @@ def _tensor_files(path: str) -> dict:
   single = os.path.join(path, "model.safetensors")
   if not os.path.exists(single):
     raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-  with safe_open(single, "np") as f:
+  with _open(single) as f:
     return {name: single for name in f.keys()}
 
 
@@ -66,8 +74,11 @@ def load_config(path: str) -> Qwen3Config:
   config_file = os.path.join(path, "config.json")
   if not os.path.exists(config_file):
     raise FileNotFoundError(f"no config.json in checkpoint dir {path!r}")
-  with open(config_file) as f:
-    return Qwen3Config.from_hf_dict(json.load(f))
+  try:
+    with open(config_file) as f:
+      return Qwen3Config.from_hf_dict(json.load(f))
+  except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+    raise ValueError(f"{config_file}: not a Qwen3 config.json ({e})") from None
 
 
 def load_hf(path: str, dtype=None):
@@ -90,10 +101,13 @@ def load_hf(path: str, dtype=None):
   for name in specs:
     by_file.setdefault(files[name], []).append(name)
   for file, names in by_file.items():
-    with safe_open(file, "np") as f:
+    with _open(file) as f:
       for name in names:
         where, shape, transpose = specs[name]
-        array = f.get_tensor(name)
+        try:
+          array = f.get_tensor(name)
+        except SafetensorError as e:
+          raise ValueError(f"{file}: tensor {name!r} unreadable ({e})") from None
         if tuple(array.shape) != shape:
           raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, "
                            f"expected {shape}")

@@ -24,7 +24,7 @@ from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch import schedule as schedule_lib
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_hf, save_hf
+from sparrow_jax.model.hf import load_config, load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
@@ -68,6 +68,39 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for _, schedule in schedule_lib.parse_stages(r.schedule, p):
       _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
                "budget below the always-kept pages")
+  for field, ok, allowed in (
+      ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
+      ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
+      ("rl.max_grad_norm", c.rl.max_grad_norm > 0, "must be > 0"),
+      ("rl.weight_decay", c.rl.weight_decay >= 0, "must be >= 0"),
+      ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
+      ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
+      ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
+      ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
+      ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
+      ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
+      ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0,
+       "must be > 0"),
+      ("hardware", c.hardware in (*cost_model.HARDWARE, cost_model.THIS_MACHINE),
+       f"one of {sorted(cost_model.HARDWARE) + [cost_model.THIS_MACHINE]}")):
+    value = c
+    for name in field.split("."):
+      value = value[name]
+    _require(ok, field, value, allowed)
+  _check_model_fits(c)
+
+
+def _check_model_fits(c):
+  """Checks against the model's config.json (read without its weights) or preset."""
+  r = c.rollout
+  cfg = load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+  if r.sparse:
+    _require(r.dense_layers < cfg.num_hidden_layers, "rollout.dense_layers", r.dense_layers,
+             f"must be below the model's {cfg.num_hidden_layers} layers (sparse rollouts need a "
+             "sparse layer)")
+  length = r.max_prompt_len + r.max_new_tokens
+  _require(length <= cfg.max_position_embeddings, "rollout.max_prompt_len + max_new_tokens",
+           length, f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})")
 
 
 def make_task(c):
@@ -151,10 +184,50 @@ def _responses(rollout, tokenizer):
   return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
 
 
+# Fields that may differ when a workdir is resumed: how long to run and what to keep, not what runs.
+RESUMABLE_FIELDS = ("workdir", "total_steps", "ckpt_every", "keep_checkpoints", "export_hf",
+                    "max_nonfinite_steps")
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def check_resume(c) -> None:
+  """A workdir holds one run: resuming it with another config (other than RESUMABLE_FIELDS) would
+  mix two runs in one set of curves and checkpoints, so it is refused, naming the fields."""
+  path = os.path.join(c.workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    old = _flat(json.load(f))
+  new = _flat(json.loads(c.to_json_best_effort()))
+  changed = [k for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS]
+  if changed:
+    diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+    raise ValueError(f"config.workdir = {c.workdir!r} holds a run with another config ({diffs}). "
+                     f"Use a new config.workdir, or resume with the run's config ({path}); fields "
+                     f"that may change on resume: {', '.join(RESUMABLE_FIELDS)}")
+
+
+def _strict_json(value):
+  """NaN / inf (an empty bin's p5, ...) as null, so the file is strict JSON."""
+  if isinstance(value, dict):
+    return {k: _strict_json(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict_json(v) for v in value]
+  return None if isinstance(value, float) and not np.isfinite(value) else value
+
+
 def train(c: ml_collections.ConfigDict) -> list:
   """Runs (or resumes) the job described by config `c`; returns the per-step metrics rows."""
   validate(c)
-  task = make_task(c)
+  check_resume(c)
+  task = make_task(c)  # before the model: a bad dataset fails in seconds
   cfg, params, tokenizer = load_model(c, task)
   r = c.rollout
   sparse = SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
@@ -175,8 +248,6 @@ def train(c: ml_collections.ConfigDict) -> list:
   train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse)
 
   os.makedirs(c.workdir, exist_ok=True)
-  with open(os.path.join(c.workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, state)
   start = 0
@@ -184,7 +255,13 @@ def train(c: ml_collections.ConfigDict) -> list:
     state, meta = restored
     start = int(meta["step"])
     print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
-  logger = metrics_log.MetricsLogger(c.workdir)
+  if start >= c.total_steps:
+    print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to run, "
+          "nothing rewritten (raise config.total_steps to continue)")
+    return []
+  with open(os.path.join(c.workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  logger = metrics_log.MetricsLogger(c.workdir, resume_step=start)
   cache_len = r.max_prompt_len + r.max_new_tokens
   # Each stage's budget table, and one static cap on selected pages for all of them: switching
   # stages changes only traced values, so neither the sampler nor the train step recompiles.
@@ -251,5 +328,9 @@ def train(c: ml_collections.ConfigDict) -> list:
   if c.export_hf:
     export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"), task)
   with open(os.path.join(c.workdir, "summary.json"), "w") as f:
-    json.dump({"steps": c.total_steps, "last": rows[-1] if rows else None}, f, indent=2)
+    json.dump({"steps": c.total_steps, "last": _strict_json(rows[-1])}, f, indent=2,
+              allow_nan=False)
+  print(f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
+        f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
+        + (f", policy {c.workdir}/hf" if c.export_hf else ""), flush=True)
   return rows
