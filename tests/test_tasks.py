@@ -225,3 +225,15 @@ def test_gzipped_jsonl(tmp_path):
   with gzip.open(path, "wt") as f:
     f.write(json.dumps({"problem": "z", "answer": "1"}) + "\n")
   assert len(tasks.make_task("math:polaris", str(path))) == 1
+
+
+def test_a_bad_utf8_byte_costs_its_line_and_an_empty_task_names_its_skips(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  good = json.dumps({"problem": "1 + 1?", "answer": "2"}).encode()
+  path.write_bytes(good + b"\n" + b'{"problem": "caf\xe9", "answer": "3"}\n' + good + b"\n")
+  task = tasks.make_task("math:deepscaler", str(path))
+  assert len(task.problems) == 2 and task.skipped == {"bad_json_line": 1}
+  broken = tmp_path / "broken.jsonl"
+  broken.write_bytes(b"\xff\xfe\n{not json}\n")
+  with pytest.raises(ValueError, match=r"no usable problems in .*broken\.jsonl.*bad_json_line"):
+    tasks.make_task("math:deepscaler", str(broken))
