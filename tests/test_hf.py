@@ -78,3 +78,10 @@ def test_no_weights_file(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     sj.load_hf(str(tmp_path))
+
+
+def test_saved_files_are_world_readable(tmp_path):
+  cfg = tiny_config()
+  sj.save_hf(str(tmp_path), cfg, sj.init_params(cfg, jax.random.PRNGKey(0)))
+  for name in ("config.json", "model.safetensors"):
+    assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name

@@ -13,7 +13,11 @@ What holds it in (Linux; measured on the project's machine, root in a VM contain
   - new network namespace (only a down loopback), mount namespace with a fresh /proc and size-capped
     private tmpfs over /tmp, /var/tmp and /dev/shm (the work directory is in that /tmp, so written files
     cannot fill the disk), scrubbed environment, a private 0700 work directory;
-  - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged.
+  - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged;
+  - script mode (a check that is code, e.g. HumanEval's) runs the check in a process of its own that
+    executes no candidate code, calling the candidate's functions through a proxy that passes plain data
+    only; a pass is the token that the check alone knows, written after it ran to its end, so exiting
+    early, patching builtins, exception hooks, signals, forking or forged output all fail.
 Fallbacks (reported in `SandboxRun.isolation`): without the namespaces (unshare refused, e.g. Docker's
 default seccomp profile) a Python audit hook refuses sockets, ctypes and process launches (soft: native
 code could bypass it), processes that escaped the process group are killed by uid when we are root, and
@@ -22,12 +26,15 @@ As non-root, a user namespace is tried first (same isolation minus the uid drop)
 program keeps the caller's uid: no file protection and no process cap (RLIMIT_NPROC would count the
 trainer's threads), so run training as root in a container or give the trainer its own user.
 """
+import ast
+import builtins
 import dataclasses
 import json
 import math
 import os
 import random
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -119,10 +126,14 @@ def _kill_uid(uid):
 
 def _parse(stream):
   cases, isolation, error, done = [], {}, None, False
-  for line in stream.splitlines():
+  # "\n" only: str.splitlines() also splits at U+2028 and the like, which JSON leaves unescaped inside
+  # a case's output, so that a program's output could parse as a line of its own.
+  for line in stream.split("\n"):
     try:
       record = json.loads(line)
     except ValueError:
+      continue
+    if not isinstance(record, dict):
       continue
     if "isolation" in record:
       isolation = record["isolation"]
@@ -136,28 +147,99 @@ def _parse(stream):
   return cases, isolation, error
 
 
+def _bound(tree):
+  """Every name that code binds anywhere: assigned, defined, imported, a parameter or a caught error."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+      names.add(node.id)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.alias):
+      names.add((node.asname or node.name).split(".")[0])
+    elif isinstance(node, ast.arg):
+      names.add(node.arg)
+    elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+      names.add(node.name)
+  return names
+
+
+def _is_stub(statement):
+  """Whether a statement of a function body leaves it to be written: pass, ..., a docstring, imports."""
+  if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+    return isinstance(statement.value.value, str) or statement.value.value is Ellipsis
+  return isinstance(statement, (ast.Pass, ast.Import, ast.ImportFrom))
+
+
+def candidate_names(prefix, script):
+  """The functions that a script-mode check takes from the candidate: the prefix's stubs (top-level
+  functions with nothing but a docstring, imports and pass in their body, like HumanEval's prompt with
+  `pass`), and the names the script reads that neither the prefix, the script nor builtins bind.
+  Helper functions with a body stay the prefix's own (trusted) ones in the check."""
+  try:
+    prefix_tree, script_tree = ast.parse(prefix), ast.parse(script)
+  except SyntaxError as e:
+    raise ValueError(f"script tests do not parse: {e}") from None
+  stubs = {node.name for node in prefix_tree.body
+           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(map(_is_stub, node.body))}
+  read = {node.id for node in ast.walk(script_tree)
+          if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+  free = read - _bound(prefix_tree) - _bound(script_tree) - set(dir(builtins))
+  if not stubs | free:
+    raise ValueError("script tests take nothing from the candidate: the prefix defines no stub function "
+                     "and the script reads no name that the prefix and script leave unbound")
+  return sorted(stubs | free)
+
+
+def _secret_fd(script, token):
+  """A descriptor with the check's source and the token; only the check process will read it."""
+  fd = os.memfd_create("sandbox_check", os.MFD_CLOEXEC)
+  os.write(fd, json.dumps({"script": script, "token": token}).encode())
+  return fd
+
+
+def _certify(case, token):
+  """Script mode: a case passes only with the token, which exists in the check process alone."""
+  verdict = case.pop("verdict", None)
+  if case["status"] == "ok" and verdict != token:
+    case["status"] = "error"
+  return case
+
+
 def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_on_failure=True,
               limits=SandboxLimits(), work_root=None):
   """Runs `program` once per entry of `cases` in a fresh sandbox and returns the raw outcomes.
 
   mode "stdio": each case is the stdin text; "call": each case is the list of arguments of `fn_name`
   (a function of the program, or a method of its class Solution), its JSON result is returned;
-  "script": one case (None), the program runs between `prefix` and `script` and must exit 0.
-  `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no preexec_fn).
+  "script": one case (None), the program runs after `prefix`, and `script` (after `prefix` too, in
+  another process) calls its functions (see candidate_names); status "ok" means that the check ran to
+  its end. `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no
+  preexec_fn). Raises ValueError for a bad mode or a script that takes nothing from the program.
   """
   if mode not in MODES:
     raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
   if mode == "call" and not fn_name:
     raise ValueError("sandbox mode 'call' needs fn_name")
+  cases = list(cases)
+  if mode == "script" and cases != [None]:
+    raise ValueError(f"sandbox mode 'script' takes one case, None, got {cases!r:.100}")
   uid = _sandbox_uid()
-  job = {"program": program, "mode": mode, "cases": list(cases), "fn_name": fn_name,
-         "prefix": prefix, "script": script, "stop_on_failure": stop_on_failure,
-         "timeout_s": limits.timeout_s, "output_bytes": limits.output_bytes, "nproc": limits.nproc,
-         "tmpfs_mb": limits.tmpfs_mb, "namespaces": limits.namespaces, "uid": uid,
-         "case_limits": _case_limits(limits), "python_paths": _python_paths()}
+  job = {"program": program, "mode": mode, "cases": cases, "fn_name": fn_name, "prefix": prefix,
+         "stop_on_failure": stop_on_failure, "timeout_s": limits.timeout_s,
+         "output_bytes": limits.output_bytes, "nproc": limits.nproc, "tmpfs_mb": limits.tmpfs_mb,
+         "namespaces": limits.namespaces, "uid": uid, "case_limits": _case_limits(limits),
+         "python_paths": _python_paths()}
+  token = secrets.token_hex(16) if mode == "script" else None
+  if token:
+    job["names"] = candidate_names(prefix, script)
   total = limits.total_timeout_s or limits.timeout_s * max(len(job["cases"]), 1) + STARTUP_S
   base = tempfile.mkdtemp(prefix="sparrow_sandbox_", dir=work_root)
+  secret_fd = None
   try:
+    if token:
+      # Not in the job: the harness forks the candidate's process, which can read its own memory.
+      secret_fd = job["secret_fd"] = _secret_fd(script, token)
     work = os.path.join(base, "work")
     os.mkdir(work, 0o700)
     if uid is not None:
@@ -170,7 +252,7 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
       proc = subprocess.Popen(
           [sys.executable, "-I", "-B", CHILD], stdin=stdin, stdout=stdout, stderr=stderr, cwd=work,
           env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
-          start_new_session=True, close_fds=True)
+          start_new_session=True, close_fds=True, pass_fds=() if secret_fd is None else (secret_fd,))
       try:
         proc.wait(timeout=total)
       except subprocess.TimeoutExpired:
@@ -191,8 +273,12 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
         error = f"{error}; {tail}" if tail else error
     if uid is not None and not isolation.get("pidns"):
       _kill_uid(uid)
+    if token:
+      cases_out = [_certify(case, token) for case in cases_out]
     return SandboxRun(cases=cases_out, isolation=isolation, error=error)
   finally:
+    if secret_fd is not None:
+      os.close(secret_fd)
     shutil.rmtree(base, ignore_errors=True)
 
 

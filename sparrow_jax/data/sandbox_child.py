@@ -7,14 +7,26 @@ Process tree, each layer doing what only it can:
   outer (root or caller uid, parent's pid namespace): reads the job, unshares net+mount+pid namespaces
     init  (pid 1 of the new pid namespace): private /proc and /tmp mounts, exposes the interpreter; its
           exit makes the kernel kill everything left in the namespace (fork bombs, daemons, setsid escapers)
-      harness (sandbox uid, limits applied): forks one child per test case, kills it on timeout
+      harness (sandbox uid, limits applied, not dumpable): forks the case processes, kills them on timeout
         case  (rlimits for CPU, memory, file size, open files): runs the candidate program
+        check (script mode only, same limits): runs the trusted check, calling the candidate's
+              functions in the case process through a proxy that passes plain data only
 
 Expected outputs never enter the sandbox: the harness reports raw outputs and the parent compares, so a
-program that subverts the harness can still not forge a pass. Result stream: one JSON object per line,
-isolation facts first, then one line per case, then {"done": true}.
+program that subverts the harness can still not forge a pass. A script-mode check cannot be compared
+outside, so it runs in a process of its own that executes no candidate code: the candidate can patch
+builtins, exit early, fork or forge output only in its own process, and a call that does not come back
+as plain data fails the check. The check's source and a token come through a descriptor that only the
+check process reads (the harness forks the candidate without them in its memory); the check writes the
+token to a descriptor of its own only after running to its end, and the parent accepts nothing else as
+a pass. Not being dumpable keeps the candidate (same uid) from ptrace and from /proc/<pid>/{mem,fd} of
+the harness and the check. Result stream: one JSON object per line, isolation facts first, then one line
+per case, then {"done": true}.
 """
+import ast
+import builtins
 import ctypes
+import fcntl
 import json
 import os
 import resource
@@ -30,8 +42,12 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 STDERR_KEEP = 4096   # bytes of a case's stderr sent back (for debugging only)
+SECRET_BYTES = 1 << 26   # most the check's source and token may take
+PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+PLAIN_CONTAINERS = (list, tuple, set, frozenset)
+PLAIN_DEPTH = 60         # nesting of plain data; the parser refuses ~200 levels of brackets
 # Imported before the uid drop when the interpreter's files are not readable by the sandbox uid and no
 # mount namespace can expose them (root without CAP_SYS_ADMIN, e.g. Docker's default profile).
 PREIMPORT = ("array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
@@ -161,31 +177,143 @@ def _refuse_network(event, args):
     raise PermissionError(f"sandbox: {event} is not allowed")
 
 
-def _run_candidate(job, case, result_fd):
-  """In the case process: executes the program as the job's mode asks. Never returns."""
+# ------------------------------------------------------------------------------ plain data between processes
+
+def _plain(value, depth=0):
+  """Whether `value` is plain data: exact builtin scalars and containers of them. Subclasses are not
+  (their __eq__, __hash__ or __repr__ would be the candidate's code)."""
+  kind = type(value)
+  if kind in PLAIN_SCALARS:
+    return True
+  if depth >= PLAIN_DEPTH:
+    return False
+  if kind is dict:
+    return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+  return kind in PLAIN_CONTAINERS and all(_plain(v, depth + 1) for v in value)
+
+
+def _literal(node):
+  """The value that the expression `node` of ascii(plain data) spells, built from exact builtin types
+  (unlike ast.literal_eval, also nan and inf); ValueError for any other expression."""
+  if isinstance(node, ast.Constant) and type(node.value) in PLAIN_SCALARS:
+    return node.value
+  if isinstance(node, ast.Name) and node.id in ("nan", "inf"):
+    return float(node.id)
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+    value = _literal(node.operand)
+    if type(value) in (int, float):
+      return -value
+  elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+    return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](map(_literal, node.elts))
+  elif isinstance(node, ast.Dict) and None not in node.keys:
+    return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+  elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords
+        and node.func.id in ("set", "frozenset") and all(isinstance(a, ast.Set) for a in node.args)
+        and len(node.args) <= 1):  # ascii(set()), ascii(frozenset({1}))
+    return {"set": set, "frozenset": frozenset}[node.func.id](*map(_literal, node.args))
+  raise ValueError(f"not plain data: {ast.dump(node)[:100]}")
+
+
+def _write_all(fd, data):
+  view = memoryview(data)
+  while view:
+    view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd, size):
+  chunks = []
+  while size:
+    chunk = os.read(fd, min(size, 1 << 16))
+    if not chunk:
+      raise EOFError("the other process hung up")
+    chunks.append(chunk)
+    size -= len(chunk)
+  return b"".join(chunks)
+
+
+def _send(fd, value):
+  """One message: its 8-byte length, then ascii(value), which the receiver rebuilds with _literal."""
+  if not _plain(value):
+    raise TypeError(f"only plain data crosses between the check and the candidate, not {value!r:.100}")
+  text = ascii(value).encode()
+  _write_all(fd, len(text).to_bytes(8, "big") + text)
+
+
+def _receive(fd, limit):
+  size = int.from_bytes(_read_exactly(fd, 8), "big")
+  if size > limit:
+    raise ValueError(f"a message of {size} bytes, over the limit of {limit}")
+  return _literal(ast.parse(_read_exactly(fd, size).decode("ascii"), mode="eval").body)
+
+
+# ------------------------------------------------------------------------------------- case processes
+
+def _fresh_main():
+  """A fresh __main__ module (so that `import __main__` finds the program, not this harness) and fresh
+  buffered streams over descriptors 0-2 (the harness's own were never read or written)."""
+  main_module = types.ModuleType("__main__")
+  sys.modules["__main__"] = main_module
+  sys.stdin, sys.stdout, sys.stderr = (
+      open(fd, mode, encoding="utf-8", errors="replace", closefd=False)
+      for fd, mode in ((0, "r"), (1, "w"), (2, "w")))
+  sys.argv = ["solution.py"]
+  return main_module.__dict__
+
+
+def _lookup(namespace, fn_name):
+  """The program's function `fn_name`, or the method of that name of its class Solution."""
+  holder = namespace.get("Solution")
+  return getattr(holder(), fn_name) if hasattr(holder, fn_name) else namespace[fn_name]
+
+
+def _builtin_base(cls):
+  """The name of the nearest builtin class of an exception type (the check rebuilds that one)."""
+  return next(c.__name__ for c in cls.__mro__ if getattr(builtins, c.__name__, None) is c)
+
+
+def _serve(namespace, requests_fd, replies_fd):
+  """In the case process, once the program ran: answers the check's calls until it hangs up."""
+  while True:
+    try:
+      name, args, kwargs = _receive(requests_fd, sys.maxsize)
+    except EOFError:
+      return
+    try:
+      result = _lookup(namespace, name)(*args, **kwargs)
+      reply = ("return", result) if _plain(result) else (
+          "invalid", f"{name} returned a {type(result).__name__}, which is not plain data")
+    except Exception as e:  # the check may expect it; a BaseException ends this process instead
+      reply = ("raise", _builtin_base(type(e)), str(e))
+    _send(replies_fd, reply)
+
+
+def _flush_and_exit(code):
+  try:
+    sys.stdout.flush()
+    sys.stderr.flush()
+  except BaseException:
+    code = code or 1
+  os._exit(code)
+
+
+def _run_candidate(job, case):
+  """In the case process: executes the program as the job's mode asks. Never returns.
+  Descriptors: 0-2 stdio; call mode: 3 the result; script mode: 3 requests in, 4 replies out."""
   code = 1
   try:
     if job["audit_network"]:
       sys.addaudithook(_refuse_network)
-    # A fresh __main__ so that `import __main__` finds the program, not this harness.
-    main_module = types.ModuleType("__main__")
-    sys.modules["__main__"] = main_module
-    # Fresh buffered streams over the case's memfds (the harness's own were never read or written).
-    sys.stdin, sys.stdout, sys.stderr = (
-        open(fd, mode, encoding="utf-8", errors="replace", closefd=False)
-        for fd, mode in ((0, "r"), (1, "w"), (2, "w")))
-    sys.argv = ["solution.py"]
+    namespace = _fresh_main()
     if job["mode"] == "call":
-      namespace = main_module.__dict__
       exec(compile(job["program"], "solution.py", "exec"), namespace)
-      holder = namespace.get("Solution")
-      fn = getattr(holder(), job["fn_name"]) if hasattr(holder, job["fn_name"]) else namespace[job["fn_name"]]
+      fn = _lookup(namespace, job["fn_name"])
       result = fn(*case) if isinstance(case, list) else fn(case)
-      os.write(result_fd, json.dumps(result, default=repr).encode())
+      os.write(3, json.dumps(result, default=repr).encode())
+    elif job["mode"] == "stdio":
+      exec(compile(job["program"], "solution.py", "exec"), namespace)
     else:
-      source = job["program"] if job["mode"] == "stdio" else "\n".join(
-          [job["prefix"], job["program"], job["script"]])
-      exec(compile(source, "solution.py", "exec"), main_module.__dict__)
+      exec(compile("\n".join([job["prefix"], job["program"]]), "solution.py", "exec"), namespace)
+      _serve(namespace, 3, 4)
     code = 0
   except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -193,30 +321,111 @@ def _run_candidate(job, case, result_fd):
     import traceback
     traceback.print_exc()
   finally:
-    try:
-      sys.stdout.flush()
-      sys.stderr.flush()
-    except BaseException:
-      code = code or 1
-    os._exit(code)
+    _flush_and_exit(code)
 
 
-def _run_case(job, case):
-  stdin_text = case if job["mode"] == "stdio" else ""
-  fds = [_memfd("stdin", stdin_text.encode()), _memfd("stdout"), _memfd("stderr"), _memfd("result")]
-  start = time.monotonic()
+class BrokenCandidate(BaseException):
+  """The candidate's process died or broke the protocol. A BaseException, so that `except Exception`
+  in a check does not swallow it; the check fails even where a bare `except:` does."""
+
+
+def _exception(type_name, message):
+  """The exception a candidate's function raised, rebuilt as the builtin type the reply names."""
+  cls = getattr(builtins, type_name, None)
+  if not (isinstance(cls, type) and issubclass(cls, Exception)):
+    raise ValueError(f"the candidate raised {type_name!r}, not a builtin Exception type")
+  try:
+    return cls(message)
+  except Exception:  # a type whose constructor wants more (UnicodeDecodeError, ExceptionGroup)
+    return Exception(f"{type_name}: {message}")
+
+
+class _Candidate:
+  """The check's handle on the case process: arguments and return values cross as plain data and
+  exceptions as a builtin type and message. Anything else (a dead process, a malformed or non-plain
+  reply) marks the candidate broken for good, which fails the check."""
+
+  def __init__(self, requests_fd, replies_fd, limit):
+    self.requests_fd, self.replies_fd, self.limit = requests_fd, replies_fd, limit
+    self.broken = None
+
+  def function(self, name):
+    def call(*args, **kwargs):
+      return self.call(name, args, kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+  def call(self, name, args, kwargs):
+    if self.broken is None:
+      try:
+        _send(self.requests_fd, (name, args, kwargs))
+        reply = _receive(self.replies_fd, self.limit)
+        if type(reply) is tuple and len(reply) == 2 and reply[0] == "return":
+          return reply[1]
+        if type(reply) is tuple and len(reply) == 3 and reply[0] == "raise" and type(reply[2]) is str:
+          error = _exception(reply[1], reply[2])
+        else:
+          raise ValueError(f"malformed reply {reply!r:.200}")
+      except Exception as e:
+        self.broken = f"call of {name}: {type(e).__name__}: {e}"
+      else:
+        raise error
+    raise BrokenCandidate(self.broken)
+
+
+def _run_check(job):
+  """In the check process, which runs no candidate code: the trusted prefix and check script, with the
+  candidate's functions bound to proxies. Writes the token (descriptor 3) only if the check ran to its
+  end and every call came back well-formed. Descriptors: 0-2 stdio, 3 verdict, 4 requests out,
+  5 replies in, 6 the check's source and token."""
+  code = 1
+  try:
+    # The candidate (same uid) may signal us: blocked, a signal can only kill or stop us, which fails.
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    secret = json.loads(_read(6, SECRET_BYTES))
+    os.close(6)
+    namespace = _fresh_main()
+    exec(compile(job["prefix"], "prefix.py", "exec"), namespace)
+    candidate = _Candidate(4, 5, job["output_bytes"])
+    namespace.update({name: candidate.function(name) for name in job["names"]})
+    exec(compile(secret["script"], "check.py", "exec"), namespace)
+    if candidate.broken is not None:  # the check caught BrokenCandidate
+      raise BrokenCandidate(candidate.broken)
+    os.write(3, secret["token"].encode())
+    code = 0
+  except BaseException:  # a failed assertion, or any error: no token
+    import traceback
+    traceback.print_exc()
+  finally:
+    _flush_and_exit(code)
+
+
+def _place(fds):
+  """Puts fds[i] at descriptor i and closes every other one. Copies above the targets come first, so
+  that no source is overwritten before it is placed."""
+  high = [fcntl.fcntl(fd, fcntl.F_DUPFD, len(fds)) for fd in fds]
+  for target, fd in enumerate(high):
+    os.dup2(fd, target)
+  os.closerange(len(fds), 1 << 16)
+
+
+def _spawn(job, fds, body):
+  """Forks a case process: its own process group, `fds` at descriptors 0.., the case limits; it runs
+  body(), which never returns."""
   pid = os.fork()
   if pid == 0:
     try:
       os.setpgid(0, 0)
-      for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-      os.closerange(4, 1 << 16)
+      _place(fds)
       _set_limits(job["case_limits"])
     except BaseException:
       os._exit(125)
-    _run_candidate(job, case, 3)
-  status = _wait(pid, job["timeout_s"])
+    body()
+  return pid
+
+
+def _stop(pid, status):
+  """Kills the process and its group; reaps it unless `status` says that _wait did."""
   for victim in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
     try:
       victim()
@@ -224,14 +433,51 @@ def _run_case(job, case):
       pass
   if status is None:
     os.waitpid(pid, 0)
-  outcome = {"status": "timeout" if status is None else "ok" if status == 0 else "error",
-             "exit": None if status is None else os.waitstatus_to_exitcode(status),
-             "time_s": round(time.monotonic() - start, 4),
-             "stdout": _read(fds[1], job["output_bytes"]),
-             "stderr": _read(fds[2], STDERR_KEEP)}
+
+
+def _outcome(job, status, start, stdout_fd, stderr_fd):
+  return {"status": "timeout" if status is None else "ok" if status == 0 else "error",
+          "exit": None if status is None else os.waitstatus_to_exitcode(status),
+          "time_s": round(time.monotonic() - start, 4),
+          "stdout": _read(stdout_fd, job["output_bytes"]),
+          "stderr": _read(stderr_fd, STDERR_KEEP)}
+
+
+def _run_case(job, case):
+  """Stdio and call modes: one case process; the parent judges its output or result."""
+  stdin_text = case if job["mode"] == "stdio" else ""
+  fds = [_memfd("stdin", stdin_text.encode()), _memfd("stdout"), _memfd("stderr"), _memfd("result")]
+  start = time.monotonic()
+  pid = _spawn(job, fds, lambda: _run_candidate(job, case))
+  status = _wait(pid, job["timeout_s"])
+  _stop(pid, status)
+  outcome = _outcome(job, status, start, fds[1], fds[2])
   if job["mode"] == "call":
     outcome["result"] = _read(fds[3], job["output_bytes"])
   for fd in fds:
+    os.close(fd)
+  return outcome
+
+
+def _run_script(job):
+  """Script mode: the check process and the candidate's case process, joined by two pipes; the
+  outcome is the check's, with its verdict (the token, or not) for the parent to judge."""
+  requests, replies = os.pipe(), os.pipe()
+  check_fds = [_memfd("stdin"), _memfd("stdout"), _memfd("stderr"), _memfd("verdict"), requests[1],
+               replies[0], job["secret_fd"]]
+  case_fds = [_memfd("stdin"), _memfd("stdout"), _memfd("stderr"), requests[0], replies[1]]
+  start = time.monotonic()
+  check = _spawn(job, check_fds, lambda: _run_check(job))
+  os.close(job["secret_fd"])  # before the candidate's process is forked: only the check holds it
+  case = _spawn(job, case_fds, lambda: _run_candidate(job, None))
+  for fd in requests + replies:  # so that each side sees EOF once the other is gone
+    os.close(fd)
+  status = _wait(check, job["timeout_s"])
+  _stop(check, status)
+  _stop(case, None)
+  outcome = {**_outcome(job, status, start, case_fds[1], case_fds[2]),
+             "check_stderr": _read(check_fds[2], STDERR_KEEP), "verdict": _read(check_fds[3], 256)}
+  for fd in check_fds[:4] + case_fds[:3]:
     os.close(fd)
   return outcome
 
@@ -248,6 +494,9 @@ def _harness(job, out_fd, info):
     os.setgroups([])
     os.setgid(job["uid"])
     os.setuid(job["uid"])
+  # Explicit (a uid change does it only while fs.suid_dumpable is 0): a process of the sandbox uid may
+  # not ptrace or read /proc/<pid>/{mem,fd} of this harness or of the processes it forks.
+  _libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
   # RLIMIT_NPROC counts every process of the real uid: enforceable for a uid of our own (root drops to
   # one) or inside a new user namespace, not for a caller uid shared with the trainer's own threads.
   if job["uid"] is not None or info["userns"]:
@@ -257,7 +506,7 @@ def _harness(job, out_fd, info):
   job["audit_network"] = not info["netns"]
   _emit(out_fd, {"isolation": info})
   for i, case in enumerate(job["cases"]):
-    outcome = _run_case(job, case)
+    outcome = _run_script(job) if job["mode"] == "script" else _run_case(job, case)
     _emit(out_fd, {"case": i, **outcome})
     if outcome["status"] != "ok" and job["stop_on_failure"]:
       break

