@@ -39,3 +39,19 @@ def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
   speedups = [s for _, _, s in namespace["sweep"]]
   assert all(a >= b - 1e-9 for a, b in zip(speedups, speedups[1:]))
   assert speedups[0] > speedups[-1]
+
+
+def test_tail_stats_notebook_defaults_work_from_the_notebooks_dir(tmp_path, monkeypatch, capsys):
+  """As `jupyter nbconvert --execute` runs it (cwd notebooks/), with no paths set: the shipped
+  default run and calibration surface."""
+  for name in ("SPARROW_WORKDIR", "SPARROW_SURFACE"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("SPARROW_OUT", str(tmp_path / "out"))
+  monkeypatch.chdir(os.path.dirname(NOTEBOOK))
+  namespace = {}
+  for cell in json.load(open(NOTEBOOK))["cells"]:
+    if cell["cell_type"] == "code":
+      exec("".join(cell["source"]), namespace)  # noqa: S102 (our own notebook)
+  out = capsys.readouterr().out
+  assert "40 steps; last reward" in out or "workdir/default" in out
+  assert (tmp_path / "out" / "training_curves.png").stat().st_size > 1000
