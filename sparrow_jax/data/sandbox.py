@@ -22,9 +22,11 @@ Fallbacks (reported in `SandboxRun.isolation`): without the namespaces (unshare 
 default seccomp profile) a Python audit hook refuses sockets, ctypes and process launches (soft: native
 code could bypass it), processes that escaped the process group are killed by uid when we are root, and
 the work directory is on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number).
-As non-root, a user namespace is tried first (same isolation minus the uid drop); without one the
-program keeps the caller's uid: no file protection and no process cap (RLIMIT_NPROC would count the
-trainer's threads), so run training as root in a container or give the trainer its own user.
+As non-root, a user namespace is tried first (same isolation minus the uid drop: the program can write
+the caller's files, the interpreter's too where they are the caller's, and a script-mode check imports
+from there); without one the program keeps the caller's uid: no file protection and no process cap
+(RLIMIT_NPROC would count the trainer's threads), so run training as root in a container or give the
+trainer its own user.
 """
 import ast
 import builtins

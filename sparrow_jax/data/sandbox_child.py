@@ -334,6 +334,8 @@ def _exception(type_name, message):
   cls = getattr(builtins, type_name, None)
   if not (isinstance(cls, type) and issubclass(cls, Exception)):
     raise ValueError(f"the candidate raised {type_name!r}, not a builtin Exception type")
+  if issubclass(cls, (StopIteration, StopAsyncIteration)):  # would end a check's `for x in map(f, ...)`
+    return RuntimeError(f"the candidate raised {type_name}: {message}")
   try:
     return cls(message)
   except Exception:  # a type whose constructor wants more (UnicodeDecodeError, ExceptionGroup)
