@@ -1,6 +1,7 @@
 """The main job: `python -m sparrow_jax.train --config=configs/default.py [--config.FIELD=VALUE]`.
 
-A bad config value, file or dataset ends the job with one line naming it (exit status 2);
+A bad config value, file or dataset, or a code sandbox that cannot be built, ends the job with one
+line naming it (exit status 2);
 `--verbose` (or SPARROW_VERBOSE=1) shows the traceback instead.
 """
 import os
@@ -20,7 +21,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   try:
     trainer.train(_CONFIG.value)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:  # OSError: a missing file, a sandbox that cannot be built
     if _VERBOSE.value or os.environ.get("SPARROW_VERBOSE"):
       raise
     print(f"error: {e} (--verbose for the traceback)", file=sys.stderr)

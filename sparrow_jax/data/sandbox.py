@@ -10,23 +10,33 @@ What holds it in (Linux; measured on the project's machine, root in a VM contain
     not mapped), so it cannot signal or ptrace the trainer, read its /proc/<pid>/environ, or touch files
     that are not world-writable; RLIMIT_NPROC then caps its own process count (root is exempt, and the
     count is per uid, so a uid of its own per run keeps concurrent sandboxes from starving each other);
-  - new network namespace (only a down loopback), mount namespace with a fresh /proc and size-capped
-    private tmpfs over /tmp, /var/tmp and /dev/shm (the work directory is in that /tmp, so written files
-    cannot fill the disk), scrubbed environment, a private 0700 work directory;
+  - new network namespace (only a down loopback) and mount namespace whose root is a new read-only
+    tmpfs (pivot_root, the host's root detached) holding read-only binds of the interpreter's prefixes
+    (stdlib, venv site-packages), /usr and the library directories, a few devices, a fresh /proc, and
+    size-capped private tmpfs /tmp and /dev/shm (the work directory is in that /tmp, so written files
+    cannot fill the disk): no project tree, data, home directory or other run's temp files; a
+    scrubbed environment, a private 0700 work directory;
+  - the program runs in a user namespace of its own whose limit of nested user namespaces is 0, with no
+    capabilities, so it cannot unshare(CLONE_NEWUSER) to mount, pivot or regain privileges;
   - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged;
   - script mode (a check that is code, e.g. HumanEval's) runs the check in a process of its own that
     executes no candidate code, calling the candidate's functions through a proxy that passes plain data
     only; a pass is the token that the check alone knows, written after it ran to its end, so exiting
     early, patching builtins, exception hooks, signals, forking or forged output all fail.
-Fallbacks (reported in `SandboxRun.isolation`): without the namespaces (unshare refused, e.g. Docker's
-default seccomp profile) a Python audit hook refuses sockets, ctypes and process launches (soft: native
-code could bypass it), processes that escaped the process group are killed by uid when we are root, and
-the work directory is on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number).
-As non-root, a user namespace is tried first (same isolation minus the uid drop: the program can write
-the caller's files, the interpreter's too where they are the caller's, and a script-mode check imports
-from there); without one the program keeps the caller's uid: no file protection and no process cap
-(RLIMIT_NPROC would count the trainer's threads), so run training as root in a container or give the
-trainer its own user.
+A sandbox that cannot be built as asked raises SandboxSetupError (an OSError) before any program runs:
+namespaces refused, a path to expose missing, no user namespace for the harness; never a silent
+downgrade. The fallback without namespaces runs only when asked for (`SandboxLimits(namespaces=False)`,
+e.g. under Docker's default seccomp profile) and is weaker (facts in `SandboxRun.isolation`): the
+program sees the host's world-readable files; a Python audit hook refuses sockets, ctypes and process
+launches (soft: native code could bypass it); processes that escaped the process group are killed by
+uid when we are root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the
+work directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
+umask keeps created files private; the interpreter's stdlib may be limited to PREIMPORT (sandbox_child)
+where the sandbox uid cannot read it. As non-root, the namespaces come with a user namespace (same
+isolation minus the uid drop: the program is root of its namespace, without capabilities, and sees
+only the read-only root); in the fallback the program keeps the caller's uid: no file protection and no
+process cap (RLIMIT_NPROC would count the trainer's threads), so run training as root in a container or
+give the trainer its own user.
 """
 import ast
 import builtins
@@ -59,7 +69,7 @@ class SandboxLimits:
   nofile: int = 64                # RLIMIT_NOFILE
   nproc: int = 64                 # RLIMIT_NPROC (see the module docstring for when it applies)
   tmpfs_mb: int = 64              # size of the private /tmp
-  namespaces: bool = True         # try network, mount and pid namespaces
+  namespaces: bool = True         # False: the weaker fallback (see the module docstring), explicitly
   total_timeout_s: float | None = None   # whole run; None: timeout_s * cases + STARTUP_S
 
   def __post_init__(self):
@@ -126,6 +136,30 @@ def _kill_uid(uid):
         pass
 
 
+class SandboxSetupError(OSError):
+  """The sandbox could not be built as asked (namespaces refused, file system setup failed): nothing ran."""
+
+
+def _remove_files_of(uid):
+  """Fallback cleanup: what `uid` left in the shared temp directories (a fresh uid per run owns nothing
+  else there)."""
+  for directory in ("/tmp", "/var/tmp", "/dev/shm"):
+    try:
+      entries = list(os.scandir(directory))
+    except OSError:  # no such directory here
+      continue
+    for entry in entries:
+      try:
+        if entry.stat(follow_symlinks=False).st_uid != uid:
+          continue
+        if entry.is_dir(follow_symlinks=False):
+          shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+          os.unlink(entry.path)
+      except OSError:  # removed meanwhile
+        pass
+
+
 def _parse(stream):
   cases, isolation, error, done = [], {}, None, False
   # "\n" only: str.splitlines() also splits at U+2028 and the like, which JSON leaves unescaped inside
@@ -143,6 +177,8 @@ def _parse(stream):
       cases.append(record)
     elif "sandbox_error" in record:
       error = record["sandbox_error"]
+    elif "setup_error" in record:
+      raise SandboxSetupError(record["setup_error"])
     done = done or record.get("done", False)
   if not done and error is None:
     error = "sandbox ended before reporting every case (harness killed, or the total timeout)"
@@ -248,12 +284,15 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
       os.chown(work, uid, uid)
     with open(os.path.join(base, "job.json"), "w") as f:
       json.dump(job, f)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    if not limits.namespaces:  # no private /tmp: temp files go to the private work directory
+      env["TMPDIR"] = work
     with open(os.path.join(base, "job.json"), "rb") as stdin, \
          open(os.path.join(base, "out"), "w+b") as stdout, \
          open(os.path.join(base, "err"), "w+b") as stderr:
       proc = subprocess.Popen(
           [sys.executable, "-I", "-B", CHILD], stdin=stdin, stdout=stdout, stderr=stderr, cwd=work,
-          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"},
+          env=env,
           start_new_session=True, close_fds=True, pass_fds=() if secret_fd is None else (secret_fd,))
       try:
         proc.wait(timeout=total)
@@ -273,8 +312,9 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
         stderr.seek(0)
         tail = stderr.read(4096).decode("utf-8", "replace").strip()
         error = f"{error}; {tail}" if tail else error
-    if uid is not None and not isolation.get("pidns"):
+    if uid is not None and not limits.namespaces:
       _kill_uid(uid)
+      _remove_files_of(uid)
     if token:
       cases_out = [_certify(case, token) for case in cases_out]
     return SandboxRun(cases=cases_out, isolation=isolation, error=error)
@@ -285,7 +325,8 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
 
 
 def probe(limits=SandboxLimits()):
-  """Runs a trivial program; returns its isolation facts plus "works" (whether it printed correctly)."""
+  """Runs a trivial program; returns its isolation facts plus "works" (whether it printed correctly).
+  Raises SandboxSetupError where the sandbox cannot be built as `limits` ask."""
   run = run_cases("print(input()[::-1])", "stdio", ["ok"], limits=limits)
   works = run.error is None and len(run.cases) == 1 and run.cases[0]["stdout"] == "ko\n"
   return {**run.isolation, "works": works, "error": run.error}

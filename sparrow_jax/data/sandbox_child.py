@@ -5,9 +5,13 @@ environment, cwd = the private work directory, stdin = the job (JSON), stdout = 
 Process tree, each layer doing what only it can:
 
   outer (root or caller uid, parent's pid namespace): reads the job, unshares net+mount+pid namespaces
-    init  (pid 1 of the new pid namespace): private /proc and /tmp mounts, exposes the interpreter; its
-          exit makes the kernel kill everything left in the namespace (fork bombs, daemons, setsid escapers)
-      harness (sandbox uid, limits applied, not dumpable): forks the case processes, kills them on timeout
+          (or refuses to go on without them, unless the job asks for the fallback)
+    init  (pid 1 of the new pid namespace): pivots into a new read-only root holding only the interpreter,
+          its libraries, a private /tmp and /proc (see _mount_private), maps the harness's user namespace;
+          its exit makes the kernel kill everything left in the namespace (fork bombs, daemons, setsid
+          escapers)
+      harness (sandbox uid in a user namespace of its own that allows no nested one, no capabilities,
+               limits applied, not dumpable): forks the case processes, kills them on timeout
         case  (rlimits for CPU, memory, file size, open files): runs the candidate program
         check (script mode only, same limits): runs the trusted check, calling the candidate's
               functions in the case process through a proxy that passes plain data only
@@ -40,16 +44,27 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC = 4096, 16384
+MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}   # glibc has no wrapper
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# What the program's root holds besides the interpreter's own directories (job["python_paths"]): the
+# shared libraries that the interpreter and its extension modules load. Missing ones are skipped;
+# top-level symlinks (merged /usr: /lib -> usr/lib) are recreated as symlinks.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
+                "/etc/localtime")
+DEVICES = ("null", "zero", "full", "random", "urandom")
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 STDERR_KEEP = 4096   # bytes of a case's stderr sent back (for debugging only)
 SECRET_BYTES = 1 << 26   # most the check's source and token may take
 PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 PLAIN_CONTAINERS = (list, tuple, set, frozenset)
 PLAIN_DEPTH = 60         # nesting of plain data; the parser refuses ~200 levels of brackets
-# Imported before the uid drop when the interpreter's files are not readable by the sandbox uid and no
-# mount namespace can expose them (root without CAP_SYS_ADMIN, e.g. Docker's default profile).
+# Imported before the uid drop in the explicit fallback without namespaces (no mount namespace to expose
+# the interpreter) when the interpreter's files are not readable by the sandbox uid; reported as
+# "preimported_only" in the isolation facts.
 PREIMPORT = ("array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
              "fractions", "functools", "heapq", "itertools", "math", "operator", "queue", "random", "re",
              "statistics", "string", "traceback", "typing")
@@ -89,49 +104,88 @@ def _others_can_enter(path):
   return None if os.stat(path).st_mode & stat.S_IROTH else path
 
 
-def _expose(paths):
-  """Makes the interpreter's directories reachable for the sandbox uid inside the mount namespace.
+def _bind_read_only(source, target):
+  _mount(source, target, None, MS_BIND | MS_REC)
+  # A remount must repeat the flags that a user namespace locked on the source mount (EPERM otherwise);
+  # these ST_ statvfs flags have the values of their MS_ mount flags, the atime modes do not.
+  flags = os.statvfs(target).f_flag
+  kept = flags & (os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME)
+  atime = 0 if flags & os.ST_NOATIME else MS_RELATIME if flags & os.ST_RELATIME else MS_STRICTATIME
+  _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept | atime)
 
-  A directory on the way that others may not enter (pyenv or conda under a 0700 /root) is covered with
-  an empty tmpfs, which also hides the rest of it, and the needed directories are bind-mounted back at
-  their own paths (the interpreter's RUNPATH and sys.path stay valid). Returns the blocking directories.
-  """
-  fds, tops = {}, set()
+
+def _expose(root, paths, optional, uid):
+  """Bind-mounts each of `paths` read-only at its own path under `root` (the interpreter's RUNPATH and
+  sys.path stay valid), creating the directories on the way in root's tmpfs with mode 0755, so that a
+  directory others may not enter (pyenv or conda under a 0700 /root) hides nothing but the rest of it.
+  A missing path is skipped if `optional`, else an error, as is one that `uid` (if not None) could not
+  read. Returns the paths exposed."""
+  exposed = []
   for path in paths:
-    top = _others_can_enter(path)
-    if top == path:
-      raise OSError(f"{path} itself is not readable by others; pass python= an interpreter that is")
-    if top:
-      fds[path] = os.open(path, os.O_PATH)
-      tops.add(top)
-  tops = sorted(t for t in tops if not any(t.startswith(u + os.sep) for u in tops))
-  for top in tops:
-    _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-  for path, fd in fds.items():
-    os.makedirs(path, mode=0o755, exist_ok=True)
-    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-    os.close(fd)
-  return tops
+    target = root + path
+    if os.path.islink(path) and os.path.dirname(path) == os.sep:
+      os.symlink(os.readlink(path), target)
+      continue
+    if not os.path.exists(path):
+      if optional:
+        continue
+      raise OSError(f"{path} does not exist, so the sandbox cannot expose it")
+    if uid is not None and _others_can_enter(path) == path:
+      raise OSError(f"{path} itself is not readable by others, so sandbox uid {uid} cannot use it")
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if os.path.isdir(path):
+      os.makedirs(target, mode=0o755, exist_ok=True)
+    elif not os.path.exists(target):
+      os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    _bind_read_only(path, target)
+    exposed.append(path)
+  return exposed
+
+
+def _pivot(root):
+  """Makes `root` the root of the mount namespace and detaches the old one: unlike chroot, no path and
+  no chroot escape leads back to the host's files."""
+  number = SYS_PIVOT_ROOT.get(os.uname().machine)
+  if number is None:
+    raise OSError(f"no pivot_root syscall number known for machine {os.uname().machine!r}")
+  os.chdir(root)
+  _libc_call("syscall", ctypes.c_long(number), b".", b".")   # the old root ends up stacked on "/"
+  _libc_call("umount2", b".", MNT_DETACH)
+  os.chdir("/")
 
 
 def _mount_private(job, info):
-  """Private mount tree: fresh /proc of the new pid namespace, size-capped tmpfs over shared temp dirs."""
+  """The program's whole file system: a new read-only root (a tmpfs mounted over our work directory)
+  holding read-only binds of the interpreter, its libraries and SYSTEM_PATHS, a few devices, a fresh
+  /proc of the new pid namespace and size-capped tmpfs /tmp and /dev/shm; nothing else of the host
+  (project tree, data, home directories, other runs' temp files) exists in it."""
   _mount(None, "/", None, MS_REC | MS_PRIVATE)
-  if info["pidns"]:
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    info["private_proc"] = True
-  for path in ("/tmp", "/var/tmp", "/dev/shm"):
-    if os.path.isdir(path):
-      _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmpfs_mb']}m,mode=1777")
+  root = os.getcwd()
+  _mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
+  # The temp directories first: the checkout or venv may live under /tmp, exposed on top of them.
+  for path in ("/tmp", "/dev/shm"):
+    os.makedirs(root + path, mode=0o755)
+    _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmpfs_mb']}m,mode=1777")
   info["private_tmp"] = True
-  # Work in the size-capped tmpfs rather than the parent's directory on disk, so that files a program
-  # writes cannot fill the disk either.
+  info["exposed"] = _expose(root, job["python_paths"], optional=False, uid=job["uid"])
+  _expose(root, SYSTEM_PATHS, optional=True, uid=None)
+  for name in DEVICES:
+    os.close(os.open(f"{root}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+    _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+  for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+    os.symlink(f"/proc/self/fd/{fd}", f"{root}/dev/{name}")
+  os.symlink("/proc/self/fd", f"{root}/dev/fd")
+  os.mkdir(root + "/proc", 0o555)
+  _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+  info["private_proc"] = True
+  _pivot(root)
+  _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+  info["private_root"] = True
+  # Work in the size-capped tmpfs, so that files a program writes cannot fill the disk either.
   os.mkdir("/tmp/work", 0o700)
   if job["uid"] is not None:
     os.chown("/tmp/work", job["uid"], job["uid"])
   os.chdir("/tmp/work")
-  if job["uid"] is not None:
-    info["exposed"] = _expose(job["python_paths"])
 
 
 def _set_limits(limits):
@@ -484,8 +538,26 @@ def _run_script(job):
   return outcome
 
 
+def _close_user_namespaces(mapped_fd):
+  """In the harness, in a user namespace of its own that init mapped (see _fork_harness): its limit of
+  user namespaces goes to 0. The kernel checks that limit of every ancestor when one is created, so the
+  program can create none (no unshare(CLONE_NEWUSER) to regain capabilities, mount or pivot), and,
+  without capabilities in this namespace, cannot raise the limit again."""
+  if os.read(mapped_fd, 1) != b"m":
+    raise OSError("init did not map the harness's user namespace")
+  with open("/proc/sys/user/max_user_namespaces", "w") as f:
+    f.write("0")
+
+
+def _drop_capabilities():
+  """Empties every capability set (a uid change does that only from root to non-root; a caller uid
+  stays 0 in its user namespace). No new privileges then keeps an execve from getting any back."""
+  header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+  _libc_call("capset", header, (ctypes.c_uint32 * 6)())
+
+
 def _harness(job, out_fd, info):
-  if job["uid"] is not None and "exposed" not in info:
+  if job["uid"] is not None and "exposed" not in info:  # the explicit fallback: no mount namespace
     if any(_others_can_enter(p) for p in job["python_paths"]):
       for name in PREIMPORT:
         __import__(name)
@@ -496,6 +568,10 @@ def _harness(job, out_fd, info):
     os.setgroups([])
     os.setgid(job["uid"])
     os.setuid(job["uid"])
+  if "user_namespaces" in info:
+    _drop_capabilities()
+  # Files the program creates in a shared /tmp (the fallback's) stay unreadable to concurrent runs.
+  os.umask(0o077)
   # Explicit (a uid change does it only while fs.suid_dumpable is 0): a process of the sandbox uid may
   # not ptrace or read /proc/<pid>/{mem,fd} of this harness or of the processes it forks.
   _libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -534,6 +610,49 @@ def _reap(block):
       return
 
 
+def _fork_harness(job, out_fd, info):
+  """Forks the harness; with the namespaces, into a new user namespace that we map from outside it
+  (allowed to map any of our ids, which a process cannot do for itself): the sandbox uid to itself and
+  nothing else (root stays unmapped there), or for a caller uid our 0 to its 0. Returns its pid."""
+  ready_r, ready_w = os.pipe()
+  mapped_r, mapped_w = os.pipe()
+  pid = os.fork()
+  if pid == 0:
+    os.close(ready_r)
+    os.close(mapped_w)
+    try:
+      if info["pidns"]:
+        _libc_call("unshare", CLONE_NEWUSER)
+        os.write(ready_w, b"u")
+        _close_user_namespaces(mapped_r)
+        info["user_namespaces"] = 0
+    except OSError as e:
+      _emit(out_fd, {"setup_error": f"cannot keep user namespaces from the program: {e}"})
+      os._exit(1)
+    os.close(ready_w)
+    os.close(mapped_r)
+    try:
+      _harness(job, out_fd, info)
+    except BaseException as e:
+      _emit(out_fd, {"sandbox_error": f"{type(e).__name__}: {e}"})
+      os._exit(1)
+  os.close(ready_w)
+  os.close(mapped_r)
+  ids = "0 0 1" if job["uid"] is None else f"{job['uid']} {job['uid']} 1"
+  try:
+    if os.read(ready_r, 1) == b"u":
+      for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+          f.write(ids)
+      os.write(mapped_w, b"m")
+  except OSError as e:
+    _emit(out_fd, {"setup_error": f"cannot map the harness's user namespace ({ids}): {e}"})
+    os.kill(pid, signal.SIGKILL)
+  os.close(ready_r)
+  os.close(mapped_w)
+  return pid
+
+
 def _init(job, out_fd, info):
   _libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
   # Orphans of the program come to us (not to the machine's init), so we can reap them below.
@@ -541,15 +660,10 @@ def _init(job, out_fd, info):
   if info["mountns"]:
     try:
       _mount_private(job, info)
-    except OSError as e:
-      info["mount_error"] = str(e)
-  pid = os.fork()
-  if pid == 0:
-    try:
-      _harness(job, out_fd, info)
-    except BaseException as e:
-      _emit(out_fd, {"sandbox_error": f"{type(e).__name__}: {e}"})
+    except OSError as e:  # never a silent downgrade to a sandbox that sees the host's files
+      _emit(out_fd, {"setup_error": f"cannot build the sandbox's file system: {e}"})
       os._exit(1)
+  pid = _fork_harness(job, out_fd, info)
   while os.wait()[0] != pid:  # reaps orphans too until the harness ends
     pass
   if not info["pidns"] and job["uid"] is not None:  # a pid namespace would end them all with us
@@ -582,7 +696,9 @@ def main():
         _map_user(uid, gid)
       info.update(netns=True, mountns=True, pidns=True, userns=not root)
     except OSError as e:
-      info["unshare_error"] = str(e)
+      _emit(out_fd, {"setup_error": f"unshare({flags:#x}) refused: {e}; SandboxLimits(namespaces=False) "
+                                    "runs the weaker fallback without namespaces, if that is acceptable"})
+      return
   pid = os.fork()
   if pid == 0:
     _init(job, out_fd, info)

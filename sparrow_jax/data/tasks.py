@@ -370,6 +370,9 @@ def make_task(name: str, path: str | None = None, *, split: str = "train", seed:
   unknown = sorted(set(grading) - set(allowed))
   if unknown:
     raise ValueError(f"unknown grading option(s) {unknown} for {kind} task {name}; allowed: {allowed}")
+  if kind == "code":  # fail now, not as every sample graded 0 with "sandbox_error" later
+    sandbox.probe(sandbox.SandboxLimits.make(
+        **{k: v for k, v in grading.items() if k not in ("partial", "max_workers")}))
   problems, skipped = _problems(name, rows, convert, kind, enable_thinking, limit)
   if not problems:
     raise ValueError(f"task {name}: no usable problems in {path or 'the generator'} (malformed "
