@@ -158,7 +158,7 @@ def pretrain(c):
     return optax.apply_updates(params, updates), opt_state, metrics
 
   levels = c.levels
-  logger = MetricsLogger(c.workdir)
+  logger = MetricsLogger(c.workdir, resume_step=state["step"])
   t_last, t_ckpt, window, pending = time.time(), time.time(), [], []
   while state["step"] < c.total_steps:
     step, level = state["step"], state["level"]

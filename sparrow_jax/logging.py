@@ -9,10 +9,10 @@ from tensorboardX import SummaryWriter
 class MetricsLogger:
   """Writes scalars, per-bin arrays (one scalar per bin) and bucketed histograms."""
 
-  def __init__(self, workdir: str, resume_step: int = 0):
-    """Appends to the workdir's logs. A run resumed at `resume_step` first drops what was logged
-    past it (steps a killed run logged after its last checkpoint, replayed now), in metrics.jsonl
-    and in the TensorBoard events, so each step is logged once."""
+  def __init__(self, workdir: str, resume_step: int):
+    """Appends to the workdir's logs from step `resume_step` on (0: a fresh run), after dropping
+    what was logged past it (steps a killed run logged after its last checkpoint, replayed now)
+    from metrics.jsonl and the TensorBoard events, so each step is logged once."""
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(path):

@@ -11,7 +11,7 @@ NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
-  logger = MetricsLogger(str(tmp_path / "run"))
+  logger = MetricsLogger(str(tmp_path / "run"), resume_step=0)
   for step in range(1, 4):
     logger.write(step, {"reward/mean": 0.1 * step, "acceptance/mean": 0.97, "acceptance/p5": 0.8,
                         "acceptance/p5_bin": np.array([np.nan, 0.9, 0.8 - 0.01 * step])})
