@@ -266,6 +266,7 @@ def train(c: ml_collections.ConfigDict) -> list:
   # Each stage's budget table, and one static cap on selected pages for all of them: switching
   # stages changes only traced values, so neither the sampler nor the train step recompiles.
   tables = [sampler.budget_table(s, cache_len, sparse) for _, s in stages] if sparse else None
+  budgets = [schedule_lib.BudgetTable(jnp.asarray(t)) for t in tables] if sparse else None
   max_selected = (1 << max(int(max(t.max() for t in tables)) - 1, 1).bit_length()
                   if sparse else None)
   key = jax.random.PRNGKey(c.seed)
@@ -275,17 +276,17 @@ def train(c: ml_collections.ConfigDict) -> list:
 
   for step in range(start, c.total_steps):
     t0 = time.time()
-    schedule = budget_by_len = None
+    schedule = budget_by_len = budget = None
     if sparse:
       stage = schedule_lib.stage_index(stages, step)
-      schedule, budget_by_len = stages[stage][1], tables[stage]
+      schedule, budget_by_len, budget = stages[stage][1], tables[stage], budgets[stage]
     problems = task.sample(n_prompts, step * n_prompts)
     prompt, prompt_len = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
     rollout = sampler.generate(
         state.params, cfg, prompt, prompt_len, jax.random.fold_in(key, step),
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
         eos_ids=tokenizer.eos_ids, sparse=sparse,
-        schedule=schedule, lora=state.lora,
+        schedule=budget, lora=state.lora,
         num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected)
     jax.block_until_ready(rollout.tokens)
     t_rollout = time.time() - t0
@@ -294,7 +295,7 @@ def train(c: ml_collections.ConfigDict) -> list:
     batch = ts.batch_from_rollout(prompt, prompt_len, rollout, rewards)
     t1 = time.time()
     state, metrics = train_step(
-        state, batch, schedule_lib.BudgetTable(jnp.asarray(budget_by_len)) if sparse else None)
+        state, batch, budget)
     metrics = jax.device_get(metrics)
     t_train = time.time() - t1
     times["rollout"] += t_rollout
