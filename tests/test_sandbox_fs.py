@@ -53,8 +53,17 @@ def test_program_sees_neither_the_project_nor_other_files(world_readable_files):
   project = [os.path.join(REPO, "README.md"), os.path.abspath(__file__), "/etc/hostname", "/etc/passwd"]
   assert readable(project + world_readable_files) == []
   listing = run("import os\nprint(sorted(os.listdir('/')))").cases[0]["stdout"]
+  # The interpreter's prefixes are exposed at their own paths (CI's venv lives inside the clone, e.g.
+  # /check/<clone>/.venv), so their top-level directories appear too, holding nothing but the prefix.
+  prefixes = sandbox._python_paths()
+  tops = {path.split(os.sep)[1] for path in prefixes}
   assert set(eval(listing)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root",
-                                "sbin", "tmp", "usr", "work"}, listing
+                                "sbin", "tmp", "usr", "work"} | tops, listing
+  for prefix in prefixes:
+    parent = os.path.dirname(prefix)
+    siblings = run(f"import os\nprint(sorted(os.listdir({parent!r})))").cases[0]["stdout"]
+    assert set(eval(siblings)) <= {os.path.basename(p) for p in prefixes if os.path.dirname(p) == parent}, \
+        (parent, siblings)
   # The root is read-only: nothing can be planted where the interpreter or a check would import it.
   program = ("import os, sys\nfor d in ('/', '/usr', sys.prefix, sys.base_prefix):\n  try:\n"
              "    open(os.path.join(d, 'planted.py'), 'w')\n    print('wrote', d)\n  except OSError:\n"
