@@ -53,6 +53,9 @@ def get_config():
   c.rl.ppo_epochs = 1                # passes over each batch
   c.rl.num_minibatches = 4           # minibatches per pass (4 updates per rollout batch; README)
   c.rl.dapo_filter = False           # drop zero-variance groups from the loss (DAPO dynamic sampling)
+  c.rl.micro_batches = 1             # gradient accumulation: each update's rows in this many slices
+  c.rl.remat = "full"                # per-layer remat: full (keep layer inputs) | dots | none
+  c.rl.logits_chunk = 512            # positions per LM-head chunk (no [B, S, vocab] array)
 
   c.distill = ml_collections.ConfigDict()
   c.distill.enabled = True           # DistillSparse LoRA in the sparse actor (needs rollout.sparse)

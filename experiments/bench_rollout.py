@@ -11,7 +11,7 @@ experiments/bench_attention.py, a script with its own config, run on its own.
 (b) A Qwen3-1.7B-shaped model (preset "qwen3-1.7b": 16 query / 8 KV heads, head dim 128, width
 2048, FFN 6144) truncated to `decode.layers` layers, random weights, decoding at a fixed context.
 Only the decode phase is timed: prefilling 32K tokens would take minutes on a 2-core CPU and says
-nothing about decode. The cache is written the way a prefill writes it (paged_cache.write_prefill:
+nothing about decode. The cache is written the way a prefill writes it (paged_cache.write_chunk:
 keys, values and page centroid sums), with random keys and values (unit normal, the scale that
 Qwen3's k RMSNorm gives) in place of the model's, and `lengths` = context. One timed call is a
 jitted `lax.fori_loop` of `decode.steps` `qwen3.decode_step`s, each step feeding its argmax token to
@@ -96,11 +96,11 @@ def _fill_layer(cache, key, *, layer, context):
   """Writes random keys/values into slots [0, context) of one layer as a prefill of that length
   would (one jitted call per layer keeps only one layer's random tokens in memory; one draw per
   tensor, as a stacked [2, ...] draw costs XLA 1.5 GiB more temporaries at 32K)."""
-  B, K, _, E = cache.k[layer].shape
+  _, B, K, _, E = cache.k_bits.shape
   key_k, key_v = jax.random.split(key)
   k_BTKE = jax.random.normal(key_k, (B, context, K, E), jnp.float32)
   v_BTKE = jax.random.normal(key_v, (B, context, K, E), jnp.float32)
-  return paged_cache.write_prefill(cache, layer, k_BTKE, v_BTKE, jnp.ones((B, context), bool))
+  return paged_cache.write_chunk(cache, layer, 0, k_BTKE, v_BTKE, jnp.ones((B, context), bool))
 
 
 def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
@@ -119,7 +119,7 @@ def decode_loop(params, token_B, cache, budget, *, cfg, sparse, max_selected, st
   first_new_page = context // cache.page_size
   cache = cache.replace(
       lengths=jnp.full_like(cache.lengths, context),
-      centroid_sum=[c.at[:, :, first_new_page:].set(0.0) for c in cache.centroid_sum])
+      centroid_sum=cache.centroid_sum.at[:, :, :, first_new_page:].set(0.0))
 
   attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
                   else None)
@@ -234,7 +234,8 @@ def _tunix_model(cfg, params, nnx, tunix_qwen3):
   model = tunix_qwen3.Qwen3(config, rngs=nnx.Rngs(0))
   model.embedder.input_embedding.value = params["embed"]
   model.final_norm.w.value = params["final_norm"]
-  for layer, p in zip(model.layers, params["layers"]):
+  for i, layer in enumerate(model.layers):
+    p = {name: w[i] for name, w in params["layers"].items()}
     layer.input_layernorm.w.value = p["attn_norm"]
     layer.post_attention_layernorm.w.value = p["mlp_norm"]
     layer.attn.q_proj.w.value = p["q"].reshape(D, H, E)

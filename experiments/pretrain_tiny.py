@@ -34,7 +34,7 @@ from sparrow_jax import checkpoint
 from sparrow_jax.data import synthetic
 from sparrow_jax.logging import MetricsLogger
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.model import qwen3
+from sparrow_jax.attention import reference
 
 
 def model_config(c) -> sj.Qwen3Config:
@@ -88,8 +88,10 @@ def loss_fn(params, batch, cfg):
   seg_BT = batch["segments"]
   same_BTS = (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
 
-  def attention_fn(i, q, k, v, allowed_BTS):
-    return qwen3.dense_attention(q, k, v, allowed_BTS & same_BTS)
+  causal_TT = jnp.tril(jnp.ones((seg_BT.shape[1],) * 2, bool))
+
+  def attention_fn(layer, q, k, v, mask_BT):  # packed documents: causal within each document
+    return reference.dense_attention(q, k, v, causal_TT & same_BTS)
 
   logits_BTV = sj.forward(params, batch["tokens"], cfg, positions_BT=batch["positions"],
                           mask_BT=seg_BT > 0, attention_fn=attention_fn)

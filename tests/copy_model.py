@@ -70,8 +70,8 @@ def pretrain(seed: int = 0, steps: int = 500, batch: int = 16, lr: float = 3e-3)
   def step(params, opt_state, tokens, prompt_len, length):
     loss, grads = jax.value_and_grad(_loss)(params, tokens, prompt_len, length)
     zero = jnp.zeros_like
-    grads["layers"] = [dict(g, q_norm=zero(g["q_norm"]), k_norm=zero(g["k_norm"]))  # frozen at 1
-                       for g in grads["layers"]]
+    g = grads["layers"]
+    grads["layers"] = dict(g, q_norm=zero(g["q_norm"]), k_norm=zero(g["k_norm"]))  # frozen at 1
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -62,8 +62,9 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
   cfg = sj.Qwen3Config(**bench_rollout.TINY, max_position_embeddings=64)
   cache = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(cache.lengths, [32, 32])
-  for k, v, sums in zip(cache.k, cache.v, cache.centroid_sum):
-    k, v, sums = np.asarray(k), np.asarray(v), np.asarray(sums)
+  for layer in range(cfg.num_hidden_layers):
+    k, v = np.asarray(cache.keys(layer)), np.asarray(cache.values(layer))
+    sums = np.asarray(cache.centroid_sum[layer])
     assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and sums.shape[2] == 3
     assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0) and np.all(sums[:, :, 2:] == 0)
     assert 0.9 < k[:, :, :32].std() < 1.1 and 0.9 < v[:, :, :32].std() < 1.1

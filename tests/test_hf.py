@@ -31,7 +31,7 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   assert len(set(index["weight_map"].values())) > 1
   _, loaded = sj.load_hf(str(tmp_path), dtype=jnp.bfloat16)
-  assert loaded["layers"][1]["down"].dtype == jnp.bfloat16
+  assert loaded["layers"]["down"][1].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(loaded["embed"], np.float32), params["embed"], rtol=1e-2)
 
 

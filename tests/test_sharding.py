@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     single = np.asarray(sj.forward(params, tokens, cfg))
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     sharded = sharding.shard_params(params, mesh)
-    assert sharded["layers"][0]["q"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert sharded["layers"]["q"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     tokens = jax.device_put(tokens, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None)))
     out = jax.jit(sj.forward, static_argnums=2)(sharded, tokens, cfg)

@@ -1,15 +1,25 @@
 """Paged KV cache with per-page centroid sums, for block top-k sparse decoding.
 
-Layout, per layer (a list over layers, so each layer's buffers update in place under donation):
-  k[i], v[i]        [B, K, S, E]   S = P * Z: page p of (sequence b, KV head k) is the contiguous block
-                                   k[i][b, k, p*Z:(p+1)*Z]; a [B, K, P, Z, E] view is a free reshape.
-  centroid_sum[i]   [B, K, P, E]   float32 sum of the keys written to each page. The centroid is
+Layout, stacked over layers (the model scans its layers and indexes the cache with the layer):
+  k_bits, v_bits  [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
+                                   contiguous block k[l, b, k, p*Z:(p+1)*Z]; a [..., P, Z, E] view is
+                                   a free reshape. Keys and values of `dtype` (the model's: bfloat16
+                                   at scale) stored as unsigned integers of the same width and read
+                                   through a free bitcast (`keys(layer)`, `values(layer)`): XLA CPU
+                                   runs every bfloat16 update of a buffer in float32, converting
+                                   the whole cache there and back, 3x the KV in temporaries
+                                   (experiments/memory_report.py); integer writes stay in place on
+                                   every backend.
+  centroid_sum    [L, B, K, P, E]  float32 sum of the keys written to each page. The centroid is
                                    sum / count with count = clip(length - p*Z, 0, Z), derived from
                                    `lengths`, so appending a token costs O(K*E).
-  lengths           [B]            tokens cached per sequence (slot == position: rows are right-padded).
+  lengths         [B]              tokens cached per sequence (slot == position: rows are right-padded).
 Why this layout: a selected page is one contiguous Z x E tile per (sequence, head), so a sparse read
 is a gather of whole tiles (coalesced loads on GPU; on TPU 16 x 128 matches the (8, 128) vreg tiling
 and one DMA per page), and the scoring pass reads only the P x E centroid block per head.
+Why float32 sums: the trainer scores pages with float32 means of the same keys, and the sampler must
+pick the pages it picks; the sums are 1/Z of the keys, so float32 costs 2/Z = 1/8 of the K cache
+(1/16 of K + V) where bfloat16 would cost half that and round sixteen additions per page.
 Sequences are independent (no shared page pool): RL rollouts have one static maximum length per batch.
 """
 import flax.struct
@@ -17,17 +27,32 @@ import jax
 import jax.numpy as jnp
 
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_bits(x):
+  return jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype).itemsize])
+
+
 @flax.struct.dataclass
 class PagedKVCache:
-  k: list
-  v: list
-  centroid_sum: list
+  k_bits: jax.Array
+  v_bits: jax.Array
+  centroid_sum: jax.Array
   lengths: jax.Array
   page_size: int = flax.struct.field(pytree_node=False, default=16)
+  dtype: str = flax.struct.field(pytree_node=False, default="float32")
+
+  def keys(self, layer):
+    """Keys [B, K, S, E] of `layer` (traced is fine) in the cache dtype."""
+    return jax.lax.bitcast_convert_type(self.k_bits[layer], jnp.dtype(self.dtype))
+
+  def values(self, layer):
+    return jax.lax.bitcast_convert_type(self.v_bits[layer], jnp.dtype(self.dtype))
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[2]
+    return self.k_bits.shape[3]
 
   @property
   def num_pages(self) -> int:
@@ -44,39 +69,38 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
   check_page_size(page_size)
   pages = -(-max_len // page_size)
   K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-  zeros = lambda shape, dt: [jnp.zeros(shape, dt) for _ in range(L)]
+  bits = _BITS[jnp.dtype(dtype).itemsize]
   return PagedKVCache(
-      k=zeros((batch, K, pages * page_size, E), dtype),
-      v=zeros((batch, K, pages * page_size, E), dtype),
-      centroid_sum=zeros((batch, K, pages, E), jnp.float32),
+      k_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
+      v_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
+      centroid_sum=jnp.zeros((L, batch, K, pages, E), jnp.float32),
       lengths=jnp.zeros((batch,), jnp.int32),
-      page_size=page_size)
+      page_size=page_size, dtype=jnp.dtype(dtype).name)
 
 
-def write_prefill(cache: PagedKVCache, layer: int, k_BTKE, v_BTKE, mask_BT) -> PagedKVCache:
-  """Writes a right-padded prompt's keys/values into slots [0, T) and their page sums."""
-  B, T, K, E = k_BTKE.shape
+def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:
+  """Writes a chunk of C tokens (C and start whole pages; layer and start may be traced) into
+  slots [start, start + C) of `layer`, and the sums of its pages (invalid tokens count as zero)."""
+  B, C, K, E = k_BCKE.shape
   Z = cache.page_size
-  pad = -T % Z
-  k_masked = jnp.where(mask_BT[:, :, None, None], k_BTKE, 0).astype(jnp.float32)
-  k_masked = jnp.pad(k_masked, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  sums_BKPE = k_masked.reshape(B, (T + pad) // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
-  k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroid_sum)
-  k_new[layer] = cache.k[layer].at[:, :, :T].set(k_BTKE.transpose(0, 2, 1, 3).astype(cache.k[layer].dtype))
-  v_new[layer] = cache.v[layer].at[:, :, :T].set(v_BTKE.transpose(0, 2, 1, 3).astype(cache.v[layer].dtype))
-  c_new[layer] = cache.centroid_sum[layer].at[:, :, :sums_BKPE.shape[2]].set(sums_BKPE)
-  return cache.replace(k=k_new, v=v_new, centroid_sum=c_new)
+  sums_BKCE = jnp.where(valid_BC[:, :, None, None], k_BCKE, 0).astype(jnp.float32)
+  sums_BKPE = sums_BKCE.reshape(B, C // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
+  put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
+  bits = lambda x: _to_bits(x.astype(cache.dtype).transpose(0, 2, 1, 3))
+  return cache.replace(k_bits=put(cache.k_bits, bits(k_BCKE), start),
+                       v_bits=put(cache.v_bits, bits(v_BCKE), start),
+                       centroid_sum=put(cache.centroid_sum, sums_BKPE, start // Z))
 
 
-def append(cache: PagedKVCache, layer: int, k_BKE, v_BKE, pos_B) -> PagedKVCache:
-  """Writes one token per sequence at slot pos_B and adds its key to that page's sum."""
+def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
+  """Writes one token per sequence at slot pos_B of `layer` and adds its key to that page's sum."""
   b = jnp.arange(k_BKE.shape[0])
-  k_new, v_new, c_new = list(cache.k), list(cache.v), list(cache.centroid_sum)
-  k_new[layer] = cache.k[layer].at[b, :, pos_B].set(k_BKE.astype(cache.k[layer].dtype))
-  v_new[layer] = cache.v[layer].at[b, :, pos_B].set(v_BKE.astype(cache.v[layer].dtype))
-  c_new[layer] = cache.centroid_sum[layer].at[b, :, pos_B // cache.page_size].add(
-      k_BKE.astype(jnp.float32))
-  return cache.replace(k=k_new, v=v_new, centroid_sum=c_new)
+  bits = lambda x: _to_bits(x.astype(cache.dtype))
+  return cache.replace(
+      k_bits=cache.k_bits.at[layer, b, :, pos_B].set(bits(k_BKE)),
+      v_bits=cache.v_bits.at[layer, b, :, pos_B].set(bits(v_BKE)),
+      centroid_sum=cache.centroid_sum.at[layer, b, :, pos_B // cache.page_size].add(
+          k_BKE.astype(jnp.float32)))
 
 
 def centroids(centroid_sum_BKPE, lengths_B, page_size: int):

@@ -4,24 +4,33 @@ the attention functions it takes, for teacher forcing (`forward`: trainer, calib
 decoding (`decode_attention_fn`: the sampler), from the same `select` rule, so both read the same
 pages.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kernels import sparse_decode
-from sparrow_jax.attention import reference, select
+from sparrow_jax.attention import blockwise, reference, select
 from sparrow_jax.model import qwen3
 
 
 def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
   """An `attention_fn` for qwen3.forward that restricts each query to the pages the sparse sampler
-  read at that step (layers below `dense_layers` stay dense)."""
-  def attention(layer, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
-    if layer < sparse.dense_layers:
-      return qwen3.dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)
-    keep_BKTP = select.teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse)
-    S = k_BSKE.shape[1]
-    keep_BKTS = jnp.repeat(keep_BKTP, sparse.page_size, axis=-1)[..., :S]
-    return qwen3.dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS[:, None] & keep_BKTS)
+  read at that step, blockwise (the pages are chosen per query block by the same `keep_pages` rule
+  the sampler's `decode_pages` follows). Prompt positions were prefilled densely, and layers below
+  `dense_layers` stay dense: their budget is every page."""
+  select_fn = functools.partial(select.keep_pages, sparse=sparse)
+
+  def attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
+    T = q_BTKGE.shape[1]
+    pos_T = jnp.arange(T)
+    every_page = -(-T // sparse.page_size)
+    dense_B1 = (layer < sparse.dense_layers) | jnp.zeros((prompt_len_B.shape[0], 1), bool)
+    budget_BT = jnp.where(dense_B1 | (pos_T[None] < prompt_len_B[:, None]), every_page,
+                          schedule.budget_pages(pos_T + 1)[None])
+    return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
+                               mask_BT, budget_BT=budget_BT, select_fn=select_fn,
+                               page_size=sparse.page_size)
   return attention
 
 
@@ -61,12 +70,14 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
   schedule.BudgetTable: traced, so a new schedule does not recompile), at most `max_selected`
   (static) pages."""
-  def attention(layer, q_BKGE, cache, lengths_B):
-    if layer < sparse.dense_layers:
-      return qwen3.dense_decode_fn(layer, q_BKGE, cache, lengths_B)
+  def sparse_attention(layer, q_BKGE, cache, lengths_B):
     page_idx_BKN, n_valid_BK = select.decode_pages(
         q_BKGE, cache.centroid_sum[layer], lengths_B, budget.budget_pages(lengths_B), sparse,
         min(max_selected, cache.num_pages))
-    return decode_attention(q_BKGE, cache.k[layer], cache.v[layer], page_idx_BKN, n_valid_BK,
+    return decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), page_idx_BKN, n_valid_BK,
                             lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)
+
+  def attention(layer, q_BKGE, cache, lengths_B):  # layer: traced (the model scans its layers)
+    return jax.lax.cond(layer < sparse.dense_layers, qwen3.dense_decode_fn, sparse_attention,
+                        layer, q_BKGE, cache, lengths_B)
   return attention

@@ -1,5 +1,7 @@
-"""Decode attention over the paged KV cache: the jnp references (dense, block-sparse), which the
-Pallas kernel in kernels/ twins (the dispatch between them is attention/policy.py).
+"""The jnp references: decode attention over the paged KV cache (dense, block-sparse), which the
+Pallas kernel in kernels/ twins (the dispatch between them is attention/policy.py), and the
+teacher-forced attention that materialises every score (`dense_attention`), which the blockwise
+attention (attention/blockwise.py) twins.
 
 Cache layout (see paged_cache.py): k_cache_BKSE / v_cache_BKSE with S = P * Z; page p of (b, k)
 is k_cache_BKSE[b, k, p*Z:(p+1)*Z]. Positions < lengths_B[b] are valid (the decode token
@@ -67,6 +69,19 @@ def masked_softmax(s_XT, valid_XT):
   p_XT = jnp.exp(s_XT - jnp.where(jnp.isfinite(m_X1), m_X1, 0.0))
   l_X1 = jnp.sum(p_XT, axis=-1, keepdims=True)
   return p_XT / jnp.where(l_X1 == 0.0, 1.0, l_X1)
+
+
+def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
+  """Softmax attention in float32 over the allowed (query, key) pairs, allowed_BTS or allowed_BKTS
+  per KV head; a row with no allowed key (a padding query) gives zeros. Holds [B, K, G, T, S]
+  scores: a reference for short rows (tests, pretrain_tiny's packed documents)."""
+  E = q_BTKGE.shape[-1]
+  s_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
+                       preferred_element_type=jnp.float32) / math.sqrt(E)
+  allowed = allowed_BTS[:, None, None] if allowed_BTS.ndim == 3 else allowed_BTS[:, :, None]
+  p_BKGTS = masked_softmax(s_BKGTS, allowed)
+  return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
+
 
 
 def _softmax_av(s_XGT, valid_XT, v_XTE):

@@ -98,7 +98,8 @@ def decode_pages(q_BKGE, centroid_sum_BKPE, lengths_B, budget_B, sparse: SparseC
 
 def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseConfig):
   """Mask [B, K, T, P] of the pages each position's query read while decoding. Prompt positions
-  were prefilled densely, so they keep every page."""
+  were prefilled densely, so they keep every page. The materialised reference of what
+  `blockwise.attention` selects per query block in sparse teacher forcing (tests compare them)."""
   B, S, K, E = k_BSKE.shape
   T, Z = q_BTKGE.shape[1], sparse.page_size
   pad = -S % Z

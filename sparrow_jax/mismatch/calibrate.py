@@ -106,20 +106,23 @@ def bin_counts(gen_mask_BS, page_size: int, bin_size: int, num_bins: int) -> np.
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _dense_logits(params, tokens_BS, valid_BS, *, cfg):
-  return qwen3.forward(params, tokens_BS, cfg, mask_BT=valid_BS)
+def _dense_hidden(params, tokens_BS, valid_BS, *, cfg):
+  return qwen3.forward_hidden(params, tokens_BS, cfg, mask_BT=valid_BS)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sparse", "alpha"))
-def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, logits_p_BSV, budget_CL, temperature,
+def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_CL, temperature,
                   *, cfg, sparse, alpha):
-  """alpha_CBS (ALPHAS[alpha]) between the dense logits and the sparse teacher-forced logits of
-  each candidate (budget table row). The candidate axis is vmapped; its size is the only shape it
-  adds."""
+  """alpha_CBS (ALPHAS[alpha]) between the dense and the sparse teacher-forced distributions of
+  each candidate (budget table row), from the final hidden states: the logits exist one sequence
+  chunk at a time (`qwen3.map_logits`), never [B, S, V]. The candidate axis is vmapped; its size is
+  the only shape it adds."""
   def one(budget_L):
-    logits_q_BSV = policy.forward(params, tokens_BS, cfg, mask_BT=valid_BS, sparse=sparse,
-                                  schedule=BudgetTable(budget_L), prompt_len_B=prompt_len_B)
-    return ALPHAS[alpha](logits_p_BSV, logits_q_BSV, temperature=temperature)
+    attention_fn = policy.teacher_forced_attention_fn(sparse, BudgetTable(budget_L), prompt_len_B)
+    x_q_BSD = qwen3.forward_hidden(params, tokens_BS, cfg, mask_BT=valid_BS,
+                                   attention_fn=attention_fn)
+    fn = lambda logits: ALPHAS[alpha](logits[0], logits[1], temperature=temperature)
+    return qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD))
   return jax.vmap(one)(budget_CL)
 
 
@@ -155,9 +158,9 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
   gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
   candidates: top-k pages (paper form), strictly increasing. Each batch of `batch_size` rows gets
-  one dense pass; its float32 logits [batch_size, S, V] stay in memory while every candidate's
-  sparse pass is compared with them, `candidates_per_pass` candidates at a time (vmapped: memory
-  grows with it). `alpha`: "exact" or "topk20" (see the module docstring). Empty bins are NaN.
+  one dense pass; its final hidden states [batch_size, S, D] stay in memory while every
+  candidate's sparse pass is compared with them in sequence chunks, `candidates_per_pass`
+  candidates at a time (vmapped: memory grows with it). Memory is linear in S. `alpha`: "exact" or "topk20" (see the module docstring). Empty bins are NaN.
   Prints one progress line per pass when `verbose`.
   """
   cands = _check_candidates(candidates)
@@ -197,9 +200,9 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
     rows = row_idx[b * batch_size:(b + 1) * batch_size]
     real = rows[:min(batch_size, R - b * batch_size)]
     args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
-    logits_p_BSV = _dense_logits(params, *args, cfg=cfg)
+    x_p_BSD = _dense_hidden(params, *args, cfg=cfg)
     for g in range(groups):
-      alpha_GBS = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), logits_p_BSV,
+      alpha_GBS = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), x_p_BSD,
                                 jnp.asarray(tables[g * per_pass:(g + 1) * per_pass]),
                                 jnp.float32(temperature), cfg=cfg, sparse=sparse, alpha=alpha)
       c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))

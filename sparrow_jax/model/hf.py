@@ -1,13 +1,16 @@
 """Hugging Face Qwen3 checkpoints (config.json + safetensors, single file or sharded) <-> params.
 
 Tensors are read one at a time (safetensors memory-maps the file), converted, transposed to our
-input-major layout and placed on device before the next is read, so a load never holds two copies of
+input-major layout and written into its layer's slot of the stacked [L, ...] array on device (an
+in-place update of a donated buffer) before the next is read, so a load never holds two copies of
 the model. torch's Linear stores [out, in]; we store [in, out].
 """
+import functools
 import json
 import os
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -96,7 +99,7 @@ def load_hf(path: str, dtype=None):
   if unexpected:
     raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensors, e.g. "
                      f"{unexpected[0]!r}")
-  params = {"layers": [{} for _ in range(cfg.num_hidden_layers)]}
+  params = {"layers": {}}
   by_file: dict = {}
   for name in specs:
     by_file.setdefault(files[name], []).append(name)
@@ -114,14 +117,23 @@ def load_hf(path: str, dtype=None):
         value = jnp.asarray(array.T if transpose else array, dtype=dtype or array.dtype)
         del array
         if where[0] == "layers":
-          params["layers"][where[1]][where[2]] = value
+          _, i, name = where
+          stack = params["layers"].get(name)
+          if stack is None:
+            stack = jnp.zeros((cfg.num_hidden_layers, *value.shape), value.dtype)
+          params["layers"][name] = _set_layer(stack, value, i)
         else:
           params[where[0]] = value
   return cfg, params
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack_LX, value_X, i):
+  return stack_LX.at[i].set(value_X.astype(stack_LX.dtype))
+
+
 def _lookup(params, where):
-  return params["layers"][where[1]][where[2]] if where[0] == "layers" else params[where[0]]
+  return params["layers"][where[2]][where[1]] if where[0] == "layers" else params[where[0]]
 
 
 def _save_file(tensors: dict, file: str):

@@ -1,7 +1,7 @@
 """LoRA adapters for DistillSparse: active only in the sparse actor, never in the dense policy.
 
-`LoRA.params` = {"layers": [{"q": {"a": [in, r], "b": [r, out]}, ...}, ...]} on the targeted
-projections; `scale` = alpha / rank is static (not trained, not decayed). B starts at zero so a fresh
+`LoRA.params` = {"layers": {"q": {"a": [L, in, r], "b": [L, r, out]}, ...}} on the targeted
+projections, stacked over layers like the model's; `scale` = alpha / rank is static (not trained, not decayed). B starts at zero so a fresh
 adapter leaves the model unchanged.
 """
 import flax.struct
@@ -25,22 +25,12 @@ def init_lora(base_params, key, rank: int = 8, alpha: float = 16.0, targets=TARG
     raise ValueError(f"lora targets {list(targets)} invalid; choose from {TARGETS}")
   if rank <= 0:
     raise ValueError(f"lora rank must be positive, got {rank}")
-  layers = []
-  for layer_key, layer in zip(jax.random.split(key, len(base_params["layers"])), base_params["layers"]):
-    adapters = {}
-    for k, name in zip(jax.random.split(layer_key, len(targets)), targets):
-      d_in, d_out = layer[name].shape
-      a = jax.random.normal(k, (d_in, rank), jnp.float32) / jnp.sqrt(d_in)
-      adapters[name] = {"a": a.astype(dtype), "b": jnp.zeros((rank, d_out), dtype)}
-    layers.append(adapters)
-  return LoRA(params={"layers": layers}, scale=alpha / rank)
-
-
-def layer(lora, i):
-  """(adapters of layer i, scale), or (None, 1.0) when no LoRA is active."""
-  if lora is None:
-    return None, 1.0
-  return lora.params["layers"][i], lora.scale
+  adapters = {}
+  for k, name in zip(jax.random.split(key, len(targets)), targets):
+    L, d_in, d_out = base_params["layers"][name].shape
+    a = jax.random.normal(k, (L, d_in, rank), jnp.float32) / jnp.sqrt(d_in)
+    adapters[name] = {"a": a.astype(dtype), "b": jnp.zeros((L, rank, d_out), dtype)}
+  return LoRA(params={"layers": adapters}, scale=alpha / rank)
 
 
 def project(x, w, lora_layer, name, scale):
@@ -54,16 +44,15 @@ def project(x, w, lora_layer, name, scale):
 
 def merge(base_params, lora: LoRA):
   """Base params with the adapters folded in (w + scale * a @ b): the sparse actor as one model."""
-  merged = jax.tree_util.tree_map(lambda x: x, base_params)
-  for layer_params, adapters in zip(merged["layers"], lora.params["layers"]):
-    for name, ad in adapters.items():
-      w = layer_params[name]
-      layer_params[name] = (w + lora.scale * (ad["a"] @ ad["b"]).astype(jnp.float32)).astype(w.dtype)
-  return merged
+  layers = dict(base_params["layers"])
+  for name, ad in lora.params["layers"].items():
+    w = layers[name]
+    delta = jnp.einsum("lir,lro->lio", ad["a"], ad["b"]).astype(jnp.float32)
+    layers[name] = (w + lora.scale * delta).astype(w.dtype)
+  return dict(base_params, layers=layers)
 
 
 def unmerge(merged_params, lora: LoRA):
   """Inverse of `merge` (up to rounding in low precision): merge the negated adapters."""
-  negated = [{n: {"a": ad["a"], "b": -ad["b"]} for n, ad in layer.items()}
-             for layer in lora.params["layers"]]
+  negated = {n: {"a": ad["a"], "b": -ad["b"]} for n, ad in lora.params["layers"].items()}
   return merge(merged_params, lora.replace(params={"layers": negated}))

@@ -2,20 +2,26 @@
 
 params = {
   "embed": [V, D],
-  "layers": [{"attn_norm": [D], "q": [D, H*E], "k": [D, K*E], "v": [D, K*E], "q_norm": [E],
-              "k_norm": [E], "o": [H*E, D], "mlp_norm": [D], "gate": [D, F], "up": [D, F],
-              "down": [F, D]}, ...],                       # one dict per layer (a Python list)
+  "layers": {"attn_norm": [L, D], "q": [L, D, H*E], "k": [L, D, K*E], "v": [L, D, K*E],
+             "q_norm": [L, E], "k_norm": [L, E], "o": [L, H*E, D], "mlp_norm": [L, D],
+             "gate": [L, D, F], "up": [L, D, F], "down": [L, F, D]},   # stacked over layers
   "final_norm": [D],
   "lm_head": [D, V],                                       # only when embeddings are untied
 }
 Weights are stored input-major ([in, out], x @ w); `hf.py` transposes to and from torch's [out, in].
-Layers are a Python list rather than a scanned stack because Sparrow treats layers differently (the
-first `dense_layers` stay dense) and the unrolled graph is what a decode step compiles to anyway.
+Layers are stacked and run as one `lax.scan`, so a 28-layer model compiles like a one-layer one,
+and each layer is rematerialised in the backward pass (`REMAT_POLICIES`): what a train step holds
+per layer is its input. Sparrow treats layers differently (the first `dense_layers` stay dense):
+the attention function receives the traced layer index and decides.
+
+Memory at length (`experiments/memory_report.py`): attention is blockwise (attention/blockwise.py,
+never a [T, S] score matrix), prefill goes chunk by chunk into the paged cache, and `map_logits`
+applies the LM head to sequence chunks, so no [T, V] logits array exists in training either.
 
 The model knows Qwen3 only. Attention is the one pluggable piece: `forward` takes
-`attention_fn(layer_idx, q_BTKGE, k_BSKE, v_BSKE, allowed_BTS)` and `decode_step` takes
-`attention_fn(layer_idx, q_BKGE, cache, lengths_B)`; the sparsity policy (which layers stay dense,
-which pages the others read) builds both in sparrow_jax/attention/policy.py.
+`attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` and `decode_step` takes
+`attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a traced int32); the sparsity policy (which
+layers stay dense, which pages the others read) builds both in sparrow_jax/attention/policy.py.
 """
 import math
 from typing import Callable, Optional
@@ -24,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import paged_cache, reference
+from sparrow_jax.attention import blockwise, paged_cache, reference
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
 
@@ -94,21 +100,17 @@ def apply_rope(x_BTNE, positions_BT, cfg: Qwen3Config):
 def init_params(cfg: Qwen3Config, key, dtype=jnp.float32, std: float = 0.02):
   """Random params with HF's initializer (normal(0, 0.02) weights, unit norms)."""
   D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  H, K, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+  H, K, V, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, cfg.num_hidden_layers
   shapes = {"q": (D, H * E), "k": (D, K * E), "v": (D, K * E), "o": (H * E, D),
             "gate": (D, F), "up": (D, F), "down": (F, D)}
-  keys = jax.random.split(key, cfg.num_hidden_layers + 2)
+  keys = jax.random.split(key, len(shapes) + 2)
 
   def normal(k, shape):
     return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
-  layers = []
-  for layer_key in keys[:-2]:
-    ks = jax.random.split(layer_key, len(shapes))
-    layer = {name: normal(k, shape) for k, (name, shape) in zip(ks, shapes.items())}
-    layer.update(attn_norm=jnp.ones((D,), dtype), mlp_norm=jnp.ones((D,), dtype),
-                 q_norm=jnp.ones((E,), dtype), k_norm=jnp.ones((E,), dtype))
-    layers.append(layer)
+  layers = {name: normal(k, (L, *shape)) for k, (name, shape) in zip(keys, shapes.items())}
+  layers.update(attn_norm=jnp.ones((L, D), dtype), mlp_norm=jnp.ones((L, D), dtype),
+                q_norm=jnp.ones((L, E), dtype), k_norm=jnp.ones((L, E), dtype))
   params = {"embed": normal(keys[-2], (V, D)), "layers": layers,
             "final_norm": jnp.ones((D,), dtype)}
   if not cfg.tie_word_embeddings:
@@ -156,15 +158,33 @@ def unembed(params, x_BTD, cfg: Qwen3Config):
   return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
 
 
-def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
-  """Softmax attention in float32 over the allowed (query, key) pairs; a row with no allowed key
-  (a padding query) gives zeros."""
-  E = q_BTKGE.shape[-1]
-  s_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
-                       preferred_element_type=jnp.float32) / math.sqrt(E)
-  allowed = allowed_BTS[:, None, None] if allowed_BTS.ndim == 3 else allowed_BTS[:, :, None]
-  p_BKGTS = reference.masked_softmax(s_BKGTS, allowed)
-  return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
+LOGITS_CHUNK = 512  # positions per LM-head chunk: [B, 512, 151936] f32 = 311 MB per row
+
+
+def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGITS_CHUNK):
+  """fn(logits_list, *arg_chunks) over sequence chunks of the final hidden states.
+
+  hiddens: a tuple of [B, S, D] hidden states, each turned into float32 logits [B, c, V] per chunk
+  of c positions; args: [B, S, ...] arrays cut the same way. fn returns a pytree of [B, c, ...]
+  arrays, put back together as [B, S, ...]. The chunk body is checkpointed, so the backward pass
+  recomputes a chunk's logits instead of keeping them: no [B, S, V] array is held, forward or back.
+  """
+  B, S = hiddens[0].shape[:2]
+  c = min(chunk, S)
+  n = -(-S // c)
+
+  def to_chunks(x):
+    x = jnp.pad(x, ((0, 0), (0, n * c - S)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(B, n, c, *x.shape[2:]).swapaxes(0, 1)
+
+  def body(_, xs):
+    hs, chunk_args = xs
+    return None, fn([unembed(params, h, cfg) for h in hs], *chunk_args)
+
+  xs = (tuple(map(to_chunks, hiddens)), tuple(map(to_chunks, args)))
+  _, ys = jax.lax.scan(jax.checkpoint(body), None, xs)
+  return jax.tree_util.tree_map(lambda y: y.swapaxes(0, 1).reshape(B, n * c, *y.shape[3:])[:, :S],
+                                ys)
 
 
 def default_positions(mask_BT):
@@ -172,42 +192,70 @@ def default_positions(mask_BT):
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
 
 
-AttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+def causal_attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
+  """The default teacher-forced attention: blockwise causal over the valid (mask_BT) keys."""
+  del layer
+  return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
+                             mask_BT)
+
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+# Remat per layer: "full" keeps each layer's input and recomputes the rest in the backward pass
+# (the memory-bounded default); "dots" also keeps the weight matmuls' outputs (less recompute,
+# more activations); "none" keeps everything autodiff wants.
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "none": None}
+
+
+def check_remat(remat: str) -> None:
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+
+
+def _layer_xs(params, lora):
+  """What a scan over layers reads per layer: (layer params, LoRA adapters or None, index), and
+  the LoRA scale."""
+  L = params["layers"]["q"].shape[0]
+  return (params["layers"], None if lora is None else lora.params["layers"],
+          jnp.arange(L, dtype=jnp.int32)), (1.0 if lora is None else lora.scale)
 
 
 def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, mask_BT=None,
-                   attention_fn: Optional[AttentionFn] = None, lora=None):
-  """Teacher-forced pass up to the last hidden state. Also returns each layer's (k, v) so that
-  prefill can fill a cache from the same computation."""
+                   attention_fn: Optional[AttentionFn] = None, lora=None, remat: str = "full"):
+  """Teacher-forced pass up to the last hidden state x_BTD (before the final norm)."""
+  check_remat(remat)
   B, T = tokens_BT.shape
   if mask_BT is None:
     mask_BT = jnp.ones((B, T), bool)
   mask_BT = mask_BT.astype(bool)
   if positions_BT is None:
     positions_BT = default_positions(mask_BT)
-  causal_TS = jnp.tril(jnp.ones((T, T), bool))
-  allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
-  attention_fn = attention_fn or (lambda i, q, k, v, allowed: dense_attention(q, k, v, allowed))
+  attention_fn = attention_fn or causal_attention
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
+  xs, scale = _layer_xs(params, lora)
 
-  x_BTD = embed(params, tokens_BT, cfg)
-  kv_per_layer = []
-  for i, layer in enumerate(params["layers"]):
-    lora_layer, scale = lora_lib.layer(lora, i)
+  def layer_step(x_BTD, xs):
+    layer, lora_layer, i = xs
     q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, positions_BT, cfg, lora_layer, scale)
-    attn = attention_fn(i, q_BTHE.reshape(B, T, K, G, E), k_BTKE, v_BTKE, allowed_BTS)
-    x_BTD = finish_layer(layer, x_BTD, attn.reshape(B, T, K * G, E), cfg, lora_layer, scale)
-    kv_per_layer.append((k_BTKE, v_BTKE))
-  return x_BTD, kv_per_layer
+    attn = attention_fn(i, q_BTHE.reshape(B, T, K, G, E), k_BTKE, v_BTKE, mask_BT)
+    return finish_layer(layer, x_BTD, attn.reshape(B, T, K * G, E), cfg, lora_layer, scale), None
+
+  if remat != "none":
+    layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[remat])
+  x_BTD, _ = jax.lax.scan(layer_step, embed(params, tokens_BT, cfg), xs)
+  return x_BTD
 
 
 def forward(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, mask_BT=None,
             attention_fn: Optional[AttentionFn] = None, lora=None):
-  """Teacher-forced logits_BTV (float32). mask_BT marks real tokens (HF's attention_mask);
-  positions default to skipping left padding. The sparse teacher-forced forward is
-  `attention.policy.forward` (`sj.forward`), which passes its `attention_fn` here."""
-  x_BTD, _ = forward_hidden(params, tokens_BT, cfg, positions_BT=positions_BT, mask_BT=mask_BT,
-                            attention_fn=attention_fn, lora=lora)
+  """Teacher-forced logits_BTV (float32) of every position: for short rows and tests (training
+  uses `forward_hidden` + `map_logits`). mask_BT marks real tokens (HF's attention_mask); positions
+  default to skipping left padding. The sparse teacher-forced forward is `attention.policy.forward`
+  (`sj.forward`), which passes its `attention_fn` here."""
+  x_BTD = forward_hidden(params, tokens_BT, cfg, positions_BT=positions_BT, mask_BT=mask_BT,
+                         attention_fn=attention_fn, lora=lora)
   return unembed(params, x_BTD, cfg)
 
 
@@ -217,25 +265,60 @@ def token_logprobs(logits_BTV, targets_BT, temperature: float = 1.0):
   return jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
-def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None):
-  """Dense pass over right-padded prompts that fills the cache. Returns the logits_BV of each row's
-  last prompt token (which predict the first generated token) and the cache."""
-  T = prompt_BT.shape[1]
-  mask_BT = jnp.arange(T)[None] < prompt_len_B[:, None]
-  x_BTD, kv_per_layer = forward_hidden(params, prompt_BT, cfg, mask_BT=mask_BT, lora=lora)
-  for i, (k_BTKE, v_BTKE) in enumerate(kv_per_layer):
-    cache = paged_cache.write_prefill(cache, i, k_BTKE, v_BTKE, mask_BT)
+PREFILL_CHUNK = 512  # prompt tokens per prefill chunk (rounded to whole pages)
+
+
+def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None,
+            chunk: int = PREFILL_CHUNK):
+  """Dense pass over right-padded prompts that fills the cache, `chunk` tokens at a time (each
+  chunk attends blockwise to the cache written so far, so memory is linear in the prompt). Returns
+  the logits_BV of each row's last prompt token (which predict the first generated token) and the
+  cache."""
+  B, T = prompt_BT.shape
+  Z, K, G, E = cache.page_size, cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
+  C = min(-(-chunk // Z) * Z, -(-T // Z) * Z)
+  n = -(-T // C)
+  if n * C > cache.max_len:
+    raise ValueError(f"the prompt padded to whole prefill chunks ({n * C} tokens) exceeds the "
+                     f"cache ({cache.max_len} tokens)")
+  tokens_BT = jnp.pad(prompt_BT, ((0, 0), (0, n * C - T)))
+  valid_BS = jnp.arange(cache.max_len)[None] < prompt_len_B[:, None]
+  xs, scale = _layer_xs(params, lora)
+
+  def chunk_step(carry, c):
+    cache, last_BD = carry
+    start = c * C
+    pos_BC = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+    valid_BC = jax.lax.dynamic_slice_in_dim(valid_BS, start, C, axis=1)
+
+    def layer_step(carry, xs):
+      x_BCD, cache = carry
+      layer, lora_layer, i = xs
+      q_BCHE, k_BCKE, v_BCKE = qkv(layer, x_BCD, pos_BC, cfg, lora_layer, scale)
+      cache = paged_cache.write_chunk(cache, i, start, k_BCKE, v_BCKE, valid_BC)
+      attn = blockwise.attention(q_BCHE.reshape(B, C, K, G, E), cache.keys(i), cache.values(i), valid_BS,
+                                 q_offset=start)
+      return (finish_layer(layer, x_BCD, attn.reshape(B, C, K * G, E), cfg, lora_layer, scale),
+              cache), None
+
+    x_BCD = embed(params, jax.lax.dynamic_slice_in_dim(tokens_BT, start, C, axis=1), cfg)
+    (x_BCD, cache), _ = jax.lax.scan(layer_step, (x_BCD, cache), xs)
+    last = prompt_len_B - 1
+    x_last_BD = jnp.take_along_axis(x_BCD, (last % C)[:, None, None], axis=1)[:, 0]
+    return (cache, jnp.where((last // C == c)[:, None], x_last_BD, last_BD)), None
+
+  last_BD = jnp.zeros((B, cfg.hidden_size), params["embed"].dtype)
+  (cache, last_BD), _ = jax.lax.scan(chunk_step, (cache, last_BD), jnp.arange(n, dtype=jnp.int32))
   cache = cache.replace(lengths=prompt_len_B.astype(jnp.int32))
-  last_BD = jnp.take_along_axis(x_BTD, (prompt_len_B - 1)[:, None, None], axis=1)
-  return unembed(params, last_BD, cfg)[:, 0], cache
+  return unembed(params, last_BD[:, None], cfg)[:, 0], cache
 
 
-DecodeAttentionFn = Callable[[int, jax.Array, paged_cache.PagedKVCache, jax.Array], jax.Array]
+DecodeAttentionFn = Callable[[jax.Array, jax.Array, paged_cache.PagedKVCache, jax.Array], jax.Array]
 
 
 def dense_decode_fn(layer, q_BKGE, cache, lengths_B):
   """The default decode attention: every layer reads the whole cache (masked by length)."""
-  return reference.dense_decode_attention(q_BKGE, cache.k[layer], cache.v[layer], lengths_B)
+  return reference.dense_decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), lengths_B)
 
 
 def decode_step(params, token_B, cfg: Qwen3Config, cache, *,
@@ -251,12 +334,17 @@ def decode_step(params, token_B, cfg: Qwen3Config, cache, *,
   attention_fn = attention_fn or dense_decode_fn
   pos_B = cache.lengths
   lengths_B = pos_B + 1
-  x_BTD = embed(params, token_B[:, None], cfg)
-  for i, layer in enumerate(params["layers"]):
-    lora_layer, scale = lora_lib.layer(lora, i)
-    q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, pos_B[:, None], cfg, lora_layer, scale)
-    cache = paged_cache.append(cache, i, k_BTKE[:, 0], v_BTKE[:, 0], pos_B)
-    out_BKGE = attention_fn(i, q_BTHE[:, 0].reshape(B, K, G, E), cache, lengths_B)
-    x_BTD = finish_layer(layer, x_BTD, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
+  xs, scale = _layer_xs(params, lora)
+
+  def layer_step(carry, xs):
+    x_B1D, cache = carry
+    layer, lora_layer, i = xs
+    q_B1HE, k_B1KE, v_B1KE = qkv(layer, x_B1D, pos_B[:, None], cfg, lora_layer, scale)
+    cache = paged_cache.append(cache, i, k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
+    out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
+    return (finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale),
+            cache), None
+
+  (x_B1D, cache), _ = jax.lax.scan(layer_step, (embed(params, token_B[:, None], cfg), cache), xs)
   cache = cache.replace(lengths=lengths_B)
-  return unembed(params, x_BTD, cfg)[:, 0], cache
+  return unembed(params, x_B1D, cfg)[:, 0], cache

@@ -18,6 +18,7 @@ RULES = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "layers": None,  # the scanned axis of stacked layers and of the cache
     "norm": None,
     "head_dim": None,
     "cache_len": None,
@@ -34,15 +35,15 @@ _LAYER_AXES = {
 def param_axes(params):
   """The params pytree with each array replaced by its tuple of logical axis names."""
   axes = {"embed": ("vocab", "embed"), "final_norm": ("norm",),
-          "layers": [{name: _LAYER_AXES[name] for name in layer} for layer in params["layers"]]}
+          "layers": {name: ("layers",) + _LAYER_AXES[name] for name in params["layers"]}}
   if "lm_head" in params:
     axes["lm_head"] = ("embed", "vocab")
   return axes
 
 
-CACHE_AXES = {"k": ("batch", "kv_heads", "cache_len", "head_dim"),
-              "v": ("batch", "kv_heads", "cache_len", "head_dim"),
-              "centroid_sum": ("batch", "kv_heads", "pages", "head_dim"),
+CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+              "v": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+              "centroid_sum": ("layers", "batch", "kv_heads", "pages", "head_dim"),
               "lengths": ("batch",)}
 
 

@@ -12,6 +12,12 @@ exp(logp - stop_grad(logp)) = 1 with the right gradient), and q out of the Disti
 pass, so nothing is computed twice. With several updates, a no-grad pass fixes p first, and exact
 acceptance costs one more no-grad sparse teacher-forced pass for q (as it does without distill).
 
+Memory is linear in the row length: every pass is `qwen3.forward_hidden` (scanned, rematerialised
+layers, blockwise attention) and every vocabulary-sized quantity (log-probs, entropy, top-20, exact
+alpha) comes from `qwen3.map_logits` in sequence chunks; `micro_batches` accumulates each update's
+gradient over slices of its rows inside the jit (the losses' normalisers stay those of the whole
+minibatch, so the update is the same).
+
 Sequences are right-padded rows of prompt + completion; every per-token array is aligned to them:
 value[b, s] concerns token s (its log-prob given tokens < s), and `gen_mask[b, s]` marks completion
 tokens. Non-finite losses or gradients skip the update (state unchanged; `metrics["skipped"]`).
@@ -60,6 +66,9 @@ class StepConfig:
   num_bins: int = 20
   page_size: int = 16            # KV page size: tokens are binned by whole pages cached
   temperature: float = 1.0       # rollout temperature (log-probs are of logits / temperature)
+  micro_batches: int = 1         # gradient accumulation: rows of a minibatch per backward pass / n
+  remat: str = "full"            # per-layer rematerialisation (qwen3.REMAT_POLICIES)
+  logits_chunk: int = 512        # positions per LM-head chunk (qwen3.map_logits)
 
   def __post_init__(self):
     def require(ok, name, allowed):
@@ -87,6 +96,9 @@ class StepConfig:
             f"must be a positive multiple of page_size ({self.page_size})")
     require(self.num_bins >= 1, "num_bins", "must be >= 1")
     require(self.temperature > 0, "temperature", "must be > 0")
+    require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
+    require(self.remat in qwen3.REMAT_POLICIES, "remat", f"one of {tuple(qwen3.REMAT_POLICIES)}")
+    require(self.logits_chunk >= 1, "logits_chunk", "must be >= 1")
 
 
 @flax.struct.dataclass
@@ -118,77 +130,112 @@ def next_token_aligned(x_BS):
   return jnp.pad(x_BS[:, :-1], pad)
 
 
-def sequence_logprobs(logits_BSV, tokens_BS, temperature: float = 1.0):
-  """[B, S] log-prob of token s from the logits at s - 1 (0 at s = 0)."""
-  return _gather_next(jax.nn.log_softmax(logits_BSV / temperature, axis=-1), tokens_BS)
-
-
-def _gather_next(logp_BSV, tokens_BS):
-  logp_BS = jnp.take_along_axis(logp_BSV, jnp.roll(tokens_BS, -1, axis=1)[..., None], axis=-1)
-  return next_token_aligned(logp_BS[..., 0])
-
-
 def _valid_mask(batch):
   S = batch.tokens.shape[1]
   return jnp.arange(S)[None] < (batch.prompt_len + jnp.sum(batch.gen_mask, 1))[:, None]
 
 
-def _token_stats(logp_BSV, batch, with_top: bool):
-  """From one log-softmax: token log-probs, per-token entropy and (if asked) the top-20, all in
-  the token alignment."""
-  stats = {"logp": _gather_next(logp_BSV, batch.tokens),
-           "entropy_BS": next_token_aligned(losses.entropy(logp_BSV))}
-  if with_top:
-    stats["top"] = tuple(next_token_aligned(x) for x in jax.lax.top_k(logp_BSV, TOP_K))
-  return jax.lax.stop_gradient(stats)
+def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, budget=None):
+  """Final hidden states [B, S, D] of the dense policy (sparse=None) or of the rollout policy: sparse
+  attention under the step's budget (exactly the pages the sampler read), with the LoRA when
+  DistillSparse is on."""
+  kwargs = dict(mask_BT=_valid_mask(batch), lora=lora, remat=sc.remat)
+  if sparse is not None:
+    kwargs["attention_fn"] = policy.teacher_forced_attention_fn(sparse, budget, batch.prompt_len)
+  return qwen3.forward_hidden(params, batch.tokens, cfg, **kwargs)
 
 
-def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None):
+def token_stats(params, x_BSD, batch, cfg, sc: StepConfig, with_top: bool = False):
+  """From the hidden states, per token s (token alignment): "logp" of token s under
+  softmax(logits / temperature) at s - 1, the "entropy_BS" of that distribution, and (if asked)
+  its "top" TOP_K (log-probs, ids). Chunked with the LM head: no [B, S, V] array."""
+  def fn(logits, targets_BC):
+    logp_BCV = jax.nn.log_softmax(logits[0] / sc.temperature, axis=-1)
+    out = {"logp": jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0],
+           "entropy_BS": losses.entropy(logp_BCV)}
+    if with_top:
+      out["top"] = jax.lax.top_k(logp_BCV, TOP_K)
+    return out
+
+  stats = qwen3.map_logits(params, cfg, fn, (x_BSD,), (jnp.roll(batch.tokens, -1, axis=1),),
+                           chunk=sc.logits_chunk)
+  return jax.tree_util.tree_map(next_token_aligned, stats)
+
+
+def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None,
+                weights=(1.0, 1.0)):
   """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update),
-  and aux carries its logits and token statistics for the step's metrics."""
+  and aux carries its hidden states and token statistics for the step's metrics. weights = (of the
+  policy-gradient term, of the token-mean terms): a micro-batch's share of its minibatch."""
   mask = batch.gen_mask
-  logits = qwen3.forward(params, batch.tokens, cfg, mask_BT=_valid_mask(batch))
-  logp_BSV = jax.nn.log_softmax(logits / sc.temperature, axis=-1)  # shared by logp, entropy, top-k
-  logp = _gather_next(logp_BSV, batch.tokens)
+  x_BSD = hidden_states(params, batch, cfg, sc)
+  stats = token_stats(params, x_BSD, batch, cfg, sc, logp_old_BS is None
+                      and batch.top_logp is not None)
+  logp = stats["logp"]
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
   pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
   w = losses.tis_weight(old, batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
-  loss = losses.aggregate(pg * w, mask, sc.loss_agg, mask.shape[1])
+  pg_weight, token_weight = weights
+  loss = pg_weight * losses.aggregate(pg * w, mask, sc.loss_agg, mask.shape[1])
   if sc.entropy_coef:
-    ent_BS = next_token_aligned(losses.entropy(logp_BSV))
-    loss = loss - sc.entropy_coef * losses.aggregate(ent_BS, mask)
+    loss = loss - token_weight * sc.entropy_coef * losses.aggregate(stats["entropy_BS"], mask)
   if ref_params is not None and sc.kl_coef > 0:
-    ref_logits = qwen3.forward(jax.lax.stop_gradient(ref_params), batch.tokens, cfg,
-                               mask_BT=_valid_mask(batch))
-    ref_logp = sequence_logprobs(ref_logits, batch.tokens, sc.temperature)
-    loss = loss + sc.kl_coef * losses.aggregate(losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
-  aux = {"clip_frac": losses.aggregate(clipped.astype(jnp.float32), mask)}
+    ref_params = jax.lax.stop_gradient(ref_params)
+    ref_logp = token_stats(ref_params, hidden_states(ref_params, batch, cfg, sc), batch, cfg,
+                           sc)["logp"]
+    loss = loss + token_weight * sc.kl_coef * losses.aggregate(
+        losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
+  aux = {"clip_frac": token_weight * losses.aggregate(clipped.astype(jnp.float32), mask)}
   if logp_old_BS is None:
-    aux.update(logits=jax.lax.stop_gradient(logits),
-               **_token_stats(logp_BSV, batch, batch.top_logp is not None))
+    aux.update(hidden=jax.lax.stop_gradient(x_BSD), **jax.lax.stop_gradient(stats))
   return loss, aux
 
 
-def rollout_logits(params, lora, batch, cfg, sparse, budget):
-  """Teacher-forced logits of the policy that sampled the batch: sparse attention under the step's
-  budget (exactly the pages the sampler read), with the LoRA when DistillSparse is on."""
-  return policy.forward(params, batch.tokens, cfg, mask_BT=_valid_mask(batch), lora=lora,
-                        sparse=sparse, schedule=budget, prompt_len_B=batch.prompt_len)
-
-
-def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget):
+def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget,
+                 weights=(1.0, 1.0)):
   """DistillSparse: PPO on the sparse actor's own rollouts (its rollout log-probs are the old
   policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient). aux carries
-  the sparse+LoRA logits (with the pre-update adapter they are exactly the rollout policy q)."""
+  the sparse+LoRA hidden states (with the pre-update adapter: exactly the rollout policy q)."""
   mask = batch.gen_mask
-  logits = rollout_logits(jax.lax.stop_gradient(params), lora, batch, cfg, sparse, budget)
-  logp_q = sequence_logprobs(logits, batch.tokens, sc.temperature)
+  params = jax.lax.stop_gradient(params)
+  x_BSD = hidden_states(params, batch, cfg, sc, lora, sparse, budget)
+  logp_q = token_stats(params, x_BSD, batch, cfg, sc)["logp"]
   pg, _ = losses.ppo_token_loss(logp_q, batch.logp_rollout, adv_B, sc.eps_low, sc.eps_high,
                                 sc.dual_clip)
-  kl = losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
-  loss = (sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
+  pg_weight, token_weight = weights
+  kl = token_weight * losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
+  loss = (pg_weight * sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
           + sc.distill_kl_coef * kl)
-  return loss, {"distill_kl": kl, "logits": jax.lax.stop_gradient(logits)}
+  return loss, {"distill_kl": kl, "hidden": jax.lax.stop_gradient(x_BSD)}
+
+
+def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str):
+  """value_and_grad of loss_fn(diff, rows, weights) -> (loss, aux), summed over n equal slices of
+  `rows` (a pytree of per-row arrays; a lax.scan holds one slice's activations at a time). Each
+  slice is weighted by its share of the whole batch's normalisers (tokens for token means, rows
+  for the sequence means of `loss_agg`), so the sum is the whole batch's loss and gradient. Scalars
+  in aux are summed, per-row arrays put back in row order."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if n == 1:
+    return grad_fn(diff, rows, (1.0, 1.0))
+  B = rows[0].gen_mask.shape[0]
+  if B % n:
+    raise ValueError(f"a minibatch of {B} rows is not divisible into micro_batches={n}")
+  parts = jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows)
+  tokens_n = jnp.sum(parts[0].gen_mask, axis=(1, 2)).astype(jnp.float32)
+  token_w_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
+  pg_w_n = token_w_n if loss_agg == "token-mean" else jnp.full((n,), 1.0 / n)
+
+  def body(grads, xs):
+    part, pg_w, token_w = xs
+    (loss, aux), g = grad_fn(diff, part, (pg_w, token_w))
+    return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), grads, g), (loss, aux)
+
+  zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32), diff)
+  grads, (loss_n, aux_n) = jax.lax.scan(body, zeros, (parts, pg_w_n, token_w_n))
+  grads = jax.tree_util.tree_map(lambda g, x: g.astype(x.dtype), grads, diff)
+  merge = lambda y: jnp.sum(y, 0) if y.ndim == 1 else y.reshape(B, *y.shape[2:])
+  return (jnp.sum(loss_n), jax.tree_util.tree_map(merge, aux_n)), grads
 
 
 def _guarded_update(optimizer, grads, opt_state, params, loss):
@@ -217,18 +264,25 @@ def _token_weighted(rows):
   return {k: sum(w * m[k] for w, (m, _) in zip(weights, rows)) for k in rows[0][0]}
 
 
-def _acceptance_metrics(batch, logp_old_BS, top_old, logits_p, logits_q, sc: StepConfig):
+def exact_acceptance(params, x_p_BSD, x_q_BSD, batch, cfg, sc: StepConfig):
+  """alpha_BS = sum_x min(p, q) per token (token alignment) from the hidden states of p and q,
+  chunked with the LM head."""
+  fn = lambda logits: acceptance.acceptance_rate(logits[0], logits[1], sc.temperature)
+  alpha = qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD), chunk=sc.logits_chunk)
+  return next_token_aligned(alpha)
+
+
+def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
   """Tail stats per family of per-token acceptance, binned by `schedule.position_bin`:
-  "acceptance" (exact alpha = sum_x min(p, q), when q's logits are at hand), "acceptance_sampled"
+  "acceptance" (exact alpha = sum_x min(p, q), when given), "acceptance_sampled"
   (min(1, p(x)/q(x)) of the sampled token: unbiased for the mean, biased low in the tail) and
   "acceptance_topk20" (the reference's lower bound from both top-20s, when the rollout has them)."""
   mask = batch.gen_mask
   positions = jnp.broadcast_to(jnp.arange(mask.shape[1])[None], mask.shape)
   families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS,
                                                                   batch.logp_rollout)}
-  if logits_q is not None:
-    families["acceptance"] = next_token_aligned(
-        acceptance.acceptance_rate(logits_p, logits_q, sc.temperature))
+  if alpha_BS is not None:
+    families["acceptance"] = alpha_BS
   if top_old is not None:
     families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
         *top_old, batch.top_logp, batch.top_ids)
@@ -267,18 +321,19 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
     single = sc.ppo_epochs * sc.num_minibatches == 1
     old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
     if not single:
-      logits_p = qwen3.forward(state.params, batch.tokens, cfg, mask_BT=_valid_mask(batch))
-      old = dict(logits=logits_p, **_token_stats(
-          jax.nn.log_softmax(logits_p / sc.temperature, axis=-1), batch, with_top))
+      x_p = hidden_states(state.params, batch, cfg, sc)
+      old = dict(hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, with_top))
 
     params, opt_state, lora, lora_opt_state = (state.params, state.opt_state, state.lora,
                                                state.lora_opt_state)
-    base_rows, lora_rows, skipped, skipped_lora, logits_q = [], [], [], [], None
+    base_rows, lora_rows, skipped, skipped_lora, x_q = [], [], [], [], None
     for _ in range(sc.ppo_epochs):
       for mb, adv_mb, old_mb in _minibatches(batch, adv_B, None if single else old["logp"],
                                              sc.num_minibatches):
-        (loss, aux), grads = jax.value_and_grad(policy_loss, has_aux=True)(
-            params, mb, adv_mb, cfg, sc, old_mb, state.ref_params)
+        base_loss = lambda p, rows, w: policy_loss(p, rows[0], rows[1], cfg, sc, rows[2],
+                                                   state.ref_params, w)
+        (loss, aux), grads = accumulated_grad(base_loss, params, (mb, adv_mb, old_mb),
+                                              sc.micro_batches, sc.loss_agg)
         params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params,
                                                                loss)
         old = aux if single else old
@@ -291,11 +346,13 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
           # that same base: fitting sparse(new base) + LoRA to dense(old base) would teach the
           # adapter to undo each policy update, and the actor would drift from the policy.
           teacher = old["logp"] if single else old_mb
-          (d_loss, d_aux), d_grads = jax.value_and_grad(distill_loss, has_aux=True)(
-              lora, state.params, mb, adv_mb, teacher, cfg, sc, sparse, budget)
+          lora_loss = lambda l, rows, w: distill_loss(l, state.params, rows[0], rows[1], rows[2],
+                                                      cfg, sc, sparse, budget, w)
+          (d_loss, d_aux), d_grads = accumulated_grad(lora_loss, lora, (mb, adv_mb, teacher),
+                                                      sc.micro_batches, sc.loss_agg)
           lora, lora_opt_state, d_norm, d_finite = _guarded_update(
               lora_optimizer, d_grads, lora_opt_state, lora, d_loss)
-          logits_q = d_aux["logits"] if single else None
+          x_q = d_aux["hidden"] if single else None
           lora_rows.append(({"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"],
                              "grad_norm/lora": d_norm}, n_tokens))
           skipped_lora.append(~d_finite)
@@ -317,13 +374,15 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
         "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / n_gen,
         "reward/mean": jnp.mean(batch.rewards), "reward/std": jnp.std(batch.rewards),
         "response_length/mean": jnp.mean(lengths), "response_length/max": jnp.max(lengths)})
+    alpha = None
     if sc.exact_acceptance:
       if sparse is None:
-        logits_q = old["logits"]  # dense rollouts: the rollout policy is p itself
-      elif logits_q is None:
-        logits_q = rollout_logits(state.params, state.lora, batch, cfg, sparse, budget)
-    metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), old["logits"],
-                                       logits_q if sc.exact_acceptance else None, sc))
+        alpha = jnp.where(mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
+      else:
+        if x_q is None:
+          x_q = hidden_states(state.params, batch, cfg, sc, state.lora, sparse, budget)
+        alpha = exact_acceptance(state.params, old["hidden"], x_q, batch, cfg, sc)
+    metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), alpha, sc))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, lora=lora,
                               lora_opt_state=lora_opt_state)
     return new_state, metrics

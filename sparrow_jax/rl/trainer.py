@@ -153,7 +153,8 @@ _STEP_FIELDS = {
     "distill_kl_coef": "distill.kl_coef", "distill_ppo_coef": "distill.ppo_coef",
     "exact_acceptance": "stats.exact_acceptance", "tau": "stats.tau",
     "bin_size": "stats.bin_size", "num_bins": "stats.num_bins", "page_size": "rollout.page_size",
-    "temperature": "rollout.temperature"}
+    "temperature": "rollout.temperature", "micro_batches": "rl.micro_batches",
+    "remat": "rl.remat", "logits_chunk": "rl.logits_chunk"}
 
 
 def step_config(c) -> ts.StepConfig:
@@ -287,7 +288,8 @@ def train(c: ml_collections.ConfigDict) -> list:
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
         eos_ids=tokenizer.eos_ids, sparse=sparse,
         schedule=budget, lora=state.lora,
-        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected)
+        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected,
+        prefill_group=r.group_size)
     jax.block_until_ready(rollout.tokens)
     t_rollout = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]

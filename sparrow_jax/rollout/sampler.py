@@ -1,4 +1,5 @@
-"""Jit-compiled sampler: dense prefill, then a `lax.while_loop` of decode steps, dense or sparse.
+"""Jit-compiled sampler: chunked dense prefill (once per GRPO group with `prefill_group`), then a
+`lax.while_loop` of decode steps, dense or sparse.
 
 The KV budget enters as a `schedule.BudgetTable` (a traced int32 table indexed by cached length,
 built from any schedule outside jit), so switching schedules never recompiles; only the static cap on
@@ -73,14 +74,20 @@ def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
 
 @functools.partial(jax.jit, static_argnames=(
     "cfg", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "sparse", "max_selected",
-    "num_top_logprobs", "pad_id", "cache_len"))
+    "num_top_logprobs", "pad_id", "cache_len", "prefill_group"))
 def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_new_tokens,
               temperature, top_p, top_k, eos_ids, sparse, max_selected, num_top_logprobs, pad_id,
-              cache_len):
-  B, N = prompt_BT.shape[0], max_new_tokens
-  cache = paged_cache.init_cache(cfg, B, cache_len, sparse.page_size if sparse else 16,
+              cache_len, prefill_group):
+  B, N, g = prompt_BT.shape[0], max_new_tokens, prefill_group
+  cache = paged_cache.init_cache(cfg, B // g, cache_len, sparse.page_size if sparse else 16,
                                  params["embed"].dtype)
-  logits_BV, cache = qwen3.prefill(params, prompt_BT, prompt_len_B, cfg, cache, lora=lora)
+  logits_BV, cache = qwen3.prefill(params, prompt_BT[::g], prompt_len_B[::g], cfg, cache, lora=lora)
+  if g > 1:  # each group's rows decode from their own copy of the one prefilled prompt
+    logits_BV = jnp.repeat(logits_BV, g, axis=0)
+    cache = cache.replace(k_bits=jnp.repeat(cache.k_bits, g, axis=1),
+                          v_bits=jnp.repeat(cache.v_bits, g, axis=1),
+                          centroid_sum=jnp.repeat(cache.centroid_sum, g, axis=1),
+                          lengths=jnp.repeat(cache.lengths, g))
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def emit(t, logits_BV, state):
@@ -130,9 +137,11 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              eos_ids: Sequence[int] = (), sparse: Optional[SparseConfig] = None, schedule=None,
              lora=None, num_top_logprobs: int = 0, pad_id: int = 0,
-             max_selected: Optional[int] = None) -> Rollout:
+             max_selected: Optional[int] = None, prefill_group: int = 1) -> Rollout:
   """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]]).
 
+  prefill_group = n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled once
+  per run (n times less prefill compute; each row still decodes in its own cache).
   sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
   `budget_pages(cached_len)`): block top-k decoding. `lora` (a model.lora.LoRA) is applied in this
   actor only. Rows stop at their first EOS (kept in the completion). Same key -> same output.
@@ -149,6 +158,15 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   if int(jnp.min(prompt_len_B)) < 1 or int(jnp.max(prompt_len_B)) > T:
     raise ValueError(f"prompt_len_B must lie in [1, {T}] (the prompt width), got "
                      f"{np.asarray(prompt_len_B).tolist()}")
+  B = prompt_BT.shape[0]
+  if prefill_group < 1 or B % prefill_group:
+    raise ValueError(f"prefill_group must be >= 1 and divide the {B} rows, got {prefill_group}")
+  if prefill_group > 1:
+    runs = lambda x: np.asarray(x).reshape(B // prefill_group, prefill_group, *np.shape(x)[1:])
+    if not (np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
+            and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])):
+      raise ValueError(f"prefill_group={prefill_group}: the rows are not runs of "
+                       f"{prefill_group} identical prompts")
   cache_len = T + max_new_tokens
   if cache_len > cfg.max_position_embeddings:
     raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {cache_len} exceeds the "
@@ -165,7 +183,7 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
                    max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
                    sparse=sparse, max_selected=max_selected, num_top_logprobs=num_top_logprobs,
-                   pad_id=pad_id, cache_len=cache_len)
+                   pad_id=pad_id, cache_len=cache_len, prefill_group=prefill_group)
 
 
 def full_sequences(prompt_BT, prompt_len_B, rollout: Rollout, pad_id: int = 0):

@@ -1,0 +1,27 @@
+"""experiments/memory_report.py: compile-time memory of the train step, the sampler and calibration
+at the paper's scale (nothing is allocated), and one real calibration run at length on this CPU.
+
+  python experiments/memory_report.py --config=configs/memory_report.py \\
+      [--config.models=qwen3-1.7b --config.lengths=8192,32768 --config.parts=train]
+"""
+import ml_collections
+
+
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.models = "qwen3-1.7b,qwen3-4b,qwen3-8b,qwen3-14b"  # presets, compiled at full width and depth
+  c.lengths = "8192,16384,32768,38912"  # tokens per row (prompt + response); 38912 = 1K + 37K
+  c.prompt_len = 1024                # prompt tokens of each row
+  c.dtype = "bfloat16"               # params and KV cache dtype
+  c.parts = "train,sampler,calibrate,compile_time,calibrate_run"  # what to measure (see script)
+  c.train_rows = 2                   # rows per train step: one GRPO group of 2 ...
+  c.micro_batches = 2                # ... one row per backward pass (gradient accumulation)
+  c.sampler_rows = 8                 # sampled rows (one prompt x 8 samples, prefilled once)
+  c.calibrate_rows = 1               # rows per calibration pass (one candidate per pass)
+  c.compile_time_model = "qwen3-1.7b"  # compile time of the train step at full depth ...
+  c.compile_time_layers = 4          # ... against this many layers (same widths)
+  c.compile_time_len = 8192          # ... at this row length
+  c.run_model = "qwen3-0.6b"         # calibrate_run: a real p5 pass of this shape (random weights)
+  c.run_len = 16384                  # ... over one row this long (prompt_len of it prompt)
+  c.out = ""                         # also write the figures as JSON here ("" = print only)
+  return c

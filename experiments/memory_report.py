@@ -1,0 +1,205 @@
+"""Memory at the paper's scale, from XLA's buffer assignment: nothing is allocated.
+
+  python experiments/memory_report.py --config=configs/memory_report.py \\
+      [--config.models=qwen3-1.7b --config.lengths=8192,38912 --config.parts=train]
+
+Each jitted function is lowered with `jax.ShapeDtypeStruct` inputs at full width and depth and
+compiled for this machine's backend; `compiled.memory_analysis()` gives the bytes of its arguments
+and of its temporaries (everything XLA allocates besides arguments and outputs) per device. Parts:
+  train          the fused RL step with DistillSparse (GRPO + TIS + LoRA), `train_rows` rows of
+                 `length` tokens (prompt_len of them prompt), Adam states in the params' dtype.
+  sampler        `sampler_rows` rows sampled sparsely to `length` tokens (prompt prefilled once per
+                 group); its cache is a temporary. Compared with the bf16 KV it must hold + params.
+  calibrate      one calibration pass (the sparse teacher-forced pass of one candidate against the
+                 dense hidden states) over `calibrate_rows` rows.
+  compile_time   seconds to lower + compile the train step at full depth vs `compile_time_layers`.
+  calibrate_run  a real p5 pass over one `run_len`-token row of a `run_model`-shaped model with
+                 random weights on this CPU: wall time and peak RSS.
+The CPU backend's buffer assignment stands in for the accelerators' (same HLO, fusion differs);
+scan-over-layers and rematerialisation decide what lives at once on every backend.
+"""
+import dataclasses
+import json
+import resource
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+import optax
+
+import sparrow_jax as sj
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch import calibrate
+from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rollout import sampler
+
+GB = 1e9
+SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's
+SDS = jax.ShapeDtypeStruct
+
+
+def _shapes(fn, *args):
+  return jax.eval_shape(fn, *args)
+
+
+def _model(name, dtype, layers=None):
+  cfg = sj.Qwen3Config.preset(name)
+  if layers:
+    cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
+  params = _shapes(lambda: sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype))
+  lora = _shapes(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
+  return cfg, params, lora
+
+
+def _analysis(compiled):
+  m = compiled.memory_analysis()
+  return {"args_gb": m.argument_size_in_bytes / GB, "temp_gb": m.temp_size_in_bytes / GB,
+          "out_gb": m.output_size_in_bytes / GB, "alias_gb": m.alias_size_in_bytes / GB}
+
+
+def _budget(model, length):
+  table = sampler.budget_table(KVSchedule.paper(model, 0.86), length, SPARSE)
+  return BudgetTable(SDS((length + 1,), jnp.int32)), table
+
+
+def train_step(model, length, c, dtype, layers=None):
+  cfg, params, lora = _model(model, dtype, layers)
+  sc = ts.StepConfig(group_size=c.train_rows, micro_batches=c.micro_batches, bin_size=2048,
+                     num_bins=20, page_size=SPARSE.page_size)
+  opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
+  state = _shapes(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
+  B, S = c.train_rows, length
+  batch = ts.Batch(tokens=SDS((B, S), jnp.int32), gen_mask=SDS((B, S), bool),
+                   prompt_len=SDS((B,), jnp.int32), logp_rollout=SDS((B, S), jnp.float32),
+                   rewards=SDS((B,), jnp.float32), top_logp=SDS((B, S, ts.TOP_K), jnp.float32),
+                   top_ids=SDS((B, S, ts.TOP_K), jnp.int32))
+  step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE)
+  start = time.time()
+  compiled = step.lower(state, batch, _budget(model, length)[0]).compile()
+  return dict(_analysis(compiled), compile_s=time.time() - start)
+
+
+def sampler_memory(model, length, c, dtype):
+  cfg, params, lora = _model(model, dtype)
+  B, T = c.sampler_rows, c.prompt_len
+  budget, table = _budget(model, length)
+  compiled = sampler._generate.lower(
+      params, SDS((B, T), jnp.int32), SDS((B,), jnp.int32), SDS((2,), jnp.uint32), budget, lora,
+      cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(0,),
+      sparse=SPARSE, max_selected=1 << max(int(table.max()) - 1, 1).bit_length(),
+      num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=B).compile()
+  out = _analysis(compiled)
+  itemsize = jnp.dtype(dtype).itemsize
+  kv = 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * length * cfg.head_dim * itemsize
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+  out.update(kv_gb=kv / GB, params_gb=param_bytes / GB,
+             ratio=(out["args_gb"] + out["temp_gb"]) * GB / (kv + param_bytes))
+  return out
+
+
+def calibrate_memory(model, length, c, dtype):
+  cfg, params, _ = _model(model, dtype)
+  B, S = c.calibrate_rows, length
+  tokens, valid = SDS((B, S), jnp.int32), SDS((B, S), bool)
+  x_p = SDS((B, S, cfg.hidden_size), dtype)
+  compiled = calibrate._sparse_alpha.lower(
+      params, tokens, valid, SDS((B,), jnp.int32), x_p, SDS((1, S + 1), jnp.int32),
+      SDS((), jnp.float32), cfg=cfg, sparse=SPARSE, alpha="exact").compile()
+  return _analysis(compiled)
+
+
+def calibrate_run(c):
+  """A real p5 pass over one long row: random weights, random tokens (memory and time only)."""
+  cfg = sj.Qwen3Config.preset(c.run_model)
+  params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.float32)
+  S, T = c.run_len, c.prompt_len
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, S)).astype(np.int32)
+  gen_mask = np.arange(S)[None] >= T
+  rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+  start = time.time()
+  p5 = calibrate.p5_surface(params, cfg, tokens, gen_mask, np.array([T]), (61,), SPARSE,
+                            bin_size=2048, num_bins=S // 2048, batch_size=1)
+  return {"model": c.run_model, "tokens": S, "seconds": time.time() - start,
+          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+          "rss_before_gb": rss_before, "p5_bin0": float(p5[0, 0])}
+
+
+def _row(name, fig, keys):
+  return f"{name:34s} " + " ".join(f"{fig[k]:9.2f}" for k in keys)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  c = flags.FLAGS.config
+  dtype = jnp.dtype(c.dtype)
+  models = [m for m in c.models.split(",") if m]
+  lengths = [int(n) for n in c.lengths.split(",") if n]
+  parts = set(c.parts.split(","))
+  unknown = parts - {"train", "sampler", "calibrate", "compile_time", "calibrate_run"}
+  if unknown:
+    raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
+  report = {}
+  print(f"backend {jax.default_backend()}, params/KV {c.dtype}, GB = 1e9 bytes, per device",
+        flush=True)
+  if "train" in parts:
+    print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)"
+          f"\n{'model / tokens per row':34s} {'args':>9s} {'temps':>9s} {'args+tmp':>9s} "
+          f"{'compile s':>9s}", flush=True)
+    for model in models:
+      for n in lengths:
+        fig = train_step(model, n, c, dtype)
+        fig["total_gb"] = fig["args_gb"] + fig["temp_gb"]
+        report[f"train/{model}/{n}"] = fig
+        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb", "total_gb", "compile_s")), flush=True)
+      if len(lengths) > 1:
+        t = {n: report[f"train/{model}/{n}"]["temp_gb"] for n in lengths}
+        print(f"  temps({lengths[-1]}) / temps({lengths[0]}) = {t[lengths[-1]] / t[lengths[0]]:.2f}"
+              f" for {lengths[-1] / lengths[0]:.2f}x the tokens", flush=True)
+  if "sampler" in parts:
+    print(f"\nsampler, {c.sampler_rows} rows, prompt {c.prompt_len}\n{'model / tokens per row':34s} "
+          f"{'args':>9s} {'temps':>9s} {'KV':>9s} {'params':>9s} {'ratio':>9s}", flush=True)
+    for model in models:
+      for n in lengths:
+        fig = sampler_memory(model, n, c, dtype)
+        report[f"sampler/{model}/{n}"] = fig
+        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb", "kv_gb", "params_gb", "ratio")),
+              flush=True)
+    print("  ratio = (args + temps) / (KV + params)")
+  if "calibrate" in parts:
+    print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate\n"
+          f"{'model / tokens per row':34s} {'args':>9s} {'temps':>9s}", flush=True)
+    for model in models:
+      for n in lengths:
+        fig = calibrate_memory(model, n, c, dtype)
+        report[f"calibrate/{model}/{n}"] = fig
+        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb")), flush=True)
+  if "compile_time" in parts:
+    m, n = c.compile_time_model, c.compile_time_len
+    few = train_step(m, n, c, dtype, layers=c.compile_time_layers)["compile_s"]
+    full = train_step(m, n, c, dtype)["compile_s"]
+    report["compile_time"] = {"model": m, "tokens": n, "layers": c.compile_time_layers,
+                              "few_s": few, "full_s": full, "ratio": full / few}
+    print(f"\ncompile time of the train step, {m} at {n} tokens: {c.compile_time_layers} layers "
+          f"{few:.1f}s, all {sj.Qwen3Config.preset(m).num_hidden_layers} {full:.1f}s "
+          f"(ratio {full / few:.2f})", flush=True)
+  if "calibrate_run" in parts:
+    fig = calibrate_run(c)
+    report["calibrate_run"] = fig
+    print(f"\ncalibration run, {fig['model']}-shaped (random float32 weights), one "
+          f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
+          f"{fig['peak_rss_gb']:.2f} GB (params loaded: {fig['rss_before_gb']:.2f} GB)", flush=True)
+  if c.out:
+    with open(c.out, "w") as f:
+      json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: tests import scripts beside others that define --config.
+  config_flags.DEFINE_config_file("config", "configs/memory_report.py", "experiment config")
+  app.run(main)

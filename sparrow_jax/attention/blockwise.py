@@ -1,0 +1,192 @@
+"""Blockwise (flash) causal attention in jnp: teacher forcing, training and chunked prefill without
+ever holding a [T, S] score matrix.
+
+Queries go in blocks of `block_q`; each block walks the key blocks it can see (a while loop that
+stops at the causal edge, so no work is spent above the diagonal) with an online softmax in float32.
+The backward pass is written by hand (`jax.custom_vjp`): it keeps only the output and the per-row
+log-sum-exp and recomputes each block's probabilities, so memory is linear in length whatever the
+autodiff of the loops would have saved. The jnp reference that materialises everything is
+`reference.dense_attention` (and `select.teacher_forced_keep` for the sparse mask); tests compare.
+
+Layout: q_BTKGE (G query heads per KV head), keys and values k_BKSE / v_BKSE: the paged cache's
+layout, so chunked prefill reads the cache directly. Query t sits at slot q_offset + t and may read
+slot s iff s <= q_offset + t and key_valid_BS[b, s]. A query with nothing to read gives zeros.
+
+Sparse teacher forcing: with `select_fn` and `budget_BT`, each query also reads only the pages that
+`select_fn(scores_BKQP, query_pos, budget)` keeps, scored as the sparse sampler scores them (mean of
+the group's queries . page centroid); the keep mask is made per query block (never [T, P] at once)
+and made again in the backward pass.
+"""
+import functools
+import math
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+BLOCK_Q = 512  # queries per block: [K, G, 512, 512] f32 scores = 8 MiB per KV head at Qwen3 widths
+BLOCK_K = 512  # keys per block (a multiple of the page size)
+
+
+def _round_up(n, m):
+  return -(-n // m) * m
+
+
+def page_centroids(k_BKSE, page_size: int):
+  """Mean key per page [B, K, P, E] (float32; a partial last page is padded with zeros), the
+  trainer's side of the sampler's centroid_sum / count."""
+  B, K, S, E = k_BKSE.shape
+  k = jnp.pad(k_BKSE.astype(jnp.float32), ((0, 0), (0, 0), (0, -S % page_size), (0, 0)))
+  return k.reshape(B, K, -1, page_size, E).mean(axis=3)
+
+
+def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=None,
+              select_fn: Optional[Callable] = None, page_size: int = 16, block_q: int = BLOCK_Q,
+              block_k: int = BLOCK_K):
+  """softmax(q k^T / sqrt(E)) v over the causal, valid (and, if sparse, selected) keys; returns
+  q's shape and dtype. q_offset (traced is fine): the slot of the first query. Sparse when
+  `select_fn` is given: select_fn(scores_BKQP, query_pos_11Q, budget_B1Q) -> keep_BKQP."""
+  B, T, K, G, E = q_BTKGE.shape
+  S = k_BKSE.shape[2]
+  if (select_fn is None) != (budget_BT is None):
+    raise ValueError("sparse blockwise attention needs both select_fn and budget_BT")
+  bq = min(block_q, _round_up(T, 8))
+  bk = _round_up(min(block_k, _round_up(S, page_size)), page_size)
+  Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+  q = jnp.pad(q_BTKGE, ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0)))
+  pad_s = ((0, 0), (0, 0), (0, Sp - S), (0, 0))
+  k, v = jnp.pad(k_BKSE, pad_s), jnp.pad(v_BKSE, pad_s)
+  valid = jnp.pad(key_valid_BS.astype(bool), ((0, 0), (0, Sp - S)))
+  budget = None if budget_BT is None else jnp.pad(budget_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+  geometry = _Geometry(bq, bk, page_size, 1.0 / math.sqrt(E), select_fn)
+  out = _flash(geometry, q, k, v, valid, jnp.asarray(q_offset, jnp.int32), budget)
+  return out[:, :T]
+
+
+class _Geometry(NamedTuple):
+  """The static part of one call (block sizes, scale, the selection rule)."""
+  bq: int
+  bk: int
+  page_size: int
+  scale: float
+  select_fn: Optional[Callable]
+
+
+def _block_mask(g: _Geometry, i, j, q_offset, valid_BS, keep_BKQP):
+  """[B, K or 1, 1, bq, bk] mask of query block i against key block j."""
+  qpos = q_offset + i * g.bq + jnp.arange(g.bq)
+  kpos = j * g.bk + jnp.arange(g.bk)
+  mask = (kpos[None] <= qpos[:, None])[None, None, None]
+  mask = mask & jax.lax.dynamic_slice_in_dim(valid_BS, j * g.bk, g.bk, axis=1)[:, None, None, None]
+  if keep_BKQP is not None:
+    pages = g.bk // g.page_size
+    keep = jax.lax.dynamic_slice_in_dim(keep_BKQP, j * pages, pages, axis=3)
+    mask = mask & jnp.repeat(keep, g.page_size, axis=3)[:, :, None]
+  return mask
+
+
+def _query_block(g: _Geometry, i, q, k, q_offset, budget):
+  """Query block i in float32 [B, K, G, bq, E], its page-keep mask (or None) and how many key
+  blocks it can see."""
+  q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1).astype(jnp.float32)
+  q_b = q_b.transpose(0, 2, 3, 1, 4)
+  keep = None
+  if g.select_fn is not None:
+    centroid_BKPE = page_centroids(jax.lax.stop_gradient(k), g.page_size)
+    scores = jnp.einsum("bkqe,bkpe->bkqp", jnp.mean(jax.lax.stop_gradient(q_b), axis=2),
+                        centroid_BKPE)
+    qpos = q_offset + i * g.bq + jnp.arange(g.bq)
+    budget_b = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
+    keep = g.select_fn(scores, qpos[None, None], budget_b[:, None])
+  last_query = q_offset + (i + 1) * g.bq - 1
+  n_kb = jnp.clip(last_query // g.bk + 1, 0, k.shape[2] // g.bk)
+  return q_b, keep, n_kb
+
+
+def _scores(g, q_b, k, j):
+  k_b = jax.lax.dynamic_slice_in_dim(k, j * g.bk, g.bk, axis=2).astype(jnp.float32)
+  return jnp.einsum("bkgqe,bkse->bkgqs", q_b, k_b) * g.scale, k_b
+
+
+def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
+  """(out [B, Tp, K, G, E] in q's dtype, lse [nq, B, K, G, bq])."""
+  B, Tp, K, G, E = q.shape
+
+  def one_block(i):
+    q_b, keep, n_kb = _query_block(g, i, q, k, q_offset, budget)
+
+    def step(j, carry):
+      m, l, acc = carry
+      s, _ = _scores(g, q_b, k, j)
+      s = jnp.where(_block_mask(g, i, j, q_offset, valid, keep), s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(s - m_safe[..., None])
+      correction = jnp.exp(m - m_safe)
+      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2).astype(jnp.float32)
+      acc = acc * correction[..., None] + jnp.einsum("bkgqs,bkse->bkgqe", p, v_b)
+      return m_new, l * correction + jnp.sum(p, axis=-1), acc
+
+    init = (jnp.full((B, K, G, g.bq), -jnp.inf), jnp.zeros((B, K, G, g.bq)),
+            jnp.zeros((B, K, G, g.bq, E)))
+    m, l, acc = jax.lax.fori_loop(0, n_kb, step, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), jnp.inf)
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse
+
+  out, lse = jax.lax.map(one_block, jnp.arange(Tp // g.bq))
+  return out.transpose(1, 0, 2, 3, 4, 5).reshape(B, Tp, K, G, E), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(g, q, k, v, valid, q_offset, budget):
+  return _forward(g, q, k, v, valid, q_offset, budget)[0]
+
+
+def _flash_fwd(g, q, k, v, valid, q_offset, budget):
+  out, lse = _forward(g, q, k, v, valid, q_offset, budget)
+  return out, (q, k, v, valid, q_offset, budget, out, lse)
+
+
+def _flash_bwd(g, residuals, d_out):
+  """FlashAttention-2's backward: per query block, recompute p = exp(s - lse) block by block and
+  accumulate dq locally, dk and dv into full-length float32 buffers."""
+  q, k, v, valid, q_offset, budget, out, lse = residuals
+  B, Tp, K, G, E = q.shape
+  to_block = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * g.bq, g.bq, axis=1).astype(
+      jnp.float32).transpose(0, 2, 3, 1, 4)
+
+  def one_block(i, carry):
+    dq, dk, dv = carry
+    q_b, keep, n_kb = _query_block(g, i, q, k, q_offset, budget)
+    do_b = to_block(d_out, i)
+    delta = jnp.sum(do_b * to_block(out, i), axis=-1)  # [B, K, G, bq]
+    lse_b = lse[i]
+
+    def step(j, inner):
+      dq_b, dk, dv = inner
+      s, k_b = _scores(g, q_b, k, j)
+      mask = _block_mask(g, i, j, q_offset, valid, keep)
+      p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)
+      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2).astype(jnp.float32)
+      dp = jnp.einsum("bkgqe,bkse->bkgqs", do_b, v_b)
+      ds = p * (dp - delta[..., None]) * g.scale
+      dq_b = dq_b + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_b)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+          acc, jax.lax.dynamic_slice_in_dim(acc, j * g.bk, g.bk, axis=2) + x, j * g.bk, axis=2)
+      dk = add(dk, jnp.einsum("bkgqs,bkgqe->bkse", ds, q_b))
+      dv = add(dv, jnp.einsum("bkgqs,bkgqe->bkse", p, do_b))
+      return dq_b, dk, dv
+
+    dq_b, dk, dv = jax.lax.fori_loop(0, n_kb, step, (jnp.zeros_like(q_b), dk, dv))
+    dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b.transpose(0, 3, 1, 2, 4).astype(dq.dtype),
+                                             i * g.bq, axis=1)
+    return dq, dk, dv
+
+  init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, jnp.float32),
+          jnp.zeros(v.shape, jnp.float32))
+  dq, dk, dv = jax.lax.fori_loop(0, Tp // g.bq, one_block, init)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
