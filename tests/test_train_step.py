@@ -128,6 +128,28 @@ def test_ppo_minibatches_run():
   assert not bool(metrics["skipped"]) and int(state.step) == 1
 
 
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_accumulate_the_same_update(loss_agg):
+  """Gradient accumulation over 4 slices of the rows gives the one-pass update (the losses'
+  normalisers are the minibatch's), with the entropy and reference-KL terms on."""
+  params, lora, opt, lora_opt = setup()
+  batch = make_batch(params, lora, seed=5)
+  out = {}
+  for n in (1, 4):
+    sc = dataclasses.replace(SC, micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01,
+                             kl_coef=0.1)
+    step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
+    state = ts.init_state(jax.tree_util.tree_map(jnp.copy, params), opt,
+                          jax.tree_util.tree_map(jnp.copy, lora), lora_opt, keep_reference=True)
+    out[n] = step(state, batch, BUDGET)
+  (one, m_one), (four, m_four) = out[1], out[4]
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), four.params,
+                         one.params)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4), four.lora,
+                         one.lora)
+  for key in ("loss/policy", "loss/distill", "ppo/clip_frac", "acceptance/p5", "entropy"):
+    np.testing.assert_allclose(m_four[key], m_one[key], rtol=1e-4, atol=1e-6)
+
 
 def reference_exact_stats(params, lora, batch, sc=SC):
   """Exact alpha between the pre-update dense policy and the rollout policy (sparse + LoRA), from

@@ -80,11 +80,12 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
 
 def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:
   """Writes a chunk of C tokens (C and start whole pages; layer and start may be traced) into
-  slots [start, start + C) of `layer`, and the sums of its pages (invalid tokens count as zero)."""
+  slots [start, start + C) of `layer`, and the sums of its pages (invalid tokens written as zero)."""
   B, C, K, E = k_BCKE.shape
   Z = cache.page_size
-  sums_BKCE = jnp.where(valid_BC[:, :, None, None], k_BCKE, 0).astype(jnp.float32)
-  sums_BKPE = sums_BKCE.reshape(B, C // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
+  k_BCKE = jnp.where(valid_BC[:, :, None, None], k_BCKE, 0)
+  v_BCKE = jnp.where(valid_BC[:, :, None, None], v_BCKE, 0)
+  sums_BKPE = k_BCKE.astype(jnp.float32).reshape(B, C // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
   bits = lambda x: _to_bits(x.astype(cache.dtype).transpose(0, 2, 1, 3))
   return cache.replace(k_bits=put(cache.k_bits, bits(k_BCKE), start),
