@@ -129,8 +129,20 @@ def calibrate_run(c):
           "rss_before_gb": rss_before, "p5_bin0": float(p5[0, 0])}
 
 
-def _row(name, fig, keys):
-  return f"{name:34s} " + " ".join(f"{fig[k]:9.2f}" for k in keys)
+def _table(report, part, measure, models, lengths, columns):
+  """Measures every (model, length), prints a row each, and keeps the figures in `report`."""
+  print(f"{'model / tokens per row':34s} " + " ".join(f"{name:>9s}" for name, _ in columns),
+        flush=True)
+  for model in models:
+    for n in lengths:
+      fig = measure(model, n)
+      report[f"{part}/{model}/{n}"] = fig
+      print(f"{model + ' ' + str(n):34s} " + " ".join(f"{fig[k]:9.2f}" for _, k in columns),
+            flush=True)
+    if part == "train" and len(lengths) > 1:
+      t = {n: report[f"train/{model}/{n}"]["temp_gb"] for n in lengths}
+      print(f"  temps({lengths[-1]}) / temps({lengths[0]}) = {t[lengths[-1]] / t[lengths[0]]:.2f}"
+            f" for {lengths[-1] / lengths[0]:.2f}x the tokens", flush=True)
 
 
 def main(argv):
@@ -148,37 +160,24 @@ def main(argv):
   print(f"backend {jax.default_backend()}, params/KV {c.dtype}, GB = 1e9 bytes, per device",
         flush=True)
   if "train" in parts:
-    print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)"
-          f"\n{'model / tokens per row':34s} {'args':>9s} {'temps':>9s} {'args+tmp':>9s} "
-          f"{'compile s':>9s}", flush=True)
-    for model in models:
-      for n in lengths:
-        fig = train_step(model, n, c, dtype)
-        fig["total_gb"] = fig["args_gb"] + fig["temp_gb"]
-        report[f"train/{model}/{n}"] = fig
-        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb", "total_gb", "compile_s")), flush=True)
-      if len(lengths) > 1:
-        t = {n: report[f"train/{model}/{n}"]["temp_gb"] for n in lengths}
-        print(f"  temps({lengths[-1]}) / temps({lengths[0]}) = {t[lengths[-1]] / t[lengths[0]]:.2f}"
-              f" for {lengths[-1] / lengths[0]:.2f}x the tokens", flush=True)
+    print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)")
+
+    def measure_train(model, n):
+      fig = train_step(model, n, c, dtype)
+      return dict(fig, total_gb=fig["args_gb"] + fig["temp_gb"])
+    _table(report, "train", measure_train, models, lengths,
+           (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
+            ("compile s", "compile_s")))
   if "sampler" in parts:
-    print(f"\nsampler, {c.sampler_rows} rows, prompt {c.prompt_len}\n{'model / tokens per row':34s} "
-          f"{'args':>9s} {'temps':>9s} {'KV':>9s} {'params':>9s} {'ratio':>9s}", flush=True)
-    for model in models:
-      for n in lengths:
-        fig = sampler_memory(model, n, c, dtype)
-        report[f"sampler/{model}/{n}"] = fig
-        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb", "kv_gb", "params_gb", "ratio")),
-              flush=True)
-    print("  ratio = (args + temps) / (KV + params)")
+    print(f"\nsampler, {c.sampler_rows} rows, prompt {c.prompt_len}; "
+          "ratio = (args + temps) / (KV + params)")
+    _table(report, "sampler", lambda m, n: sampler_memory(m, n, c, dtype), models, lengths,
+           (("args", "args_gb"), ("temps", "temp_gb"), ("KV", "kv_gb"), ("params", "params_gb"),
+            ("ratio", "ratio")))
   if "calibrate" in parts:
-    print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate\n"
-          f"{'model / tokens per row':34s} {'args':>9s} {'temps':>9s}", flush=True)
-    for model in models:
-      for n in lengths:
-        fig = calibrate_memory(model, n, c, dtype)
-        report[f"calibrate/{model}/{n}"] = fig
-        print(_row(f"{model} {n}", fig, ("args_gb", "temp_gb")), flush=True)
+    print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate")
+    _table(report, "calibrate", lambda m, n: calibrate_memory(m, n, c, dtype), models, lengths,
+           (("args", "args_gb"), ("temps", "temp_gb")))
   if "compile_time" in parts:
     m, n = c.compile_time_model, c.compile_time_len
     few = train_step(m, n, c, dtype, layers=c.compile_time_layers)["compile_s"]

@@ -105,3 +105,20 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
 def test_bad_settings_fail_naming_the_value(script, override, message):
   result = _run(script, override, check=False)
   assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_memory_report_compiles_each_part_without_allocating(tmp_path):
+  """Qwen3-0.6B at full width and depth (2.4 GB of float32 params if it allocated them), 512-token
+  rows: every table prints and the JSON holds the sampler's KV bound."""
+  out_file = tmp_path / "memory.json"
+  out = _run("memory_report", "--config.models=qwen3-0.6b", "--config.lengths=512",
+             "--config.prompt_len=128", "--config.parts=sampler,calibrate",
+             f"--config.out={out_file}").stdout
+  assert "sampler, 8 rows, prompt 128" in out and "calibration pass" in out
+  import json
+  report = json.loads(out_file.read_text())
+  kv = report["sampler/qwen3-0.6b/512"]["kv_gb"]
+  assert abs(kv - 2 * 28 * 8 * 8 * 512 * 128 * 2 / 1e9) < 1e-6
+  assert report["sampler/qwen3-0.6b/512"]["ratio"] > 1.0
+  bad = _run("memory_report", "--config.parts=train,speed", check=False)
+  assert bad.returncode != 0 and "speed" in bad.stderr
