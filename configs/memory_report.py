@@ -12,6 +12,8 @@ def get_config():
   c.models = "qwen3-1.7b,qwen3-4b,qwen3-8b,qwen3-14b"  # presets, compiled at full width and depth
   c.lengths = "8192,16384,32768,38912"  # tokens per row (prompt + response); 38912 = 1K + 37K
   c.prompt_len = 1024                # prompt tokens of each row
+  c.schedule = "paper:{model}:0.86"  # KV schedule ({model}: each model's own); its largest budget
+  #                                    sizes the sampler's page buffers (the table itself is traced)
   c.dtype = "bfloat16"               # params and KV cache dtype
   c.parts = "train,sampler,calibrate,compile_time,calibrate_run"  # what to measure (see script)
   c.train_rows = 2                   # rows per train step: one GRPO group of 2 ...

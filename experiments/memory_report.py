@@ -62,8 +62,10 @@ def _analysis(compiled):
           "out_gb": m.output_size_in_bytes / GB, "alias_gb": m.alias_size_in_bytes / GB}
 
 
-def _budget(model, length):
-  table = sampler.budget_table(KVSchedule.paper(model, 0.86), length, SPARSE)
+def _budget(schedule, model, length):
+  spec = schedule.format(model=model)
+  table = sampler.budget_table(KVSchedule.parse(spec, SPARSE.page_size, "config.schedule"), length,
+                               SPARSE)
   return BudgetTable(SDS((length + 1,), jnp.int32)), table
 
 
@@ -80,14 +82,14 @@ def train_step(model, length, c, dtype, layers=None):
                    top_ids=SDS((B, S, ts.TOP_K), jnp.int32))
   step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE)
   start = time.time()
-  compiled = step.lower(state, batch, _budget(model, length)[0]).compile()
+  compiled = step.lower(state, batch, _budget(c.schedule, model, length)[0]).compile()
   return dict(_analysis(compiled), compile_s=time.time() - start)
 
 
 def sampler_memory(model, length, c, dtype):
   cfg, params, lora = _model(model, dtype)
   B, T = c.sampler_rows, c.prompt_len
-  budget, table = _budget(model, length)
+  budget, table = _budget(c.schedule, model, length)
   compiled = sampler._generate.lower(
       params, SDS((B, T), jnp.int32), SDS((B,), jnp.int32), SDS((2,), jnp.uint32), budget, lora,
       cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(0,),

@@ -113,6 +113,7 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   out_file = tmp_path / "memory.json"
   out = _run("memory_report", "--config.models=qwen3-0.6b", "--config.lengths=512",
              "--config.prompt_len=128", "--config.parts=sampler,calibrate",
+             "--config.schedule=fixed:16",  # no published table for 0.6B
              f"--config.out={out_file}").stdout
   assert "sampler, 8 rows, prompt 128" in out and "calibration pass" in out
   import json

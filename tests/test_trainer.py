@@ -21,7 +21,8 @@ SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollo
          "--config.rollout.page_size=8", "--config.rollout.dense_layers=1",
          "--config.task.min_hops=4", "--config.task.max_hops=8", "--config.rollout.max_prompt_len=64",
          "--config.rollout.max_new_tokens=40", "--config.stats.bin_size=16",
-         "--config.rollout.group_size=4", "--config.total_steps=4", "--config.ckpt_every=2"]
+         "--config.rollout.group_size=4", "--config.total_steps=4", "--config.ckpt_every=2",
+         "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
 
 
 def launch(workdir):
@@ -39,11 +40,7 @@ def rows_by_step(workdir):
 
 
 def test_resume_after_sigkill_replays_the_same_steps(tmp_path):
-  full = launch(tmp_path / "full")
-  out = full.communicate(timeout=600)[0]
-  assert full.returncode == 0, out[-3000:]
-  assert "step 4/4" in out
-
+  full = launch(tmp_path / "full")  # the uninterrupted run and the one to kill run side by side
   killed = launch(tmp_path / "killed")
   metrics = tmp_path / "killed" / "metrics.jsonl"
   deadline = time.time() + 600
@@ -53,6 +50,9 @@ def test_resume_after_sigkill_replays_the_same_steps(tmp_path):
     time.sleep(0.2)
   killed.send_signal(signal.SIGKILL)
   killed.wait()
+  out = full.communicate(timeout=600)[0]
+  assert full.returncode == 0, out[-3000:]
+  assert "step 4/4" in out
   resumed = launch(tmp_path / "killed")
   out = resumed.communicate(timeout=600)[0]
   assert resumed.returncode == 0, out[-3000:]
@@ -131,7 +131,8 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
   c = config(workdir=str(tmp_path / "run"), total_steps=2, model__hf_dir=str(tmp_path / "model"),
              task__name="math:reasoning_gym:basic_arithmetic", rollout__schedule="fixed:4",
              rollout__page_size=8, rollout__dense_layers=1, rollout__max_prompt_len=384,
-             rollout__max_new_tokens=24, rollout__group_size=2, stats__bin_size=64)
+             rollout__max_new_tokens=24, rollout__group_size=2, stats__bin_size=64,
+             rl__num_minibatches=1)
   rows = trainer.train(c)
   assert len(rows) == 2
   assert all(0.0 <= r["reward/mean"] <= 1.0 and r["kv/read_fraction"] < 1.0 for r in rows)

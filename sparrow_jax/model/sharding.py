@@ -41,8 +41,8 @@ def param_axes(params):
   return axes
 
 
-CACHE_AXES = {"k": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "v": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+CACHE_AXES = {"k_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+              "v_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
               "centroid_sum": ("layers", "batch", "kv_heads", "pages", "head_dim"),
               "lengths": ("batch",)}
 
