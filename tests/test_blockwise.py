@@ -100,15 +100,14 @@ def test_chunked_prefill_equals_one_chunk():
   np.testing.assert_allclose(logits_a, ref[jnp.arange(3), prompt_len - 1], atol=1e-4)
 
 
-@pytest.mark.parametrize("sparse", [None, select.SparseConfig(page_size=4, dense_layers=1)])
-def test_group_shared_prefill_samples_the_same(sparse):
+def test_group_shared_prefill_samples_the_same():
+  sparse = select.SparseConfig(page_size=4, dense_layers=1)
   cfg = tiny_config(num_hidden_layers=2)
   params = sj.init_params(cfg, jax.random.PRNGKey(2), std=0.3)
   rng = np.random.RandomState(1)
   prompt = jnp.asarray(np.repeat(rng.randint(1, cfg.vocab_size, (2, 10)), 3, axis=0))
   prompt_len = jnp.asarray([10, 10, 10, 7, 7, 7])
-  kwargs = dict(max_new_tokens=12, sparse=sparse,
-                schedule=None if sparse is None else KVSchedule.fixed(4, page_size=4))
+  kwargs = dict(max_new_tokens=12, sparse=sparse, schedule=KVSchedule.fixed(4, page_size=4))
   one = sj.generate(params, cfg, prompt, prompt_len, jax.random.PRNGKey(3), **kwargs)
   shared = sj.generate(params, cfg, prompt, prompt_len, jax.random.PRNGKey(3), prefill_group=3,
                        **kwargs)
