@@ -43,16 +43,12 @@ SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)
 SDS = jax.ShapeDtypeStruct
 
 
-def _shapes(fn, *args):
-  return jax.eval_shape(fn, *args)
-
-
 def _model(name, dtype, layers=None):
   cfg = sj.Qwen3Config.preset(name)
   if layers:
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
-  params = _shapes(lambda: sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype))
-  lora = _shapes(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
+  params = jax.eval_shape(lambda: sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype))
+  lora = jax.eval_shape(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
   return cfg, params, lora
 
 
@@ -74,12 +70,8 @@ def train_step(model, length, c, dtype, layers=None):
   sc = ts.StepConfig(group_size=c.train_rows, micro_batches=c.micro_batches, bin_size=2048,
                      num_bins=20, page_size=SPARSE.page_size)
   opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
-  state = _shapes(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
-  B, S = c.train_rows, length
-  batch = ts.Batch(tokens=SDS((B, S), jnp.int32), gen_mask=SDS((B, S), bool),
-                   prompt_len=SDS((B,), jnp.int32), logp_rollout=SDS((B, S), jnp.float32),
-                   rewards=SDS((B,), jnp.float32), top_logp=SDS((B, S, ts.TOP_K), jnp.float32),
-                   top_ids=SDS((B, S, ts.TOP_K), jnp.int32))
+  state = jax.eval_shape(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
+  batch = ts.Batch.abstract(c.train_rows, length)
   step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE)
   start = time.time()
   compiled = step.lower(state, batch, _budget(c.schedule, model, length)[0]).compile()

@@ -23,10 +23,7 @@ def train_step_temp_bytes(S, B=2):
   lora = jax.eval_shape(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
   opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-3)
   state = jax.eval_shape(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
-  batch = ts.Batch(tokens=SDS((B, S), jnp.int32), gen_mask=SDS((B, S), bool),
-                   prompt_len=SDS((B,), jnp.int32), logp_rollout=SDS((B, S), jnp.float32),
-                   rewards=SDS((B,), jnp.float32), top_logp=SDS((B, S, 20), jnp.float32),
-                   top_ids=SDS((B, S, 20), jnp.int32))
+  batch = ts.Batch.abstract(B, S)
   sc = ts.StepConfig(group_size=B, page_size=16, bin_size=1024, num_bins=8)
   step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
   compiled = step.lower(state, batch, BudgetTable(SDS((S + 1,), jnp.int32))).compile()

@@ -85,14 +85,18 @@ def _block_mask(g: _Geometry, i, j, q_offset, valid_BS, keep_BKQP):
   return mask
 
 
-def _query_block(g: _Geometry, i, q, k, q_offset, budget):
+def _centroids(g: _Geometry, k):
+  """The page centroids the selection scores against (None when dense), once per call."""
+  return None if g.select_fn is None else page_centroids(jax.lax.stop_gradient(k), g.page_size)
+
+
+def _query_block(g: _Geometry, i, q, k, centroid_BKPE, q_offset, budget):
   """Query block i in float32 [B, K, G, bq, E], its page-keep mask (or None) and how many key
   blocks it can see."""
   q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1).astype(jnp.float32)
   q_b = q_b.transpose(0, 2, 3, 1, 4)
   keep = None
   if g.select_fn is not None:
-    centroid_BKPE = page_centroids(jax.lax.stop_gradient(k), g.page_size)
     scores = jnp.einsum("bkqe,bkpe->bkqp", jnp.mean(jax.lax.stop_gradient(q_b), axis=2),
                         centroid_BKPE)
     qpos = q_offset + i * g.bq + jnp.arange(g.bq)
@@ -111,9 +115,10 @@ def _scores(g, q_b, k, j):
 def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
   """(out [B, Tp, K, G, E] in q's dtype, lse [nq, B, K, G, bq])."""
   B, Tp, K, G, E = q.shape
+  centroid_BKPE = _centroids(g, k)
 
   def one_block(i):
-    q_b, keep, n_kb = _query_block(g, i, q, k, q_offset, budget)
+    q_b, keep, n_kb = _query_block(g, i, q, k, centroid_BKPE, q_offset, budget)
 
     def step(j, carry):
       m, l, acc = carry
@@ -156,9 +161,11 @@ def _flash_bwd(g, residuals, d_out):
   to_block = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * g.bq, g.bq, axis=1).astype(
       jnp.float32).transpose(0, 2, 3, 1, 4)
 
+  centroid_BKPE = _centroids(g, k)
+
   def one_block(i, carry):
     dq, dk, dv = carry
-    q_b, keep, n_kb = _query_block(g, i, q, k, q_offset, budget)
+    q_b, keep, n_kb = _query_block(g, i, q, k, centroid_BKPE, q_offset, budget)
     do_b = to_block(d_out, i)
     delta = jnp.sum(do_b * to_block(out, i), axis=-1)  # [B, K, G, bq]
     lse_b = lse[i]

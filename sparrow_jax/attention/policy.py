@@ -25,9 +25,8 @@ def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_le
     T = q_BTKGE.shape[1]
     pos_T = jnp.arange(T)
     every_page = -(-T // sparse.page_size)
-    dense_B1 = (layer < sparse.dense_layers) | jnp.zeros((prompt_len_B.shape[0], 1), bool)
-    budget_BT = jnp.where(dense_B1 | (pos_T[None] < prompt_len_B[:, None]), every_page,
-                          schedule.budget_pages(pos_T + 1)[None])
+    dense_BT = (layer < sparse.dense_layers) | (pos_T[None] < prompt_len_B[:, None])
+    budget_BT = jnp.where(dense_BT, every_page, schedule.budget_pages(pos_T + 1)[None])
     return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
                                mask_BT, budget_BT=budget_BT, select_fn=select_fn,
                                page_size=sparse.page_size)

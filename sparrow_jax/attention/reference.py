@@ -83,7 +83,6 @@ def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
   return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
 
 
-
 def _softmax_av(s_XGT, valid_XT, v_XTE):
   """softmax(s) @ v over the last axis of s with invalid slots masked; all-masked rows give 0."""
   p_XGT = masked_softmax(s_XGT, valid_XT[..., None, :])

@@ -160,7 +160,8 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   candidates: top-k pages (paper form), strictly increasing. Each batch of `batch_size` rows gets
   one dense pass; its final hidden states [batch_size, S, D] stay in memory while every
   candidate's sparse pass is compared with them in sequence chunks, `candidates_per_pass`
-  candidates at a time (vmapped: memory grows with it). Memory is linear in S. `alpha`: "exact" or "topk20" (see the module docstring). Empty bins are NaN.
+  candidates at a time (vmapped: memory grows with it). Memory is linear in S. `alpha`: "exact"
+  or "topk20" (see the module docstring). Empty bins are NaN.
   Prints one progress line per pass when `verbose`.
   """
   cands = _check_candidates(candidates)

@@ -122,6 +122,17 @@ class Batch:
   top_logp: Optional[jax.Array] = None  # [B, S, 20] the sampler's top-20 log-probs (if kept)
   top_ids: Optional[jax.Array] = None   # [B, S, 20] their token ids
 
+  @classmethod
+  def abstract(cls, rows: int, length: int) -> "Batch":
+    """The shapes and dtypes of a batch with the top-20 (jax.ShapeDtypeStruct leaves): to lower
+    and compile the train step without allocating one (experiments/memory_report.py)."""
+    sds = jax.ShapeDtypeStruct
+    return cls(tokens=sds((rows, length), jnp.int32), gen_mask=sds((rows, length), bool),
+               prompt_len=sds((rows,), jnp.int32), logp_rollout=sds((rows, length), jnp.float32),
+               rewards=sds((rows,), jnp.float32),
+               top_logp=sds((rows, length, TOP_K), jnp.float32),
+               top_ids=sds((rows, length, TOP_K), jnp.int32))
+
 
 def next_token_aligned(x_BS):
   """Per-position values of the distribution at s (which predicts token s + 1) moved to the token
@@ -264,7 +275,7 @@ def _token_weighted(rows):
   return {k: sum(w * m[k] for w, (m, _) in zip(weights, rows)) for k in rows[0][0]}
 
 
-def exact_acceptance(params, x_p_BSD, x_q_BSD, batch, cfg, sc: StepConfig):
+def exact_acceptance(params, x_p_BSD, x_q_BSD, cfg, sc: StepConfig):
   """alpha_BS = sum_x min(p, q) per token (token alignment) from the hidden states of p and q,
   chunked with the LM head."""
   fn = lambda logits: acceptance.acceptance_rate(logits[0], logits[1], sc.temperature)
@@ -381,7 +392,7 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
       else:
         if x_q is None:
           x_q = hidden_states(state.params, batch, cfg, sc, state.lora, sparse, budget)
-        alpha = exact_acceptance(state.params, old["hidden"], x_q, batch, cfg, sc)
+        alpha = exact_acceptance(state.params, old["hidden"], x_q, cfg, sc)
     metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), alpha, sc))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, lora=lora,
                               lora_opt_state=lora_opt_state)

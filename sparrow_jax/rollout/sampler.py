@@ -143,7 +143,8 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   prefill_group = n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled once
   per run (n times less prefill compute; each row still decodes in its own cache).
   sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
-  `budget_pages(cached_len)`): block top-k decoding. `lora` (a model.lora.LoRA) is applied in this
+  `budget_pages(cached_len)`, checked by `budget_table`; a BudgetTable from it is used as is):
+  block top-k decoding. `lora` (a model.lora.LoRA) is applied in this
   actor only. Rows stop at their first EOS (kept in the completion). Same key -> same output.
   """
   prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
@@ -175,10 +176,15 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   if sparse is not None:
     if schedule is None:
       raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
-    pages_by_len = budget_table(schedule, cache_len, sparse)
-    budget = BudgetTable(jnp.asarray(pages_by_len))
+    if isinstance(schedule, BudgetTable):  # built and checked once by `budget_table` (trainer)
+      budget = schedule
+      if budget.pages_by_len.shape[0] < cache_len + 1:
+        raise ValueError(f"the BudgetTable covers cached lengths up to "
+                         f"{budget.pages_by_len.shape[0] - 1}, the rollout needs {cache_len}")
+    else:
+      budget = BudgetTable(jnp.asarray(budget_table(schedule, cache_len, sparse)))
     if max_selected is None:
-      max_selected = 1 << max(int(pages_by_len.max()) - 1, 1).bit_length()
+      max_selected = 1 << max(int(jnp.max(budget.pages_by_len)) - 1, 1).bit_length()
   return _generate(params, prompt_BT, prompt_len_B, key, budget, lora, cfg=cfg,
                    max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
