@@ -70,3 +70,24 @@ def stats(*fields, **overrides) -> ml_collections.ConfigDict:
   c.tau = 0.86                       # acceptance threshold (p5 target; "fraction below tau" metric)
   c.bin_size = 128                   # tokens per position bin (a multiple of page_size)
   return _select(c, fields, overrides)
+
+
+def mesh(*fields, **overrides) -> ml_collections.ConfigDict:
+  """The device mesh (sparrow_jax.model.sharding): rows over data x fsdp, weights FSDP over fsdp,
+  heads / FFN / vocab over tensor. One device is the mesh 1 x 1 x 1; the product must be the number
+  of devices of all processes."""
+  c = ml_collections.ConfigDict()
+  c.data = -1                        # data-parallel ways (-1: the devices fsdp x tensor leaves)
+  c.fsdp = 1                         # FSDP ways: params, grads and Adam states sharded, rows too
+  c.tensor = 1                       # tensor-parallel ways (keep within a host: NVLink / ICI)
+  return _select(c, fields, overrides)
+
+
+def distributed(*fields, **overrides) -> ml_collections.ConfigDict:
+  """Many processes (hosts): jax.distributed.initialize before anything touches a device."""
+  c = ml_collections.ConfigDict()
+  c.enabled = False                  # True on a multi-host cluster (one process per host or GPU)
+  c.coordinator = ""                 # "host:port" of process 0 ("": detected on SLURM / TPU pods)
+  c.num_processes = -1               # processes in all (-1: detected)
+  c.process_id = -1                  # this process's index (-1: detected)
+  return _select(c, fields, overrides)

@@ -26,6 +26,9 @@ def get_config():
   c.hardware = "h200"                # cost-model hardware for the predicted rollout speedup metric
   c.export_hf = True                 # write the final policy as a Hugging Face dir to <workdir>/hf
 
+  c.mesh = common.mesh()             # devices: all on data by default (one device: 1 x 1 x 1)
+  c.distributed = common.distributed()  # multi-host: jax.distributed (README "Many devices")
+
   c.model = common.model()           # the shipped tiny model (configs/common.py has every field)
   c.task = common.task()             # 128-hop pointer chasing, the length calibrated for
 

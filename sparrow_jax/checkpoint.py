@@ -7,6 +7,7 @@ an uninterrupted run would have done.
 import os
 
 import jax
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 
@@ -21,7 +22,8 @@ def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
 
 
 def restore_latest(mgr: ocp.CheckpointManager, like_state):
-  """(state, meta) of the newest readable checkpoint, or None when there is none.
+  """(state, meta) of the newest readable checkpoint, or None when there is none; arrays come back
+on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
   A checkpoint that fails to restore (e.g. a write cut short) is moved aside to
   `<step>.corrupt` with a warning naming it, and the previous one is tried: a later save at that
@@ -35,7 +37,9 @@ def restore_latest(mgr: ocp.CheckpointManager, like_state):
       return restored.state, restored.meta
     except Exception as e:  # orbax / tensorstore / JSON errors of a damaged checkpoint
       path = os.path.join(str(mgr.directory), str(step))
-      os.replace(path, f"{path}.corrupt")
+      if jax.process_index() == 0:
+        os.replace(path, f"{path}.corrupt")
+      multihost_utils.sync_global_devices(f"moved aside checkpoint {step}")
       mgr.reload()
       print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
             f"moved to {path}.corrupt, trying the previous one", flush=True)

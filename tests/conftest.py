@@ -1,5 +1,6 @@
 """Test setup: float32 everywhere on the CPU unless JAX_PLATFORMS says otherwise, and
-`run_experiment`, which runs an experiment script the way its docstring does.
+`run_experiment`, which runs an experiment script the way its docstring does, and `small_run`, one
+short single-device training run that the resume and the mesh tests compare against.
 
 No sys.path edit: tests/ is a package (tests/__init__.py), so pytest's default "prepend" import
 mode puts its parent, the repo root, on sys.path, and `configs`, `experiments` and `tests.helpers`
@@ -27,3 +28,15 @@ def run_experiment():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
   return run
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+  """The workdir of a finished 4-step SMALL run on one device."""
+  workdir = tmp_path_factory.mktemp("small_run")
+  from tests.helpers import launch_small
+  proc = launch_small(workdir)
+  out = proc.communicate(timeout=600)[0]
+  assert proc.returncode == 0, out[-3000:]
+  assert "step 4/4" in out
+  return workdir

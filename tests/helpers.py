@@ -1,10 +1,15 @@
 """Shared test helpers: tiny configs and a transformers twin of our params."""
+import os
+import subprocess
+import sys
 import tempfile
 
 import jax
 import numpy as np
 
 import sparrow_jax as sj
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**overrides):
@@ -61,3 +66,40 @@ def write_tiny_hf_dir(directory, num_hidden_layers=3, corpus=()):
   sj.save_hf(str(directory), cfg, sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2),
              generation_config={"eos_token_id": tok.token_to_id("<|im_end|>")})
   return cfg
+
+
+# The default config cut down to seconds a step (random tiny preset, short chains and rollouts).
+SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollout.schedule=fixed:4",
+         "--config.rollout.page_size=8", "--config.rollout.dense_layers=1",
+         "--config.task.min_hops=4", "--config.task.max_hops=8", "--config.rollout.max_prompt_len=64",
+         "--config.rollout.max_new_tokens=40", "--config.stats.bin_size=16",
+         "--config.rollout.group_size=4", "--config.total_steps=4", "--config.ckpt_every=2",
+         "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
+
+
+def launch_small(workdir, *overrides, devices=1, env=None):
+  """The SMALL training run in a subprocess (`devices` fake CPU devices), stdout+stderr piped."""
+  cmd = [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
+         f"--config.workdir={workdir}", *SMALL, *overrides]
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **(env or {}),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+
+
+def rows_by_step(workdir):
+  """Last logged metrics row of each step, timings dropped."""
+  import json
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows}
+
+
+def assert_same_metrics(got, want, steps, atol):
+  import numpy as np
+  for step in steps:
+    assert got[step].keys() == want[step].keys()
+    for name, value in want[step].items():
+      value = np.asarray(value, dtype=float)  # per-bin lists hold None for empty bins -> nan
+      np.testing.assert_allclose(np.asarray(got[step][name], dtype=float), value, rtol=1e-5,
+                                 atol=atol, err_msg=f"step {step} {name}")

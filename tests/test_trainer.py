@@ -1,11 +1,9 @@
-"""The training loop end to end: runs, logs TensorBoard tags, resumes after SIGKILL, and rejects bad
+"""The training loop end to end: runs, logs TensorBoard tags, resumes safely, and rejects bad
 configs naming the field."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -16,65 +14,19 @@ from configs import default
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.rl import trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollout.schedule=fixed:4",
-         "--config.rollout.page_size=8", "--config.rollout.dense_layers=1",
-         "--config.task.min_hops=4", "--config.task.max_hops=8", "--config.rollout.max_prompt_len=64",
-         "--config.rollout.max_new_tokens=40", "--config.stats.bin_size=16",
-         "--config.rollout.group_size=4", "--config.total_steps=4", "--config.ckpt_every=2",
-         "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
+from tests.helpers import ROOT, rows_by_step
 
 
-def launch(workdir):
-  cmd = [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
-         f"--config.workdir={workdir}"] + SMALL
-  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
-
-
-def rows_by_step(workdir):
-  """Last logged metrics row of each step (a resumed run logs the replayed steps again)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows}
-
-
-def test_resume_after_sigkill_replays_the_same_steps(tmp_path):
-  full = launch(tmp_path / "full")  # the uninterrupted run and the one to kill run side by side
-  killed = launch(tmp_path / "killed")
-  metrics = tmp_path / "killed" / "metrics.jsonl"
-  deadline = time.time() + 600
-  while time.time() < deadline:  # wait until step 3 is logged: the step-2 checkpoint exists
-    if metrics.exists() and '"step": 3' in metrics.read_text():
-      break
-    time.sleep(0.2)
-  killed.send_signal(signal.SIGKILL)
-  killed.wait()
-  out = full.communicate(timeout=600)[0]
-  assert full.returncode == 0, out[-3000:]
-  assert "step 4/4" in out
-  resumed = launch(tmp_path / "killed")
-  out = resumed.communicate(timeout=600)[0]
-  assert resumed.returncode == 0, out[-3000:]
-  assert "resumed from" in out and "at step 2" in out
-
-  want, got = rows_by_step(tmp_path / "full"), rows_by_step(tmp_path / "killed")
-  assert sorted(got) == [1, 2, 3, 4]
-  for step in (3, 4):
-    assert got[step].keys() == want[step].keys()
-    for name, value in want[step].items():
-      value = np.asarray(value, dtype=float)  # per-bin lists hold None for empty bins -> nan
-      np.testing.assert_allclose(np.asarray(got[step][name], dtype=float), value, rtol=1e-5,
-                                 err_msg=f"step {step} {name}")
-
-  # TensorBoard events carry the reward and per-bin p5 curves.
+def test_run_logs_tensorboard_curves(small_run):
+  """(Resume after SIGKILL, replaying the same steps: tests/test_mesh_runs.py, on 2 processes.)"""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-  events = EventAccumulator(str(tmp_path / "full" / "tensorboard"))
+  events = EventAccumulator(str(small_run / "tensorboard"))
   events.Reload()
   tags = events.Tags()["scalars"]
   assert "reward/mean" in tags and "kv/read_fraction" in tags and "acceptance/p5" in tags
   assert any(t.startswith("acceptance/p5_bin/") for t in tags)  # bins holding generated tokens
   assert len(events.Scalars("reward/mean")) == 4
+  assert sorted(rows_by_step(small_run)) == [1, 2, 3, 4]
 
 
 def config(**changes):

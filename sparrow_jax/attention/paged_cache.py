@@ -26,6 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from sparrow_jax.model import sharding
+
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -70,12 +72,19 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
   pages = -(-max_len // page_size)
   K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
   bits = _BITS[jnp.dtype(dtype).itemsize]
-  return PagedKVCache(
+  return constrain(PagedKVCache(
       k_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
       v_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
       centroid_sum=jnp.zeros((L, batch, K, pages, E), jnp.float32),
       lengths=jnp.zeros((batch,), jnp.int32),
-      page_size=page_size, dtype=jnp.dtype(dtype).name)
+      page_size=page_size, dtype=jnp.dtype(dtype).name))
+
+
+def constrain(cache: PagedKVCache) -> PagedKVCache:
+  """The cache kept on its logical axes (sharding.CACHE_AXES: rows over data x fsdp, KV heads over
+  tensor) on the enclosing mesh, so a decode loop never gathers it to one device."""
+  return cache.replace(**{name: sharding.constrain(getattr(cache, name), axes)
+                          for name, axes in sharding.CACHE_AXES.items()})
 
 
 def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:

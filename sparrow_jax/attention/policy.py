@@ -8,10 +8,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kernels import sparse_decode
 from sparrow_jax.attention import blockwise, reference, select
-from sparrow_jax.model import qwen3
+from sparrow_jax.model import qwen3, sharding
 
 
 def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
@@ -58,10 +59,24 @@ def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_B
     raise ValueError(f"impl must be one of {reference.IMPLS}, got {impl!r}")
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  fn = (reference.sparse_decode_attention if impl == "xla"
-        else sparse_decode.sparse_decode_attention)
-  return fn(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-            page_size=page_size, scale=scale)
+  fn = functools.partial(reference.sparse_decode_attention if impl == "xla"
+                         else sparse_decode.sparse_decode_attention, page_size=page_size,
+                         scale=scale)
+  return _per_shard(fn, q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B)
+
+
+def _per_shard(fn, q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B):
+  """fn under `shard_map` on the enclosing mesh: each device attends over its own rows and KV heads
+  (rows and heads are independent), so neither the Pallas custom call, which XLA cannot
+  partition, nor the XLA path's map over rows gathers the cache. Plain call without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  args = (q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B)
+  if mesh.empty:
+    return fn(*args)
+  bk = sharding.spec(("batch", "kv_heads"), q_BKGE.shape[:2], mesh)
+  specs = (P(*bk, None, None), P(*bk, None, None), P(*bk, None, None), P(*bk, None), P(*bk),
+           P(bk[0]))
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
 def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):

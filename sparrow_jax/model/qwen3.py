@@ -33,6 +33,9 @@ import numpy as np
 from sparrow_jax.attention import blockwise, paged_cache, reference
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model import sharding
+
+ACT_AXES = ("batch", "length", "act_embed")  # activations between layers: rows over data x fsdp
 
 
 def rms_norm(x, weight, eps):
@@ -125,7 +128,8 @@ def embed(params, tokens_BT, cfg: Qwen3Config):
     if lo < 0 or hi >= cfg.vocab_size:
       raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size); "
                        f"got min {lo}, max {hi}")
-  return jnp.take(params["embed"], tokens_BT, axis=0)
+  table_VD = sharding.constrain(params["embed"], ("lookup_vocab", "act_embed"))
+  return jnp.take(table_VD, tokens_BT, axis=0)
 
 
 def qkv(layer, x_BTD, positions_BT, cfg: Qwen3Config, lora_layer=None, lora_scale=1.0):
@@ -240,11 +244,13 @@ def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, ma
     layer, lora_layer, i = xs
     q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, positions_BT, cfg, lora_layer, scale)
     attn = attention_fn(i, q_BTHE.reshape(B, T, K, G, E), k_BTKE, v_BTKE, mask_BT)
-    return finish_layer(layer, x_BTD, attn.reshape(B, T, K * G, E), cfg, lora_layer, scale), None
+    x_BTD = finish_layer(layer, x_BTD, attn.reshape(B, T, K * G, E), cfg, lora_layer, scale)
+    return sharding.constrain(x_BTD, ACT_AXES), None
 
   if remat != "none":
     layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[remat])
-  x_BTD, _ = jax.lax.scan(layer_step, embed(params, tokens_BT, cfg), xs)
+  x_BTD = sharding.constrain(embed(params, tokens_BT, cfg), ACT_AXES)
+  x_BTD, _ = jax.lax.scan(layer_step, x_BTD, xs)
   return x_BTD
 
 
@@ -298,8 +304,8 @@ def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=No
       cache = paged_cache.write_chunk(cache, i, start, k_BCKE, v_BCKE, valid_BC)
       attn = blockwise.attention(q_BCHE.reshape(B, C, K, G, E), cache.keys(i), cache.values(i), valid_BS,
                                  q_offset=start)
-      return (finish_layer(layer, x_BCD, attn.reshape(B, C, K * G, E), cfg, lora_layer, scale),
-              cache), None
+      x_BCD = finish_layer(layer, x_BCD, attn.reshape(B, C, K * G, E), cfg, lora_layer, scale)
+      return (sharding.constrain(x_BCD, ACT_AXES), paged_cache.constrain(cache)), None
 
     x_BCD = embed(params, jax.lax.dynamic_slice_in_dim(tokens_BT, start, C, axis=1), cfg)
     (x_BCD, cache), _ = jax.lax.scan(layer_step, (x_BCD, cache), xs)
@@ -342,8 +348,8 @@ def decode_step(params, token_B, cfg: Qwen3Config, cache, *,
     q_B1HE, k_B1KE, v_B1KE = qkv(layer, x_B1D, pos_B[:, None], cfg, lora_layer, scale)
     cache = paged_cache.append(cache, i, k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
     out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
-    return (finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale),
-            cache), None
+    x_B1D = finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
+    return (sharding.constrain(x_B1D, ACT_AXES), paged_cache.constrain(cache)), None
 
   (x_B1D, cache), _ = jax.lax.scan(layer_step, (embed(params, token_B[:, None], cfg), cache), xs)
   cache = cache.replace(lengths=lengths_B)

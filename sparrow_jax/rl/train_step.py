@@ -29,10 +29,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sparrow_jax.attention import policy
 from sparrow_jax.mismatch import acceptance
-from sparrow_jax.model import qwen3
+from sparrow_jax.model import qwen3, sharding
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rollout import sampler
@@ -123,15 +124,15 @@ class Batch:
   top_ids: Optional[jax.Array] = None   # [B, S, 20] their token ids
 
   @classmethod
-  def abstract(cls, rows: int, length: int) -> "Batch":
-    """The shapes and dtypes of a batch with the top-20 (jax.ShapeDtypeStruct leaves): to lower
-    and compile the train step without allocating one (experiments/memory_report.py)."""
+  def abstract(cls, rows: int, length: int, top: bool = True) -> "Batch":
+    """The shapes and dtypes of a batch, with the top-20 if `top` (jax.ShapeDtypeStruct leaves):
+    to lower and compile the train step without allocating one (experiments/memory_report.py)."""
     sds = jax.ShapeDtypeStruct
     return cls(tokens=sds((rows, length), jnp.int32), gen_mask=sds((rows, length), bool),
                prompt_len=sds((rows,), jnp.int32), logp_rollout=sds((rows, length), jnp.float32),
                rewards=sds((rows,), jnp.float32),
-               top_logp=sds((rows, length, TOP_K), jnp.float32),
-               top_ids=sds((rows, length, TOP_K), jnp.int32))
+               top_logp=sds((rows, length, TOP_K), jnp.float32) if top else None,
+               top_ids=sds((rows, length, TOP_K), jnp.int32) if top else None)
 
 
 def next_token_aligned(x_BS):
@@ -232,7 +233,7 @@ def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str):
   B = rows[0].gen_mask.shape[0]
   if B % n:
     raise ValueError(f"a minibatch of {B} rows is not divisible into micro_batches={n}")
-  parts = jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows)
+  parts = _rows(jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows), True)
   tokens_n = jnp.sum(parts[0].gen_mask, axis=(1, 2)).astype(jnp.float32)
   token_w_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
   pg_w_n = token_w_n if loss_agg == "token-mean" else jnp.full((n,), 1.0 / n)
@@ -259,13 +260,22 @@ def _guarded_update(optimizer, grads, opt_state, params, loss):
   return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
 
 
+def _rows(tree, stacked: bool = False):
+  """Each array's rows constrained to the batch mesh axes (after a leading stack axis)."""
+  lead = ("micro_batch",) if stacked else ()
+  return jax.tree_util.tree_map(
+      lambda x: sharding.constrain(x, lead + ("batch",) + ("length",) * (x.ndim - len(lead) - 1)),
+      tree)
+
+
 def _minibatches(batch, adv_B, logp_old_BS, n):
+  """n minibatches of consecutive rows, each spread over the batch mesh axes again."""
   B = adv_B.shape[0]
   if B % n:
     raise ValueError(f"batch of {B} rows is not divisible into num_minibatches={n}")
   split = lambda x: x.reshape(n, B // n, *x.shape[1:])
   parts = jax.tree_util.tree_map(split, (batch, adv_B, logp_old_BS))
-  return [jax.tree_util.tree_map(lambda x: x[i], parts) for i in range(n)]
+  return [_rows(jax.tree_util.tree_map(lambda x: x[i], parts)) for i in range(n)]
 
 
 def _token_weighted(rows):
@@ -306,13 +316,39 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
   return metrics
 
 
-def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=None):
+def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> TrainState:
+  """Where each leaf of a (possibly abstract) TrainState lives on `mesh`: params, the reference
+  params and the optimizer's moments by the params' logical axes (sharding.param_axes), the LoRA
+  and its moments by the adapters' (sharding.lora_axes), scalars replicated."""
+  rep = sharding.replicated(mesh)
+  params = sharding.shardings(state.params, sharding.param_axes(state.params), mesh)
+
+  def opt(optim, opt_state, like):
+    return optax.tree_map_params(optim, lambda _, s: s, opt_state, like,
+                                 transform_non_params=lambda _: rep,
+                                 is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+  lora = lora_opt = None
+  if state.lora is not None:
+    lora = state.lora.replace(params=sharding.shardings(
+        state.lora.params, sharding.lora_axes(state.lora.params), mesh))
+    lora_opt = opt(lora_optimizer, state.lora_opt_state, lora)
+  return TrainState(step=rep, params=params, opt_state=opt(optimizer, state.opt_state, params),
+                    lora=lora, lora_opt_state=lora_opt,
+                    ref_params=None if state.ref_params is None else params)
+
+
+def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=None,
+                    state_shardings: Optional[TrainState] = None):
   """Returns train_step(state, batch, budget=None) -> (state, metrics), jit-compiled with the state
   donated.
 
   batch: a `Batch` (the top-20 bound is logged when it carries top_logp / top_ids). budget: the
   rollout's `schedule.BudgetTable` (traced: a new schedule stage does not recompile), required with
   `sparse` (the rollouts' SparseConfig; None = dense rollouts, whose q is p itself).
+  state_shardings (`state_sharding(...)`): the state comes in and goes out on those shardings
+  (so step n + 1 reuses step n's executable), the batch rows over the mesh's data x fsdp axes,
+  budget and metrics replicated. Trace it under `jax.set_mesh(mesh)` for the activations'
+  constraints.
   """
   if sc.distill and (lora_optimizer is None or sparse is None):
     raise ValueError("StepConfig.distill needs lora_optimizer and sparse")
@@ -398,7 +434,12 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
                               lora_opt_state=lora_opt_state)
     return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=0)
+  if state_shardings is None:
+    return jax.jit(train_step, donate_argnums=0)
+  mesh = state_shardings.step.mesh
+  rep, rows = sharding.replicated(mesh), NamedSharding(mesh, PartitionSpec(sharding.BATCH))
+  return jax.jit(train_step, donate_argnums=0, in_shardings=(state_shardings, rows, rep),
+                 out_shardings=(state_shardings, rep))
 
 
 def init_state(params, optimizer, lora: Optional[LoRA] = None, lora_optimizer=None,

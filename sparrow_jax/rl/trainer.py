@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
@@ -25,6 +26,7 @@ from sparrow_jax.mismatch import schedule as schedule_lib
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf, save_hf
+from sparrow_jax.model import sharding
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
@@ -171,23 +173,63 @@ def step_config(c) -> ts.StepConfig:
 
 
 def _prompts(problems, tokenizer, group_size, width):
+  """Host arrays of right-padded prompt rows (each problem group_size times) and their lengths."""
   texts = [p.prompt for p in problems for _ in range(group_size)]
   tokens, lengths = tokenizer.encode_batch(texts)
   if tokens.shape[1] > width:
     raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than config.rollout."
                      f"max_prompt_len = {width}")
   tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=tokenizer.pad_id)
-  return jnp.asarray(tokens), jnp.asarray(lengths)
+  return tokens.astype(np.int32), np.asarray(lengths, np.int32)
 
 
 def _responses(rollout, tokenizer):
-  tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+  """Decoded completions of this process's rows."""
+  tokens, lengths = sharding.local_rows(rollout.tokens), sharding.local_rows(rollout.lengths)
   return [tokenizer.decode(row[:n]) for row, n in zip(tokens, lengths)]
 
 
+def init_distributed(c) -> None:
+  """jax.distributed.initialize when config.distributed.enabled (before anything touches a
+  device). Empty coordinator / -1 counts: detected from the cluster (SLURM, Open MPI, TPU pods)."""
+  d = c.distributed
+  if not d.enabled or jax.distributed.is_initialized():
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: gloo collectives
+  kwargs = {"coordinator_address": d.coordinator or None,
+            "num_processes": d.num_processes if d.num_processes > 0 else None,
+            "process_id": d.process_id if d.process_id >= 0 else None}
+  jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def make_mesh(c):
+  """The config's (data, fsdp, tensor) mesh over every process's devices, checked against the
+  batch: each micro-batch's rows must split evenly over data x fsdp, and each process must hold
+  whole GRPO groups (it samples and rewards its own prompts)."""
+  m, r = c.mesh, c.rollout
+  try:
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
+  except ValueError as e:
+    raise ValueError(f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is invalid: "
+                     f"{e}") from None
+  ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = r.prompts_per_step * r.group_size
+  per_micro = rows // c.rl.num_minibatches // c.rl.micro_batches
+  _require(per_micro % ways == 0, "rl.micro_batches", c.rl.micro_batches,
+           f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
+           f"rl.micro_batches = {per_micro}) must be divisible by mesh data x fsdp = {ways}")
+  lo, hi = sharding.process_rows(NamedSharding(mesh, PartitionSpec(sharding.BATCH)), rows)
+  _require(lo % r.group_size == 0 and hi % r.group_size == 0, "rollout.group_size", r.group_size,
+           f"this process holds rows [{lo}, {hi}): each process must hold whole groups")
+  return mesh
+
+
 # Fields that may differ when a workdir is resumed: how long to run and what to keep, not what runs.
+# Also where it runs: a run may resume on another mesh or cluster (orbax reshards the state).
 RESUMABLE_FIELDS = ("workdir", "total_steps", "ckpt_every", "keep_checkpoints", "export_hf",
-                    "max_nonfinite_steps")
+                    "max_nonfinite_steps", "mesh.data", "mesh.fsdp", "mesh.tensor",
+                    "distributed.enabled", "distributed.coordinator", "distributed.num_processes",
+                    "distributed.process_id")
 
 
 def _flat(d, prefix=""):
@@ -224,54 +266,139 @@ def _strict_json(value):
   return None if isinstance(value, float) and not np.isfinite(value) else value
 
 
-def train(c: ml_collections.ConfigDict) -> list:
-  """Runs (or resumes) the job described by config `c`; returns the per-step metrics rows."""
-  validate(c)
-  check_resume(c)
-  task = make_task(c)  # before the model: a bad dataset fails in seconds
-  cfg, params, tokenizer = load_model(c, task)
+def _sparse(c):
   r = c.rollout
-  sparse = SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                        attention_impl=r.attention_impl) if r.sparse else None
-  stages = schedule_lib.parse_stages(r.schedule, r.page_size) if r.sparse else None
-  sc = step_config(c)
+  return SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
+                      attention_impl=r.attention_impl) if r.sparse else None
+
+
+def _optimizers(c):
+  """(learning-rate schedule, optimizer of the base params, optimizer of the LoRA or None)."""
   lr = optax.join_schedules([optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
                             optax.constant_schedule(c.rl.learning_rate)], [c.rl.warmup_steps])
   optimizer = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
                           optax.adamw(lr, weight_decay=c.rl.weight_decay))
-  lora = lora_opt = None
+  lora_opt = None
   if c.distill.enabled:
-    lora = lora_lib.init_lora(params, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank,
-                              alpha=c.distill.alpha, targets=tuple(c.distill.targets.split(",")))
     lora_opt = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
                            optax.adam(c.distill.learning_rate))
-  state = ts.init_state(params, optimizer, lora, lora_opt, keep_reference=c.rl.kl_coef > 0)
-  train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse)
+  return lr, optimizer, lora_opt
+
+
+def _state_init(c, params, optimizer, lora_opt):
+  """(init(params, lora) -> TrainState, the LoRA to start from or None); params may be abstract."""
+  lora = None
+  if c.distill.enabled:
+    make = lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank,
+                                        alpha=c.distill.alpha,
+                                        targets=tuple(c.distill.targets.split(",")))
+    abstract = isinstance(jax.tree_util.tree_leaves(params)[0], jax.ShapeDtypeStruct)
+    lora = jax.eval_shape(make, params) if abstract else make(params)
+  init = lambda p, l: ts.init_state(p, optimizer, l, lora_opt, keep_reference=c.rl.kl_coef > 0)
+  return init, lora
+
+
+def _build_state(c, params, mesh, optimizer, lora_opt):
+  """The initial TrainState, born sharded on `mesh` (optimizer and LoRA states are created on
+  their shards), and its shardings."""
+  init, lora = _state_init(c, params, optimizer, lora_opt)
+  shardings = ts.state_sharding(jax.eval_shape(init, params, lora), mesh, optimizer, lora_opt)
+  params = sharding.place(params, shardings.params)
+  lora = None if lora is None else sharding.place(lora, shardings.lora)
+  return jax.jit(init, out_shardings=shardings)(params, lora), shardings
+
+
+def lower_step(c):
+  """The config's train step lowered at full size on the current devices' mesh, from abstract
+  params and batch (nothing is allocated, no weights or data read): checks that a real-run config
+  builds, shards and traces before a cluster is booked. Returns the jax `Lowered` and the train
+  state's shardings."""
+  validate(c)
+  mesh = make_mesh(c)
+  r = c.rollout
+  cfg = load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0),
+                                              dtype=jnp.dtype(c.model.dtype)))
+  _, optimizer, lora_opt = _optimizers(c)
+  init, lora = _state_init(c, params, optimizer, lora_opt)
+  state = jax.eval_shape(init, params, lora)
+  shardings = ts.state_sharding(state, mesh, optimizer, lora_opt)
+  step = ts.make_train_step(cfg, step_config(c), optimizer, lora_opt, _sparse(c), shardings)
+  length = r.max_prompt_len + r.max_new_tokens
+  batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs > 0)
+  budget = (schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32))
+            if r.sparse else None)
+  with jax.set_mesh(mesh):
+    return step.lower(state, batch, budget), shardings
+
+
+def _rollout_weights(state, mesh):
+  """(params, lora) -> the sampler's copy, gathered over fsdp once per rollout
+  (sharding.ROLLOUT_RULES); the identity without FSDP."""
+  if mesh.shape["fsdp"] == 1:
+    return lambda params, lora: (params, lora)
+  rules = sharding.ROLLOUT_RULES
+  out = (sharding.shardings(state.params, sharding.param_axes(state.params), mesh, rules),
+         None if state.lora is None else state.lora.replace(params=sharding.shardings(
+             state.lora.params, sharding.lora_axes(state.lora.params), mesh, rules)))
+  return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
+
+
+def train(c: ml_collections.ConfigDict) -> list:
+  """Runs (or resumes) the job described by config `c`; returns the per-step metrics rows."""
+  validate(c)
+  init_distributed(c)
+  mesh = make_mesh(c)
+  with jax.set_mesh(mesh):
+    return _train(c, mesh)
+
+
+def _train(c, mesh):
+  lead = jax.process_index() == 0  # writes the logs, the config and the exported policy
+  check_resume(c)
+  task = make_task(c)  # before the model: a bad dataset fails in seconds
+  cfg, params, tokenizer = load_model(c, task)
+  r = c.rollout
+  sparse = _sparse(c)
+  stages = schedule_lib.parse_stages(r.schedule, r.page_size) if r.sparse else None
+  sc = step_config(c)
+  lr, optimizer, lora_opt = _optimizers(c)
+  state, state_shardings = _build_state(c, params, mesh, optimizer, lora_opt)
+  del params
+  train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse, state_shardings)
+  rows_sh = NamedSharding(mesh, PartitionSpec(sharding.BATCH))
+  rollout_weights = _rollout_weights(state, mesh)
+  to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows_sh)
+  n_prompts = r.prompts_per_step
+  n_rows = n_prompts * r.group_size
+  lo, hi = sharding.process_rows(rows_sh, n_rows)  # this process's rows: its prompts and rewards
 
   os.makedirs(c.workdir, exist_ok=True)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
-  restored = checkpoint.restore_latest(mgr, state)
+  restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
-    print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
+    _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start >= c.total_steps:
-    print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to run, "
-          "nothing rewritten (raise config.total_steps to continue)")
+    _print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
+           "run, nothing rewritten (raise config.total_steps to continue)")
     return []
-  with open(os.path.join(c.workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
-  logger = metrics_log.MetricsLogger(c.workdir, resume_step=start)
+  if lead:
+    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
+  logger = metrics_log.MetricsLogger(c.workdir, resume_step=start) if lead else None
   cache_len = r.max_prompt_len + r.max_new_tokens
   # Each stage's budget table, and one static cap on selected pages for all of them: switching
   # stages changes only traced values, so neither the sampler nor the train step recompiles.
   tables = [sampler.budget_table(s, cache_len, sparse) for _, s in stages] if sparse else None
-  budgets = [schedule_lib.BudgetTable(jnp.asarray(t)) for t in tables] if sparse else None
+  budgets = ([sharding.place(schedule_lib.BudgetTable(t), sharding.replicated(mesh))
+              for t in tables] if sparse else None)
   max_selected = (1 << max(int(max(t.max() for t in tables)) - 1, 1).bit_length()
                   if sparse else None)
   key = jax.random.PRNGKey(c.seed)
-  n_prompts, rows, nonfinite = r.prompts_per_step, [], 0
+  rows, nonfinite = [], 0
   # wall time by part; the first step of a process also compiles (the sampler and the train step)
   times = {"first_step": 0.0, "rollout": 0.0, "train_step": 0.0, "total": time.time()}
 
@@ -281,40 +408,43 @@ def train(c: ml_collections.ConfigDict) -> list:
     if sparse:
       stage = schedule_lib.stage_index(stages, step)
       schedule, budget_by_len, budget = stages[stage][1], tables[stage], budgets[stage]
-    problems = task.sample(n_prompts, step * n_prompts)
-    prompt, prompt_len = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
+    problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
+    prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in
+                          _prompts(problems, tokenizer, r.group_size, r.max_prompt_len))
+    params, lora = rollout_weights(state.params, state.lora)
     rollout = sampler.generate(
-        state.params, cfg, prompt, prompt_len, jax.random.fold_in(key, step),
+        params, cfg, prompt, prompt_len, np.asarray(jax.random.fold_in(key, step)),
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        eos_ids=tokenizer.eos_ids, sparse=sparse,
-        schedule=budget, lora=state.lora,
+        eos_ids=tokenizer.eos_ids, sparse=sparse, schedule=budget, lora=lora,
         num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected,
         prefill_group=r.group_size)
     jax.block_until_ready(rollout.tokens)
+    del params, lora
     t_rollout = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]
     rewards = task.reward(_responses(rollout, tokenizer), grouped)
-    batch = ts.batch_from_rollout(prompt, prompt_len, rollout, rewards)
+    batch = to_batch(prompt, prompt_len, rollout,
+                     sharding.from_local_rows(np.asarray(rewards, np.float32), rows_sh, n_rows))
     t1 = time.time()
-    state, metrics = train_step(
-        state, batch, budget)
-    metrics = jax.device_get(metrics)
+    state, metrics = train_step(state, batch, budget)
+    metrics = jax.tree_util.tree_map(sharding.to_host, metrics)
     t_train = time.time() - t1
     times["rollout"] += t_rollout
     times["train_step"] += t_train
 
-    generated = int(np.sum(rollout.lengths))
+    prompt_lens, lengths = sharding.to_host(prompt_len), sharding.to_host(rollout.lengths)
     metrics.update({
-        "perf/rollout_tokens_per_s": generated / t_rollout, "perf/train_step_s": t_train,
-        "lr": float(lr(step)),
-        "kv/read_fraction": cost_model.kv_read_fraction(budget_by_len, prompt_len,
-                                                        rollout.lengths, cfg, sparse)})
+        "perf/rollout_tokens_per_s": int(np.sum(lengths)) / t_rollout,
+        "perf/train_step_s": t_train, "lr": float(lr(step)),
+        "kv/read_fraction": cost_model.kv_read_fraction(budget_by_len, prompt_lens, lengths, cfg,
+                                                        sparse)})
     if sparse is not None:
       metrics["kv/schedule_stage"] = stage
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
-          cfg, schedule, int(np.mean(prompt_len)), max(int(np.mean(rollout.lengths)), 1),
+          cfg, schedule, int(np.mean(prompt_lens)), max(int(np.mean(lengths)), 1),
           n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers)
-    logger.write(step + 1, metrics)
+    if lead:
+      logger.write(step + 1, metrics)
     rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
     nonfinite = nonfinite + 1 if metrics["skipped"] else 0
     if nonfinite >= c.max_nonfinite_steps:
@@ -326,26 +456,35 @@ def train(c: ml_collections.ConfigDict) -> list:
       t_compiled = time.time()
     eta = ("--" if done == 1 else  # compile time excluded: from the steps after the first
            f"{(time.time() - t_compiled) / (done - 1) * (c.total_steps - step - 1):.0f}s")
-    print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
+    _print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
           f"p5 {metrics.get('acceptance/p5', metrics['acceptance_sampled/p5']):.3f}  "
           f"len {metrics['response_length/mean']:.0f}  "
           f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
-          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}", flush=True)
+          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}")
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       checkpoint.save(mgr, step + 1, state, {"step": step + 1,
                                              "data_position": (step + 1) * n_prompts})
   mgr.wait_until_finished()
-  logger.close()
-  if c.export_hf:
-    export_policy(c, cfg, state.params, os.path.join(c.workdir, "hf"), task)
+  if c.export_hf:  # every process joins the gather; the lead writes
+    params = jax.tree_util.tree_map(sharding.to_host, state.params)
+    if lead:
+      export_policy(c, cfg, params, os.path.join(c.workdir, "hf"), task)
   times["total"] = time.time() - times["total"]
-  with open(os.path.join(c.workdir, "summary.json"), "w") as f:
-    json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(rows[-1])}, f,
-              indent=2, allow_nan=False)
-  print(f"time: {times['total']:.0f}s in all, first step (with compilation) "
-        f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
-        f"{times['train_step']:.0f}s", flush=True)
-  print(f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
-        f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
-        + (f", policy {c.workdir}/hf" if c.export_hf else ""), flush=True)
+  if lead:
+    logger.close()
+    with open(os.path.join(c.workdir, "summary.json"), "w") as f:
+      json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(rows[-1])}, f,
+                indent=2, allow_nan=False)
+  _print(f"time: {times['total']:.0f}s in all, first step (with compilation) "
+         f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
+         f"{times['train_step']:.0f}s")
+  _print(f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
+         f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
+         + (f", policy {c.workdir}/hf" if c.export_hf else ""))
   return rows
+
+
+def _print(message: str) -> None:
+  """Progress on the lead process only (every process runs the same loop)."""
+  if jax.process_index() == 0:
+    print(message, flush=True)

@@ -17,7 +17,7 @@ import numpy as np
 from sparrow_jax.attention import paged_cache, policy
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.schedule import BudgetTable
-from sparrow_jax.model import qwen3
+from sparrow_jax.model import qwen3, sharding
 from sparrow_jax.model.config import Qwen3Config
 
 
@@ -84,10 +84,9 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
   logits_BV, cache = qwen3.prefill(params, prompt_BT[::g], prompt_len_B[::g], cfg, cache, lora=lora)
   if g > 1:  # each group's rows decode from their own copy of the one prefilled prompt
     logits_BV = jnp.repeat(logits_BV, g, axis=0)
-    cache = cache.replace(k_bits=jnp.repeat(cache.k_bits, g, axis=1),
-                          v_bits=jnp.repeat(cache.v_bits, g, axis=1),
-                          centroid_sum=jnp.repeat(cache.centroid_sum, g, axis=1),
-                          lengths=jnp.repeat(cache.lengths, g))
+    cache = paged_cache.constrain(cache.replace(
+        k_bits=jnp.repeat(cache.k_bits, g, axis=1), v_bits=jnp.repeat(cache.v_bits, g, axis=1),
+        centroid_sum=jnp.repeat(cache.centroid_sum, g, axis=1), lengths=jnp.repeat(cache.lengths, g)))
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def emit(t, logits_BV, state):
@@ -130,7 +129,9 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
 
   state = jax.lax.while_loop(cond, body, state)
   top = (state["top_lp"], state["top_id"]) if num_top_logprobs else (None, None)
-  return Rollout(state["tokens"], state["logprobs"], state["lengths"], *top)
+  rollout = Rollout(state["tokens"], state["logprobs"], state["lengths"], *top)
+  return jax.tree_util.tree_map(  # rows where the prompts were: each process's own
+      lambda x: sharding.constrain(x, ("batch",) + ("length",) * (x.ndim - 1)), rollout)
 
 
 def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
@@ -156,16 +157,20 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   T = prompt_BT.shape[1]
-  if int(jnp.min(prompt_len_B)) < 1 or int(jnp.max(prompt_len_B)) > T:
+  # Checked on the rows this process holds (all of them in one process): no global gather.
+  local_len = sharding.local_rows(prompt_len_B)
+  if local_len.min() < 1 or local_len.max() > T:
     raise ValueError(f"prompt_len_B must lie in [1, {T}] (the prompt width), got "
-                     f"{np.asarray(prompt_len_B).tolist()}")
+                     f"{local_len.tolist()}")
   B = prompt_BT.shape[0]
-  if prefill_group < 1 or B % prefill_group:
-    raise ValueError(f"prefill_group must be >= 1 and divide the {B} rows, got {prefill_group}")
+  if prefill_group < 1 or B % prefill_group or len(local_len) % prefill_group:
+    raise ValueError(f"prefill_group must be >= 1 and divide the {B} rows (and the "
+                     f"{len(local_len)} of this process), got {prefill_group}")
   if prefill_group > 1:
-    runs = lambda x: np.asarray(x).reshape(B // prefill_group, prefill_group, *np.shape(x)[1:])
-    if not (np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
-            and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])):
+    runs = lambda x: x.reshape(-1, prefill_group, *x.shape[1:])
+    local_prompt = sharding.local_rows(prompt_BT)
+    if not (np.all(runs(local_prompt) == runs(local_prompt)[:, :1])
+            and np.all(runs(local_len) == runs(local_len)[:, :1])):
       raise ValueError(f"prefill_group={prefill_group}: the rows are not runs of "
                        f"{prefill_group} identical prompts")
   cache_len = T + max_new_tokens
@@ -184,7 +189,8 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
     else:
       budget = BudgetTable(jnp.asarray(budget_table(schedule, cache_len, sparse)))
     if max_selected is None:
-      max_selected = 1 << max(int(jnp.max(budget.pages_by_len)) - 1, 1).bit_length()
+      max_selected = 1 << max(int(sharding.to_host(budget.pages_by_len).max()) - 1,
+                              1).bit_length()
   return _generate(params, prompt_BT, prompt_len_B, key, budget, lora, cfg=cfg,
                    max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
