@@ -18,7 +18,10 @@ def get_config():
   c.parts = "train,sampler,calibrate,compile_time,calibrate_run"  # what to measure (see script)
   c.train_rows = 2                   # rows per train step: one GRPO group of 2 ...
   c.micro_batches = 2                # ... one row per backward pass (gradient accumulation)
-  c.sampler_rows = 8                 # sampled rows (one prompt x 8 samples, prefilled once)
+  c.sampler_rows = 8                 # sampled rows ...
+  c.sampler_group = 8                # ... in groups of this many samples of one prompt (one prefill)
+  c.mesh = "1,1,1"                   # data,fsdp,tensor: figures per device (fake CPU devices:
+  #                                    XLA_FLAGS=--xla_force_host_platform_device_count=N)
   c.calibrate_rows = 1               # rows per calibration pass (one candidate per pass)
   c.compile_time_model = "qwen3-1.7b"  # compile time of the train step at full depth ...
   c.compile_time_layers = 4          # ... against this many layers (same widths)

@@ -17,6 +17,12 @@ and of its temporaries (everything XLA allocates besides arguments and outputs) 
                  random weights on this CPU: wall time and peak RSS.
 The CPU backend's buffer assignment stands in for the accelerators' (same HLO, fusion differs);
 scan-over-layers and rematerialisation decide what lives at once on every backend.
+
+Per device on a mesh (`--config.mesh=DATA,FSDP,TENSOR`, on that many fake CPU devices):
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_report.py \
+      --config=configs/memory_report.py --config.mesh=1,8,1 --config.train_rows=8 ...
+train and sampler are then compiled as the trainer runs them: state and batch on the sharding
+rules (model/sharding.py), the sampler's weights gathered over fsdp (sharding.ROLLOUT_RULES).
 """
 import dataclasses
 import json
@@ -35,6 +41,7 @@ from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model import sharding
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 
@@ -65,35 +72,67 @@ def _budget(schedule, model, length):
   return BudgetTable(SDS((length + 1,), jnp.int32)), table
 
 
-def train_step(model, length, c, dtype, layers=None):
+def make_mesh(spec: str):
+  data, fsdp, tensor = (int(n) for n in spec.split(","))
+  if data * fsdp * tensor != jax.device_count():
+    raise ValueError(f"config.mesh = {spec!r} needs {data * fsdp * tensor} devices, this process "
+                     f"has {jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
+                     f"count={data * fsdp * tensor} (fake CPU devices)")
+  return sharding.make_mesh(data, fsdp, tensor)
+
+
+def _on(tree, shardings):
+  """ShapeDtypeStructs placed on `shardings` (what the jitted function is lowered for)."""
+  return jax.tree_util.tree_map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def train_step(model, length, c, dtype, mesh, layers=None):
   cfg, params, lora = _model(model, dtype, layers)
   sc = ts.StepConfig(group_size=c.train_rows, micro_batches=c.micro_batches, bin_size=2048,
                      num_bins=20, page_size=SPARSE.page_size)
   opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
   state = jax.eval_shape(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
   batch = ts.Batch.abstract(c.train_rows, length)
-  step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE)
+  step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE,
+                            ts.state_sharding(state, mesh, opt, lora_opt))
   start = time.time()
-  compiled = step.lower(state, batch, _budget(c.schedule, model, length)[0]).compile()
+  with jax.set_mesh(mesh):
+    compiled = step.lower(state, batch, _budget(c.schedule, model, length)[0]).compile()
   return dict(_analysis(compiled), compile_s=time.time() - start)
 
 
-def sampler_memory(model, length, c, dtype):
+def sampler_memory(model, length, c, dtype, mesh):
   cfg, params, lora = _model(model, dtype)
   B, T = c.sampler_rows, c.prompt_len
   budget, table = _budget(c.schedule, model, length)
-  compiled = sampler._generate.lower(
-      params, SDS((B, T), jnp.int32), SDS((B,), jnp.int32), SDS((2,), jnp.uint32), budget, lora,
-      cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0, eos_ids=(0,),
-      sparse=SPARSE, max_selected=1 << max(int(table.max()) - 1, 1).bit_length(),
-      num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=B).compile()
+  rules = sharding.ROLLOUT_RULES  # the trainer's sampler weights: gathered over fsdp
+  params = _on(params, sharding.shardings(params, sharding.param_axes(params), mesh, rules))
+  lora = lora.replace(params=_on(lora.params, sharding.shardings(
+      lora.params, sharding.lora_axes(lora.params), mesh, rules)))
+  rows = lambda x: SDS(x.shape, x.dtype, sharding=sharding.rows_sharding(x, mesh))
+  with jax.set_mesh(mesh):
+    compiled = sampler._generate.lower(
+        params, rows(SDS((B, T), jnp.int32)), rows(SDS((B,), jnp.int32)), SDS((2,), jnp.uint32),
+        budget, lora, cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0,
+        eos_ids=(0,), sparse=SPARSE, max_selected=1 << max(int(table.max()) - 1, 1).bit_length(),
+        num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=c.sampler_group
+    ).compile()
   out = _analysis(compiled)
   itemsize = jnp.dtype(dtype).itemsize
+  per_device = lambda x: x.size * x.dtype.itemsize // _ways(x.sharding.spec, mesh)
   kv = 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * length * cfg.head_dim * itemsize
-  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+  kv //= _ways(sharding.spec(("batch", "kv_heads"), (B, cfg.num_key_value_heads), mesh), mesh)
+  param_bytes = sum(per_device(x) for x in jax.tree_util.tree_leaves(params))
   out.update(kv_gb=kv / GB, params_gb=param_bytes / GB,
              ratio=(out["args_gb"] + out["temp_gb"]) * GB / (kv + param_bytes))
   return out
+
+
+def _ways(partition_spec, mesh) -> int:
+  """Devices one array is split over under `partition_spec`."""
+  names = [a for entry in partition_spec if entry
+           for a in ((entry,) if isinstance(entry, str) else entry)]
+  return int(np.prod([mesh.shape[a] for a in names])) if names else 1
 
 
 def calibrate_memory(model, length, c, dtype):
@@ -150,14 +189,15 @@ def main(argv):
   unknown = parts - {"train", "sampler", "calibrate", "compile_time", "calibrate_run"}
   if unknown:
     raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
-  report = {}
-  print(f"backend {jax.default_backend()}, params/KV {c.dtype}, GB = 1e9 bytes, per device",
-        flush=True)
+  mesh = make_mesh(c.mesh)
+  report = {"mesh": c.mesh}
+  print(f"backend {jax.default_backend()}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
+        f"the mesh (data, fsdp, tensor) = ({c.mesh})", flush=True)
   if "train" in parts:
     print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)")
 
     def measure_train(model, n):
-      fig = train_step(model, n, c, dtype)
+      fig = train_step(model, n, c, dtype, mesh)
       return dict(fig, total_gb=fig["args_gb"] + fig["temp_gb"])
     _table(report, "train", measure_train, models, lengths,
            (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
@@ -165,7 +205,7 @@ def main(argv):
   if "sampler" in parts:
     print(f"\nsampler, {c.sampler_rows} rows, prompt {c.prompt_len}; "
           "ratio = (args + temps) / (KV + params)")
-    _table(report, "sampler", lambda m, n: sampler_memory(m, n, c, dtype), models, lengths,
+    _table(report, "sampler", lambda m, n: sampler_memory(m, n, c, dtype, mesh), models, lengths,
            (("args", "args_gb"), ("temps", "temp_gb"), ("KV", "kv_gb"), ("params", "params_gb"),
             ("ratio", "ratio")))
   if "calibrate" in parts:
@@ -174,8 +214,8 @@ def main(argv):
            (("args", "args_gb"), ("temps", "temp_gb")))
   if "compile_time" in parts:
     m, n = c.compile_time_model, c.compile_time_len
-    few = train_step(m, n, c, dtype, layers=c.compile_time_layers)["compile_s"]
-    full = train_step(m, n, c, dtype)["compile_s"]
+    few = train_step(m, n, c, dtype, mesh, layers=c.compile_time_layers)["compile_s"]
+    full = train_step(m, n, c, dtype, mesh)["compile_s"]
     report["compile_time"] = {"model": m, "tokens": n, "layers": c.compile_time_layers,
                               "few_s": few, "full_s": full, "ratio": full / few}
     print(f"\ncompile time of the train step, {m} at {n} tokens: {c.compile_time_layers} layers "

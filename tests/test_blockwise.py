@@ -137,3 +137,42 @@ def test_chunked_lm_head_matches_full_logits_with_gradients():
   g_chunked = jax.grad(lambda p: jnp.sum(chunked(p)))(params)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_chunked,
                          g_full)
+
+
+def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):
+  """remat full (the custom_vjp that keeps each layer's input as integer bits) gives remat none's
+  gradients of params and LoRA through the sparse teacher-forced pass (whose attention closes over
+  traced budgets and prompt lengths), in bf16 too; so does the MLP in chunks."""
+  from sparrow_jax.attention import policy
+  from sparrow_jax.mismatch.schedule import BudgetTable
+  from sparrow_jax.model import lora as lora_lib
+  from sparrow_jax.rollout import sampler
+  cfg = tiny_config(num_hidden_layers=3)
+  sparse = select.SparseConfig(page_size=4, dense_layers=1)
+  table = sampler.budget_table(KVSchedule.fixed(3, page_size=4), 40, sparse)
+  tokens = jnp.asarray(np.random.RandomState(3).randint(0, cfg.vocab_size, (2, 40)))
+  prompt_len = jnp.asarray([9, 14])
+  for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):  # bf16: one rounding step
+    params = sj.init_params(cfg, jax.random.PRNGKey(5), std=0.3, dtype=dtype)
+    lora = jax.tree_util.tree_map(lambda x: x + 0.01, lora_lib.init_lora(
+        params, jax.random.PRNGKey(6), rank=2, alpha=4.0, dtype=dtype))
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def grads(params, lora, table, remat):
+      def loss(params, lora):
+        attention = policy.teacher_forced_attention_fn(sparse, BudgetTable(table), prompt_len)
+        x = qwen3.forward_hidden(params, tokens, cfg, attention_fn=attention, lora=lora,
+                                 remat=remat)
+        return jnp.sum(jnp.sin(x.astype(jnp.float32)))
+      return jax.grad(loss, argnums=(0, 1))(params, lora)
+
+    want = grads(params, lora, table, "none")
+    close = lambda got: jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(  # to the leaf's scale: recompute reorders sums
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
+            atol=tol * float(np.max(np.abs(np.asarray(b, np.float32))))), got, want)
+    close(grads(params, lora, table, "full"))
+    if dtype == jnp.float32:
+      monkeypatch.setattr(qwen3, "MLP_CHUNK", 16)  # 40 positions: 3 chunks, the last one padded
+      close(grads(params, lora, jnp.asarray(table), "full"))  # a new table argument: retraced
+      monkeypatch.undo()

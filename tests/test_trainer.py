@@ -69,6 +69,8 @@ def config(**changes):
     ({"rollout__dense_layers": 99}, "rollout.dense_layers"),
     ({"rollout__max_new_tokens": 100000}, "max_new_tokens = 100512"),
     ({"rollout__schedule": "fixed:abc"}, "rollout.schedule"),
+    ({"mesh__fsdp": 0}, "mesh.fsdp"),
+    ({"mesh__data": -2}, "mesh.data"),
 ])
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -120,6 +122,13 @@ def test_schedule_stages_switch_without_recompiling(tmp_path):
   rows = trainer.train(c)
   assert [r["kv/schedule_stage"] for r in rows] == [0, 0, 1]
   assert sampler._generate._cache_size() == compiled + 1  # both stages: one sampler program
+
+
+def test_mesh_that_does_not_fit_the_devices_or_the_batch_names_the_field():
+  with pytest.raises(ValueError, match=r"config\.mesh .*does not match the 1 devices"):
+    trainer.make_mesh(config(mesh__data=2))
+  with pytest.raises(ValueError, match=r"config\.rl\.micro_batches .*multiple of mesh data x fsdp"):
+    trainer.make_mesh(config(rl__micro_batches=16))  # 32 rows / 4 minibatches / 16 = 0.5
 
 
 def test_random_preset_needs_a_task_with_its_own_vocabulary():

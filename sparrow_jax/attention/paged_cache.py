@@ -32,8 +32,13 @@ from sparrow_jax.model import sharding
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _to_bits(x):
+def to_bits(x):
+  """x as unsigned integers of its width (a free bitcast; `from_bits` undoes it)."""
   return jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype).itemsize])
+
+
+def from_bits(bits, dtype):
+  return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
 
 
 @flax.struct.dataclass
@@ -47,10 +52,10 @@ class PagedKVCache:
 
   def keys(self, layer):
     """Keys [B, K, S, E] of `layer` (traced is fine) in the cache dtype."""
-    return jax.lax.bitcast_convert_type(self.k_bits[layer], jnp.dtype(self.dtype))
+    return from_bits(self.k_bits[layer], self.dtype)
 
   def values(self, layer):
-    return jax.lax.bitcast_convert_type(self.v_bits[layer], jnp.dtype(self.dtype))
+    return from_bits(self.v_bits[layer], self.dtype)
 
   @property
   def max_len(self) -> int:
@@ -96,7 +101,7 @@ def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> 
   v_BCKE = jnp.where(valid_BC[:, :, None, None], v_BCKE, 0)
   sums_BKPE = k_BCKE.astype(jnp.float32).reshape(B, C // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
-  bits = lambda x: _to_bits(x.astype(cache.dtype).transpose(0, 2, 1, 3))
+  bits = lambda x: to_bits(x.astype(cache.dtype).transpose(0, 2, 1, 3))
   return cache.replace(k_bits=put(cache.k_bits, bits(k_BCKE), start),
                        v_bits=put(cache.v_bits, bits(v_BCKE), start),
                        centroid_sum=put(cache.centroid_sum, sums_BKPE, start // Z))
@@ -105,7 +110,7 @@ def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> 
 def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
   """Writes one token per sequence at slot pos_B of `layer` and adds its key to that page's sum."""
   b = jnp.arange(k_BKE.shape[0])
-  bits = lambda x: _to_bits(x.astype(cache.dtype))
+  bits = lambda x: to_bits(x.astype(cache.dtype))
   return cache.replace(
       k_bits=cache.k_bits.at[layer, b, :, pos_B].set(bits(k_BKE)),
       v_bits=cache.v_bits.at[layer, b, :, pos_B].set(bits(v_BKE)),

@@ -27,6 +27,7 @@ import math
 from typing import Callable, Optional
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -145,14 +146,22 @@ def qkv(layer, x_BTD, positions_BT, cfg: Qwen3Config, lora_layer=None, lora_scal
   return q, k, v
 
 
+MLP_CHUNK = 4096  # positions per MLP chunk of a long row (see finish_layer)
+
+
 def finish_layer(layer, x_BTD, attn_BTHE, cfg: Qwen3Config, lora_layer=None, lora_scale=1.0):
-  """Output projection + residual, then the SwiGLU MLP + residual."""
+  """Output projection + residual, then the SwiGLU MLP + residual. Rows longer than MLP_CHUNK go
+  through the MLP in chunks (`map_sequence`): its [T, F] intermediates and their gradients were
+  the largest temporaries of a long-row train step (14B, 38K tokens: 2.7 GB per float32 [T, F]
+  buffer, ten live at once; experiments/memory_report.py)."""
   B, T = x_BTD.shape[:2]
   proj = lambda h, name: lora_lib.project(h, layer[name], lora_layer, name, lora_scale)
   x_BTD = x_BTD + proj(attn_BTHE.reshape(B, T, -1).astype(x_BTD.dtype), "o")
-  h_BTD = rms_norm(x_BTD, layer["mlp_norm"], cfg.rms_norm_eps)
-  mlp_BTF = jax.nn.silu(proj(h_BTD, "gate")) * proj(h_BTD, "up")
-  return x_BTD + proj(mlp_BTF, "down")
+
+  def mlp(x_BCD):
+    h_BCD = rms_norm(x_BCD, layer["mlp_norm"], cfg.rms_norm_eps)
+    return x_BCD + proj(jax.nn.silu(proj(h_BCD, "gate")) * proj(h_BCD, "up"), "down")
+  return mlp(x_BTD) if T <= MLP_CHUNK else map_sequence(mlp, (x_BTD,), MLP_CHUNK)
 
 
 def unembed(params, x_BTD, cfg: Qwen3Config):
@@ -165,15 +174,11 @@ def unembed(params, x_BTD, cfg: Qwen3Config):
 LOGITS_CHUNK = 512  # positions per LM-head chunk: [B, 512, 151936] f32 = 311 MB per row
 
 
-def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGITS_CHUNK):
-  """fn(logits_list, *arg_chunks) over sequence chunks of the final hidden states.
-
-  hiddens: a tuple of [B, S, D] hidden states, each turned into float32 logits [B, c, V] per chunk
-  of c positions; args: [B, S, ...] arrays cut the same way. fn returns a pytree of [B, c, ...]
-  arrays, put back together as [B, S, ...]. The chunk body is checkpointed, so the backward pass
-  recomputes a chunk's logits instead of keeping them: no [B, S, V] array is held, forward or back.
-  """
-  B, S = hiddens[0].shape[:2]
+def map_sequence(fn, arrays, chunk: int):
+  """fn(*array_chunks) over chunks of `chunk` positions of [B, S, ...] arrays (the last one padded);
+  fn returns a pytree of [B, c, ...] arrays, put back together as [B, S, ...]. The chunk body is a
+  checkpointed scan step, so forward and backward hold one chunk's intermediates at a time."""
+  B, S = arrays[0].shape[:2]
   c = min(chunk, S)
   n = -(-S // c)
 
@@ -181,14 +186,24 @@ def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGI
     x = jnp.pad(x, ((0, 0), (0, n * c - S)) + ((0, 0),) * (x.ndim - 2))
     return x.reshape(B, n, c, *x.shape[2:]).swapaxes(0, 1)
 
-  def body(_, xs):
-    hs, chunk_args = xs
-    return None, fn([unembed(params, h, cfg) for h in hs], *chunk_args)
-
-  xs = (tuple(map(to_chunks, hiddens)), tuple(map(to_chunks, args)))
-  _, ys = jax.lax.scan(jax.checkpoint(body), None, xs)
+  _, ys = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, fn(*xs))), None,
+                       tuple(map(to_chunks, arrays)))
   return jax.tree_util.tree_map(lambda y: y.swapaxes(0, 1).reshape(B, n * c, *y.shape[3:])[:, :S],
                                 ys)
+
+
+def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGITS_CHUNK):
+  """fn(logits_list, *arg_chunks) over sequence chunks of the final hidden states.
+
+  hiddens: a tuple of [B, S, D] hidden states, each turned into float32 logits [B, c, V] per chunk
+  of c positions; args: [B, S, ...] arrays cut the same way. fn returns a pytree of [B, c, ...]
+  arrays, put back together as [B, S, ...]. Chunks are checkpointed (`map_sequence`), so the
+  backward pass recomputes a chunk's logits instead of keeping them: no [B, S, V] array is held,
+  forward or back.
+  """
+  k = len(hiddens)
+  return map_sequence(
+      lambda *xs: fn([unembed(params, h, cfg) for h in xs[:k]], *xs[k:]), (*hiddens, *args), chunk)
 
 
 def default_positions(mask_BT):
@@ -206,11 +221,46 @@ def causal_attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 # Remat per layer: "full" keeps each layer's input and recomputes the rest in the backward pass
-# (the memory-bounded default); "dots" also keeps the weight matmuls' outputs (less recompute,
-# more activations); "none" keeps everything autodiff wants.
+# (the memory-bounded default; `remat_full`); "dots" also keeps the weight matmuls' outputs (less
+# recompute, more activations); "none" keeps everything autodiff wants.
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "none": None}
+
+
+def remat_full(layer_fn):
+  """layer_fn(x, *args) rematerialised: its backward recomputes the forward from the input x,
+  which is all it keeps, stored as integer bits. The same as jax.checkpoint with nothing saveable,
+  but the scan over layers stacks those inputs with integer writes: XLA CPU runs bfloat16
+  dynamic-update-slices in float32 and had held two float32 copies of the bf16 stack (4x its size:
+  64 GB per device of a 14B x 38K train step; the sampler's cache avoids it the same way)."""
+  def remat(x, *args):
+    # The traced values layer_fn closes over (masks, budgets) become explicit inputs: a custom_vjp
+    # backward may not close over tracers (jax.closure_convert hoists only float ones).
+    closed = jax.make_jaxpr(layer_fn, return_shape=True)(x, *args)
+    (jaxpr, out_shape), treedef = closed, jax.tree_util.tree_structure((x, *args))
+    del treedef
+
+    def call(x, args, consts):
+      flat = jax.tree_util.tree_leaves((x, *args))
+      out = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr.jaxpr, consts))(*flat)
+      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+    consts = list(jaxpr.consts)
+
+    @jax.custom_vjp
+    def fn(x, args, consts):
+      return call(x, args, consts)
+
+    def fwd(x, args, consts):
+      return call(x, args, consts), (paged_cache.to_bits(x), args, consts)
+
+    def bwd(residuals, g):
+      bits, args, consts = residuals
+      return jax.vjp(call, paged_cache.from_bits(bits, g.dtype), args, consts)[1](g)
+
+    fn.defvjp(fwd, bwd)
+    return fn(x, args, consts)
+  return remat
 
 
 def check_remat(remat: str) -> None:
@@ -240,17 +290,18 @@ def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, ma
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
   xs, scale = _layer_xs(params, lora)
 
-  def layer_step(x_BTD, xs):
-    layer, lora_layer, i = xs
+  def layer_fn(x_BTD, layer, lora_layer, i):
     q_BTHE, k_BTKE, v_BTKE = qkv(layer, x_BTD, positions_BT, cfg, lora_layer, scale)
     attn = attention_fn(i, q_BTHE.reshape(B, T, K, G, E), k_BTKE, v_BTKE, mask_BT)
     x_BTD = finish_layer(layer, x_BTD, attn.reshape(B, T, K * G, E), cfg, lora_layer, scale)
-    return sharding.constrain(x_BTD, ACT_AXES), None
+    return sharding.constrain(x_BTD, ACT_AXES)
 
-  if remat != "none":
-    layer_step = jax.checkpoint(layer_step, policy=REMAT_POLICIES[remat])
+  if remat == "full":
+    layer_fn = remat_full(layer_fn)
+  elif remat != "none":
+    layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[remat])
   x_BTD = sharding.constrain(embed(params, tokens_BT, cfg), ACT_AXES)
-  x_BTD, _ = jax.lax.scan(layer_step, x_BTD, xs)
+  x_BTD, _ = jax.lax.scan(lambda x, layer_xs: (layer_fn(x, *layer_xs), None), x_BTD, xs)
   return x_BTD
 
 

@@ -47,6 +47,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(isinstance(p, int) and p > 0 and not p & (p - 1), "rollout.page_size", p,
            "must be a power of two")
   _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
+  for name in ("data", "fsdp", "tensor"):
+    ways = c.mesh[name]
+    _require(isinstance(ways, int) and (ways >= 1 or (name == "data" and ways == -1)),
+             f"mesh.{name}", ways, "a positive number of devices" + (" or -1 (the rest)"
+                                                                    if name == "data" else ""))
   batch = r.prompts_per_step * r.group_size
   _require(batch % c.rl.num_minibatches == 0, "rl.num_minibatches", c.rl.num_minibatches,
            f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)")
@@ -214,10 +219,11 @@ def make_mesh(c):
                      f"{e}") from None
   ways = mesh.shape["data"] * mesh.shape["fsdp"]
   rows = r.prompts_per_step * r.group_size
-  per_micro = rows // c.rl.num_minibatches // c.rl.micro_batches
-  _require(per_micro % ways == 0, "rl.micro_batches", c.rl.micro_batches,
+  slices = c.rl.num_minibatches * c.rl.micro_batches
+  _require(rows % (slices * ways) == 0, "rl.micro_batches", c.rl.micro_batches,
            f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
-           f"rl.micro_batches = {per_micro}) must be divisible by mesh data x fsdp = {ways}")
+           f"rl.micro_batches = {rows / slices:g}) must be a whole multiple of mesh data x fsdp = "
+           f"{ways}")
   lo, hi = sharding.process_rows(NamedSharding(mesh, PartitionSpec(sharding.BATCH)), rows)
   _require(lo % r.group_size == 0 and hi % r.group_size == 0, "rollout.group_size", r.group_size,
            f"this process holds rows [{lo}, {hi}): each process must hold whole groups")
