@@ -8,10 +8,15 @@ import from there (`sparrow_jax` and `kernels` are installed by `pip install -e 
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache per test session, inherited by every subprocess: a resumed or
+# repeated run (and a test that builds a step another test built) loads its executables instead
+# of compiling them again (CI time).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sparrow_jax_jit_"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
