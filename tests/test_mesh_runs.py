@@ -14,11 +14,11 @@ ATOL = 1e-5
 
 def test_trainer_cli_on_a_2x2x2_mesh_matches_one_device(small_run, tmp_path):
   proc = launch_small(tmp_path / "mesh", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-                      "--config.mesh.tensor=2", "--config.total_steps=3", devices=8)
+                      "--config.mesh.tensor=2", "--config.total_steps=2", devices=8)
   out = proc.communicate(timeout=600)[0]
   assert proc.returncode == 0, out[-3000:]
   assert "Involuntary full rematerialization" not in out  # no array gathered whole by XLA
-  assert_same_metrics(rows_by_step(tmp_path / "mesh"), rows_by_step(small_run), (1, 2, 3), ATOL)
+  assert_same_metrics(rows_by_step(tmp_path / "mesh"), rows_by_step(small_run), (1, 2), ATOL)
 
 
 def _free_port():
