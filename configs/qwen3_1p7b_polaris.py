@@ -31,7 +31,7 @@ def get_config():
   c.distributed = common.distributed()  # one process drives the node's 8 GPUs
 
   c.model = common.model(hf_dir="checkpoints/Qwen3-1.7B", dtype="bfloat16")  # local HF dir
-  c.task = common.task("name", "path", name="math:polaris", path="data/polaris-53k.parquet")
+  c.task = common.task(name="math:polaris", path="data/polaris-53k.parquet")  # local file
 
   c.rollout = common.rollout(schedule="paper:qwen3-1.7b:0.86", dense_layers=2,
                              max_new_tokens=37 * 1024)  # the paper's math cutoff

@@ -27,3 +27,15 @@ def test_real_config_lowers_at_full_size(name, preset, devices, rows, q_shape):
   out = run_on_fake_devices(SCRIPT.format(name=name, preset=preset), devices=devices)
   assert f"q {q_shape} P(None, 'fsdp', None)" in out  # FSDP over the model width
   assert f"rows ({rows}, 38912)" in out  # 1K prompt + the paper's 37K cutoff
+
+
+@pytest.mark.parametrize("name", ["qwen3_1p7b_polaris", "qwen3_14b_polaris"])
+def test_real_config_has_every_trainer_field(name):
+  import importlib
+  import json
+
+  from configs import default
+  from sparrow_jax.rl import trainer
+  fields = lambda c: set(trainer._flat(json.loads(c.to_json_best_effort())))
+  c = importlib.import_module(f"configs.{name}").get_config()
+  assert fields(c) == fields(default.get_config())
