@@ -5,75 +5,22 @@
       --config=configs/qwen3_14b_polaris.py --config.model.hf_dir=/path/to/Qwen3-14B \\
       --config.task.path=/path/to/polaris-53k.parquet
 
-The paper's recipe (SPARROW_BRIEF): 37K-token generation cutoff, n = 8, GRPO token-mean with clip
-0.2 / 0.28 and dual clip 3, TIS (cap 2), no KL, temperature 1.0, page 16, the first 2 layers dense,
-the published tau-0.86 schedule for this model, p5 in 2K-token bins; DistillSparse off. FSDP over
-each node's 8 GPUs (params, grads and Adam states in eighths), data parallel over the 4 nodes.
-Sized by experiments/memory_report.py: one 38K row per GPU per backward pass; the sampler holds every
-row's full-length cache at once, 2 rows x 38K per GPU here (~13 GB of bf16 KV at 14B). Checked in
+The recipe of configs/qwen3_1p7b_polaris.py (the paper's) with what differs at 14B: the model's own
+tau-0.86 table, FSDP within each node's 8 GPUs and data parallel over the 4 nodes, and 32 rows per
+backward pass, one 38K row per GPU (74 GB per GPU in experiments/memory_report.py's compile on 8
+fake devices). The sampler holds 2 rows x 38K per GPU (~13 GB of bf16 KV). Checked in
 tests/test_real_configs.py by lowering its step at full size on 32 fake devices.
 """
-import ml_collections
-
-from configs import common
+from configs import common, qwen3_1p7b_polaris
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
+  c = qwen3_1p7b_polaris.get_config()
   c.workdir = "runs/qwen3_14b_polaris"  # checkpoints, TensorBoard, metrics.jsonl; reused = resume
-  c.seed = 0                         # data order, LoRA init and rollout PRNG
-  c.total_steps = 500                # RL steps
-  c.ckpt_every = 10                  # steps between orbax checkpoints (sharded: each host its part)
-  c.keep_checkpoints = 3             # newest checkpoints kept
-  c.max_nonfinite_steps = 3          # abort after this many skipped (non-finite) updates in a row
-  c.hardware = "h200"                # cost-model hardware for the predicted-speedup metric
-  c.export_hf = True                 # final policy as a Hugging Face dir in <workdir>/hf
-
   c.mesh = common.mesh(data=4, fsdp=8, tensor=1)  # FSDP within a node, data across the 4 nodes
-  c.distributed = common.distributed(enabled=True)  # coordinator etc. detected (SLURM, ...)
-
-  c.model = common.model(hf_dir="checkpoints/Qwen3-14B", dtype="bfloat16")  # local HF dir
-  c.task = common.task(name="math:polaris", path="data/polaris-53k.parquet")  # local file
-
-  c.rollout = common.rollout(schedule="paper:qwen3-14b:0.86", dense_layers=2,
-                             max_new_tokens=37 * 1024)  # the paper's math cutoff
-  c.rollout.prompts_per_step = 8     # distinct prompts per step (x 8 samples = 64 rollouts)
-  c.rollout.group_size = 8           # samples per prompt (n)
-  c.rollout.max_prompt_len = 1024    # Polaris prompts with the chat template fit in 1K tokens
-  c.rollout.num_top_logprobs = 0     # exact alpha is logged; the top-20 bound costs a vocab top-k
-
-  c.rl = ml_collections.ConfigDict()
-  c.rl.learning_rate = 1e-6          # AdamW peak learning rate (verl's default for RLVR at this size)
-  c.rl.warmup_steps = 10             # linear warmup, then constant
-  c.rl.weight_decay = 0.0            # AdamW decoupled weight decay
-  c.rl.max_grad_norm = 1.0           # clip by global norm
-  c.rl.estimator = "grpo"            # grpo | dr_grpo | rloo
-  c.rl.grpo_std_ddof = 1             # group std: 1 unbiased (the reference's torch.std) | 0
-  c.rl.eps_low = 0.2                 # PPO clip below
-  c.rl.eps_high = 0.28               # PPO clip above (clip-higher)
-  c.rl.dual_clip = 3.0               # dual-clip c for negative advantages
-  c.rl.tis_cap = 2.0                 # truncated importance sampling cap C
-  c.rl.tis_level = "token"           # token | sequence | none
-  c.rl.loss_agg = "token-mean"       # the paper's aggregation
-  c.rl.kl_coef = 0.0                 # no KL to the reference (none kept)
-  c.rl.entropy_coef = 0.0            # no entropy bonus
-  c.rl.ppo_epochs = 1                # passes over each batch
-  c.rl.num_minibatches = 2           # 2 updates of 32 rollouts per step
-  c.rl.dapo_filter = False           # keep zero-variance groups (plain GRPO)
-  c.rl.micro_batches = 1             # 32 rows per backward pass: one 38K row per GPU
-  c.rl.remat = "full"                # per-layer remat: what 38K-token rows need
-  c.rl.logits_chunk = 512            # positions per LM-head chunk
-
-  c.distill = ml_collections.ConfigDict()
-  c.distill.enabled = False          # DistillSparse off (the paper's main runs); see default.py
-  c.distill.rank = 8                 # LoRA rank
-  c.distill.alpha = 16.0             # LoRA alpha
-  c.distill.targets = "q,k,v,o,gate,up,down"  # all projections (the reference)
-  c.distill.learning_rate = 1e-5     # Adam learning rate of the LoRA
-  c.distill.kl_coef = 1e-3           # lambda of the k3 term (the paper)
-  c.distill.ppo_coef = 1.0           # the sparse actor's own PPO term (the paper)
-
-  c.stats = common.stats(bin_size=2048)  # tau 0.86, the paper's 2K-token bins
-  c.stats.exact_acceptance = True    # exact alpha (the paper's statistic) from a sparse no-grad pass
-  c.stats.num_bins = 19              # 38K tokens / 2K
+  c.distributed.enabled = True       # one process per node; coordinator etc. detected (SLURM, ...)
+  c.model.hf_dir = "checkpoints/Qwen3-14B"  # local HF dir
+  c.rollout.schedule = "paper:qwen3-14b:0.86"  # the published table for this model
+  c.rl.num_minibatches = 2           # 2 updates of 32 rollouts per step ...
+  c.rl.micro_batches = 1             # ... each one backward pass: one 38K row per GPU
   return c
