@@ -237,15 +237,14 @@ def remat_full(layer_fn):
   def remat(x, *args):
     # The traced values layer_fn closes over (masks, budgets) become explicit inputs: a custom_vjp
     # backward may not close over tracers (jax.closure_convert hoists only float ones).
-    closed = jax.make_jaxpr(layer_fn, return_shape=True)(x, *args)
-    (jaxpr, out_shape), treedef = closed, jax.tree_util.tree_structure((x, *args))
-    del treedef
+    closed, out_shape = jax.make_jaxpr(layer_fn, return_shape=True)(x, *args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
 
     def call(x, args, consts):
-      flat = jax.tree_util.tree_leaves((x, *args))
-      out = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr.jaxpr, consts))(*flat)
-      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
-    consts = list(jaxpr.consts)
+      out = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(closed.jaxpr, consts))(
+          *jax.tree_util.tree_leaves((x, *args)))
+      return jax.tree_util.tree_unflatten(out_tree, out)
+    consts = list(closed.consts)
 
     @jax.custom_vjp
     def fn(x, args, consts):
