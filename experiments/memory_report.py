@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
@@ -106,10 +107,9 @@ def sampler_memory(model, length, c, dtype, mesh):
   B, T = c.sampler_rows, c.prompt_len
   budget, table = _budget(c.schedule, model, length)
   rules = sharding.ROLLOUT_RULES  # the trainer's sampler weights: gathered over fsdp
-  params = _on(params, sharding.shardings(params, sharding.param_axes(params), mesh, rules))
-  lora = lora.replace(params=_on(lora.params, sharding.shardings(
-      lora.params, sharding.lora_axes(lora.params), mesh, rules)))
-  rows = lambda x: SDS(x.shape, x.dtype, sharding=sharding.rows_sharding(x, mesh))
+  params = _on(params, sharding.param_shardings(params, mesh, rules))
+  lora = _on(lora, sharding.lora_shardings(lora, mesh, rules))
+  rows = lambda x: SDS(x.shape, x.dtype, sharding=sharding.rows(mesh))
   with jax.set_mesh(mesh):
     compiled = sampler._generate.lower(
         params, rows(SDS((B, T), jnp.int32)), rows(SDS((B,), jnp.int32)), SDS((2,), jnp.uint32),
@@ -118,21 +118,15 @@ def sampler_memory(model, length, c, dtype, mesh):
         num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=c.sampler_group
     ).compile()
   out = _analysis(compiled)
-  itemsize = jnp.dtype(dtype).itemsize
-  per_device = lambda x: x.size * x.dtype.itemsize // _ways(x.sharding.spec, mesh)
-  kv = 2 * cfg.num_hidden_layers * B * cfg.num_key_value_heads * length * cfg.head_dim * itemsize
-  kv //= _ways(sharding.spec(("batch", "kv_heads"), (B, cfg.num_key_value_heads), mesh), mesh)
+  per_device = lambda x: np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+  k_cache = SDS((L, B, K, length, E), dtype, sharding=NamedSharding(
+      mesh, sharding.spec(sharding.CACHE_AXES["k_bits"], (L, B, K, length, E), mesh)))
+  kv = 2 * per_device(k_cache)
   param_bytes = sum(per_device(x) for x in jax.tree_util.tree_leaves(params))
   out.update(kv_gb=kv / GB, params_gb=param_bytes / GB,
              ratio=(out["args_gb"] + out["temp_gb"]) * GB / (kv + param_bytes))
   return out
-
-
-def _ways(partition_spec, mesh) -> int:
-  """Devices one array is split over under `partition_spec`."""
-  names = [a for entry in partition_spec if entry
-           for a in ((entry,) if isinstance(entry, str) else entry)]
-  return int(np.prod([mesh.shape[a] for a in names])) if names else 1
 
 
 def calibrate_memory(model, length, c, dtype):

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
     import sparrow_jax as sj
     from sparrow_jax.attention.select import SparseConfig
     from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         state = jax.jit(init, out_shardings=shardings)(sharding.place(params, shardings.params),
                                                        sharding.place(lora, shardings.lora))
         step = ts.make_train_step(CFG, SC, opt, lora_opt, sparse, shardings)
-        rows = NamedSharding(mesh, P(sharding.BATCH))
+        rows = sharding.rows(mesh)
         budget = sharding.place(BudgetTable(TABLE), sharding.replicated(mesh))
         to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows)
         logits = jax.jit(sj.forward, static_argnums=2)(

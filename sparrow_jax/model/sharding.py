@@ -108,13 +108,22 @@ def shardings(tree, axes_tree, mesh: Mesh, rules=None):
       is_leaf=lambda a: isinstance(a, tuple))
 
 
+def param_shardings(params, mesh: Mesh, rules=None):
+  return shardings(params, param_axes(params), mesh, rules)
+
+
+def lora_shardings(lora, mesh: Mesh, rules=None):
+  """A model.lora.LoRA whose arrays are replaced by their shardings."""
+  return lora.replace(params=shardings(lora.params, lora_axes(lora.params), mesh, rules))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def rows_sharding(x, mesh: Mesh) -> NamedSharding:
-  """Leading axis over the batch axes (when they divide it), the rest replicated."""
-  return NamedSharding(mesh, spec(("batch",) + ("length",) * (len(x.shape) - 1), x.shape, mesh))
+def rows(mesh: Mesh) -> NamedSharding:
+  """Leading axis (rows) over the batch axes, the rest replicated: rollouts, train batches."""
+  return NamedSharding(mesh, PartitionSpec(BATCH))
 
 
 def constrain(x, logical_axes):
@@ -136,11 +145,6 @@ def place(tree, shardings_tree):
   if isinstance(shardings_tree, NamedSharding):
     return jax.tree_util.tree_map(lambda x: put(x, shardings_tree), tree)
   return jax.tree_util.tree_map(put, tree, shardings_tree)
-
-
-def shard_params(params, mesh: Mesh):
-  """Places params on the mesh per the rules table."""
-  return place(params, shardings(params, param_axes(params), mesh))
 
 
 def process_rows(sharding: NamedSharding, rows: int) -> tuple:

@@ -29,7 +29,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sparrow_jax.attention import policy
 from sparrow_jax.mismatch import acceptance
@@ -321,7 +320,7 @@ def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> T
   params and the optimizer's moments by the params' logical axes (sharding.param_axes), the LoRA
   and its moments by the adapters' (sharding.lora_axes), scalars replicated."""
   rep = sharding.replicated(mesh)
-  params = sharding.shardings(state.params, sharding.param_axes(state.params), mesh)
+  params = sharding.param_shardings(state.params, mesh)
 
   def opt(optim, opt_state, like):
     return optax.tree_map_params(optim, lambda _, s: s, opt_state, like,
@@ -329,8 +328,7 @@ def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> T
                                  is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
   lora = lora_opt = None
   if state.lora is not None:
-    lora = state.lora.replace(params=sharding.shardings(
-        state.lora.params, sharding.lora_axes(state.lora.params), mesh))
+    lora = sharding.lora_shardings(state.lora, mesh)
     lora_opt = opt(lora_optimizer, state.lora_opt_state, lora)
   return TrainState(step=rep, params=params, opt_state=opt(optimizer, state.opt_state, params),
                     lora=lora, lora_opt_state=lora_opt,
@@ -437,8 +435,9 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
   if state_shardings is None:
     return jax.jit(train_step, donate_argnums=0)
   mesh = state_shardings.step.mesh
-  rep, rows = sharding.replicated(mesh), NamedSharding(mesh, PartitionSpec(sharding.BATCH))
-  return jax.jit(train_step, donate_argnums=0, in_shardings=(state_shardings, rows, rep),
+  rep = sharding.replicated(mesh)
+  return jax.jit(train_step, donate_argnums=0,
+                 in_shardings=(state_shardings, sharding.rows(mesh), rep),
                  out_shardings=(state_shardings, rep))
 
 

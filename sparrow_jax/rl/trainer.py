@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
@@ -97,10 +96,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_model_fits(c)
 
 
+def _model_config(c) -> Qwen3Config:
+  """The model's config.json (read without its weights) or preset."""
+  return load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+
+
 def _check_model_fits(c):
-  """Checks against the model's config.json (read without its weights) or preset."""
+  """Checks against the model's config.json or preset."""
   r = c.rollout
-  cfg = load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+  cfg = _model_config(c)
   if r.sparse:
     _require(r.dense_layers < cfg.num_hidden_layers, "rollout.dense_layers", r.dense_layers,
              f"must be below the model's {cfg.num_hidden_layers} layers (sparse rollouts need a "
@@ -224,7 +228,7 @@ def make_mesh(c):
            f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
            f"rl.micro_batches = {rows / slices:g}) must be a whole multiple of mesh data x fsdp = "
            f"{ways}")
-  lo, hi = sharding.process_rows(NamedSharding(mesh, PartitionSpec(sharding.BATCH)), rows)
+  lo, hi = sharding.process_rows(sharding.rows(mesh), rows)
   _require(lo % r.group_size == 0 and hi % r.group_size == 0, "rollout.group_size", r.group_size,
            f"this process holds rows [{lo}, {hi}): each process must hold whole groups")
   return mesh
@@ -291,23 +295,22 @@ def _optimizers(c):
   return lr, optimizer, lora_opt
 
 
-def _state_init(c, params, optimizer, lora_opt):
-  """(init(params, lora) -> TrainState, the LoRA to start from or None); params may be abstract."""
-  lora = None
+def _state_init(c, optimizer, lora_opt):
+  """(init(params, lora) -> TrainState, make_lora(params) -> the LoRA to start from, or None)."""
+  make_lora = None
   if c.distill.enabled:
-    make = lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank,
-                                        alpha=c.distill.alpha,
-                                        targets=tuple(c.distill.targets.split(",")))
-    abstract = isinstance(jax.tree_util.tree_leaves(params)[0], jax.ShapeDtypeStruct)
-    lora = jax.eval_shape(make, params) if abstract else make(params)
+    make_lora = lambda p: lora_lib.init_lora(
+        p, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank, alpha=c.distill.alpha,
+        targets=tuple(c.distill.targets.split(",")))
   init = lambda p, l: ts.init_state(p, optimizer, l, lora_opt, keep_reference=c.rl.kl_coef > 0)
-  return init, lora
+  return init, make_lora
 
 
 def _build_state(c, params, mesh, optimizer, lora_opt):
   """The initial TrainState, born sharded on `mesh` (optimizer and LoRA states are created on
   their shards), and its shardings."""
-  init, lora = _state_init(c, params, optimizer, lora_opt)
+  init, make_lora = _state_init(c, optimizer, lora_opt)
+  lora = make_lora(params) if make_lora else None
   shardings = ts.state_sharding(jax.eval_shape(init, params, lora), mesh, optimizer, lora_opt)
   params = sharding.place(params, shardings.params)
   lora = None if lora is None else sharding.place(lora, shardings.lora)
@@ -322,12 +325,12 @@ def lower_step(c):
   validate(c)
   mesh = make_mesh(c)
   r = c.rollout
-  cfg = load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+  cfg = _model_config(c)
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0),
                                               dtype=jnp.dtype(c.model.dtype)))
   _, optimizer, lora_opt = _optimizers(c)
-  init, lora = _state_init(c, params, optimizer, lora_opt)
-  state = jax.eval_shape(init, params, lora)
+  init, make_lora = _state_init(c, optimizer, lora_opt)
+  state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
   shardings = ts.state_sharding(state, mesh, optimizer, lora_opt)
   step = ts.make_train_step(cfg, step_config(c), optimizer, lora_opt, _sparse(c), shardings)
   length = r.max_prompt_len + r.max_new_tokens
@@ -344,9 +347,8 @@ def _rollout_weights(state, mesh):
   if mesh.shape["fsdp"] == 1:
     return lambda params, lora: (params, lora)
   rules = sharding.ROLLOUT_RULES
-  out = (sharding.shardings(state.params, sharding.param_axes(state.params), mesh, rules),
-         None if state.lora is None else state.lora.replace(params=sharding.shardings(
-             state.lora.params, sharding.lora_axes(state.lora.params), mesh, rules)))
+  out = (sharding.param_shardings(state.params, mesh, rules),
+         None if state.lora is None else sharding.lora_shardings(state.lora, mesh, rules))
   return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
 
 
@@ -372,7 +374,7 @@ def _train(c, mesh):
   state, state_shardings = _build_state(c, params, mesh, optimizer, lora_opt)
   del params
   train_step = ts.make_train_step(cfg, sc, optimizer, lora_opt, sparse, state_shardings)
-  rows_sh = NamedSharding(mesh, PartitionSpec(sharding.BATCH))
+  rows_sh = sharding.rows(mesh)
   rollout_weights = _rollout_weights(state, mesh)
   to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows_sh)
   n_prompts = r.prompts_per_step
