@@ -77,11 +77,11 @@ SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollo
          "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
 
 
-def launch_small(workdir, *overrides, devices=1, env=None):
+def launch_small(workdir, *overrides, devices=1):
   """The SMALL training run in a subprocess (`devices` fake CPU devices), stdout+stderr piped."""
   cmd = [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
          f"--config.workdir={workdir}", *SMALL, *overrides]
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **(env or {}),
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env)
