@@ -63,7 +63,8 @@ STARTUP_S = 5.0                  # interpreter start and namespace setup, added 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
   timeout_s: float = 2.0          # wall clock per test case
-  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s)
+  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1 (a backstop:
+                                  # equal to the wall clock it raced it, and a busy loop ended as an error)
   memory_mb: int = 1024           # RLIMIT_AS per test case
   output_bytes: int = 1 << 20     # RLIMIT_FSIZE, so also the most stdout one test case can produce
   nofile: int = 64                # RLIMIT_NOFILE
@@ -109,7 +110,7 @@ def _sandbox_uid():
 
 def _case_limits(limits):
   """(soft, hard) per rlimit, clamped to our own hard limits (we may lack CAP_SYS_RESOURCE)."""
-  cpu = limits.cpu_s or math.ceil(limits.timeout_s)
+  cpu = limits.cpu_s or math.ceil(limits.timeout_s) + 1
   wanted = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
             "RLIMIT_FSIZE": (limits.output_bytes,) * 2, "RLIMIT_NOFILE": (limits.nofile,) * 2,
             "RLIMIT_CORE": (0, 0)}
