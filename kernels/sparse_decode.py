@@ -9,12 +9,21 @@ Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of pa
 of pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a
 jnp epilogue merges the splits (flash-decoding: splits give the GPU enough programs when B * K is
 small). Blocks past n_valid are never loaded, so a budget below the static maximum N costs only
-what it reads. Both dots accumulate in float32 at full precision (p @ v with p kept in float32).
+what it reads. The outputs pass an optimization_barrier before the merge (JAX's GPU decode ops
+found NaNs after jit without one: XLA may otherwise fuse the merge into the custom call's
+consumers in an order that reads the outputs before they are final).
 
-Triton constraints met by construction: every loaded or computed block has power-of-two sizes,
-and tl.dot needs M, N, K >= 16, so the G query heads are zero-padded to >= 16 rows (sliced off
-after), a block holds >= 16 tokens (several pages when page_size < 16), and head_dim must be a
-power of two >= 16 (Qwen3: 128).
+Precision: both products read the cache in its own dtype and accumulate in float32. A bfloat16
+cache runs bfloat16 x bfloat16 tensor-core dots (q and the softmax weights p rounded to bfloat16,
+as JAX's Pallas GPU decode ops do); a float32 cache keeps IEEE float32 (HIGHEST; Triton's default
+is TF32). How the G query heads meet the keys is per shape (`tuning`): a `tl.dot` needs M >= 16,
+so G is zero-padded to 16 rows (on bfloat16 tensor cores the padded rows cost little: decode is
+bound by reading the cache), or a CUDA-core broadcast-multiply-reduce over the G real rows (no
+padding; chosen for float32, where a padded IEEE dot would do 16/G times the FMA work).
+
+Triton constraints met by construction: every loaded or computed block has power-of-two sizes
+(G padded to a power of two), the dot path's M, N, K >= 16, a block holds >= 16 tokens (several
+pages when page_size < 16), and head_dim must be a power of two >= 16 (Qwen3: 128).
 
 jax 0.10.2 Pallas on GPU: pallas_call lowers to Mosaic GPU unless its compiler params say
 otherwise (config jax_pallas_use_mosaic_gpu defaults to True); passing
@@ -24,6 +33,7 @@ scalar prefetch ("scalar prefetch not implemented in the Triton backend"), so th
 ordinary input block and pages are fetched by indexing the cache ref with the loaded page ids (a
 gather load). Its float32 dots default to TF32 (Precision.DEFAULT); HIGHEST makes them IEEE.
 """
+import dataclasses
 import functools
 
 import jax
@@ -33,18 +43,61 @@ from jax.experimental.pallas import triton as pltriton
 
 from sparrow_jax.attention import reference
 
-_MIN_DOT = 16        # tl.dot: M, N and K must be >= 16
-_BLOCK_TOKENS = 64   # tokens loaded per inner step (whole pages)
-_TARGET_PROGRAMS = 256  # default splits aim at about this many programs (a few waves on one GPU)
+_MIN_DOT = 16  # tl.dot: M, N and K must be >= 16
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  block_tokens: int     # tokens loaded per inner step (whole pages)
+  use_dot: bool         # tl.dot with G padded to 16 rows, else a CUDA-core multiply-reduce
+  num_warps: int
+  num_stages: int
+  target_programs: int  # default splits aim at about this many programs per call
+
+
+# Per cache dtype. Not yet tuned on a GPU (none was at hand): values follow the shapes JAX's and
+# axlearn's GPU decode ops use for head_dim 128; experiments/device_check.py times the alternatives
+# (block 32/64/128, dot vs reduce) so this table can be set from measurements. 264 programs = two
+# waves on an H100/H200's 132 SMs.
+TUNING = {
+    "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=2,
+                       target_programs=264),
+    "float32": Tuning(block_tokens=32, use_dot=False, num_warps=4, num_stages=2,
+                      target_programs=264),
+}
+
+
+def tuning(dtype, G: int) -> Tuning:
+  """The table's entry for a cache dtype (float16 as bfloat16); the dot path needs nothing else,
+  but G >= 16 always takes it (nothing to pad)."""
+  name = "float32" if jnp.dtype(dtype).itemsize == 4 else "bfloat16"
+  entry = TUNING[name]
+  return dataclasses.replace(entry, use_dot=True) if G >= _MIN_DOT else entry
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+def _scores(q_GE, k_TE, use_dot):
+  """q . k for each (query head, token), float32."""
+  if use_dot:
+    precision = _HIGHEST if k_TE.dtype == jnp.float32 else None
+    return pltriton.dot(q_GE, k_TE, trans_b=True, precision=precision)
+  return jnp.sum(q_GE[:, None, :].astype(jnp.float32) * k_TE[None].astype(jnp.float32), axis=2)
+
+
+def _weighted_values(p_GT, v_TE, use_dot):
+  """p @ v, float32; the dot rounds p to the cache dtype (a bfloat16 tensor-core product)."""
+  if use_dot:
+    precision = _HIGHEST if v_TE.dtype == jnp.float32 else None
+    return pltriton.dot(p_GT.astype(v_TE.dtype), v_TE, precision=precision)
+  return jnp.sum(p_GT[:, :, None] * v_TE[None].astype(jnp.float32), axis=1)
+
+
 def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
-            scale, page_size, pages_per_block, blocks_per_split):
+            scale, page_size, pages_per_block, blocks_per_split, use_dot):
   """One (b, k, split): online softmax over this split's blocks of selected pages."""
   split = pl.program_id(2)
   n_valid = n_valid_ref[0]
@@ -60,10 +113,9 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
   def body(j, carry):
     m_G, l_G, acc_GE = carry
     ids_N = page_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
-    k_TE = k_ref[ids_N].reshape(T, E).astype(q_GE.dtype)
+    k_TE = k_ref[ids_N].reshape(T, E)
     v_TE = v_ref[ids_N].reshape(T, E)
-    # HIGHEST: the Triton lowering otherwise runs float32 dots in TF32 (10-bit mantissa).
-    s_GT = pltriton.dot(q_GE, k_TE, trans_b=True, precision=_HIGHEST) * scale
+    s_GT = _scores(q_GE, k_TE, use_dot) * scale
     slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
     pos_NZ = ids_N[:, None] * page_size + jnp.arange(page_size)[None, :]
     valid_T = ((slot_N[:, None] < n_valid) & (pos_NZ < length)).reshape(T)
@@ -74,9 +126,7 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
     corr_G = jnp.exp(m_G - m_safe_G)
     p_GT = jnp.exp(s_GT - m_safe_G[:, None])
     l_G = l_G * corr_G + jnp.sum(p_GT, axis=1)
-    # p stays float32 (v upcast): keeps the kernel within float32 rounding of the reference.
-    pv_GE = pltriton.dot(p_GT, v_TE.astype(jnp.float32), precision=_HIGHEST)
-    acc_GE = acc_GE * corr_G[:, None] + pv_GE
+    acc_GE = acc_GE * corr_G[:, None] + _weighted_values(p_GT, v_TE, use_dot)
     return m_new_G, l_G, acc_GE
 
   init = (jnp.full((G,), -jnp.inf, jnp.float32), jnp.zeros((G,), jnp.float32),
@@ -89,6 +139,7 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
 
 def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
   """Combine per-split partial softmaxes; splits (or rows) with nothing valid weigh 0."""
+  m_BKXG, l_BKXG, acc_BKXGE = jax.lax.optimization_barrier((m_BKXG, l_BKXG, acc_BKXGE))
   m_BKG = jnp.max(m_BKXG, axis=2)
   m_BKG = jnp.where(jnp.isfinite(m_BKG), m_BKG, 0.0)
   w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
@@ -98,11 +149,12 @@ def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
 
 
 def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                            *, page_size, scale=None, num_splits=None, interpret=None):
+                            *, page_size, scale=None, num_splits=None, config=None, interpret=None):
   """Pallas twin of reference.sparse_decode_attention (same arguments, same result).
 
-  Kernel-only knobs: num_splits (page ranges per (b, k); default aims at ~256 programs) and
-  interpret (default: True unless the backend is a GPU).
+  Kernel-only knobs: num_splits (page ranges per (b, k); default aims at the tuning's
+  target_programs), config (a Tuning; default `tuning(cache dtype, G)`) and interpret (default:
+  True unless the backend is a GPU).
   """
   reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
                               lengths_B, page_size)
@@ -115,11 +167,12 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   scale = reference.default_scale(E) if scale is None else float(scale)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  config = config or tuning(k_cache_BKSE.dtype, G)
 
-  pages_per_block = max(_BLOCK_TOKENS, page_size) // page_size
+  pages_per_block = max(config.block_tokens, _MIN_DOT, page_size) // page_size
   n_blocks = -(-N // pages_per_block)
   if num_splits is None:
-    num_splits = min(n_blocks, max(1, _TARGET_PROGRAMS // (B * K)))
+    num_splits = min(n_blocks, max(1, config.target_programs // (B * K)))
   if not isinstance(num_splits, int) or num_splits < 1:
     raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
   blocks_per_split = -(-n_blocks // num_splits)
@@ -128,15 +181,15 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   page_idx_BKXN = jnp.pad(page_idx_BKN.astype(jnp.int32),
                           ((0, 0), (0, 0), (0, num_splits * per_split - N)))
   page_idx_BKXN = page_idx_BKXN.reshape(B, K, num_splits, per_split)
-  Gp = max(_MIN_DOT, _next_pow2(G))
-  # The Triton dot wants one element type: q and the cache meet at their promoted type.
-  dot_dtype = jnp.promote_types(q_BKGE.dtype, k_cache_BKSE.dtype)
-  q_BKGE_padded = jnp.pad(q_BKGE.astype(dot_dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+  Gp = max(_MIN_DOT, _next_pow2(G)) if config.use_dot else _next_pow2(G)
+  # q meets the cache in the cache's dtype (the Triton dot takes one element type).
+  q_BKGE_padded = jnp.pad(q_BKGE.astype(k_cache_BKSE.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   k_BKPZE = k_cache_BKSE.reshape(B, K, P, page_size, E)
   v_BKPZE = v_cache_BKSE.reshape(B, K, P, page_size, E)
 
   kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
-                             pages_per_block=pages_per_block, blocks_per_split=blocks_per_split)
+                             pages_per_block=pages_per_block, blocks_per_split=blocks_per_split,
+                             use_dot=config.use_dot)
   cache_spec = pl.BlockSpec((None, None, P, page_size, E), lambda b, k, s: (b, k, 0, 0, 0))
   m_BKXG, l_BKXG, acc_BKXGE = pl.pallas_call(
       kernel,
@@ -160,7 +213,8 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
           jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
       ],
       # Selects the Triton lowering on GPU (default would be Mosaic GPU); ignored in interpret mode.
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                              num_stages=config.num_stages),
       interpret=interpret,
       name="sparse_decode",
   )(page_idx_BKXN, n_valid_BK.astype(jnp.int32)[..., None], lengths_B.astype(jnp.int32)[:, None],

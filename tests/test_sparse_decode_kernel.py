@@ -1,5 +1,6 @@
 """Sparse decode attention: jnp reference == naive softmax == dense when every page is selected; the
 Pallas kernel (interpret mode on CPU) == the reference; the kernel lowers to Triton for CUDA."""
+import dataclasses
 import functools
 
 import jax
@@ -108,20 +109,31 @@ KERNEL_CASES = [
 ]
 
 
+def _config(dtype, use_dot):
+  """The tuning table's entry for dtype with the G-query-head path forced (both must be right)."""
+  return dataclasses.replace(sparse_decode.TUNING[dtype], use_dot=use_dot)
+
+
+@pytest.mark.parametrize("use_dot", [False, True], ids=["reduce", "dot"])
 @pytest.mark.parametrize("G,E,Z,P,N,num_splits", KERNEL_CASES)
-def test_kernel_matches_reference_float32(G, E, Z, P, N, num_splits):
+def test_kernel_matches_reference_float32(G, E, Z, P, N, num_splits, use_dot):
   args = _inputs(10 + G + E + N, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits)(*args)
+  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits,
+             config=_config("float32", use_dot))(*args)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "reduce"])
 @pytest.mark.parametrize("G,E,Z,P,N,num_splits", [(2, 128, 16, 12, 9, 2), (4, 32, 8, 24, 20, None)])
-def test_kernel_matches_reference_bfloat16(G, E, Z, P, N, num_splits):
+def test_kernel_matches_reference_bfloat16(G, E, Z, P, N, num_splits, use_dot):
+  """The dot path rounds the softmax weights to bfloat16 before p @ v (the reference keeps them
+  in float32): still within one bfloat16 ulp of the output."""
   args = _inputs(20 + G, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N, dtype=jnp.bfloat16)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits)(*args)
+  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits,
+             config=_config("bfloat16", use_dot))(*args)
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              rtol=BF16_RTOL, atol=BF16_ATOL)
@@ -152,17 +164,19 @@ def test_bad_arguments_raise():
     sparse_decode.sparse_decode_attention(q, kc, vc, page_idx, n_valid, lengths, page_size=8)
 
 
-def test_kernel_lowers_to_triton_for_cuda():
+@pytest.mark.parametrize("dtype,use_dot", [("bfloat16", True), ("float32", False),
+                                           ("bfloat16", False), ("float32", True)])
+def test_kernel_lowers_to_triton_for_cuda(dtype, use_dot):
   """Lowering to the Triton custom call needs no GPU. jax.export refuses to serialize it by default
   because "__gpu$xla.gpu.triton" has no cross-version compatibility guarantee (the Triton IR is
   embedded as-is), so that one safety check is disabled; Triton -> PTX compilation itself only
   happens when XLA compiles the module on a GPU, so this cannot catch errors raised there."""
   B, K, G, E, Z, P, N = 4, 8, 2, 128, 16, 64, 16  # Qwen3-1.7B heads
+  config = dataclasses.replace(_config(dtype, use_dot), block_tokens=64)
   f = jax.jit(functools.partial(sparse_decode.sparse_decode_attention, page_size=Z,
-                                interpret=False))
-  shapes = [((B, K, G, E), jnp.bfloat16), ((B, K, P * Z, E), jnp.bfloat16),
-            ((B, K, P * Z, E), jnp.bfloat16), ((B, K, N), jnp.int32), ((B, K), jnp.int32),
-            ((B,), jnp.int32)]
+                                config=config, interpret=False))
+  shapes = [((B, K, G, E), dtype), ((B, K, P * Z, E), dtype), ((B, K, P * Z, E), dtype),
+            ((B, K, N), jnp.int32), ((B, K), jnp.int32), ((B,), jnp.int32)]
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
   with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
     jax.export.export(f, platforms=["cuda"])(*args)
@@ -173,3 +187,5 @@ def test_kernel_lowers_to_triton_for_cuda():
   module = exported.mlir_module()
   assert module.count("@__gpu$xla.gpu.triton") == 1
   assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in module  # (B, K, splits)
+  assert f"num_warps = {config.num_warps} : i32" in module
+  assert "stablehlo.optimization_barrier" in module  # between the kernel and the split merge

@@ -1,0 +1,198 @@
+"""Block-sparse paged decode attention (Pallas; Mosaic lowering on TPU).
+
+Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one
+decode query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k]
+pages listed first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked),
+tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
+
+Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block at a time in an
+in-kernel loop with an online softmax (float32), and writes its [G, E] output. The page list, n_valid
+and lengths are scalar-prefetch operands (SMEM), so page ids are known to the scalar core before any
+vector work. The caches stay in HBM; each block's pages are DMA'd into one half of a two-slot VMEM
+buffer while the previous block is computed on (double buffering), and only the first
+ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the static N costs only
+what it reads. Both dots take the cache dtype (bf16 stays bf16 on the MXU) and accumulate in float32.
+
+Why a loop inside the program and not a grid axis over blocks: the block count is dynamic
+(n_valid), and a per-program loop keeps the prefetch chain local to one program, so both grid axes
+are independent ("parallel": megacore chips split them across cores) and no buffer-slot state has
+to be carried across grid steps in scratch. The cost: each row's first block is not overlapped
+with the previous row's compute.
+
+TPU constraints met by construction: the q/out blocks are whole [G, E] slabs (a block equal to the
+full array dims is always legal), with G zero-padded to the sublane tile of q's dtype (8 rows for
+32-bit, 16 for bf16) so q and out never take a sub-tile layout in HBM (JAX's own paged_attention
+needs a reshape workaround for G % 8 != 0) and the MXU's M dimension is whole vregs, which the
+hardware pads to anyway; the padded rows are sliced off after. A page is Z contiguous rows of the
+[B, K, S, E] cache, so one DMA per page; page_size a multiple of the sublane tile (Qwen3: 16, bf16)
+keeps each DMA whole (tile, 128) tiles. Page ids are clipped to [0, P) like the reference's gather,
+so no DMA can leave the cache.
+
+jax 0.10.2: `interpret=pltpu.InterpretParams()` runs the kernel on CPU with TPU semantics (DMAs,
+semaphores, SMEM; uninitialised scratch reads as NaN, so a missed copy shows up as NaN); the
+generic `interpret=True` interpreter does not model TPU DMAs.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from sparrow_jax.attention import reference
+
+_BLOCK_TOKENS = 128  # default tokens per block: a lane-dense [G, 128] score tile
+_SUBLANES = 8        # 32-bit sublane tile; packed dtypes hold 32 // bits rows per sublane
+
+
+def _sublane_tile(dtype) -> int:
+  return _SUBLANES * 4 // jnp.dtype(dtype).itemsize
+
+
+def _page_copies(b, k, j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size,
+                 pages_per_block):
+  """The DMA descriptors of block j's pages of (b, k) into buffer slot `slot`."""
+  copies = []
+  for i in range(pages_per_block):
+    page = page_idx_ref[row + j * pages_per_block + i]
+    src = hbm_ref.at[b, k, pl.ds(page * page_size, page_size)]
+    dst = buf_ref.at[slot, pl.ds(i * page_size, page_size)]
+    copies.append(pltpu.make_async_copy(src, dst, sem_ref.at[slot]))
+  return copies
+
+
+def _block_mask(page_idx_ref, first, end, length, *, page_size, pages_per_block):
+  """[1, T] validity of the tokens of the block at flat slot `first`: slot < end (the row's
+  n_valid) and position < length. Each page's count of valid rows is a scalar (scalar core), so
+  the vector work is one compare pair per page."""
+  tok_1T = jax.lax.broadcasted_iota(jnp.int32, (1, pages_per_block * page_size), 1)
+  valid_1T = jnp.zeros(tok_1T.shape, jnp.bool_)
+  for i in range(pages_per_block):
+    rows = length - page_idx_ref[first + i] * page_size
+    rows = jnp.where(first + i < end, jnp.clip(rows, 0, page_size), 0)
+    valid_1T |= (tok_1T >= i * page_size) & (tok_1T < i * page_size + rows)
+  return valid_1T
+
+
+def _softmax_step(carry, q_GE, k_TE, v_TE, valid_1T, scale):
+  """One online-softmax update of (m, l, acc) with a block's keys and values."""
+  m_G1, l_G1, acc_GE = carry
+  # float32 operands: ask for full-precision passes rather than Mosaic's default.
+  precision = jax.lax.Precision.HIGHEST if q_GE.dtype == jnp.float32 else None
+  s_GT = jax.lax.dot_general(q_GE, k_TE, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale
+  s_GT = jnp.where(valid_1T, s_GT, -jnp.inf)
+  m_new_G1 = jnp.maximum(m_G1, jnp.max(s_GT, axis=1, keepdims=True))
+  # All-masked so far: keep exp() at 0 instead of exp(-inf - -inf) = NaN.
+  m_safe_G1 = jnp.where(m_new_G1 == -jnp.inf, 0.0, m_new_G1)
+  corr_G1 = jnp.exp(m_G1 - m_safe_G1)
+  p_GT = jnp.exp(s_GT - m_safe_G1)
+  l_G1 = l_G1 * corr_G1 + jnp.sum(p_GT, axis=1, keepdims=True)
+  pv_GE = jnp.dot(p_GT.astype(q_GE.dtype), v_TE, precision=precision,
+                  preferred_element_type=jnp.float32)
+  return m_new_G1, l_G1, acc_GE * corr_G1 + pv_GE
+
+
+def _kernel(page_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref, o_ref,
+            k_buf_ref, v_buf_ref, k_sem_ref, v_sem_ref, *, scale, page_size, pages_per_block,
+            slots_per_row):
+  """One (b, k): double-buffered DMA of the selected pages, online softmax over the blocks."""
+  b, k = pl.program_id(0), pl.program_id(1)
+  bk = b * k_hbm_ref.shape[1] + k
+  row = bk * slots_per_row
+  n_valid = n_valid_ref[bk]
+  length = lengths_ref[b]
+  # A row with nothing cached copies nothing (n_valid alone would still fetch its pages).
+  n_blocks = jnp.where(length > 0, jax.lax.div(n_valid + pages_per_block - 1, pages_per_block), 0)
+  copies = functools.partial(_page_copies, b, k, page_idx_ref=page_idx_ref, row=row,
+                             page_size=page_size, pages_per_block=pages_per_block)
+
+  def start(j, slot):
+    for copy in (copies(j, slot, hbm_ref=k_hbm_ref, buf_ref=k_buf_ref, sem_ref=k_sem_ref)
+                 + copies(j, slot, hbm_ref=v_hbm_ref, buf_ref=v_buf_ref, sem_ref=v_sem_ref)):
+      copy.start()
+
+  def wait(j, slot, hbm_ref, buf_ref, sem_ref):
+    for copy in copies(j, slot, hbm_ref=hbm_ref, buf_ref=buf_ref, sem_ref=sem_ref):
+      copy.wait()
+
+  @pl.when(n_blocks > 0)
+  def _():
+    start(0, 0)
+
+  # Dots in the common type of q and the cache: bf16 with bf16 stays bf16 on the MXU.
+  dot_dtype = jnp.promote_types(q_ref.dtype, k_buf_ref.dtype)
+  q_GE = q_ref[...].astype(dot_dtype)
+  G, E = q_GE.shape
+
+  def body(j, carry):
+    slot = j % 2
+    # The other slot's block was consumed last iteration: refill it while this one computes.
+    @pl.when(j + 1 < n_blocks)
+    def _():
+      start(j + 1, 1 - slot)
+
+    valid_1T = _block_mask(page_idx_ref, row + j * pages_per_block, row + n_valid, length,
+                           page_size=page_size, pages_per_block=pages_per_block)
+    wait(j, slot, k_hbm_ref, k_buf_ref, k_sem_ref)
+    wait(j, slot, v_hbm_ref, v_buf_ref, v_sem_ref)
+    return _softmax_step(carry, q_GE, k_buf_ref[slot].astype(dot_dtype),
+                         v_buf_ref[slot].astype(dot_dtype), valid_1T, scale)
+
+  init = (jnp.full((G, 1), -jnp.inf, jnp.float32), jnp.zeros((G, 1), jnp.float32),
+          jnp.zeros((G, E), jnp.float32))
+  _, l_G1, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
+  o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
+
+
+def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                            *, page_size, scale=None, pages_per_block=None, interpret=None):
+  """Pallas TPU twin of reference.sparse_decode_attention (same arguments, same result).
+
+  Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
+  most N) and interpret (default: TPU interpret mode unless the backend is a TPU).
+  """
+  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
+                              lengths_B, page_size)
+  B, K, G, E = q_BKGE.shape
+  P = k_cache_BKSE.shape[2] // page_size
+  N = page_idx_BKN.shape[2]
+  # A Python float: the kernel bakes it in (a traced scale cannot be closed over by pallas_call).
+  scale = reference.default_scale(E) if scale is None else float(scale)
+  if pages_per_block is None:
+    pages_per_block = max(1, min(N, _BLOCK_TOKENS // page_size))
+  if not isinstance(pages_per_block, int) or pages_per_block < 1:
+    raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+  if interpret is None:
+    interpret = pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
+
+  slots_per_row = -(-N // pages_per_block) * pages_per_block
+  # Slots >= N sit past every n_valid, so the kernel masks them like the caller's padding; page 0
+  # keeps their copies in bounds.
+  page_idx_BKX = jnp.pad(jnp.clip(page_idx_BKN.astype(jnp.int32), 0, P - 1),
+                         ((0, 0), (0, 0), (0, slots_per_row - N)))
+  Gp = -(-G // _sublane_tile(q_BKGE.dtype)) * _sublane_tile(q_BKGE.dtype)
+  q_BKGE_padded = jnp.pad(q_BKGE, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+  T = pages_per_block * page_size
+
+  kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
+                             pages_per_block=pages_per_block, slots_per_row=slots_per_row)
+  qo_spec = pl.BlockSpec((None, None, Gp, E), lambda b, k, *_: (b, k, 0, 0))
+  hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
+  buf = pltpu.VMEM((2, T, E), k_cache_BKSE.dtype)  # two slots: one DMA'd into, one computed on
+  out_BKGE = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,
+          grid=(B, K),
+          in_specs=[qo_spec, hbm_spec, hbm_spec],
+          out_specs=qo_spec,
+          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
+      ),
+      out_shape=jax.ShapeDtypeStruct((B, K, Gp, E), q_BKGE.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+      interpret=interpret,
+      name="sparse_decode_tpu",
+  )(page_idx_BKX.reshape(-1), n_valid_BK.astype(jnp.int32).reshape(-1),
+    lengths_B.astype(jnp.int32), q_BKGE_padded, k_cache_BKSE, v_cache_BKSE)
+  return out_BKGE[:, :, :G]
