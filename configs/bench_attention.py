@@ -10,6 +10,9 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.contexts = (4096, 16384, 32768)  # cached tokens per row, one table row each (multiples of 16)
   c.budget = 2048                    # sparse token budget (a multiple of the page size 16, >= 48)
+  c.batch = 4                        # rows (sequences) per decode step
+  c.impl = "auto"                    # auto (GPU / TPU kernel on its platform, else xla) | xla |
+  #                                    pallas | pallas_tpu (off their hardware: interpret mode)
   c.steps = 8                        # decode steps per timed call (1 = the lone-call regime)
   c.runs = 7                         # timed calls per cell (median), after one warm-up call
   c.dtype = "float32"                # q / k / v dtype: float32 | bfloat16

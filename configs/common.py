@@ -60,7 +60,8 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling
   c.page_size = 16                   # tokens per KV page (power of two; the paper uses 16)
   c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
-  c.attention_impl = "auto"          # auto (Pallas on GPU, XLA elsewhere) | xla | pallas
+  c.attention_impl = "auto"          # auto (the GPU / TPU kernel on its platform, else xla) | xla |
+  #                                    pallas (GPU, Triton) | pallas_tpu (TPU, Mosaic)
   return _select(c, fields, overrides)
 
 

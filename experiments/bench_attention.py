@@ -1,15 +1,21 @@
-"""Benchmark (a): one decode step of attention only, dense vs block-sparse (XLA jnp references).
+"""Benchmark (a): one decode step of attention only, dense vs block-sparse.
 
   python experiments/bench_attention.py --config=configs/bench_attention.py \\
-      [--config.contexts=4096,16384,32768 --config.budget=2048 --config.steps=8 --config.runs=7
-       --config.dtype=float32 --config.select=False]
+      [--config.contexts=4096,16384,32768 --config.budget=2048 --config.batch=4 --config.steps=8
+       --config.runs=7 --config.dtype=float32 --config.impl=auto --config.select=False]
 
-Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), batch 4, every cached token
-valid, page size 16, a 2048-token budget (128 pages, all valid). Timed, per context, side by side:
-  dense          reference.dense_decode_attention over the whole cache;
-  sparse         reference.sparse_decode_attention over 128 given pages (random distinct pages
-                 including the first and the last two); page selection not timed;
+Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), `batch` rows, every cached
+token valid, page size 16, a 2048-token budget (128 pages, all valid). Both columns go through the
+dispatch the sampler uses (attention/policy.py, `impl`: auto = the Triton kernel on a GPU, the
+Mosaic kernel on a TPU, XLA elsewhere). Timed, per context, side by side:
+  dense          policy.dense_decode_attention: the fair baseline, reading each row's cached
+                 tokens only in the cache dtype (a length-aware dense kernel, as the paper's
+                 FlashInfer baseline; here every row is full, so it reads the whole cache);
+  sparse         policy.decode_attention over 128 given pages (random distinct pages including the
+                 first and the last two); page selection not timed;
   sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
+GB/s = bytes each step must read (K and V of the tokens read, plus the float32 page centroids for
+select) / time: the achieved bandwidth, to hold against the chip's peak (device_check.py).
 Each timed call is one jitted `lax.fori_loop` of `steps` decode steps, each step's output being the
 next step's query (and the page list shifting by one page per step, so XLA cannot hoist the gather
 out of the loop); a cell is the median over `runs` calls (after a warm-up call) divided by `steps`,
@@ -29,9 +35,9 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from sparrow_jax.attention import reference, select
+from sparrow_jax.attention import policy, reference, select
 
-BATCH, KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 4, 8, 2, 128, 16
+KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 2, 128, 16
 
 
 def _times_ms(calls, runs):
@@ -48,48 +54,73 @@ def _times_ms(calls, runs):
   return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
-def _loops(steps, n_selected):
+def _loops(steps, n_selected, impl):
   def dense(q, k, v, lengths):
-    body = lambda i, q: reference.dense_decode_attention(q, k, v, lengths)
+    body = lambda i, q: policy.dense_decode_attention(q, k, v, lengths, page_size=PAGE_SIZE,
+                                                      impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
   def sparse(q, k, v, page_idx, n_valid, lengths):
     P = k.shape[2] // PAGE_SIZE
-    body = lambda i, q: reference.sparse_decode_attention(
-        q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE)
+    body = lambda i, q: policy.decode_attention(
+        q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE, impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
   def sparse_select(q, k, v, centroid_sum, lengths):
-    config = select.SparseConfig(page_size=PAGE_SIZE)
+    config = select.SparseConfig(page_size=PAGE_SIZE, attention_impl=impl)
     budget = jnp.full(lengths.shape, n_selected, jnp.int32)
 
     def body(i, q):
       page_idx, n_valid = select.decode_pages(q, centroid_sum, lengths, budget, config, n_selected)
-      return reference.sparse_decode_attention(q, k, v, page_idx, n_valid, lengths,
-                                               page_size=PAGE_SIZE)
+      return policy.decode_attention(q, k, v, page_idx, n_valid, lengths, page_size=PAGE_SIZE,
+                                     impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
   return jax.jit(dense), jax.jit(sparse), jax.jit(sparse_select)
 
 
-def _inputs(context, n_selected, dtype, seed=0):
+def _inputs(batch, context, n_selected, dtype, seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  shape = (BATCH, KV_HEADS, context, HEAD_DIM)
-  q = jax.random.normal(kq, (BATCH, KV_HEADS, GROUP, HEAD_DIM), dtype)
+  shape = (batch, KV_HEADS, context, HEAD_DIM)
+  q = jax.random.normal(kq, (batch, KV_HEADS, GROUP, HEAD_DIM), dtype)
   k = jax.random.normal(kk, shape, dtype)
   v = jax.random.normal(kv, shape, dtype)
   P = context // PAGE_SIZE
   rng = np.random.default_rng(seed)
   rows = [np.concatenate([[0, P - 2, P - 1], 1 + rng.permutation(P - 3)[:n_selected - 3]])
-          for _ in range(BATCH * KV_HEADS)]
-  page_idx = jnp.asarray(np.stack(rows).reshape(BATCH, KV_HEADS, n_selected), jnp.int32)
-  n_valid = jnp.full((BATCH, KV_HEADS), n_selected, jnp.int32)
-  lengths = jnp.full((BATCH,), context, jnp.int32)
+          for _ in range(batch * KV_HEADS)]
+  page_idx = jnp.asarray(np.stack(rows).reshape(batch, KV_HEADS, n_selected), jnp.int32)
+  n_valid = jnp.full((batch, KV_HEADS), n_selected, jnp.int32)
+  lengths = jnp.full((batch,), context, jnp.int32)
   return q, k, v, page_idx, n_valid, lengths
+
+
+def measure(config, context):
+  """{column: (median ms, min ms, bytes read per step)} for one context, columns dense, sparse and
+  (with config.select) sparse+select."""
+  n_selected = config.budget // PAGE_SIZE
+  dense, sparse, sparse_select = _loops(config.steps, n_selected, config.impl)
+  dtype = jnp.dtype(config.dtype)
+  q, k, v, page_idx, n_valid, lengths = _inputs(config.batch, context, n_selected, dtype)
+  kv_bytes = 2 * config.batch * KV_HEADS * HEAD_DIM * dtype.itemsize  # K + V of one token
+  calls = {"dense": ((dense, (q, k, v, lengths)), context * kv_bytes),
+           "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes)}
+  if config.select:
+    centroid_sum = k.astype(jnp.float32).reshape(
+        config.batch, KV_HEADS, context // PAGE_SIZE, PAGE_SIZE, HEAD_DIM).sum(axis=3)
+    calls["sparse+select"] = ((sparse_select, (q, k, v, centroid_sum, lengths)),
+                              config.budget * kv_bytes + centroid_sum.nbytes)
+  times = _times_ms([call for call, _ in calls.values()], config.runs)
+  return {name: (med / config.steps, low / config.steps, nbytes)
+          for (name, (_, nbytes)), (med, low) in zip(calls.items(), times)}
 
 
 def check_config(config) -> None:
   """Rejects settings the page layout cannot hold: whole pages, 3 fixed pages, budget <= context."""
+  if config.impl not in reference.IMPLS:
+    raise ValueError(f"impl must be one of {reference.IMPLS}, got {config.impl!r}")
+  if config.batch < 1:
+    raise ValueError(f"batch must be >= 1, got {config.batch}")
   if config.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"dtype must be float32 or bfloat16, got {config.dtype!r}")
   if config.budget % PAGE_SIZE or config.budget < 3 * PAGE_SIZE:
@@ -106,29 +137,23 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   check_config(config)
-  n_selected = config.budget // PAGE_SIZE
-  dense, sparse, sparse_select = _loops(config.steps, n_selected)
-
-  print(f"{jax.default_backend()} x{os.cpu_count()} cores, {config.dtype}, batch {BATCH}, "
-        f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim {HEAD_DIM}, budget "
-        f"{config.budget} tokens ({n_selected} pages of {PAGE_SIZE}); ms per decode step "
-        f"(median of {config.runs} calls of {config.steps} steps); 1-min load average at start "
-        f"{os.getloadavg()[0]:.1f}")
-  print(f"{'context':>8} {'dense':>9} {'sparse':>9} {'ratio':>7} {'min ratio':>10} "
-        f"{'sparse+select':>14} {'ratio':>7}")
+  print(f"{jax.default_backend()} x{os.cpu_count()} cores, impl {config.impl}, {config.dtype}, "
+        f"batch {config.batch}, {KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
+        f"{HEAD_DIM}, budget {config.budget} tokens ({config.budget // PAGE_SIZE} pages of "
+        f"{PAGE_SIZE}); ms per decode step (median of {config.runs} calls of {config.steps} "
+        f"steps), GB/s read; 1-min load average at start {os.getloadavg()[0]:.1f}")
+  print(f"{'context':>8} {'dense':>9} {'GB/s':>7} {'sparse':>9} {'GB/s':>7} {'ratio':>7} "
+        f"{'min ratio':>10} {'sparse+select':>14} {'ratio':>7}")
   for context in config.contexts:
-    q, k, v, page_idx, n_valid, lengths = _inputs(context, n_selected, jnp.dtype(config.dtype))
-    calls = [(dense, (q, k, v, lengths)), (sparse, (q, k, v, page_idx, n_valid, lengths))]
-    if config.select:
-      centroid_sum = k.astype(jnp.float32).reshape(
-          BATCH, KV_HEADS, context // PAGE_SIZE, PAGE_SIZE, HEAD_DIM).sum(axis=3)
-      calls.append((sparse_select, (q, k, v, centroid_sum, lengths)))
-    (dense_ms, dense_min), (sparse_ms, sparse_min), *select_ms = [
-        (med / config.steps, low / config.steps) for med, low in _times_ms(calls, config.runs)]
-    row = (f"{context:>8} {dense_ms:>9.2f} {sparse_ms:>9.2f} {dense_ms / sparse_ms:>6.1f}x "
+    cells = measure(config, context)
+    (dense_ms, dense_min, dense_b), (sparse_ms, sparse_min, sparse_b) = (
+        cells["dense"], cells["sparse"])
+    row = (f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {sparse_ms:>9.3f} "
+           f"{sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
            f"{dense_min / sparse_min:>9.1f}x")
-    if select_ms:
-      row += f" {select_ms[0][0]:>14.2f} {dense_ms / select_ms[0][0]:>6.1f}x"
+    if "sparse+select" in cells:
+      select_ms = cells["sparse+select"][0]
+      row += f" {select_ms:>14.3f} {dense_ms / select_ms:>6.1f}x"
     print(row, flush=True)
 
 

@@ -17,13 +17,15 @@ Qwen3's k RMSNorm gives) in place of the model's, and `lengths` = context. One t
 jitted `lax.fori_loop` of `decode.steps` `qwen3.decode_step`s, each step feeding its argmax token to
 the next; the cache is donated, and each call first rewinds it to the context (lengths, and the
 centroid sums of the pages written by the previous call) so every call does the same work.
-Dense and sparse calls are interleaved run by run (they share the machine's load) and a cell is the
-median over `runs` calls after a warm-up (compile) call. Sparse = SparseConfig(page_size=16,
-dense_layers=d) with the paper's tau-0.86 table for Qwen3-1.7B (BudgetTable and max_selected built
-exactly as the sampler does), one row per d in `decode.dense_layers`. Sparrow keeps 2 layers dense;
-in a 4-layer truncation those are half the model (2 of 28 in the real one), which caps the speedup
-far below the full model's, so the default also measures d = 0 (every layer sparse): that row is
-the per-layer speedup that carries over to the 28-layer model.
+Dense is the sampler's dense decode (policy.dense_decode_attention: each row's cached tokens only,
+in the cache dtype, the fair baseline). Dense and sparse calls are interleaved run by run (they
+share the machine's load) and a cell is the median over `runs` calls after a warm-up (compile)
+call. Sparse = SparseConfig(page_size=16, dense_layers=d) with the paper's tau-0.86 table for
+Qwen3-1.7B (BudgetTable and max_selected built exactly as the sampler does), one row per d in
+`decode.dense_layers`. Sparrow keeps 2 layers dense; in a 4-layer truncation those are half the
+model (2 of 28 in the real one), which caps the speedup far below the full model's, so the default
+also measures d = 0 (every layer sparse): that row is the per-layer speedup that carries over to
+the 28-layer model.
 The vocabulary is shrunk by default (it does not change attention cost): `decode.vocab_size` = 0
 scales the 151,936-token vocabulary by layers / 28, which keeps the LM head's share of a step what
 it is in the full 28-layer model.
@@ -122,7 +124,7 @@ def decode_loop(params, token_B, cache, budget, *, cfg, sparse, max_selected, st
       centroid_sum=cache.centroid_sum.at[:, :, :, first_new_page:].set(0.0))
 
   attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
-                  else None)
+                  else policy.dense_decode_fn())
 
   def body(i, carry):
     token_B, cache = carry

@@ -6,31 +6,33 @@ pages listed first in page_idx_BKN[b, k] (padding slots hold a valid page id and
 tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
 
 Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block at a time in an
-in-kernel loop with an online softmax (float32), and writes its [G, E] output. The page list, n_valid
-and lengths are scalar-prefetch operands (SMEM), so page ids are known to the scalar core before any
-vector work. The caches stay in HBM; each block's pages are DMA'd into one half of a two-slot VMEM
-buffer while the previous block is computed on (double buffering), and only the first
-ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the static N costs only
-what it reads. Both dots take the cache dtype (bf16 stays bf16 on the MXU) and accumulate in float32.
+in-kernel loop with an online softmax (float32) and writes its [G, E] output. The page list,
+n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the kernel turns into
+DMA addresses. The caches stay in HBM; each block's pages are DMA'd (one copy per page) into one
+slot of a two-slot VMEM buffer while the other slot's block is computed on (double buffering), and
+only the first ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the
+static N costs only what it reads. Both dots take the common dtype of q and the cache (bf16 stays
+bf16 on the MXU) and accumulate in float32; float32 dots ask for full precision.
 
-Why a loop inside the program and not a grid axis over blocks: the block count is dynamic
-(n_valid), and a per-program loop keeps the prefetch chain local to one program, so both grid axes
-are independent ("parallel": megacore chips split them across cores) and no buffer-slot state has
-to be carried across grid steps in scratch. The cost: each row's first block is not overlapped
-with the previous row's compute.
+Why the block loop is inside the program, not a grid axis: the block count is dynamic (n_valid),
+and a per-program loop keeps the prefetch chain inside one program, so no DMA or buffer-slot
+state crosses grid steps and both grid axes are independent ("parallel": chips with two
+TensorCores split them). Prefetching across grid steps (as JAX's own paged_attention does) would
+also hide each row's first copy, but forces sequential ("arbitrary") grid semantics.
 
-TPU constraints met by construction: the q/out blocks are whole [G, E] slabs (a block equal to the
-full array dims is always legal), with G zero-padded to the sublane tile of q's dtype (8 rows for
-32-bit, 16 for bf16) so q and out never take a sub-tile layout in HBM (JAX's own paged_attention
-needs a reshape workaround for G % 8 != 0) and the MXU's M dimension is whole vregs, which the
-hardware pads to anyway; the padded rows are sliced off after. A page is Z contiguous rows of the
-[B, K, S, E] cache, so one DMA per page; page_size a multiple of the sublane tile (Qwen3: 16, bf16)
-keeps each DMA whole (tile, 128) tiles. Page ids are clipped to [0, P) like the reference's gather,
-so no DMA can leave the cache.
+Padding: nothing requires it (a block equal to the full array dims is legal for any G), but G is
+zero-padded to the sublane tile of q's dtype (8 rows for 32-bit, 16 for bf16) and sliced off
+after: it costs nothing (a vreg holds that many rows and the MXU pads M to it anyway) and keeps q
+and out off the sub-tile second-minor layouts for which JAX's paged_attention needs a reshape
+workaround. Each page is Z contiguous rows of the [B, K, S, E] cache, so one DMA per page; with
+page_size a multiple of the sublane tile (Qwen3: 16 rows of bf16) each copy is whole (tile, 128)
+tiles. Page ids are clipped to [0, P) like the reference's gather, so no DMA leaves the cache.
 
-jax 0.10.2: `interpret=pltpu.InterpretParams()` runs the kernel on CPU with TPU semantics (DMAs,
-semaphores, SMEM; uninitialised scratch reads as NaN, so a missed copy shows up as NaN); the
-generic `interpret=True` interpreter does not model TPU DMAs.
+jax 0.10.2: `interpret=pltpu.InterpretParams()` runs the kernel on CPU with TPU semantics: a DMA
+lands only when it is waited on and scratch starts as NaN, so a missing wait shows up as NaN and a
+copy into the slot being computed on as wrong values (or a semaphore hang, as on a TPU). The
+generic `interpret=True` also runs the kernel, but completes each copy when it starts, so it
+passes a kernel that forgets to wait.
 """
 import functools
 
@@ -150,7 +152,8 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   """Pallas TPU twin of reference.sparse_decode_attention (same arguments, same result).
 
   Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
-  most N) and interpret (default: TPU interpret mode unless the backend is a TPU).
+  most N) and interpret (pallas_call's; default: TPU interpret mode, pltpu.InterpretParams(),
+  unless the backend is a TPU).
   """
   reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
                               lengths_B, page_size)

@@ -2,6 +2,7 @@
 as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
 ratio lines are printed and that bad settings fail naming the value."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -47,12 +48,14 @@ def test_bench_attention_prints_a_row_per_context():
   out = _run("bench_attention", "--config.contexts=256,512", "--config.budget=64",
              "--config.steps=2", "--config.runs=1").stdout
   assert "budget 64 tokens (4 pages of 16)" in out and "median of 1 calls of 2 steps" in out
+  assert "impl auto" in out and "batch 4" in out
   lines = out.splitlines()
   header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "dense"])
   assert "min ratio" in lines[header] and "sparse+select" in lines[header]
   rows = [line.split() for line in lines[header + 1:]]
   assert [r[0] for r in rows] == ["256", "512"]
-  assert all(len(r) == 7 and r[3].endswith("x") and r[6].endswith("x") for r in rows), rows
+  assert all(len(r) == 9 and r[5].endswith("x") and r[8].endswith("x") for r in rows), rows
+  assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows  # GB/s
 
 
 def test_bench_rollout_filled_cache_is_a_prefilled_cache():
@@ -97,6 +100,7 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
 
 @pytest.mark.parametrize("script, override, message", [
     ("bench_attention", "--config.budget=40", "budget must be a multiple of 16"),
+    ("bench_attention", "--config.impl=triton", "impl must be one of"),
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
     ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
@@ -123,3 +127,23 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   assert report["sampler/qwen3-0.6b/512"]["ratio"] > 1.0
   bad = _run("memory_report", "--config.parts=train,speed", check=False)
   assert bad.returncode != 0 and "speed" in bad.stderr
+
+
+def test_device_check_smoke_runs_every_part(tmp_path):
+  """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
+  matches its twin, and the attention and decode tables are measured."""
+  out = tmp_path / "device_check.json"
+  result = subprocess.run([sys.executable, "experiments/device_check.py", "--smoke", f"--out={out}"],
+                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["smoke"] and report["backend"] == "cpu"
+  kernels = {(r["kernel"].split()[0], r["dtype"]) for r in report["kernels"]}
+  assert kernels == {(k, d) for k in ("triton", "mosaic") for d in ("float32", "bfloat16")}
+  assert all(r["ok"] and r["max_abs_diff"] < 1e-2 for r in report["kernels"]), report["kernels"]
+  assert [r["context"] for r in report["attention"]["rows"]] == [256, 512]
+  assert all(r[n]["ms"] > 0 for r in report["attention"]["rows"]
+             for n in ("dense", "sparse", "sparse+select"))
+  assert report["decode"]["dense"]["tok_s"] > 0 and report["decode"]["sparse"]["temp_gb"] > 0
+  assert "| kernel | dtype |" in result.stdout and "sparse / dense:" in result.stdout

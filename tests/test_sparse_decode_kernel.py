@@ -150,7 +150,8 @@ def test_dispatch_and_budget_change_does_not_recompile():
   np.testing.assert_allclose(step(q, kc, vc, page_idx, n_valid, lengths), xla, atol=1e-5)
   step(q, kc, vc, page_idx, jnp.minimum(n_valid, 1), lengths)
   assert step._cache_size() == 1
-  with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'xla', 'pallas'\)"):
+  impls = r"\('auto', 'xla', 'pallas', 'pallas_tpu'\)"
+  with pytest.raises(ValueError, match=f"impl must be one of {impls}"):
     policy.decode_attention(q, kc, vc, page_idx, n_valid, lengths, page_size=8, impl="triton")
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
 
-IMPLS = ("auto", "xla", "pallas")  # decode attention implementations (dispatch: policy.py)
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu")  # decode attention implementations (policy.py)
 
 
 def default_scale(head_dim: int) -> float:
@@ -94,8 +94,8 @@ def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, sca
   B, K, G, E = q_BKGE.shape
   S = k_cache_BKSE.shape[2]
   scale = default_scale(E) if scale is None else scale
-  s_BKGS = jnp.einsum("bkge,bkse->bkgs", q_BKGE.astype(jnp.float32),
-                      k_cache_BKSE.astype(jnp.float32)) * scale
+  s_BKGS = jnp.einsum("bkge,bkse->bkgs", q_BKGE.astype(k_cache_BKSE.dtype), k_cache_BKSE,
+                      preferred_element_type=jnp.float32) * scale
   valid_B11S = (jnp.arange(S) < lengths_B[:, None])[:, None, :]
   return _softmax_av(s_BKGS, valid_B11S, v_cache_BKSE).astype(q_BKGE.dtype)
 

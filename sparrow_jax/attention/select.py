@@ -24,7 +24,8 @@ class SparseConfig:
   sink_pages: int = 1          # first pages always read (BOS / attention sink)
   local_pages: int = 2         # most recent pages always read (the partial current page included)
   dense_layers: int = 2        # the first layers stay dense
-  attention_impl: str = "auto"  # "auto" (Pallas on GPU, XLA elsewhere) | "xla" | "pallas"
+  attention_impl: str = "auto"  # "auto" (the GPU / TPU kernel on its platform, XLA elsewhere) |
+                                # "xla" | "pallas" (GPU, Triton) | "pallas_tpu" (TPU, Mosaic)
 
   def __post_init__(self):
     paged_cache.check_page_size(self.page_size)

@@ -120,7 +120,7 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
     return (state["t"] < N) & ~jnp.all(state["done"])
 
   attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
-                  else None)
+                  else policy.dense_decode_fn())
 
   def body(state):
     logits_BV, cache = qwen3.decode_step(params, state["token"], cfg, state["cache"],

@@ -1,0 +1,35 @@
+"""experiments/device_check.py: the one-shot GPU / TPU check (kernels, attention, end-to-end decode).
+
+  python experiments/device_check.py [--out=device_check.json]   # on the accelerator, < 8 min
+  python experiments/device_check.py --smoke                      # tiny sizes, any backend (CI)
+"""
+import ml_collections
+
+
+def get_config(arg: str = ""):
+  smoke = arg == "smoke"
+  c = ml_collections.ConfigDict()
+  # (1) kernel == jnp twin, on the device (interpret mode off its hardware)
+  c.kernel_context = 512 if smoke else 8192   # cache slots per row of the kernel checks
+  # (2) attention only, dense vs sparse (experiments/bench_attention.py's measure)
+  c.attention = ml_collections.ConfigDict()
+  c.attention.contexts = (256, 512) if smoke else (4096, 16384, 32768)  # cached tokens per row
+  c.attention.budget = 64 if smoke else 2048  # sparse tokens read per (row, KV head)
+  c.attention.batch = 2 if smoke else 64      # rows per decode step
+  c.attention.steps = 2 if smoke else 16      # decode steps per timed call
+  c.attention.runs = 1 if smoke else 5        # timed calls per cell (median)
+  c.attention.dtype = "bfloat16"              # cache dtype
+  c.attention.impl = "auto"                   # the platform's kernel (XLA off accelerators)
+  c.attention.select = True                   # also time page selection + sparse attention
+  c.tuning_context = 32768                    # (GPU) the Triton tuning alternatives are timed here
+  # (3) end-to-end decode of a random Qwen3-1.7B, cache filled directly (no prefill)
+  c.decode = ml_collections.ConfigDict()
+  c.decode.layers = 2 if smoke else 28        # Qwen3-1.7B has 28
+  c.decode.vocab_size = 1024 if smoke else 0  # 0: the real 151,936
+  c.decode.batch = 2 if smoke else 16         # rows: 16 x 32K x 28 layers of bf16 KV = 60 GB
+  c.decode.context = 256 if smoke else 32768 - 64  # cached tokens when decoding starts
+  c.decode.steps = 4 if smoke else 64         # decode steps timed
+  c.decode.runs = 1 if smoke else 3           # timed calls (median)
+  c.decode.dense_layers = 1 if smoke else 2  # first layers kept dense in sparse decode (paper: 2)
+  c.decode.tau = 0.86                         # the paper's Qwen3-1.7B budget table at this tau
+  return c

@@ -1,0 +1,224 @@
+"""The one-shot accelerator check: what a GPU or TPU machine runs, in under 8 minutes, to prove the
+kernels and measure them. Prints markdown tables (for the README) and, with --out, writes them as
+JSON.
+
+  python experiments/device_check.py [--out=device_check.json]
+  python experiments/device_check.py --smoke      # tiny sizes on any backend (CI runs it on CPU)
+
+(1) kernels == their jnp twin, on the device: the platform's kernel (Triton on a GPU, Mosaic on a
+    TPU; both in interpret mode on a CPU) against reference.sparse_decode_attention, float32 and
+    bfloat16, several splits / pages per block, rows with empty selections; max |diff| and pass.
+(2) attention only, dense vs sparse (experiments/bench_attention.py's `measure`): batch 64, 8 KV
+    heads, G 2, head dim 128, a 2K-token budget at 4K / 16K / 32K, bfloat16; ms per step, achieved
+    GB/s and its share of the chip's peak (PEAK_GBS; blank for an unknown chip). On a GPU the
+    Triton tuning alternatives (block tokens x dot / CUDA-core reduce) are timed at 32K, so
+    kernels/sparse_decode.TUNING can be set from the measurement.
+(3) end-to-end decode of a random Qwen3-1.7B (28 layers, bfloat16, batch 16, cache filled directly
+    with 32K - 64 tokens, no prefill: experiments/bench_rollout.py's filled_cache and decode_loop),
+    64 greedy steps dense vs sparse (the paper's tau-0.86 table, 2 dense layers): tok/s, compile
+    seconds and the compiled temp size of each.
+"""
+import dataclasses
+import json
+import os
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+import bench_attention
+import bench_rollout
+from configs import device_check as device_check_config
+from kernels import sparse_decode, sparse_decode_tpu
+import sparrow_jax as sj
+from sparrow_jax.attention import reference
+from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+from sparrow_jax.rollout import sampler
+
+# HBM bandwidth, GB/s, by jax's device_kind (vendor figures).
+PEAK_GBS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100": 3350,
+            "NVIDIA A100-SXM4-80GB": 2039, "TPU v4": 1228, "TPU v5 lite": 819, "TPU v5": 2765,
+            "TPU v6 lite": 1640}
+BF16_RTOL, BF16_ATOL = 2.0 ** -7, 2.0 ** -9  # one bfloat16 ulp of the output (as in the tests)
+_FLAGS = flags.FLAGS
+
+
+def _kernel_variants():
+  """(name, kernel fn with its knob bound) for this backend's kernel(s)."""
+  backend = jax.default_backend()
+  triton = [(f"triton splits={s}", dict(fn=sparse_decode.sparse_decode_attention, num_splits=s))
+            for s in (None, 1, 7)]
+  mosaic = [(f"mosaic pages/block={p}", dict(fn=sparse_decode_tpu.sparse_decode_attention,
+                                               pages_per_block=p)) for p in (None, 1, 4)]
+  return {"gpu": triton, "tpu": mosaic}.get(backend, triton[:2] + mosaic[:2])
+
+
+def _kernel_inputs(context, dtype, seed):
+  """Qwen3-1.7B heads, 4 rows, ragged lengths, 128 distinct pages per (row, head) of which a random
+  number are real (row 0 / head 0 selects nothing; the last row all)."""
+  B, K, G, E, Z = 4, 8, 2, 128, 16
+  P, N = context // Z, min(128, context // Z)
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(context // 2, context + 1, size=B)
+  n_valid = rng.integers(0, N + 1, size=(B, K))
+  n_valid[0, 0], n_valid[-1] = 0, N
+  page_idx = np.stack([[rng.permutation(P)[:N] for _ in range(K)] for _ in range(B)])
+  q = rng.standard_normal((B, K, G, E))
+  kc, vc = rng.standard_normal((2, B, K, P * Z, E))
+  return (jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
+          jnp.asarray(page_idx, jnp.int32), jnp.asarray(n_valid, jnp.int32),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def check_kernels(config):
+  rows = []
+  for dtype in ("float32", "bfloat16"):
+    args = _kernel_inputs(config.kernel_context, dtype, seed=len(rows))
+    want = np.asarray(jax.jit(reference.sparse_decode_attention, static_argnames="page_size")(
+        *args, page_size=16), np.float32)
+    for name, variant in _kernel_variants():
+      knobs = {k: v for k, v in variant.items() if k != "fn"}
+      got = np.asarray(jax.jit(lambda *a: variant["fn"](*a, page_size=16, **knobs))(*args),
+                       np.float32)
+      diff = np.abs(got - want)
+      ok = (np.all(diff <= 1e-4) if dtype == "float32"
+            else np.all(diff <= BF16_ATOL + BF16_RTOL * np.abs(want)))
+      empty_zero = bool(np.all(got[0, 0] == 0.0))
+      rows.append(dict(kernel=name, dtype=dtype, max_abs_diff=float(diff.max()),
+                       finite=bool(np.all(np.isfinite(got))), empty_rows_zero=empty_zero,
+                       ok=bool(ok and empty_zero and np.all(np.isfinite(got)))))
+  print(f"\n(1) kernel == jnp twin ({jax.default_backend()}, context {config.kernel_context})\n")
+  print("| kernel | dtype | max abs diff | empty rows 0 | ok |\n|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['kernel']} | {r['dtype']} | {r['max_abs_diff']:.2e} | {r['empty_rows_zero']} | "
+          f"{r['ok']} |")
+  return rows
+
+
+def time_attention(config):
+  peak = PEAK_GBS.get(jax.devices()[0].device_kind)
+  rows = []
+  for context in config.attention.contexts:
+    cells = bench_attention.measure(config.attention, context)
+    row = {"context": context}
+    for name, (ms, _, nbytes) in cells.items():
+      row[name] = dict(ms=ms, gbs=nbytes / ms / 1e6)
+    rows.append(row)
+  a = config.attention
+  print(f"\n(2) attention only ({jax.devices()[0].device_kind}, impl {a.impl}, {a.dtype}, batch "
+        f"{a.batch}, 8 KV heads, G 2, head dim 128, budget {a.budget} tokens; ms per step, "
+        f"achieved GB/s, % of a {peak or '?'} GB/s peak)\n")
+  names = [n for n in ("dense", "sparse", "sparse+select") if n in rows[0]]
+  print("| context | " + " | ".join(f"{n} ms | GB/s | % peak" for n in names)
+        + " | dense / sparse | dense / sparse+select |")
+  print("|---" * (1 + 3 * len(names) + 2) + "|")
+  for r in rows:
+    cells = " | ".join(f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | "
+                       f"{100 * r[n]['gbs'] / peak:.0f}" if peak else
+                       f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | " for n in names)
+    ratios = " | ".join(f"{r['dense']['ms'] / r[n]['ms']:.2f}x" for n in names[1:])
+    print(f"| {r['context']} | {cells} | {ratios} |")
+  return dict(peak_gbs=peak, rows=rows)
+
+
+def time_tuning(config):
+  """The Triton kernel at tuning_context under each table alternative (GPU only)."""
+  a = config.attention
+  context = config.tuning_context
+  B, n = a.batch, a.budget // 16
+  q, k, v, page_idx, n_valid, lengths = bench_attention._inputs(B, context, n, jnp.bfloat16)
+  base = sparse_decode.TUNING["bfloat16"]
+  variants = [dataclasses.replace(base, block_tokens=t, use_dot=d)
+              for t in (32, 64, 128) for d in (True, False)]
+
+  def loop(tuning):
+    step = lambda i, q: sparse_decode.sparse_decode_attention(
+        q, k, v, (page_idx + i) % (context // 16), n_valid, lengths, page_size=16, config=tuning)
+    return jax.jit(lambda q: jax.lax.fori_loop(0, a.steps, step, q))
+
+  times = bench_attention._times_ms([(loop(t), (q,)) for t in variants], a.runs)
+  rows = [dict(block_tokens=t.block_tokens, use_dot=t.use_dot, ms=med / a.steps)
+          for t, (med, _) in zip(variants, times)]
+  print(f"\n(2b) Triton tuning alternatives, sparse at {context}, batch {B}, bf16 "
+        f"(table now: block {base.block_tokens}, dot {base.use_dot})\n")
+  print("| block tokens | dot | ms |\n|---|---|---|")
+  for r in rows:
+    print(f"| {r['block_tokens']} | {r['use_dot']} | {r['ms']:.3f} |")
+  return rows
+
+
+def time_decode(config):
+  c = config.decode
+  cfg = bench_rollout.model_config(c.layers, c.vocab_size)
+  params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+  cache = bench_rollout.filled_cache(cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16,
+                                     jax.random.PRNGKey(1))
+  sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
+  budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), cache.max_len, sparse)
+  max_selected = 1 << max(int(budget_np.max()) - 1, 1).bit_length()
+  budget = BudgetTable(jnp.asarray(budget_np))
+  token_B = jnp.zeros((c.batch,), jnp.int32)
+  state, rows = {"cache": cache}, {}
+  del cache
+  for name, sp in (("dense", None), ("sparse", sparse)):
+    start = time.perf_counter()
+    lowered = bench_rollout.decode_loop.lower(params, token_B, state["cache"], budget, cfg=cfg,
+                                              sparse=sp, max_selected=max_selected,
+                                              steps=c.steps, context=c.context)
+    compiled = lowered.compile()
+    rows[name] = dict(compile_s=time.perf_counter() - start, compiled=compiled,
+                      temp_gb=compiled.memory_analysis().temp_size_in_bytes / 1e9)
+
+  def run(name):
+    def call():
+      token, state["cache"] = rows[name]["compiled"](params, token_B, state["cache"], budget)
+      jax.block_until_ready(token)
+    return call
+
+  seconds = bench_rollout._median_s([run("dense"), run("sparse")], c.runs)
+  for name, s in zip(("dense", "sparse"), seconds):
+    del rows[name]["compiled"]
+    rows[name]["tok_s"] = c.batch * c.steps / s
+  print(f"\n(3) end-to-end decode: random Qwen3-1.7B ({c.layers} layers, vocab {cfg.vocab_size}, "
+        f"bf16), batch {c.batch}, {c.context} cached tokens, {c.steps} steps; sparse = paper "
+        f"tau-{c.tau} table, {c.dense_layers} dense layers, budget {int(budget_np[c.context + 1])} "
+        f"pages at the start\n")
+  print("| decode | tok/s | compile s | compiled temp GB |\n|---|---|---|---|")
+  for name, r in rows.items():
+    print(f"| {name} | {r['tok_s']:.1f} | {r['compile_s']:.1f} | {r['temp_gb']:.2f} |")
+  print(f"\nsparse / dense: {rows['sparse']['tok_s'] / rows['dense']['tok_s']:.2f}x")
+  return rows
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  config = device_check_config.get_config("smoke") if _FLAGS.smoke else _FLAGS.config
+  start = time.perf_counter()
+  device = jax.devices()[0]
+  print(f"device_check: {device.platform} / {device.device_kind} x{jax.device_count()}, jax "
+        f"{jax.__version__}{' (smoke sizes)' if _FLAGS.smoke else ''}")
+  report = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                smoke=_FLAGS.smoke, kernels=check_kernels(config), attention=time_attention(config))
+  if jax.default_backend() == "gpu":
+    report["tuning"] = time_tuning(config)
+  report["decode"] = time_decode(config)
+  report["seconds"] = time.perf_counter() - start
+  print(f"\ndevice_check done in {report['seconds']:.0f} s; kernels ok: "
+        f"{all(r['ok'] for r in report['kernels'])}")
+  if _FLAGS.out:
+    with open(_FLAGS.out, "w") as f:
+      json.dump(report, f, indent=1)
+  if not all(r["ok"] for r in report["kernels"]):
+    raise SystemExit("a kernel differs from its jnp twin (table (1))")
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: tests import scripts beside others that define --config.
+  config_flags.DEFINE_config_file("config", "configs/device_check.py", "experiment config")
+  flags.DEFINE_bool("smoke", False, "tiny sizes on any backend: configs/device_check.py:smoke")
+  flags.DEFINE_string("out", "", "also write the tables as JSON to this path")
+  app.run(main)
