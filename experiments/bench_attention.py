@@ -14,8 +14,9 @@ Mosaic kernel on a TPU, XLA elsewhere). Timed, per context, side by side:
   sparse         policy.decode_attention over 128 given pages (random distinct pages including the
                  first and the last two); page selection not timed;
   sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
-GB/s = bytes each step must read (K and V of the tokens read, plus the float32 page centroids for
-select) / time: the achieved bandwidth, to hold against the chip's peak (device_check.py).
+GB/s = bytes each step must read (K and V of the tokens read, plus the page centroids, in the cache
+dtype, for select) / time: the achieved bandwidth, to hold against the chip's peak
+(experiments/device_check.py).
 Each timed call is one jitted `lax.fori_loop` of `steps` decode steps, each step's output being the
 next step's query (and the page list shifting by one page per step, so XLA cannot hoist the gather
 out of the loop); a cell is the median over `runs` calls (after a warm-up call) divided by `steps`,
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from sparrow_jax.attention import policy, reference, select
+from sparrow_jax.attention import paged_cache, policy, reference, select
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 2, 128, 16
 
@@ -66,12 +67,12 @@ def _loops(steps, n_selected, impl):
         q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE, impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
-  def sparse_select(q, k, v, centroid_sum, lengths):
+  def sparse_select(q, k, v, centroids, lengths):
     config = select.SparseConfig(page_size=PAGE_SIZE, attention_impl=impl)
     budget = jnp.full(lengths.shape, n_selected, jnp.int32)
 
     def body(i, q):
-      page_idx, n_valid = select.decode_pages(q, centroid_sum, lengths, budget, config, n_selected)
+      page_idx, n_valid = select.decode_pages(q, centroids, lengths, budget, config, n_selected)
       return policy.decode_attention(q, k, v, page_idx, n_valid, lengths, page_size=PAGE_SIZE,
                                      impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
@@ -106,10 +107,9 @@ def measure(config, context):
   calls = {"dense": ((dense, (q, k, v, lengths)), context * kv_bytes),
            "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes)}
   if config.select:
-    centroid_sum = k.astype(jnp.float32).reshape(
-        config.batch, KV_HEADS, context // PAGE_SIZE, PAGE_SIZE, HEAD_DIM).sum(axis=3)
-    calls["sparse+select"] = ((sparse_select, (q, k, v, centroid_sum, lengths)),
-                              config.budget * kv_bytes + centroid_sum.nbytes)
+    centroids = paged_cache.page_centroids(k, PAGE_SIZE)
+    calls["sparse+select"] = ((sparse_select, (q, k, v, centroids, lengths)),
+                              config.budget * kv_bytes + centroids.nbytes)
   times = _times_ms([call for call, _ in calls.values()], config.runs)
   return {name: (med / config.steps, low / config.steps, nbytes)
           for (name, (_, nbytes)), (med, low) in zip(calls.items(), times)}

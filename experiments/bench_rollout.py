@@ -12,11 +12,11 @@ experiments/bench_attention.py, a script with its own config, run on its own.
 2048, FFN 6144) truncated to `decode.layers` layers, random weights, decoding at a fixed context.
 Only the decode phase is timed: prefilling 32K tokens would take minutes on a 2-core CPU and says
 nothing about decode. The cache is written the way a prefill writes it (paged_cache.write_chunk:
-keys, values and page centroid sums), with random keys and values (unit normal, the scale that
+keys, values and page centroids), with random keys and values (unit normal, the scale that
 Qwen3's k RMSNorm gives) in place of the model's, and `lengths` = context. One timed call is a
 jitted `lax.fori_loop` of `decode.steps` `qwen3.decode_step`s, each step feeding its argmax token to
-the next; the cache is donated, and each call first rewinds it to the context (lengths, and the
-centroid sums of the pages written by the previous call) so every call does the same work.
+the next; the cache is donated, and each call first rewinds its lengths to the context so every
+call does the same work.
 Dense is the sampler's dense decode (policy.dense_decode_attention: each row's cached tokens only,
 in the cache dtype, the fair baseline). Dense and sparse calls are interleaved run by run (they
 share the machine's load) and a cell is the median over `runs` calls after a warm-up (compile)
@@ -118,10 +118,9 @@ def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
 def decode_loop(params, token_B, cache, budget, *, cfg, sparse, max_selected, steps, context):
   """`steps` greedy decode steps from a cache rewound to `context` tokens, dense (sparse=None) or
   with the sampler's sparse policy. Returns (token, cache)."""
-  first_new_page = context // cache.page_size
-  cache = cache.replace(
-      lengths=jnp.full_like(cache.lengths, context),
-      centroid_sum=cache.centroid_sum.at[:, :, :, first_new_page:].set(0.0))
+  # The keys a previous call wrote past `context` need no rewinding: each append rewrites its slot
+  # and its page's centroid, and a page is scored only once every slot of it is rewritten.
+  cache = cache.replace(lengths=jnp.full_like(cache.lengths, context))
 
   attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
                   else policy.dense_decode_fn())

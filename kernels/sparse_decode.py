@@ -76,6 +76,11 @@ def tuning(dtype, G: int) -> Tuning:
   return dataclasses.replace(entry, use_dot=True) if G >= _MIN_DOT else entry
 
 
+def supports(head_dim: int) -> bool:
+  """Whether the Triton dot can take this head size (a power of two >= 16)."""
+  return head_dim >= _MIN_DOT and not head_dim & (head_dim - 1)
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
@@ -161,7 +166,7 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   B, K, G, E = q_BKGE.shape
   P = k_cache_BKSE.shape[2] // page_size
   N = page_idx_BKN.shape[2]
-  if E < _MIN_DOT or E & (E - 1):
+  if not supports(E):
     raise ValueError(f"head_dim must be a power of two >= {_MIN_DOT} for the Triton dot, got {E}")
   # A Python float: the kernel bakes it in (a traced scale cannot be closed over by pallas_call).
   scale = reference.default_scale(E) if scale is None else float(scale)

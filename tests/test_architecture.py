@@ -67,3 +67,4 @@ def test_model_knows_qwen3_only_and_kernel_imports_its_twin_only():
   assert not {d for d in model_deps if d.startswith("kernels") or d.endswith(
       ("attention.select", "attention.policy"))}, model_deps
   assert graph["kernels.sparse_decode"] <= {"sparrow_jax.attention.reference"}
+  assert graph["kernels.sparse_decode_tpu"] <= {"sparrow_jax.attention.reference"}

@@ -94,7 +94,7 @@ def test_chunked_prefill_equals_one_chunk():
   np.testing.assert_allclose(logits_a, logits_b, atol=1e-5)
   for layer in range(3):
     np.testing.assert_allclose(cache_a.keys(layer), cache_b.keys(layer), atol=1e-5)
-    np.testing.assert_allclose(cache_a.centroid_sum[layer], cache_b.centroid_sum[layer], atol=1e-5)
+    np.testing.assert_allclose(cache_a.centroids[layer], cache_b.centroids[layer], atol=1e-5)
   # and the last prompt token's logits are forward's
   ref = sj.forward(params, prompt, cfg)
   np.testing.assert_allclose(logits_a, ref[jnp.arange(3), prompt_len - 1], atol=1e-4)

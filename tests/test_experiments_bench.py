@@ -59,20 +59,21 @@ def test_bench_attention_prints_a_row_per_context():
 
 
 def test_bench_rollout_filled_cache_is_a_prefilled_cache():
-  """The random cache (b) decodes from: keys/values in slots [0, context), page sums of exactly
-  those keys, nothing after, lengths = context."""
+  """The random cache (b) decodes from: keys/values in slots [0, context), page centroids of
+  exactly those keys, nothing after, lengths = context."""
   bench_rollout = _load("bench_rollout")
   cfg = sj.Qwen3Config(**bench_rollout.TINY, max_position_embeddings=64)
   cache = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(cache.lengths, [32, 32])
   for layer in range(cfg.num_hidden_layers):
     k, v = np.asarray(cache.keys(layer)), np.asarray(cache.values(layer))
-    sums = np.asarray(cache.centroid_sum[layer])
-    assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and sums.shape[2] == 3
-    assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0) and np.all(sums[:, :, 2:] == 0)
+    centroids = np.asarray(cache.centroids[layer])
+    assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and centroids.shape[2] == 3
+    assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0)
+    assert np.all(centroids[:, :, 2:] == 0)
     assert 0.9 < k[:, :, :32].std() < 1.1 and 0.9 < v[:, :, :32].std() < 1.1
-    np.testing.assert_allclose(sums[:, :, :2], k[:, :, :32].reshape(2, -1, 2, 16, cfg.head_dim)
-                               .sum(axis=3), atol=1e-5)
+    np.testing.assert_allclose(centroids[:, :, :2], k[:, :, :32].reshape(
+        2, -1, 2, 16, cfg.head_dim).mean(axis=3), atol=1e-6)
 
 
 def test_bench_rollout_decode_prints_a_row_per_dense_layers():

@@ -15,18 +15,18 @@ def test_decode_pages_equal_keep_pages(sink, local):
   B, K, G, E, P = 6, 2, 2, 8, 12
   # few distinct key values so that page scores tie often
   keys = rng.randint(-1, 2, (B, K, P, E)).astype(np.float32)
-  centroid_sum = jnp.asarray(keys * 4)  # 4 tokens per complete page
+  centroids = jnp.asarray(keys)
   lengths = jnp.asarray([1, 4, 9, 13, 30, 48])
   budget = jnp.asarray([3, 3, 4, 5, 7, 12])  # within max_selected, as budget tables guarantee
   q = jnp.asarray(rng.randint(-1, 2, (B, K, G, E)).astype(np.float32))
-  idx, n_valid = select.decode_pages(q, centroid_sum, lengths, budget, sparse, max_selected=16)
+  idx, n_valid = select.decode_pages(q, centroids, lengths, budget, sparse, max_selected=16)
   got = np.zeros((B, K, P), bool)
   for b in range(B):
     for k in range(K):
       chosen = np.asarray(idx[b, k, :int(n_valid[b, k])])
       assert len(set(chosen.tolist())) == len(chosen)  # distinct
       got[b, k, chosen] = True
-  scores = jnp.einsum("bkge,bkpe->bkp", q, centroid_sum / 4) / G
+  scores = jnp.einsum("bkge,bkpe->bkp", q, centroids) / G
   want = select.keep_pages(scores, (lengths - 1)[:, None], budget[:, None], sparse)
   np.testing.assert_array_equal(got, np.asarray(want))
   # the full budget keeps every page holding tokens

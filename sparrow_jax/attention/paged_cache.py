@@ -1,4 +1,4 @@
-"""Paged KV cache with per-page centroid sums, for block top-k sparse decoding.
+"""Paged KV cache with per-page mean keys (centroids), for block top-k sparse decoding.
 
 Layout, stacked over layers (the model scans its layers and indexes the cache with the layer):
   k_bits, v_bits  [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
@@ -10,16 +10,21 @@ Layout, stacked over layers (the model scans its layers and indexes the cache wi
                                    the whole cache there and back, 3x the KV in temporaries
                                    (experiments/memory_report.py); integer writes stay in place on
                                    every backend.
-  centroid_sum    [L, B, K, P, E]  float32 sum of the keys written to each page. The centroid is
-                                   sum / count with count = clip(length - p*Z, 0, Z), derived from
-                                   `lengths`, so appending a token costs O(K*E).
+  centroids       [L, B, K, P, E]  mean key of each page, in the cache dtype (bfloat16 at scale: the
+                                   scoring pass reads P x E of it per head and step, as much as a
+                                   2K-token sparse read at 32K in float32, half that in bfloat16).
+                                   Written whenever a token lands in a page, as the float32 mean of
+                                   the page's Z cached slots (unwritten slots are zero) rounded to
+                                   the cache dtype: final once the page is complete, and a partial
+                                   page is never scored (it is always one of the `local_pages`).
   lengths         [B]              tokens cached per sequence (slot == position: rows are right-padded).
 Why this layout: a selected page is one contiguous Z x E tile per (sequence, head), so a sparse read
 is a gather of whole tiles (coalesced loads on GPU; on TPU 16 x 128 matches the (8, 128) vreg tiling
 and one DMA per page), and the scoring pass reads only the P x E centroid block per head.
-Why float32 sums: the trainer scores pages with float32 means of the same keys, and the sampler must
-pick the pages it picks; the sums are 1/Z of the keys, so float32 costs 2/Z = 1/8 of the K cache
-(1/16 of K + V) where bfloat16 would cost half that and round sixteen additions per page.
+Why means of the cached slots: the trainer scores pages with the same means of the same keys in
+the same dtype (`page_centroids`, `page_scores`), so the sampler picks the pages the trainer
+picks; a running float32 sum would cost twice the bytes and a bfloat16 one would round sixteen
+additions per page.
 Sequences are independent (no shared page pool): RL rollouts have one static maximum length per batch.
 """
 import flax.struct
@@ -45,7 +50,7 @@ def from_bits(bits, dtype):
 class PagedKVCache:
   k_bits: jax.Array
   v_bits: jax.Array
-  centroid_sum: jax.Array
+  centroids: jax.Array
   lengths: jax.Array
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
@@ -80,7 +85,7 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
   return constrain(PagedKVCache(
       k_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
       v_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
-      centroid_sum=jnp.zeros((L, batch, K, pages, E), jnp.float32),
+      centroids=jnp.zeros((L, batch, K, pages, E), dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
       page_size=page_size, dtype=jnp.dtype(dtype).name))
 
@@ -92,34 +97,46 @@ def constrain(cache: PagedKVCache) -> PagedKVCache:
                           for name, axes in sharding.CACHE_AXES.items()})
 
 
+def page_centroids(k_BKSE, page_size: int):
+  """Mean key per page [B, K, P, E] in the keys' dtype: the float32 mean of each page's Z slots (a
+  partial last page padded with zeros), rounded. The sampler's cache and the trainer's sparse
+  teacher forcing both score these."""
+  B, K, S, E = k_BKSE.shape
+  k = jnp.pad(k_BKSE.astype(jnp.float32), ((0, 0), (0, 0), (0, -S % page_size), (0, 0)))
+  return k.reshape(B, K, -1, page_size, E).mean(axis=3).astype(k_BKSE.dtype)
+
+
+def page_scores(qbar_BKXE, centroid_BKPE):
+  """Scores [B, K, X, P] of X query-head means against the page centroids: the one scoring the
+  sampler and the trainer use. The means are rounded to the centroids' dtype and the dot
+  accumulates in float32, so bfloat16 centroids are read as stored (no float32 copy)."""
+  return jnp.einsum("bkxe,bkpe->bkxp", qbar_BKXE.astype(centroid_BKPE.dtype), centroid_BKPE,
+                    preferred_element_type=jnp.float32)
+
+
 def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:
   """Writes a chunk of C tokens (C and start whole pages; layer and start may be traced) into
-  slots [start, start + C) of `layer`, and the sums of its pages (invalid tokens written as zero)."""
-  B, C, K, E = k_BCKE.shape
+  slots [start, start + C) of `layer`, and the centroids of its pages (invalid tokens written as
+  zero)."""
   Z = cache.page_size
-  k_BCKE = jnp.where(valid_BC[:, :, None, None], k_BCKE, 0)
-  v_BCKE = jnp.where(valid_BC[:, :, None, None], v_BCKE, 0)
-  sums_BKPE = k_BCKE.astype(jnp.float32).reshape(B, C // Z, Z, K, E).sum(axis=2).transpose(0, 2, 1, 3)
+  stored = lambda x: jnp.where(valid_BC[:, :, None, None], x, 0).astype(cache.dtype)
+  k_BKCE, v_BKCE = stored(k_BCKE).transpose(0, 2, 1, 3), stored(v_BCKE).transpose(0, 2, 1, 3)
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
-  bits = lambda x: to_bits(x.astype(cache.dtype).transpose(0, 2, 1, 3))
-  return cache.replace(k_bits=put(cache.k_bits, bits(k_BCKE), start),
-                       v_bits=put(cache.v_bits, bits(v_BCKE), start),
-                       centroid_sum=put(cache.centroid_sum, sums_BKPE, start // Z))
+  return cache.replace(k_bits=put(cache.k_bits, to_bits(k_BKCE), start),
+                       v_bits=put(cache.v_bits, to_bits(v_BKCE), start),
+                       centroids=put(cache.centroids, page_centroids(k_BKCE, Z), start // Z))
 
 
 def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
-  """Writes one token per sequence at slot pos_B of `layer` and adds its key to that page's sum."""
-  b = jnp.arange(k_BKE.shape[0])
-  bits = lambda x: to_bits(x.astype(cache.dtype))
+  """Writes one token per sequence at slot pos_B of `layer` and recomputes the centroid of its page
+  from the page's Z cached slots (B x K x Z x E read: nothing next to the attention's)."""
+  B, Z = k_BKE.shape[0], cache.page_size
+  b_B = jnp.arange(B)
+  k_bits = cache.k_bits.at[layer, b_B, :, pos_B].set(to_bits(k_BKE.astype(cache.dtype)))
+  slots_BZ = (pos_B // Z)[:, None] * Z + jnp.arange(Z)
+  page_BZKE = from_bits(k_bits[layer, b_B[:, None], :, slots_BZ], cache.dtype)
+  centroid_BKE = page_centroids(page_BZKE.transpose(0, 2, 1, 3), Z)[:, :, 0]
   return cache.replace(
-      k_bits=cache.k_bits.at[layer, b, :, pos_B].set(bits(k_BKE)),
-      v_bits=cache.v_bits.at[layer, b, :, pos_B].set(bits(v_BKE)),
-      centroid_sum=cache.centroid_sum.at[layer, b, :, pos_B // cache.page_size].add(
-          k_BKE.astype(jnp.float32)))
-
-
-def centroids(centroid_sum_BKPE, lengths_B, page_size: int):
-  """Mean key per page (zero for empty pages)."""
-  P = centroid_sum_BKPE.shape[2]
-  count_BP = jnp.clip(lengths_B[:, None] - jnp.arange(P)[None] * page_size, 0, page_size)
-  return centroid_sum_BKPE / jnp.maximum(count_BP, 1)[:, None, :, None]
+      k_bits=k_bits,
+      v_bits=cache.v_bits.at[layer, b_B, :, pos_B].set(to_bits(v_BKE.astype(cache.dtype))),
+      centroids=cache.centroids.at[layer, b_B, :, pos_B // Z].set(centroid_BKE))

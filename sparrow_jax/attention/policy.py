@@ -105,8 +105,14 @@ def _dispatch(impl, make):
     raise ValueError(f"impl must be one of {reference.IMPLS}, got {impl!r}")
   if impl != "auto":
     return make(impl, None)
-  cuda, tpu, default = (make(i, False) for i in ("pallas", "pallas_tpu", "xla"))
-  return lambda *args: jax.lax.platform_dependent(*args, cuda=cuda, tpu=tpu, default=default)
+
+  def auto(q_BKGE, *args):
+    # Every branch is traced wherever this runs: a head size the Triton dot cannot take (tiny
+    # test models) goes to XLA on CUDA too.
+    gpu = "pallas" if sparse_decode.supports(q_BKGE.shape[-1]) else "xla"
+    cuda, tpu, default = (make(i, False) for i in (gpu, "pallas_tpu", "xla"))
+    return jax.lax.platform_dependent(q_BKGE, *args, cuda=cuda, tpu=tpu, default=default)
+  return auto
 
 
 def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *,
@@ -156,7 +162,7 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   (static) pages."""
   def sparse_attention(layer, q_BKGE, cache, lengths_B):
     page_idx_BKN, n_valid_BK = select.decode_pages(
-        q_BKGE, cache.centroid_sum[layer], lengths_B, budget.budget_pages(lengths_B), sparse,
+        q_BKGE, cache.centroids[layer], lengths_B, budget.budget_pages(lengths_B), sparse,
         min(max_selected, cache.num_pages))
     return decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), page_idx_BKN, n_valid_BK,
                             lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)

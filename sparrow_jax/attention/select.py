@@ -76,17 +76,16 @@ def keep_pages(scores_XP, query_pos_X, budget_X, sparse: SparseConfig):
   return always | (candidate & top_n & (n_X1 > 0))
 
 
-def decode_pages(q_BKGE, centroid_sum_BKPE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
+def decode_pages(q_BKGE, centroid_BKPE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
   """Page ids [B, K, N] (kept pages first, padded with valid ids) and their count [B, K].
 
   The same pages as `keep_pages`, found with one `lax.top_k` over the candidates instead of a full
   ranking (sorting all P pages twice per head costs more than the sparse attention at 32K): top_k
   orders equal scores by lower index, exactly like the stable descending rank.
   """
-  B, K, P, _ = centroid_sum_BKPE.shape
-  centroid_BKPE = paged_cache.centroids(centroid_sum_BKPE, lengths_B, sparse.page_size)
-  qbar_BKE = jnp.mean(q_BKGE.astype(jnp.float32), axis=2)
-  scores_BKP = jnp.einsum("bke,bkpe->bkp", qbar_BKE, centroid_BKPE)
+  B, K, P, _ = centroid_BKPE.shape
+  qbar_BK1E = jnp.mean(q_BKGE.astype(jnp.float32), axis=2, keepdims=True)
+  scores_BKP = paged_cache.page_scores(qbar_BK1E, centroid_BKPE)[:, :, 0]
   _, candidate_BKP = _page_roles(P, (lengths_B - 1)[:, None], sparse)
   n_top = min(max(max_selected - sparse.always_kept, 1), P)
   top_score_BKT, top_idx_BKT = jax.lax.top_k(jnp.where(candidate_BKP, scores_BKP, -jnp.inf), n_top)
@@ -111,13 +110,10 @@ def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseC
   """Mask [B, K, T, P] of the pages each position's query read while decoding. Prompt positions
   were prefilled densely, so they keep every page. The materialised reference of what
   `blockwise.attention` selects per query block in sparse teacher forcing (tests compare them)."""
-  B, S, K, E = k_BSKE.shape
-  T, Z = q_BTKGE.shape[1], sparse.page_size
-  pad = -S % Z
-  k_pad = jnp.pad(k_BSKE.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  centroid_BKPE = k_pad.reshape(B, (S + pad) // Z, Z, K, E).mean(axis=2).transpose(0, 2, 1, 3)
+  T = q_BTKGE.shape[1]
+  centroid_BKPE = paged_cache.page_centroids(k_BSKE.transpose(0, 2, 1, 3), sparse.page_size)
   qbar_BKTE = jnp.mean(q_BTKGE.astype(jnp.float32), axis=3).transpose(0, 2, 1, 3)
-  scores_BKTP = jnp.einsum("bkte,bkpe->bktp", qbar_BKTE, centroid_BKPE)
+  scores_BKTP = paged_cache.page_scores(qbar_BKTE, centroid_BKPE)
   pos_T = jnp.arange(T)
   budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], centroid_BKPE.shape[2],
                         schedule.budget_pages(pos_T + 1)[None])

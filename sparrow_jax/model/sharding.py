@@ -73,7 +73,7 @@ def lora_axes(lora_params):
 
 CACHE_AXES = {"k_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
               "v_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "centroid_sum": ("layers", "batch", "kv_heads", "pages", "head_dim"),
+              "centroids": ("layers", "batch", "kv_heads", "pages", "head_dim"),
               "lengths": ("batch",)}
 
 

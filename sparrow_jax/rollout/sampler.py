@@ -86,7 +86,7 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
     logits_BV = jnp.repeat(logits_BV, g, axis=0)
     cache = paged_cache.constrain(cache.replace(
         k_bits=jnp.repeat(cache.k_bits, g, axis=1), v_bits=jnp.repeat(cache.v_bits, g, axis=1),
-        centroid_sum=jnp.repeat(cache.centroid_sum, g, axis=1), lengths=jnp.repeat(cache.lengths, g)))
+        centroids=jnp.repeat(cache.centroids, g, axis=1), lengths=jnp.repeat(cache.lengths, g)))
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def emit(t, logits_BV, state):
