@@ -16,6 +16,7 @@ def get_config(arg: str = ""):
   c.attention.contexts = (256, 512) if smoke else (4096, 16384, 32768)  # cached tokens per row
   c.attention.budget = 64 if smoke else 2048  # sparse tokens read per (row, KV head)
   c.attention.batch = 2 if smoke else 64      # rows per decode step
+  c.attention.cache_tokens = 0                # slots per row (0: the largest context)
   c.attention.steps = 2 if smoke else 16      # decode steps per timed call
   c.attention.runs = 1 if smoke else 5        # timed calls per cell (median)
   c.attention.dtype = "bfloat16"              # cache dtype

@@ -4,13 +4,17 @@
       [--config.contexts=4096,16384,32768 --config.budget=2048 --config.batch=4 --config.steps=8
        --config.runs=7 --config.dtype=float32 --config.impl=auto --config.select=False]
 
-Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), `batch` rows, every cached
-token valid, page size 16, a 2048-token budget (128 pages, all valid). Both columns go through the
-dispatch the sampler uses (attention/policy.py, `impl`: auto = the Triton kernel on a GPU, the
-Mosaic kernel on a TPU, XLA elsewhere). Timed, per context, side by side:
+Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), `batch` rows holding
+`context` tokens each in a cache preallocated for `cache_tokens` (default the largest context), as
+the sampler preallocates prompt + max_new_tokens; page size 16, a 2048-token budget (128 pages, all
+valid). Dense and sparse go through the dispatch the sampler uses (attention/policy.py, `impl`:
+auto = the Triton kernel on a GPU, the Mosaic kernel on a TPU, XLA elsewhere). Timed, per context,
+side by side:
   dense          policy.dense_decode_attention: the fair baseline, reading each row's cached
-                 tokens only in the cache dtype (a length-aware dense kernel, as the paper's
-                 FlashInfer baseline; here every row is full, so it reads the whole cache);
+                 tokens only, in the cache dtype (a length-aware dense kernel, as the paper's
+                 FlashInfer baseline);
+  whole cache    the old baseline, reference.dense_decode_attention over the whole preallocated
+                 cache (masked by length): what the dense ratios before this build compared with;
   sparse         policy.decode_attention over 128 given pages (random distinct pages including the
                  first and the last two); page selection not timed;
   sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
@@ -21,7 +25,8 @@ Each timed call is one jitted `lax.fori_loop` of `steps` decode steps, each step
 next step's query (and the page list shifting by one page per step, so XLA cannot hoist the gather
 out of the loop); a cell is the median over `runs` calls (after a warm-up call) divided by `steps`,
 the columns' calls interleaved run by run so that they share whatever else loads the machine;
-"min ratio" divides the fastest dense call by the fastest sparse one (less sensitive to that load).
+"min ratio" divides the fastest dense call by the fastest sparse one (less sensitive to that load);
+"old ratio" is whole cache / sparse, the inflated ratio the old baseline gave.
 Why a loop: a decode loop reuses its buffers, while a lone jitted call allocates its outputs and
 temporaries afresh, and on this VM first-touching fresh memory costs ~1.5 us per 4 KiB page, which
 would dominate the sparse step (--config.steps=1 shows that single-call regime).
@@ -61,6 +66,10 @@ def _loops(steps, n_selected, impl):
                                                       impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
+  def whole_cache(q, k, v, lengths):
+    body = lambda i, q: reference.dense_decode_attention(q, k, v, lengths)
+    return jax.lax.fori_loop(0, steps, body, q)
+
   def sparse(q, k, v, page_idx, n_valid, lengths):
     P = k.shape[2] // PAGE_SIZE
     body = lambda i, q: policy.decode_attention(
@@ -77,12 +86,12 @@ def _loops(steps, n_selected, impl):
                                      impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
-  return jax.jit(dense), jax.jit(sparse), jax.jit(sparse_select)
+  return jax.jit(dense), jax.jit(whole_cache), jax.jit(sparse), jax.jit(sparse_select)
 
 
-def _inputs(batch, context, n_selected, dtype, seed=0):
+def _inputs(batch, context, n_selected, dtype, cache_tokens=None, seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  shape = (batch, KV_HEADS, context, HEAD_DIM)
+  shape = (batch, KV_HEADS, cache_tokens or context, HEAD_DIM)
   q = jax.random.normal(kq, (batch, KV_HEADS, GROUP, HEAD_DIM), dtype)
   k = jax.random.normal(kk, shape, dtype)
   v = jax.random.normal(kv, shape, dtype)
@@ -97,17 +106,20 @@ def _inputs(batch, context, n_selected, dtype, seed=0):
 
 
 def measure(config, context):
-  """{column: (median ms, min ms, bytes read per step)} for one context, columns dense, sparse and
-  (with config.select) sparse+select."""
+  """{column: (median ms, min ms, bytes read per step)} for one context, columns dense, whole
+  cache, sparse and (with config.select) sparse+select."""
   n_selected = config.budget // PAGE_SIZE
-  dense, sparse, sparse_select = _loops(config.steps, n_selected, config.impl)
+  dense, whole_cache, sparse, sparse_select = _loops(config.steps, n_selected, config.impl)
   dtype = jnp.dtype(config.dtype)
-  q, k, v, page_idx, n_valid, lengths = _inputs(config.batch, context, n_selected, dtype)
+  cache_tokens = config.cache_tokens or max(config.contexts)
+  q, k, v, page_idx, n_valid, lengths = _inputs(config.batch, context, n_selected, dtype,
+                                                cache_tokens)
   kv_bytes = 2 * config.batch * KV_HEADS * HEAD_DIM * dtype.itemsize  # K + V of one token
   calls = {"dense": ((dense, (q, k, v, lengths)), context * kv_bytes),
+           "whole cache": ((whole_cache, (q, k, v, lengths)), cache_tokens * kv_bytes),
            "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes)}
   if config.select:
-    centroids = paged_cache.page_centroids(k, PAGE_SIZE)
+    centroids = paged_cache.page_centroids(k[:, :, :context], PAGE_SIZE)
     calls["sparse+select"] = ((sparse_select, (q, k, v, centroids, lengths)),
                               config.budget * kv_bytes + centroids.nbytes)
   times = _times_ms([call for call, _ in calls.values()], config.runs)
@@ -130,6 +142,10 @@ def check_config(config) -> None:
   if bad:
     raise ValueError(f"contexts must be multiples of {PAGE_SIZE} of at least budget="
                      f"{config.budget} tokens, got {bad}")
+  if config.cache_tokens and (config.cache_tokens % PAGE_SIZE
+                              or config.cache_tokens < max(config.contexts)):
+    raise ValueError(f"cache_tokens must be 0 or a multiple of {PAGE_SIZE} holding every context "
+                     f"(>= {max(config.contexts)}), got {config.cache_tokens}")
 
 
 def main(argv):
@@ -138,19 +154,21 @@ def main(argv):
   config = flags.FLAGS.config
   check_config(config)
   print(f"{jax.default_backend()} x{os.cpu_count()} cores, impl {config.impl}, {config.dtype}, "
-        f"batch {config.batch}, {KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
+        f"batch {config.batch}, cache {config.cache_tokens or max(config.contexts)} tokens, "
+        f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
         f"{HEAD_DIM}, budget {config.budget} tokens ({config.budget // PAGE_SIZE} pages of "
         f"{PAGE_SIZE}); ms per decode step (median of {config.runs} calls of {config.steps} "
         f"steps), GB/s read; 1-min load average at start {os.getloadavg()[0]:.1f}")
-  print(f"{'context':>8} {'dense':>9} {'GB/s':>7} {'sparse':>9} {'GB/s':>7} {'ratio':>7} "
-        f"{'min ratio':>10} {'sparse+select':>14} {'ratio':>7}")
+  print(f"{'context':>8} {'dense':>9} {'GB/s':>7} {'whole cache':>12} {'sparse':>9} {'GB/s':>7} "
+        f"{'ratio':>7} {'min ratio':>10} {'old ratio':>10} {'sparse+select':>14} {'ratio':>7}")
   for context in config.contexts:
     cells = measure(config, context)
     (dense_ms, dense_min, dense_b), (sparse_ms, sparse_min, sparse_b) = (
         cells["dense"], cells["sparse"])
-    row = (f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {sparse_ms:>9.3f} "
-           f"{sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
-           f"{dense_min / sparse_min:>9.1f}x")
+    whole_ms = cells["whole cache"][0]
+    row = (f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {whole_ms:>12.3f} "
+           f"{sparse_ms:>9.3f} {sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
+           f"{dense_min / sparse_min:>9.1f}x {whole_ms / sparse_ms:>9.1f}x")
     if "sparse+select" in cells:
       select_ms = cells["sparse+select"][0]
       row += f" {select_ms:>14.3f} {dense_ms / select_ms:>6.1f}x"

@@ -48,13 +48,14 @@ def test_bench_attention_prints_a_row_per_context():
   out = _run("bench_attention", "--config.contexts=256,512", "--config.budget=64",
              "--config.steps=2", "--config.runs=1").stdout
   assert "budget 64 tokens (4 pages of 16)" in out and "median of 1 calls of 2 steps" in out
-  assert "impl auto" in out and "batch 4" in out
+  assert "impl auto" in out and "batch 4" in out and "cache 512 tokens" in out
   lines = out.splitlines()
   header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "dense"])
-  assert "min ratio" in lines[header] and "sparse+select" in lines[header]
+  assert "min ratio" in lines[header] and "old ratio" in lines[header]
+  assert "sparse+select" in lines[header]
   rows = [line.split() for line in lines[header + 1:]]
   assert [r[0] for r in rows] == ["256", "512"]
-  assert all(len(r) == 9 and r[5].endswith("x") and r[8].endswith("x") for r in rows), rows
+  assert all(len(r) == 11 and r[6].endswith("x") and r[10].endswith("x") for r in rows), rows
   assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows  # GB/s
 
 
@@ -102,6 +103,7 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
 @pytest.mark.parametrize("script, override, message", [
     ("bench_attention", "--config.budget=40", "budget must be a multiple of 16"),
     ("bench_attention", "--config.impl=triton", "impl must be one of"),
+    ("bench_attention", "--config.cache_tokens=1000", "got 1000"),
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
     ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
@@ -145,6 +147,6 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert all(r["ok"] and r["max_abs_diff"] < 1e-2 for r in report["kernels"]), report["kernels"]
   assert [r["context"] for r in report["attention"]["rows"]] == [256, 512]
   assert all(r[n]["ms"] > 0 for r in report["attention"]["rows"]
-             for n in ("dense", "sparse", "sparse+select"))
+             for n in ("dense", "whole cache", "sparse", "sparse+select"))
   assert report["decode"]["dense"]["tok_s"] > 0 and report["decode"]["sparse"]["temp_gb"] > 0
   assert "| kernel | dtype |" in result.stdout and "sparse / dense:" in result.stdout
