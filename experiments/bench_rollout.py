@@ -41,8 +41,9 @@ step for the whole batch) to both costs.
 (c) Dense decode tokens/s of a tiny Qwen3 (TINY below) in our sampler (sj.generate) and in
 google-tunix's (tunix.generate.sampler.Sampler over tunix.models.qwen3), our random weights copied
 into tunix's model, greedy, side by side in one process; decode tok/s comes from two generation
-lengths so that prefill and per-call overheads cancel. The greedy tokens of both are compared as a
-check that the two run the same model. tunix is optional: it is not a project dependency and lives
+lengths so that prefill and per-call overheads cancel. Beside them, the roofline: the measured time
+to read every weight once (`weight_read_ms`), the floor of a small-batch decode step. The greedy
+tokens of both are compared as a check that the two run the same model. tunix is optional: it is not a project dependency and lives
 in a separate venv (google-tunix 0.1.7 installs from PyPI with jax 0.10.2 and runs offline on CPU),
 named by `tunix.python`; (c) then reruns this script under that interpreter. Without it (c) prints
 how to make that venv.
@@ -251,6 +252,20 @@ def _tunix_model(cfg, params, nnx, tunix_qwen3):
   return model
 
 
+def weight_read_ms(params, runs):
+  """ms to read every parameter once, measured: a jitted loop of 16 passes that each add the pass
+  index to every weight and reduce it (the index keeps XLA from hoisting the read out of the
+  loop). The floor of a decode step at small batch, which reads every weight once."""
+  leaves = jax.tree_util.tree_leaves(params)
+
+  @jax.jit
+  def passes(leaves):
+    body = lambda i, acc: acc + sum(jnp.sum(x + i.astype(x.dtype)) for x in leaves)
+    return jax.lax.fori_loop(0, 16, body, jnp.float32(0.0))
+
+  return _median_s([lambda: jax.block_until_ready(passes(leaves))], runs)[0] * 1e3 / 16
+
+
 def bench_tunix(config):
   if config.tunix.python:
     # tunix lives in its own venv: rerun this script there with the same config, (c) only.
@@ -314,6 +329,11 @@ def bench_tunix(config):
   print(f"{'sampler':>28} {f'{short} tok s':>9} {f'{long} tok s':>9} {'decode tok/s':>13}")
   print(f"{'sparrow_jax sj.generate':>28} {ours_s:>9.3f} {ours_l:>9.3f} {ours_tps:>13.1f}")
   print(f"{'tunix generate.Sampler':>28} {tunix_s:>9.3f} {tunix_l:>9.3f} {tunix_tps:>13.1f}")
+  read_ms = weight_read_ms(params, config.runs)
+  n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+  print(f"    roofline: reading the {n_bytes / 1e6:.1f} MB of weights once takes {read_ms:.2f} ms "
+        f"(measured); a decode step takes {1e3 * B / ours_tps:.2f} ms here "
+        f"({B * 1e3 / ours_tps / read_ms:.2f}x the read), {1e3 * B / tunix_tps:.2f} ms in tunix")
   print(f"    ours / tunix: {ours_tps / tunix_tps:.2f}x; same greedy tokens: {same}/{b.size} "
         f"(tunix returned {b.shape[1]} tokens per row, ours {a.shape[1]})")
 

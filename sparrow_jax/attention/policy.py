@@ -51,7 +51,7 @@ def forward(params, tokens_BT, cfg, *, sparse=None, schedule=None, prompt_len_B=
   return qwen3.forward(params, tokens_BT, cfg, **kwargs)
 
 
-DENSE_BUCKETS = 8  # the XLA dense decode reads the smallest of 8 static cache prefixes that fits
+DENSE_PREFIXES = (1, 2, 3)  # eighths of the cache the XLA dense decode may read instead of all of it
 
 
 def _sparse_fn(impl, page_size, scale, interpret=None):
@@ -82,13 +82,14 @@ def _dense_fn(impl, page_size, interpret=None):
 
 
 def _dense_xla(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B):
-  """The whole-cache einsum over the smallest of DENSE_BUCKETS static cache prefixes that holds
-  the longest row (a lax.switch: one branch runs). Measured on CPU (B 4, 8 KV heads, 16K cache,
-  ms per step): 47 at full length like the whole cache, 27 at 1/4 and 14 at 1/8 of it; a
-  blockwise walk over 512-4096-token blocks ran 2.1-2.7x slower than the whole cache at full
-  length (each dynamic slice of the cache is copied before its dot)."""
+  """The whole-cache einsum over the smallest static cache prefix (DENSE_PREFIXES eighths, or the
+  whole cache) that holds the longest row (a lax.switch: one branch runs). A prefix is copied
+  before its dot, so it pays only up to ~3/8: measured on CPU (B 4, 8 KV heads, ms per step), a
+  16K cache read whole 47, its 1/4 prefix 27, its 1/8 14, and a 1/2 prefix of a 32K cache as slow
+  as the whole (97 vs 90). A blockwise walk over 512-4096-token blocks ran 2.1-2.7x slower than
+  the whole cache at full length (every block copied)."""
   S = k_cache_BKSE.shape[2]
-  sizes = sorted({-(-S * (i + 1) // DENSE_BUCKETS) for i in range(DENSE_BUCKETS)})
+  sizes = sorted({-(-S * i // 8) for i in DENSE_PREFIXES} | {S})
   prefix = lambda size: lambda q, k, v, lengths: reference.dense_decode_attention(
       q, k[:, :, :size], v[:, :, :size], lengths)
   bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(lengths_B))  # first size >= longest row
