@@ -43,10 +43,10 @@ google-tunix's (tunix.generate.sampler.Sampler over tunix.models.qwen3), our ran
 into tunix's model, greedy, side by side in one process; decode tok/s comes from two generation
 lengths so that prefill and per-call overheads cancel. Beside them, the roofline: the measured time
 to read every weight once (`weight_read_ms`), the floor of a small-batch decode step. The greedy
-tokens of both are compared as a check that the two run the same model. tunix is optional: it is not a project dependency and lives
-in a separate venv (google-tunix 0.1.7 installs from PyPI with jax 0.10.2 and runs offline on CPU),
-named by `tunix.python`; (c) then reruns this script under that interpreter. Without it (c) prints
-how to make that venv.
+tokens of both are compared as a check that the two run the same model. tunix is optional: it is
+not a project dependency and lives in a separate venv (google-tunix 0.1.7 installs from PyPI with
+jax 0.10.2 and runs offline on CPU), named by `tunix.python`; (c) then reruns this script under
+that interpreter. Without it (c) prints how to make that venv.
 """
 import dataclasses
 import functools
@@ -165,7 +165,7 @@ def bench_decode(config):
   for context in c.contexts:
     cache = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
     budget_np = sampler.budget_table(schedule, cache.max_len, sparse_configs[0])
-    max_selected = 1 << max(int(budget_np.max()) - 1, 1).bit_length()
+    max_selected = sampler.max_selected_pages(budget_np)
     budget = BudgetTable(jnp.asarray(budget_np))
     token_B = jnp.zeros((config.batch,), jnp.int32)
     state = {"cache": cache}

@@ -20,7 +20,6 @@ JSON.
 """
 import dataclasses
 import json
-import os
 import time
 
 from absl import app, flags
@@ -86,10 +85,9 @@ def check_kernels(config):
       diff = np.abs(got - want)
       ok = (np.all(diff <= 1e-4) if dtype == "float32"
             else np.all(diff <= BF16_ATOL + BF16_RTOL * np.abs(want)))
-      empty_zero = bool(np.all(got[0, 0] == 0.0))
-      rows.append(dict(kernel=name, dtype=dtype, max_abs_diff=float(diff.max()),
-                       finite=bool(np.all(np.isfinite(got))), empty_rows_zero=empty_zero,
-                       ok=bool(ok and empty_zero and np.all(np.isfinite(got)))))
+      empty_zero, finite = bool(np.all(got[0, 0] == 0.0)), bool(np.all(np.isfinite(got)))
+      rows.append(dict(kernel=name, dtype=dtype, max_abs_diff=float(diff.max()), finite=finite,
+                       empty_rows_zero=empty_zero, ok=bool(ok and empty_zero and finite)))
   print(f"\n(1) kernel == jnp twin ({jax.default_backend()}, context {config.kernel_context})\n")
   print("| kernel | dtype | max abs diff | empty rows 0 | ok |\n|---|---|---|---|---|")
   for r in rows:
@@ -158,7 +156,7 @@ def time_decode(config):
                                      jax.random.PRNGKey(1))
   sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
   budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), cache.max_len, sparse)
-  max_selected = 1 << max(int(budget_np.max()) - 1, 1).bit_length()
+  max_selected = sampler.max_selected_pages(budget_np)
   budget = BudgetTable(jnp.asarray(budget_np))
   token_B = jnp.zeros((c.batch,), jnp.int32)
   state, rows = {"cache": cache}, {}

@@ -114,7 +114,7 @@ def sampler_memory(model, length, c, dtype, mesh):
     compiled = sampler._generate.lower(
         params, rows(SDS((B, T), jnp.int32)), rows(SDS((B,), jnp.int32)), SDS((2,), jnp.uint32),
         budget, lora, cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0,
-        eos_ids=(0,), sparse=SPARSE, max_selected=1 << max(int(table.max()) - 1, 1).bit_length(),
+        eos_ids=(0,), sparse=SPARSE, max_selected=sampler.max_selected_pages(table),
         num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=c.sampler_group
     ).compile()
   out = _analysis(compiled)

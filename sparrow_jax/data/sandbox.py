@@ -63,8 +63,8 @@ STARTUP_S = 5.0                  # interpreter start and namespace setup, added 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
   timeout_s: float = 2.0          # wall clock per test case
-  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1 (a backstop:
-                                  # equal to the wall clock it raced it, and a busy loop ended as an error)
+  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1, a backstop
+                                  # behind the wall clock (equal, a busy loop could hit it first)
   memory_mb: int = 1024           # RLIMIT_AS per test case
   output_bytes: int = 1 << 20     # RLIMIT_FSIZE, so also the most stdout one test case can produce
   nofile: int = 64                # RLIMIT_NOFILE

@@ -403,8 +403,7 @@ def _train(c, mesh):
   tables = [sampler.budget_table(s, cache_len, sparse) for _, s in stages] if sparse else None
   budgets = ([sharding.place(schedule_lib.BudgetTable(t), sharding.replicated(mesh))
               for t in tables] if sparse else None)
-  max_selected = (1 << max(int(max(t.max() for t in tables)) - 1, 1).bit_length()
-                  if sparse else None)
+  max_selected = sampler.max_selected_pages(tables) if sparse else None
   key = jax.random.PRNGKey(c.seed)
   rows, nonfinite = [], 0
   # wall time by part; the first step of a process also compiles (the sampler and the train step)

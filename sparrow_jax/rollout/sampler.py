@@ -51,6 +51,12 @@ def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
   return budget
 
 
+def max_selected_pages(pages_by_len) -> int:
+  """The static cap on selected pages for a budget table (or several stacked): its largest budget
+  rounded up to a power of two, so tables of similar size share one compiled shape."""
+  return 1 << max(int(np.max(pages_by_len)) - 1, 1).bit_length()
+
+
 def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
   """Draws one token per row -> (token_B, logp_BV), logp being the log-probs of the distribution
   actually sampled: softmax(logits / temperature) truncated to the top-k tokens and then to the
@@ -189,8 +195,7 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
     else:
       budget = BudgetTable(jnp.asarray(budget_table(schedule, cache_len, sparse)))
     if max_selected is None:
-      max_selected = 1 << max(int(sharding.to_host(budget.pages_by_len).max()) - 1,
-                              1).bit_length()
+      max_selected = max_selected_pages(sharding.to_host(budget.pages_by_len))
   return _generate(params, prompt_BT, prompt_len_B, key, budget, lora, cfg=cfg,
                    max_new_tokens=max_new_tokens, temperature=float(temperature),
                    top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(int(e) for e in eos_ids),
