@@ -59,7 +59,7 @@ def get_config():
   c.rl.micro_batches = 1             # gradient accumulation: each update's rows in this many slices
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
   # experiments/memory_report.py) | dots | none. Here none ran the 40 steps in 12.5 min at 4.6 GB
-  # peak RSS, full in 13.3 min at 2.9 GB (README).
+  # peak RSS (an earlier build), full in 10.6 min at 2.84 GiB (this build; README).
   c.rl.remat = "full"
   c.rl.logits_chunk = 512            # positions per LM-head chunk (no [B, S, vocab] array)
 
