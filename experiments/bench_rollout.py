@@ -94,44 +94,50 @@ def model_config(layers: int, vocab_size: int) -> sj.Qwen3Config:
   return dataclasses.replace(base, num_hidden_layers=layers, vocab_size=vocab)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "context"), donate_argnames=("cache",))
-def _fill_layer(cache, key, *, layer, context):
-  """Writes random keys/values into slots [0, context) of one layer as a prefill of that length
-  would (one jitted call per layer keeps only one layer's random tokens in memory; one draw per
-  tensor, as a stacked [2, ...] draw costs XLA 1.5 GiB more temporaries at 32K)."""
-  _, B, K, _, E = cache.k_bits.shape
+@functools.partial(jax.jit, static_argnames=("context",), donate_argnames=("cache",))
+def _fill_layer(cache, key, *, context):
+  """Writes random keys/values into slots [0, context) of a one-layer cache as a prefill of that
+  length would (one jitted call per layer keeps only one layer's random tokens in memory; one draw
+  per tensor, as a stacked [2, ...] draw costs XLA 1.5 GiB more temporaries at 32K)."""
+  _, B, K, _, E = cache.k_stored.shape
   key_k, key_v = jax.random.split(key)
   k_BTKE = jax.random.normal(key_k, (B, context, K, E), jnp.float32)
   v_BTKE = jax.random.normal(key_v, (B, context, K, E), jnp.float32)
-  return paged_cache.write_chunk(cache, layer, 0, k_BTKE, v_BTKE, jnp.ones((B, context), bool))
+  return paged_cache.write_chunk(cache, 0, 0, k_BTKE, v_BTKE, jnp.ones((B, context), bool))
 
 
 def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
-  """A cache of context + steps slots holding `context` random tokens per row."""
-  cache = paged_cache.init_cache(cfg, batch, context + steps, page_size, dtype)
+  """Per-layer caches (`paged_cache.split_layers`' form) of context + steps slots holding `context`
+  random tokens per row."""
+  one_layer = dataclasses.replace(cfg, num_hidden_layers=1)
+  caches = []
   for i in range(cfg.num_hidden_layers):
-    cache = _fill_layer(cache, jax.random.fold_in(key, i), layer=i, context=context)
-  return cache.replace(lengths=jnp.full((batch,), context, jnp.int32))  # as qwen3.prefill sets them
+    cache = paged_cache.init_cache(one_layer, batch, context + steps, page_size, dtype)
+    cache = _fill_layer(cache, jax.random.fold_in(key, i), context=context)
+    caches.append(cache.replace(lengths=jnp.full((batch,), context, jnp.int32)))  # as prefill sets
+  return tuple(caches)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sparse", "max_selected", "steps", "context"),
-                   donate_argnames=("cache",))
-def decode_loop(params, token_B, cache, budget, *, cfg, sparse, max_selected, steps, context):
-  """`steps` greedy decode steps from a cache rewound to `context` tokens, dense (sparse=None) or
-  with the sampler's sparse policy. Returns (token, cache)."""
+                   donate_argnames=("caches",))
+def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, steps, context):
+  """`steps` greedy decode steps from caches rewound to `context` tokens, dense (sparse=None) or
+  with the sampler's sparse policy, as the sampler runs them (weights split by layer before the
+  loop). Returns (token, caches)."""
   # The keys a previous call wrote past `context` need no rewinding: each append rewrites its slot
   # and its page's centroid, and a page is scored only once every slot of it is rewritten.
-  cache = cache.replace(lengths=jnp.full_like(cache.lengths, context))
+  caches = tuple(c.replace(lengths=jnp.full_like(c.lengths, context)) for c in caches)
+  params, _ = qwen3.unstack_layers(params)
 
   attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
                   else policy.dense_decode_fn())
 
   def body(i, carry):
-    token_B, cache = carry
-    logits_BV, cache = qwen3.decode_step(params, token_B, cfg, cache, attention_fn=attention_fn)
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), cache
+    token_B, caches = carry
+    logits_BV, caches = qwen3.decode_step(params, token_B, cfg, caches, attention_fn=attention_fn)
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), caches
 
-  return jax.lax.fori_loop(0, steps, body, (token_B, cache))
+  return jax.lax.fori_loop(0, steps, body, (token_B, caches))
 
 
 def bench_decode(config):
@@ -163,24 +169,24 @@ def bench_decode(config):
   print(f"{'context':>8} {'budget':>7} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
         f"{'ratio':>7} {'cost model':>11} {'+weights':>9}")
   for context in c.contexts:
-    cache = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
-    budget_np = sampler.budget_table(schedule, cache.max_len, sparse_configs[0])
+    caches = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
+    budget_np = sampler.budget_table(schedule, caches[0].max_len, sparse_configs[0])
     max_selected = sampler.max_selected_pages(budget_np)
     budget = BudgetTable(jnp.asarray(budget_np))
     token_B = jnp.zeros((config.batch,), jnp.int32)
-    state = {"cache": cache}
-    del cache
+    state = {"caches": caches}
+    del caches
 
     def call(sparse):
       def run():
-        token, state["cache"] = decode_loop(
-            params, token_B, state["cache"], budget, cfg=cfg, sparse=sparse,
+        token, state["caches"] = decode_loop(
+            params, token_B, state["caches"], budget, cfg=cfg, sparse=sparse,
             max_selected=max_selected, steps=c.steps, context=context)
         jax.block_until_ready(token)
       return run
 
     dense_s, *sparse_s = _median_s([call(None)] + [call(sp) for sp in sparse_configs], config.runs)
-    del state["cache"]
+    del state["caches"]
     dense_tps = config.batch * c.steps / dense_s
     dense1 = cost_model.dense_rollout_cost(cfg, context, c.steps, 1, hw)
     weights = c.steps * hw.intensity * n_params * hw.dtype_bytes

@@ -152,18 +152,19 @@ def time_decode(config):
   c = config.decode
   cfg = bench_rollout.model_config(c.layers, c.vocab_size)
   params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
-  cache = bench_rollout.filled_cache(cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16,
-                                     jax.random.PRNGKey(1))
+  caches = bench_rollout.filled_cache(cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16,
+                                      jax.random.PRNGKey(1))
   sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
-  budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), cache.max_len, sparse)
+  budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), caches[0].max_len,
+                                     sparse)
   max_selected = sampler.max_selected_pages(budget_np)
   budget = BudgetTable(jnp.asarray(budget_np))
   token_B = jnp.zeros((c.batch,), jnp.int32)
-  state, rows = {"cache": cache}, {}
-  del cache
+  state, rows = {"caches": caches}, {}
+  del caches
   for name, sp in (("dense", None), ("sparse", sparse)):
     start = time.perf_counter()
-    lowered = bench_rollout.decode_loop.lower(params, token_B, state["cache"], budget, cfg=cfg,
+    lowered = bench_rollout.decode_loop.lower(params, token_B, state["caches"], budget, cfg=cfg,
                                               sparse=sp, max_selected=max_selected,
                                               steps=c.steps, context=c.context)
     compiled = lowered.compile()
@@ -172,7 +173,7 @@ def time_decode(config):
 
   def run(name):
     def call():
-      token, state["cache"] = rows[name]["compiled"](params, token_B, state["cache"], budget)
+      token, state["caches"] = rows[name]["compiled"](params, token_B, state["caches"], budget)
       jax.block_until_ready(token)
     return call
 

@@ -121,7 +121,7 @@ def sampler_memory(model, length, c, dtype, mesh):
   per_device = lambda x: np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
   L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
   k_cache = SDS((L, B, K, length, E), dtype, sharding=NamedSharding(
-      mesh, sharding.spec(sharding.CACHE_AXES["k_bits"], (L, B, K, length, E), mesh)))
+      mesh, sharding.spec(sharding.CACHE_AXES["k_stored"], (L, B, K, length, E), mesh)))
   kv = 2 * per_device(k_cache)
   param_bytes = sum(per_device(x) for x in jax.tree_util.tree_leaves(params))
   out.update(kv_gb=kv / GB, params_gb=param_bytes / GB,

@@ -64,11 +64,12 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
   exactly those keys, nothing after, lengths = context."""
   bench_rollout = _load("bench_rollout")
   cfg = sj.Qwen3Config(**bench_rollout.TINY, max_position_embeddings=64)
-  cache = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
-  np.testing.assert_array_equal(cache.lengths, [32, 32])
-  for layer in range(cfg.num_hidden_layers):
-    k, v = np.asarray(cache.keys(layer)), np.asarray(cache.values(layer))
-    centroids = np.asarray(cache.centroids[layer])
+  caches = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
+  assert len(caches) == cfg.num_hidden_layers
+  for cache in caches:
+    np.testing.assert_array_equal(cache.lengths, [32, 32])
+    k, v = np.asarray(cache.keys(0)), np.asarray(cache.values(0))
+    centroids = np.asarray(cache.centroids[0])
     assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and centroids.shape[2] == 3
     assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0)
     assert np.all(centroids[:, :, 2:] == 0)

@@ -82,6 +82,7 @@ def test_incremental_decoding_matches_forward(name):
   prompt = jnp.where(jnp.arange(T)[None] < prompt_len[:, None], tokens, 0)
   logits, cache = jax.jit(qwen3.prefill, static_argnums=3)(params, prompt, prompt_len, cfg, cache)
   np.testing.assert_allclose(logits, full[jnp.arange(B), prompt_len - 1], atol=1e-5)
+  cache = paged_cache.split_layers(cache)
   step = jax.jit(lambda p, tok, c: qwen3.decode_step(p, tok, cfg, c))
   for t in range(int(prompt_len.min()), T - 4):
     pos = jnp.minimum(prompt_len + (t - prompt_len.min()), T - 1)

@@ -1,15 +1,19 @@
 """Paged KV cache with per-page mean keys (centroids), for block top-k sparse decoding.
 
-Layout, stacked over layers (the model scans its layers and indexes the cache with the layer):
-  k_bits, v_bits  [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
+Layout, stacked over layers (prefill scans its layers and indexes the cache with the layer; decoding
+splits it into one single-layer cache per layer, `split_layers`):
+  k_stored, v_stored [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
                                    contiguous block k[l, b, k, p*Z:(p+1)*Z]; a [..., P, Z, E] view is
                                    a free reshape. Keys and values of `dtype` (the model's: bfloat16
-                                   at scale) stored as unsigned integers of the same width and read
-                                   through a free bitcast (`keys(layer)`, `values(layer)`): XLA CPU
-                                   runs every bfloat16 update of a buffer in float32, converting
-                                   the whole cache there and back, 3x the KV in temporaries
-                                   (experiments/memory_report.py); integer writes stay in place on
-                                   every backend.
+                                   at scale), read through `keys(layer)`, `values(layer)`. 2-byte
+                                   floats are stored as uint16 bits: XLA CPU runs every bfloat16
+                                   update of a buffer in float32, converting the whole cache there
+                                   and back, 3x the KV in temporaries (experiments/memory_report.py),
+                                   while integer writes stay in place on every backend. float32 is
+                                   stored as is: its updates are in place, and XLA CPU copied a
+                                   whole layer's cache at each decode step to read uint32 bits as
+                                   float32 (the tiny default's sparse decode step: 10.6 -> 7.6 ms
+                                   without that copy and the stacked-layer slice; README).
   centroids       [L, B, K, P, E]  mean key of each page, in the cache dtype (bfloat16 at scale: the
                                    scoring pass reads P x E of it per head and step, as much as a
                                    2K-token sparse read at 32K in float32, half that in bfloat16).
@@ -34,22 +38,24 @@ import jax.numpy as jnp
 from sparrow_jax.model import sharding
 
 
-_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+_STORED = {2: jnp.uint16}  # by itemsize; other dtypes are stored as they are
 
 
-def to_bits(x):
-  """x as unsigned integers of its width (a free bitcast; `from_bits` undoes it)."""
-  return jax.lax.bitcast_convert_type(x, _BITS[jnp.dtype(x.dtype).itemsize])
+def to_stored(x):
+  """x in its storage form: a free bitcast to uint16 for 2-byte floats, x itself otherwise
+  (`from_stored` undoes it)."""
+  stored = _STORED.get(jnp.dtype(x.dtype).itemsize)
+  return x if stored is None else jax.lax.bitcast_convert_type(x, stored)
 
 
-def from_bits(bits, dtype):
-  return jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype))
+def from_stored(x, dtype):
+  return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
 
 
 @flax.struct.dataclass
 class PagedKVCache:
-  k_bits: jax.Array
-  v_bits: jax.Array
+  k_stored: jax.Array
+  v_stored: jax.Array
   centroids: jax.Array
   lengths: jax.Array
   page_size: int = flax.struct.field(pytree_node=False, default=16)
@@ -57,14 +63,14 @@ class PagedKVCache:
 
   def keys(self, layer):
     """Keys [B, K, S, E] of `layer` (traced is fine) in the cache dtype."""
-    return from_bits(self.k_bits[layer], self.dtype)
+    return from_stored(self.k_stored[layer], self.dtype)
 
   def values(self, layer):
-    return from_bits(self.v_bits[layer], self.dtype)
+    return from_stored(self.v_stored[layer], self.dtype)
 
   @property
   def max_len(self) -> int:
-    return self.k_bits.shape[3]
+    return self.k_stored.shape[3]
 
   @property
   def num_pages(self) -> int:
@@ -81,13 +87,25 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
   check_page_size(page_size)
   pages = -(-max_len // page_size)
   K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-  bits = _BITS[jnp.dtype(dtype).itemsize]
+  stored = _STORED.get(jnp.dtype(dtype).itemsize, dtype)
   return constrain(PagedKVCache(
-      k_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
-      v_bits=jnp.zeros((L, batch, K, pages * page_size, E), bits),
+      k_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
+      v_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
       centroids=jnp.zeros((L, batch, K, pages, E), dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
       page_size=page_size, dtype=jnp.dtype(dtype).name))
+
+
+def split_layers(cache: PagedKVCache, repeat: int = 1) -> tuple:
+  """The cache as one single-layer cache per layer, each row repeated `repeat` times (a prompt
+  group prefilled once, decoded `repeat` times): the form `qwen3.decode_step` carries. Split once,
+  before a decode loop; the stacked cache is dead after it."""
+  rows = lambda x: jnp.repeat(x, repeat, axis=1) if repeat > 1 else x
+  lengths = jnp.repeat(cache.lengths, repeat) if repeat > 1 else cache.lengths
+  return tuple(constrain(cache.replace(k_stored=rows(cache.k_stored[i:i + 1]),
+                                       v_stored=rows(cache.v_stored[i:i + 1]),
+                                       centroids=rows(cache.centroids[i:i + 1]), lengths=lengths))
+               for i in range(cache.k_stored.shape[0]))
 
 
 def constrain(cache: PagedKVCache) -> PagedKVCache:
@@ -122,8 +140,8 @@ def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> 
   stored = lambda x: jnp.where(valid_BC[:, :, None, None], x, 0).astype(cache.dtype)
   k_BKCE, v_BKCE = stored(k_BCKE).transpose(0, 2, 1, 3), stored(v_BCKE).transpose(0, 2, 1, 3)
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
-  return cache.replace(k_bits=put(cache.k_bits, to_bits(k_BKCE), start),
-                       v_bits=put(cache.v_bits, to_bits(v_BKCE), start),
+  return cache.replace(k_stored=put(cache.k_stored, to_stored(k_BKCE), start),
+                       v_stored=put(cache.v_stored, to_stored(v_BKCE), start),
                        centroids=put(cache.centroids, page_centroids(k_BKCE, Z), start // Z))
 
 
@@ -132,11 +150,11 @@ def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
   from the page's Z cached slots (B x K x Z x E read: nothing next to the attention's)."""
   B, Z = k_BKE.shape[0], cache.page_size
   b_B = jnp.arange(B)
-  k_bits = cache.k_bits.at[layer, b_B, :, pos_B].set(to_bits(k_BKE.astype(cache.dtype)))
+  k_stored = cache.k_stored.at[layer, b_B, :, pos_B].set(to_stored(k_BKE.astype(cache.dtype)))
   slots_BZ = (pos_B // Z)[:, None] * Z + jnp.arange(Z)
-  page_BZKE = from_bits(k_bits[layer, b_B[:, None], :, slots_BZ], cache.dtype)
+  page_BZKE = from_stored(k_stored[layer, b_B[:, None], :, slots_BZ], cache.dtype)
   centroid_BKE = page_centroids(page_BZKE.transpose(0, 2, 1, 3), Z)[:, :, 0]
   return cache.replace(
-      k_bits=k_bits,
-      v_bits=cache.v_bits.at[layer, b_B, :, pos_B].set(to_bits(v_BKE.astype(cache.dtype))),
+      k_stored=k_stored,
+      v_stored=cache.v_stored.at[layer, b_B, :, pos_B].set(to_stored(v_BKE.astype(cache.dtype))),
       centroids=cache.centroids.at[layer, b_B, :, pos_B // Z].set(centroid_BKE))

@@ -149,9 +149,10 @@ def _per_shard(fn, *args_BK):
 
 
 def dense_decode_fn(impl="auto"):
-  """An `attention_fn` for qwen3.decode_step: every layer reads each row's cached tokens."""
+  """An `attention_fn` for qwen3.decode_step: every layer reads each row's cached tokens from its
+  own one-layer cache."""
   def attention(layer, q_BKGE, cache, lengths_B):
-    return dense_decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), lengths_B,
+    return dense_decode_attention(q_BKGE, cache.keys(0), cache.values(0), lengths_B,
                                   page_size=cache.page_size, impl=impl)
   return attention
 
@@ -161,14 +162,12 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   the others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
   schedule.BudgetTable: traced, so a new schedule does not recompile), at most `max_selected`
   (static) pages."""
-  def sparse_attention(layer, q_BKGE, cache, lengths_B):
+  def attention(layer, q_BKGE, cache, lengths_B):  # layer: a Python int (decoding unrolls layers)
+    if layer < sparse.dense_layers:
+      return dense_decode_fn(sparse.attention_impl)(layer, q_BKGE, cache, lengths_B)
     page_idx_BKN, n_valid_BK = select.decode_pages(
-        q_BKGE, cache.centroids[layer], lengths_B, budget.budget_pages(lengths_B), sparse,
+        q_BKGE, cache.centroids[0], lengths_B, budget.budget_pages(lengths_B), sparse,
         min(max_selected, cache.num_pages))
-    return decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), page_idx_BKN, n_valid_BK,
+    return decode_attention(q_BKGE, cache.keys(0), cache.values(0), page_idx_BKN, n_valid_BK,
                             lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)
-
-  def attention(layer, q_BKGE, cache, lengths_B):  # layer: traced (the model scans its layers)
-    return jax.lax.cond(layer < sparse.dense_layers, dense_decode_fn(sparse.attention_impl),
-                        sparse_attention, layer, q_BKGE, cache, lengths_B)
   return attention

@@ -11,17 +11,18 @@ params = {
 Weights are stored input-major ([in, out], x @ w); `hf.py` transposes to and from torch's [out, in].
 Layers are stacked and run as one `lax.scan`, so a 28-layer model compiles like a one-layer one,
 and each layer is rematerialised in the backward pass (`REMAT_POLICIES`): what a train step holds
-per layer is its input. Sparrow treats layers differently (the first `dense_layers` stay dense):
-the attention function receives the traced layer index and decides.
+per layer is its input. The decode step is the exception: it unrolls its layers over per-layer
+weights and caches (`decode_step`). Sparrow treats layers differently (the first `dense_layers`
+stay dense): the attention function receives the layer index and decides.
 
 Memory at length (`experiments/memory_report.py`): attention is blockwise (attention/blockwise.py,
 never a [T, S] score matrix), prefill goes chunk by chunk into the paged cache, and `map_logits`
 applies the LM head to sequence chunks, so no [T, V] logits array exists in training either.
 
 The model knows Qwen3 only. Attention is the one pluggable piece: `forward` takes
-`attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` and `decode_step` takes
-`attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a traced int32); the sparsity policy (which
-layers stay dense, which pages the others read) builds both in sparrow_jax/attention/policy.py.
+`attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` (layer: a traced int32) and `decode_step`
+takes `attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a Python int); the sparsity policy
+(which layers stay dense, which pages the others read) builds both in sparrow_jax/attention/policy.py.
 """
 import math
 from typing import Callable, Optional
@@ -230,10 +231,11 @@ REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
 
 def remat_full(layer_fn):
   """layer_fn(x, *args) rematerialised: its backward recomputes the forward from the input x,
-  which is all it keeps, stored as integer bits. The same as jax.checkpoint with nothing saveable,
-  but the scan over layers stacks those inputs with integer writes: XLA CPU runs bfloat16
-  dynamic-update-slices in float32 and had held two float32 copies of the bf16 stack (4x its size:
-  64 GB per device of a 14B x 38K train step; the sampler's cache avoids it the same way)."""
+  which is all it keeps (bfloat16 as integer bits, `paged_cache.to_stored`). The same as
+  jax.checkpoint with nothing saveable, but the scan over layers stacks those inputs with integer
+  writes: XLA CPU runs bfloat16 dynamic-update-slices in float32 and had held two float32 copies of
+  the bf16 stack (4x its size: 64 GB per device of a 14B x 38K train step; the sampler's cache
+  avoids it the same way)."""
   def remat(x, *args):
     # The traced values layer_fn closes over (masks, budgets) become explicit inputs: a custom_vjp
     # backward may not close over tracers (jax.closure_convert hoists only float ones).
@@ -251,11 +253,11 @@ def remat_full(layer_fn):
       return call(x, args, consts)
 
     def fwd(x, args, consts):
-      return call(x, args, consts), (paged_cache.to_bits(x), args, consts)
+      return call(x, args, consts), (paged_cache.to_stored(x), args, consts)
 
     def bwd(residuals, g):
-      bits, args, consts = residuals
-      return jax.vjp(call, paged_cache.from_bits(bits, g.dtype), args, consts)[1](g)
+      stored, args, consts = residuals
+      return jax.vjp(call, paged_cache.from_stored(stored, g.dtype), args, consts)[1](g)
 
     fn.defvjp(fwd, bwd)
     return fn(x, args, consts)
@@ -369,38 +371,56 @@ def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=No
   return unembed(params, last_BD[:, None], cfg)[:, 0], cache
 
 
-DecodeAttentionFn = Callable[[jax.Array, jax.Array, paged_cache.PagedKVCache, jax.Array], jax.Array]
+DecodeAttentionFn = Callable[[int, jax.Array, paged_cache.PagedKVCache, jax.Array], jax.Array]
 
 
 def dense_decode_fn(layer, q_BKGE, cache, lengths_B):
-  """The default decode attention: every layer reads the whole cache (masked by length)."""
-  return reference.dense_decode_attention(q_BKGE, cache.keys(layer), cache.values(layer), lengths_B)
+  """The default decode attention: every layer reads its whole cache (masked by length)."""
+  return reference.dense_decode_attention(q_BKGE, cache.keys(0), cache.values(0), lengths_B)
 
 
-def decode_step(params, token_B, cfg: Qwen3Config, cache, *,
+def unstack_layers(params, lora=None):
+  """(params, lora) with their stacked [L, ...] layers split into tuples of per-layer pytrees:
+  what a decode loop should hand `decode_step`, split once before the loop. Inside a while loop
+  XLA CPU copies a stacked layer's weights at every step, whether a scan slices them or a static
+  index does (4 layers of 512 x 1536 weights: 1.9 and 3.0 ms per step, 0.57 ms split before the
+  loop)."""
+  split = lambda tree: tuple(jax.tree_util.tree_map(lambda x: x[i], tree)
+                             for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0]))
+  params = dict(params, layers=split(params["layers"]))
+  if lora is not None:
+    lora = lora.replace(params=dict(lora.params, layers=split(lora.params["layers"])))
+  return params, lora
+
+
+def decode_step(params, token_B, cfg: Qwen3Config, caches, *,
                 attention_fn: Optional[DecodeAttentionFn] = None, lora=None):
-  """Appends one token per sequence and returns the next-token logits_BV and the cache.
+  """Appends one token per sequence and returns the next-token logits_BV and the caches.
 
-  attention_fn(layer, q_BKGE, cache, lengths_B) -> out_BKGE reads layer `layer` of the cache, whose
-  newest token is already written (lengths_B tokens cached); dense by default, block-sparse from
-  `attention.policy.decode_attention_fn`.
+  caches: one single-layer cache per layer (`paged_cache.split_layers`). The layers run unrolled,
+  each on its own cache buffer, which the step updates and reads in place: a decode loop carrying
+  a stacked cache copied each layer's keys and values (its whole [B, K, S, E]) at every step.
+  params (and lora) are best split by `unstack_layers` before the loop; stacked ones work too.
+  attention_fn(layer, q_BKGE, cache, lengths_B) -> out_BKGE: layer a Python int, cache that
+  layer's own cache (`cache.keys(0)`), whose newest token is already written (lengths_B tokens
+  cached); dense by default, block-sparse from `attention.policy.decode_attention_fn`.
   """
   B = token_B.shape[0]
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
   attention_fn = attention_fn or dense_decode_fn
-  pos_B = cache.lengths
+  if not isinstance(params["layers"], tuple):
+    params, lora = unstack_layers(params, lora)
+  lora_layers = (None,) * len(caches) if lora is None else lora.params["layers"]
+  scale = 1.0 if lora is None else lora.scale
+  pos_B = caches[0].lengths
   lengths_B = pos_B + 1
-  xs, scale = _layer_xs(params, lora)
-
-  def layer_step(carry, xs):
-    x_B1D, cache = carry
-    layer, lora_layer, i = xs
+  x_B1D = embed(params, token_B[:, None], cfg)
+  new_caches = []
+  for i, (layer, lora_layer, cache) in enumerate(zip(params["layers"], lora_layers, caches)):
     q_B1HE, k_B1KE, v_B1KE = qkv(layer, x_B1D, pos_B[:, None], cfg, lora_layer, scale)
-    cache = paged_cache.append(cache, i, k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
+    cache = paged_cache.append(cache, 0, k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
     out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
     x_B1D = finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
-    return (sharding.constrain(x_B1D, ACT_AXES), paged_cache.constrain(cache)), None
-
-  (x_B1D, cache), _ = jax.lax.scan(layer_step, (embed(params, token_B[:, None], cfg), cache), xs)
-  cache = cache.replace(lengths=lengths_B)
-  return unembed(params, x_B1D, cfg)[:, 0], cache
+    x_B1D = sharding.constrain(x_B1D, ACT_AXES)
+    new_caches.append(paged_cache.constrain(cache.replace(lengths=lengths_B)))
+  return unembed(params, x_B1D, cfg)[:, 0], tuple(new_caches)

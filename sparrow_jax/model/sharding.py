@@ -71,8 +71,8 @@ def lora_axes(lora_params):
                      for name in lora_params["layers"]}}
 
 
-CACHE_AXES = {"k_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "v_bits": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+CACHE_AXES = {"k_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+              "v_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
               "centroids": ("layers", "batch", "kv_heads", "pages", "head_dim"),
               "lengths": ("batch",)}
 

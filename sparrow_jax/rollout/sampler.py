@@ -88,11 +88,11 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
   cache = paged_cache.init_cache(cfg, B // g, cache_len, sparse.page_size if sparse else 16,
                                  params["embed"].dtype)
   logits_BV, cache = qwen3.prefill(params, prompt_BT[::g], prompt_len_B[::g], cfg, cache, lora=lora)
-  if g > 1:  # each group's rows decode from their own copy of the one prefilled prompt
-    logits_BV = jnp.repeat(logits_BV, g, axis=0)
-    cache = paged_cache.constrain(cache.replace(
-        k_bits=jnp.repeat(cache.k_bits, g, axis=1), v_bits=jnp.repeat(cache.v_bits, g, axis=1),
-        centroids=jnp.repeat(cache.centroids, g, axis=1), lengths=jnp.repeat(cache.lengths, g)))
+  # each group's rows decode from their own copy of the one prefilled prompt, and each layer from
+  # its own cache and weights (qwen3.decode_step)
+  logits_BV = jnp.repeat(logits_BV, g, axis=0)
+  caches = paged_cache.split_layers(cache, repeat=g)
+  params, lora = qwen3.unstack_layers(params, lora)
   eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
   def emit(t, logits_BV, state):
@@ -116,7 +116,7 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
 
   state = dict(t=0, token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
                tokens=jnp.full((B, N), pad_id, jnp.int32), logprobs=jnp.zeros((B, N), jnp.float32),
-               lengths=jnp.zeros((B,), jnp.int32), cache=cache)
+               lengths=jnp.zeros((B,), jnp.int32), caches=caches)
   if num_top_logprobs:
     state.update(top_lp=jnp.zeros((B, N, num_top_logprobs), jnp.float32),
                  top_id=jnp.zeros((B, N, num_top_logprobs), jnp.int32))
@@ -129,9 +129,9 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
                   else policy.dense_decode_fn())
 
   def body(state):
-    logits_BV, cache = qwen3.decode_step(params, state["token"], cfg, state["cache"],
-                                         attention_fn=attention_fn, lora=lora)
-    return emit(state["t"], logits_BV, dict(state, cache=cache))
+    logits_BV, caches = qwen3.decode_step(params, state["token"], cfg, state["caches"],
+                                          attention_fn=attention_fn, lora=lora)
+    return emit(state["t"], logits_BV, dict(state, caches=caches))
 
   state = jax.lax.while_loop(cond, body, state)
   top = (state["top_lp"], state["top_id"]) if num_top_logprobs else (None, None)
