@@ -1,4 +1,5 @@
 """Parity of the JAX Qwen3 with transformers, and incremental decoding against forward."""
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +106,38 @@ def test_concrete_tokens_captured_under_jit():
   tokens = jnp.asarray([[1, 2, 3]])
   out = jax.jit(lambda p: sj.forward(p, tokens, cfg))(params)
   np.testing.assert_allclose(out, sj.forward(params, tokens, cfg), atol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_decode_loop_reads_weights_and_cache_in_place(sparse):
+  """The sampler's decode loop (weights split before it, per-layer float32 caches) holds no copy
+  of a layer's cache or weights inside the loop: XLA CPU had copied every layer's whole K/V cache
+  (a stacked slice, a uint32 -> float32 read) and weights (a stacked slice) at every step."""
+  from sparrow_jax.attention import policy
+  from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+  from sparrow_jax.rollout import sampler
+  cfg = dataclasses.replace(tiny_config(), num_hidden_layers=3, max_position_embeddings=512)
+  params = sj.init_params(cfg, jax.random.PRNGKey(0))
+  B, S = 4, 512
+  caches = paged_cache.split_layers(paged_cache.init_cache(cfg, B, S, page_size=16))
+  cfg_sparse = sj.SparseConfig(page_size=16, dense_layers=1)
+  table = sampler.budget_table(KVSchedule.fixed(8), S, cfg_sparse)
+  attention_fn = (policy.decode_attention_fn(cfg_sparse, BudgetTable(jnp.asarray(table)), 8)
+                  if sparse else policy.dense_decode_fn())
+
+  def loop(params, caches):
+    params, _ = qwen3.unstack_layers(params)
+    def step(i, carry):
+      logits_BV, caches = qwen3.decode_step(params, carry[0], cfg, carry[1],
+                                            attention_fn=attention_fn)
+      return jnp.argmax(logits_BV, -1).astype(jnp.int32), caches
+    return jax.lax.fori_loop(0, 8, step, (jnp.zeros((B,), jnp.int32), caches))
+
+  hlo = jax.jit(loop).lower(params, caches).compile().as_text()
+  cache_shape = f"[{B},{cfg.num_key_value_heads},{S},{cfg.head_dim}]"
+  weight_shape = f"[{cfg.hidden_size},{cfg.intermediate_size}]"
+  loop_bodies = [c for c in hlo.split("\n\n") if "region" in c.split("\n")[0]]
+  made = [line.strip()[:120] for c in loop_bodies for line in c.split("\n")
+          if "fusion(" in line and any(shape in line.split("=")[1].split(" ")[1]
+                                       for shape in (cache_shape, weight_shape))]
+  assert not made, made
