@@ -127,3 +127,113 @@ def test_measure_this_machine_returns_positive_rates():
   assert hw.name.startswith(cost_model.THIS_MACHINE)
   assert hw.peak_flops > 0 and hw.mem_bandwidth > 0 and np.isfinite(hw.intensity)
   assert cost_model.rollout_speedup("tiny", KVSchedule.fixed(4), 32, 256, hardware=hw) > 0
+
+
+# --- roofline time model -------------------------------------------------------------------------
+
+PAPER_MODELS = ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"]
+
+
+def test_running_fraction_mean_cut_and_errors():
+  for mean in (0.3, 0.5, 0.9):
+    alive = cost_model.running_fraction(32768, mean)
+    assert alive.shape == (32768,) and alive[0] == 1.0
+    assert np.all(np.diff(alive) < 0)                            # rows only ever stop
+    assert alive.sum() / 32768 == pytest.approx(mean, rel=1e-9)  # mean length as stated
+    assert 0 < alive[-1] < 1                                     # some rows reach the cutoff
+  assert cost_model.running_fraction(32768, 0.5)[-1] == pytest.approx(0.203, abs=1e-3)
+  np.testing.assert_array_equal(cost_model.running_fraction(100, 1.0), np.ones(100))
+  for bad in (0.0, 0.5 / 100, 1.5):
+    with pytest.raises(ValueError, match="mean_len_frac"):
+      cost_model.running_fraction(100, bad)
+
+
+def test_roofline_dense_time_by_hand():
+  # tiny: P = 90496, r = 2, D = 128 KV elements per token. Prompt 3, 2 steps (S = 4, 5), every row
+  # to the cutoff, 2-byte elements, 10 FLOP/s, 5 bytes/s.
+  p, r, d = 90496, 2, 128
+  prefill = max((2 * p * 3 + 2 * r * d * 3 * 4 / 2) / 10, 2 * (p + d * 3) / 5)  # compute-bound
+  def time(rows):  # `rows` samples of one prompt
+    return prefill + sum(max(rows * (2 * p + 2 * r * d * s) / 10, (2 * p + rows * 2 * d * s) / 5)
+                         for s in (4, 5))
+  one, three = time(1), time(3)
+  assert one == pytest.approx((4 * p + 2 * d * 9) / 5 + prefill)  # memory-bound: 1 row, weights
+  assert three == pytest.approx(3 * (4 * p + 2 * r * d * 9) / 10 + prefill)  # compute-bound
+  for rows, want in ((1, one), (3, three)):
+    got = cost_model.roofline_rollout_time("tiny", None, 3, 2, batch_per_device=rows,
+                                           mean_len_frac=1.0, n_samples=rows, hardware=TOY_HW)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_roofline_sparse_row_by_hand():
+  # 1 dense + 1 sparse layer (64 KV elements per token each), pages of 2, budget 2 pages = 4 tokens
+  # at S = 4 and 5; 2 complete pages scored per KV head (2 heads, head_dim 16) in the sparse layer.
+  schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
+  p, r = 90496, 2
+  steps = 0.0
+  for s in (4, 5):
+    kv = 64 * s + 64 * 4
+    flops = 2 * p + 2 * r * kv + 2 * 16 * (2 * 2)
+    memory = 2 * p + 2 * kv + (2 * 16 + 8) * (2 * 2)  # bf16 centroids + fp32 score write/read
+    steps += max(flops / 10, memory / 5)
+  prefill = cost_model.prefill_time("tiny", 3, 1, TOY_HW)
+  got = cost_model.roofline_rollout_time("tiny", schedule, 3, 2, batch_per_device=1,
+                                         mean_len_frac=1.0, n_samples=1, hardware=TOY_HW,
+                                         dense_layers=1)
+  assert got == pytest.approx(steps + prefill, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", PAPER_MODELS)
+def test_roofline_reduces_to_eflops_model(model):
+  # Every row to the cutoff, weights amortised over an unbounded batch, no prompt to share, and
+  # compute made free so that eFLOPs is I x memory and the roofline step is its memory time. What
+  # is left is the top-k's fp32 scores (8 of the 264 selection bytes per scored page, selection
+  # being < 20% of the sparse bytes, so < 0.6%) and scoring complete pages rather than all pages
+  # (< 1 page in ~2000); measured 0.2-0.3%.
+  free_compute = cost_model.Hardware("free", peak_flops=1e30, mem_bandwidth=4.8e12)
+  schedule = KVSchedule.paper(model, 0.86)
+  eflops = cost_model.rollout_speedup(model, schedule, 0, 32768, hardware=free_compute)
+  roofline = cost_model.roofline_speedup(model, schedule, 0, 32768, batch_per_device=1e15,
+                                         mean_len_frac=1.0, hardware=free_compute)
+  assert roofline == pytest.approx(eflops, rel=0.006)
+
+
+def _paper_speedup(model, **kw):
+  kw = {"batch_per_device": 60, "mean_len_frac": 0.5, **kw}
+  return cost_model.roofline_speedup(model, KVSchedule.paper(model, 0.86), 1024, 32768, **kw)
+
+
+@pytest.mark.parametrize("model", ["qwen3-1.7b", "qwen3-14b"])
+def test_roofline_speedup_moves_the_right_way(model):
+  # Shorter responses spend more steps where the budget is close to the whole cache.
+  by_mean = [_paper_speedup(model, mean_len_frac=m) for m in (1.0, 0.7, 0.5, 0.3)]
+  assert all(a > b for a, b in zip(by_mean, by_mean[1:]))
+  # A larger batch spreads the weight read, which sparse attention does not shrink, over more rows.
+  by_batch = [_paper_speedup(model, batch_per_device=b) for b in (1, 8, 60, 240)]
+  assert all(a < b for a, b in zip(by_batch, by_batch[1:]))
+  # Reading centroids and running the top-k costs time that dense attention does not spend.
+  assert _paper_speedup(model, page_selection=False) > _paper_speedup(model)
+  assert 1.0 < _paper_speedup(model) < cost_model.rollout_speedup(
+      model, KVSchedule.paper(model, 0.86), 1024, 32768)
+
+
+def test_roofline_without_sparsity_is_no_speedup():
+  cfg = Qwen3Config.preset("qwen3-1.7b")
+  kw = dict(batch_per_device=60, mean_len_frac=0.5)
+  all_dense = cost_model.roofline_speedup(cfg, KVSchedule.fixed(4), 100, 500,
+                                          dense_layers=cfg.num_hidden_layers, **kw)
+  assert all_dense == pytest.approx(1.0, rel=1e-12)
+  everything = KVSchedule.fixed(10**6)
+  assert cost_model.roofline_speedup(cfg, everything, 100, 500, page_selection=False,
+                                     **kw) == pytest.approx(1.0, rel=1e-12)
+  assert cost_model.roofline_speedup(cfg, everything, 100, 500, **kw) < 1.0
+
+
+def test_peak_memory_by_hand():
+  # Every row to the cutoff: the last step holds all rows at prompt + gen_len tokens.
+  cfg = Qwen3Config.preset("qwen3-8b")
+  kv_per_token = 2 * cfg.kv_width * cfg.num_hidden_layers * 2
+  got = cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60, mean_len_frac=1.0)
+  assert got == 2 * cost_model.param_count(cfg) + 60 * 5120 * kv_per_token
+  assert cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60,
+                                      mean_len_frac=0.5) < got

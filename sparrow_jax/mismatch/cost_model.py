@@ -18,6 +18,15 @@ parameter reads are left out: they are amortized over the whole rollout batch. T
 compute also multiplies the generated-token part by r (per-head scoring); Sparrow scores with the
 group-mean query, which is what is counted here (the difference is < 1% of the cost, memory
 dominates).
+
+A second model, `roofline_rollout_time` / `roofline_speedup`, prices what a measurement sees: the
+wall time of one device decoding a finite batch of rows, each decode step costing
+max(FLOPs / peak FLOP/s, bytes / bandwidth). Beside the terms above it counts the weights read once
+per step for the whole running batch, page selection (centroid reads and the top-k), rows that stop
+at different lengths (the batch shrinks as they finish) and prefill. With every row at the cutoff,
+an unbounded batch and free compute it gives the eFLOPs ratio (within 0.3%, the top-k's scores). On
+an H200 it then runs 5-12% above it: eFLOPs adds the compute (mostly 2P per token) to the memory
+term, while in a memory-bound decode step the compute hides behind the reads.
 """
 import dataclasses
 import time
@@ -120,6 +129,13 @@ def _steps(prompt_len, gen_len, n_samples):
   return prompt_len + t, t
 
 
+def _attended_tokens(schedule: KVSchedule, s_t, page_size: int):
+  """Tokens a sparse layer reads at s_t cached tokens: the schedule's token budget rounded up to
+  whole pages of `page_size` (so page sizes compare at equal budget), at most the whole cache."""
+  budget_tokens_t = np.asarray(schedule.budget_pages(s_t.astype(np.int32))) * schedule.page_size
+  return np.minimum(np.ceil(budget_tokens_t / page_size) * page_size, s_t)
+
+
 def dense_rollout_cost(model, prompt_len: int, gen_len: int, n_samples: int = 8,
                        hardware="h200") -> float:
   """eFLOPs of generating `n_samples` x `gen_len` tokens from one prompt with dense attention."""
@@ -144,8 +160,7 @@ def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: i
     raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
   s_t, t = _steps(prompt_len, gen_len, n_samples)
   z = page_size or schedule.page_size
-  budget_tokens_t = np.asarray(schedule.budget_pages(s_t.astype(np.int32))) * schedule.page_size
-  b_t = np.minimum(np.ceil(budget_tokens_t / z) * z, s_t)
+  b_t = _attended_tokens(schedule, s_t, z)
   pages_t, prompt_pages = np.ceil(s_t / z), prompt_len // z
   d_dense = 2 * cfg.kv_width * dense_layers
   d_sparse = 2 * cfg.kv_width * (cfg.num_hidden_layers - dense_layers)
@@ -175,6 +190,119 @@ def page_size_comparison(model, schedule: KVSchedule, prompt_len: int, gen_len: 
   hw = get_hardware(hardware)
   return {z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
           for z in page_sizes}
+
+
+def _stop_probability(gen_len: int, mean_len_frac: float) -> float:
+  """p such that lengths min(Geometric(p), gen_len) average mean_len_frac * gen_len (bisection: the
+  mean falls as p grows)."""
+  def mean_frac(p):
+    return -np.expm1(gen_len * np.log1p(-p)) / (p * gen_len)  # sum_{k<gen_len} (1-p)^k / gen_len
+  lo, hi = 0.0, 1.0
+  for _ in range(100):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if mean_frac(mid) > mean_len_frac else (lo, mid)
+  return (lo + hi) / 2
+
+
+def running_fraction(gen_len: int, mean_len_frac: float = 1.0):
+  """Fraction of rows still generating at decode step t = 1..gen_len -> [gen_len] array.
+
+  Each generated token ends a response with the same probability p (geometric lengths: the
+  maximum-entropy law on the token count for a given mean), set so that the mean length is
+  `mean_len_frac` x gen_len; rows still running at the cutoff are cut there (a share
+  (1-p)^(gen_len-1) of them). 1.0: every row runs to the cutoff, as the eFLOPs model assumes."""
+  if not 1 / gen_len <= mean_len_frac <= 1:  # every row generates at least one token
+    raise ValueError(f"mean_len_frac must be in [1/gen_len, 1], got {mean_len_frac}")
+  if mean_len_frac == 1:
+    return np.ones(gen_len)
+  p = _stop_probability(gen_len, mean_len_frac)
+  return np.exp(np.arange(gen_len) * np.log1p(-p))
+
+
+def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, dense_layers: int,
+                   page_size, page_selection: bool):
+  """(FLOPs, bytes) that one running row adds to decode step t with s_t cached tokens, the weights
+  aside. Its whole KV is read, the prompt's part too: paged-attention kernels read each row's pages
+  even when a group shares them. schedule None: dense attention in every layer."""
+  kv_layer = 2 * cfg.kv_width  # K and V elements per token and layer
+  if schedule is None:
+    kv_elems_t = kv_layer * cfg.num_hidden_layers * s_t
+    return 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
+  if not 0 <= dense_layers <= cfg.num_hidden_layers:
+    raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
+  sparse_layers = cfg.num_hidden_layers - dense_layers
+  z = page_size or schedule.page_size
+  kv_elems_t = kv_layer * (dense_layers * s_t
+                           + sparse_layers * _attended_tokens(schedule, s_t, z))
+  flops_t, bytes_t = 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
+  if page_selection:
+    # Per sparse layer and KV head, every complete page's centroid (head_dim elements) is read and
+    # dotted with the group-mean query, and its fp32 score is written and read back by the top-k.
+    scored_t = cfg.num_key_value_heads * sparse_layers * (s_t // z)
+    flops_t = flops_t + 2 * cfg.head_dim * scored_t
+    bytes_t = bytes_t + (hw.dtype_bytes * cfg.head_dim + 2 * 4) * scored_t
+  return flops_t, bytes_t
+
+
+def prefill_time(model, prompt_len: int, n_prompts: float, hardware="h200") -> float:
+  """Seconds to prefill `n_prompts` prompts in one pass, the same for dense and sparse rollouts.
+  A group's samples share their prompt's KV (prefix caching), so each prompt is prefilled once:
+  2P FLOPs per token plus causal attention (query i meets i keys), weights read and KV written
+  once."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  n_params, kv_elems = param_count(cfg), 2 * cfg.kv_width * cfg.num_hidden_layers * prompt_len
+  attention = 2 * cfg.group_size * kv_elems * (prompt_len + 1) / 2
+  flops = n_prompts * (2 * n_params * prompt_len + attention)
+  memory = hw.dtype_bytes * (n_params + n_prompts * kv_elems)
+  return max(flops / hw.peak_flops, memory / hw.mem_bandwidth)
+
+
+def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
+                          batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
+                          hardware="h200", dense_layers: int = 2, page_size: int | None = None,
+                          page_selection: bool = True) -> float:
+  """Seconds one device takes to prefill and decode `batch_per_device` rows (`n_samples` per
+  prompt) that start together and stop after lengths drawn as in `running_fraction`; schedule
+  None is dense attention. Each decode step reads every weight once for all running rows, then
+  each row's KV (and page selection) as in `_row_step_work`; it lasts max(FLOPs / peak FLOP/s,
+  bytes / bandwidth) (roofline). The running batch is its expected size at each step."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  s_t, _ = _steps(prompt_len, gen_len, n_samples)
+  rows_t = batch_per_device * running_fraction(gen_len, mean_len_frac)
+  row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, s_t, dense_layers, page_size,
+                                            page_selection)
+  n_params = param_count(cfg)
+  flops_t = rows_t * (2 * n_params + row_flops_t)
+  bytes_t = hw.dtype_bytes * n_params + rows_t * row_bytes_t
+  decode = np.sum(np.maximum(flops_t / hw.peak_flops, bytes_t / hw.mem_bandwidth))
+  return prefill_time(cfg, prompt_len, batch_per_device / n_samples, hw) + float(decode)
+
+
+def roofline_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int, *,
+                     batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
+                     hardware="h200", dense_layers: int = 2, page_size: int | None = None,
+                     page_selection: bool = True) -> float:
+  """Dense / sparse `roofline_rollout_time` (> 1 means sparse is faster); the same rows and
+  lengths on both sides, so it is also the ratio of generated tokens per second."""
+  hw = get_hardware(hardware)
+  common = dict(batch_per_device=batch_per_device, mean_len_frac=mean_len_frac,
+                n_samples=n_samples, hardware=hw)
+  dense = roofline_rollout_time(model, None, prompt_len, gen_len, **common)
+  return dense / roofline_rollout_time(model, schedule, prompt_len, gen_len, **common,
+                                       dense_layers=dense_layers, page_size=page_size,
+                                       page_selection=page_selection)
+
+
+def peak_memory_bytes(model, prompt_len: int, gen_len: int, *, batch_per_device: float,
+                      mean_len_frac: float, hardware="h200") -> float:
+  """Weights plus the largest KV cache the running rows hold at once (each row's prompt counted,
+  an upper bound where prefix caching shares it): whether `batch_per_device` fits the device.
+  Sparse rollout keeps the whole cache too (it reads fewer pages, stores all of them)."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  s_t, _ = _steps(prompt_len, gen_len, 1)
+  rows_t = batch_per_device * running_fraction(gen_len, mean_len_frac)
+  kv_elems = 2 * cfg.kv_width * cfg.num_hidden_layers * np.max(rows_t * s_t)
+  return hw.dtype_bytes * (param_count(cfg) + kv_elems)
 
 
 def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg: Qwen3Config, sparse) -> float:
