@@ -163,3 +163,35 @@ def test_position_bin_is_the_table_schedules_bin():
   np.testing.assert_array_equal(table.budget_pages(lens), want)
   with pytest.raises(ValueError, match="bin_size"):
     schedule_lib.position_bin(lens, 16, 24)
+
+
+RULE = dict(tau=0.86, max_topk=40, raise_factor=1.5, lower_factor=0.95, margin=0.02,
+            min_tokens=200)
+
+
+def test_adaptive_rule_raises_fast_lowers_slowly_within_floor_and_cap():
+  topk = [0, 4, 10, 20, 30, 36, 40, 40]
+  p5 = [0.95, 0.5, 0.87, 0.99, 0.5, 0.5, 0.5, np.nan]
+  count = [500, 500, 500, 500, 199, 500, 500, 0]
+  # floor 0 | raised x1.5 | dead band [tau, tau + margin) | lowered x0.95 | 199 tokens: holds |
+  # raised to the cap 40 | at the cap | empty: holds
+  assert schedule_lib.adapt_topk(topk, p5, count, **RULE) == (0, 6, 10, 19, 30, 40, 40, 40)
+  assert schedule_lib.adapt_topk([0], [0.1], [500], **RULE) == (1,)  # at least a page up
+  assert schedule_lib.adapt_topk([1], [0.99], [500], **RULE) == (0,)  # and down
+  assert schedule_lib.adapt_topk([5], [np.nan], [500], **RULE) == (5,)
+  # a later bin never goes below an earlier one (tables grow with position): 9 is lifted to 15
+  assert schedule_lib.adapt_topk([10, 10], [0.1, 0.99], [500, 500], **RULE) == (15, 15)
+
+
+def test_parse_adaptive_and_errors_name_the_field():
+  assert schedule_lib.parse_adaptive("adaptive:0.86:paper:qwen3-1.7b:0.86", 16) == (
+      0.86, KVSchedule.paper("qwen3-1.7b", 0.86))
+  assert schedule_lib.parse_adaptive("paper:qwen3-1.7b:0.86", 16) is None
+  for spec, match in [("adaptive:1.2:paper:qwen3-1.7b:0.86", "TAU '1.2'"),
+                      ("adaptive:x:fixed:8", "TAU 'x'"), ("adaptive:0.86:fixed:8", "'fixed'"),
+                      ("adaptive:0.86:nope", "KVSchedule JSON")]:
+    with pytest.raises(ValueError, match="rollout.schedule") as e:
+      schedule_lib.parse_adaptive(spec, 16)
+    assert match in str(e.value)
+  with pytest.raises(ValueError, match="combined with stages"):
+    schedule_lib.parse_stages("0:adaptive:0.86:fixed:8,5:fixed:4", 16)

@@ -12,9 +12,12 @@ import pytest
 import sparrow_jax as sj
 from configs import default
 from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rl import trainer
+from sparrow_jax.rollout import sampler
 
-from tests.helpers import ROOT, rows_by_step
+from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
 
 def test_run_logs_tensorboard_curves(small_run):
@@ -39,6 +42,9 @@ def config(**changes):
       node = node[part]
     node[last] = value
   return c
+
+
+TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # the default's table
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -71,6 +77,18 @@ def config(**changes):
     ({"rollout__schedule": "fixed:abc"}, "rollout.schedule"),
     ({"mesh__fsdp": 0}, "mesh.fsdp"),
     ({"mesh__data": -2}, "mesh.data"),
+    ({"rollout__schedule": "adaptive:1.2:" + TINY_SCHEDULE}, "rollout.schedule"),
+    ({"rollout__schedule": "adaptive:0.86:fixed:8"}, "rollout.schedule"),
+    ({"rollout__schedule": "0:adaptive:0.86:fixed:8,5:fixed:4"}, "rollout.schedule"),
+    ({"rollout__schedule": "adaptive:0.86:paper:qwen3-1.7b:0.86"}, "stats.bin_size"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "stats__exact_acceptance": False},
+     "stats.exact_acceptance"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_raise": 1.0},
+     "rollout.adaptive_raise"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_lower": 1.0},
+     "rollout.adaptive_lower"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_headroom": 0.5},
+     "rollout.adaptive_headroom"),
 ])
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -152,11 +170,12 @@ def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
 
 
 def small(workdir, **changes):
-  return config(workdir=str(workdir), model__hf_dir="", model__preset="tiny",
-                rollout__schedule="fixed:4", rollout__page_size=8, rollout__dense_layers=1,
-                task__min_hops=4, task__max_hops=8, rollout__max_prompt_len=64,
-                rollout__max_new_tokens=40, stats__bin_size=16, rollout__group_size=4,
-                rl__num_minibatches=1, export_hf=False, **changes)
+  return config(**{**dict(workdir=str(workdir), model__hf_dir="", model__preset="tiny",
+                          rollout__schedule="fixed:4", rollout__page_size=8,
+                          rollout__dense_layers=1, task__min_hops=4, task__max_hops=8,
+                          rollout__max_prompt_len=64, rollout__max_new_tokens=40,
+                          stats__bin_size=16, rollout__group_size=4, rl__num_minibatches=1,
+                          export_hf=False), **changes})
 
 
 def test_resume_is_safe(tmp_path, capsys):
@@ -186,3 +205,54 @@ def test_resume_is_safe(tmp_path, capsys):
     if not name.startswith("perf/"):
       np.testing.assert_allclose(np.asarray(again[0][name], float), np.asarray(value, float),
                                  rtol=1e-5, err_msg=name)
+
+
+def adaptive_small(workdir, base, **changes):
+  """`small` under 'adaptive:0.9999:BASE', bins moving on 16 tokens, ceiling 4 x BASE's largest:
+  the tiny random model's sparse p5 (~0.98) is under tau in every measured bin, so each step
+  raises them, and the largest budget with them."""
+  return small(workdir, rollout__schedule=f"adaptive:0.9999:{base}",
+               rollout__adaptive_min_tokens=16, rollout__adaptive_headroom=4.0, **changes)
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tmp_path_factory):
+  """A straight 3-step adaptive run -> (root dir, BASE path, rows, (train step, sampler) compiled
+  programs after each step)."""
+  root = tmp_path_factory.mktemp("adaptive")
+  base = root / "base.json"
+  base.write_text(KVSchedule.table((0, 0, 0, 1), page_size=8, bin_size=16).to_json())
+  make_step, compiled = ts.make_train_step, []
+
+  def counting(*args, **kwargs):
+    step = make_step(*args, **kwargs)
+
+    def run(*step_args):
+      out = step(*step_args)
+      compiled.append((step._cache_size(), sampler._generate._cache_size()))
+      return out
+    return run
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(ts, "make_train_step", counting)
+    rows = trainer.train(adaptive_small(root / "straight", base, total_steps=3))
+  return root, base, rows, compiled
+
+
+def test_adaptive_budgets_move_without_recompiling(adaptive_run):
+  root, _, rows, compiled = adaptive_run
+  tables = [r["kv/topk_bin"] for r in rows]
+  assert tables[0] == [0, 0, 0, 1, 1, 1, 1]  # BASE, its last bin repeated to stats.num_bins = 7
+  assert len({max(t) for t in tables}) == 3, tables  # a larger budget each step (1 + 3 pages ..)
+  assert all(t == sorted(t) and max(t) <= 4 for t in tables)  # ceiling 4 x 1
+  assert rows[-1]["kv/read_fraction"] > rows[0]["kv/read_fraction"]  # the rollouts read more
+  assert compiled[0] == compiled[-1], compiled  # neither the train step nor the sampler again
+  assert [rows_by_step(root / "straight")[s]["kv/topk_bin"] for s in (1, 2, 3)] == tables
+
+
+def test_adaptive_resume_replays_the_budgets(adaptive_run):
+  root, base, _, _ = adaptive_run
+  trainer.train(adaptive_small(root / "resumed", base, total_steps=2, ckpt_every=2))
+  trainer.train(adaptive_small(root / "resumed", base, total_steps=3, ckpt_every=2))
+  got, want = rows_by_step(root / "resumed"), rows_by_step(root / "straight")
+  assert got[3]["kv/topk_bin"] == want[3]["kv/topk_bin"] != want[2]["kv/topk_bin"]
+  assert_same_metrics(got, want, (1, 2, 3), atol=1e-6)

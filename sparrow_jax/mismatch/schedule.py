@@ -18,6 +18,19 @@ Kinds (`values` depends on the kind):
           holds.
   linear: values = (ratio, max_topk)
           budget = min(min(floor(ratio * cached_pages), max_topk) + always_kept, cached_pages).
+
+Closed loop, beyond the paper ('adaptive:TAU:BASE', `parse_adaptive`, `adapt_topk`): the trainer
+starts from BASE's table (top-k pages per bin) and after every step moves each bin by the step's
+exact-alpha p5 in that bin (the train step's `acceptance/p5_bin`, binned by `position_bin` like the
+table, so bin b's p5 measures tokens decoded under bin b's budget):
+  p5 < tau               -> top-k * raise_factor, at least +1 page (fast: under tau training drifts
+                            toward collapse, which costs far more than extra pages)
+  p5 >= tau + margin     -> top-k * lower_factor, at least -1 page (slow: one lucky batch must not
+                            drop a bin below tau)
+  otherwise, or fewer than min_tokens tokens in the bin that step -> unchanged.
+Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
+start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
+table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
 """
 import dataclasses
 import json
@@ -27,9 +40,11 @@ import re
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _KINDS = ("fixed", "table", "linear")
 _FIELDS = ("kind", "page_size", "always_kept", "bin_size", "values")
+_ADAPTIVE = "adaptive:"
 
 # Published tables, top-k pages per 2000-token bin at page size 16 (20 bins; 3 always-kept pages
 # are added on top). Source: github.com/Infini-AI-Lab/Sparrow, file
@@ -210,6 +225,9 @@ def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedul
   the first 0), e.g. '0:paper:qwen3-1.7b:0.86,200:paper:qwen3-1.7b:0.80' as the paper switches
   tau with DistillSparse; a plain schedule spec is one stage from step 0.
   -> ((start_step, KVSchedule), ...)."""
+  if _ADAPTIVE in spec:  # it moves its own budgets every step: no stage would say which applies
+    raise ValueError(f"{field} = {spec!r}: an 'adaptive:TAU:BASE' schedule is the whole run's "
+                     "schedule; it cannot be combined with stages (parse it with parse_adaptive)")
   parts = spec.split(",") if re.match(r"^\d+:", spec) else [f"0:{spec}"]
   stages = []
   for part in parts:
@@ -222,6 +240,41 @@ def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedul
     raise ValueError(f"{field} = {spec!r}: stage steps must start at 0 and increase, got "
                      f"{starts}")
   return tuple(stages)
+
+
+def parse_adaptive(spec: str, page_size: int, field: str = "config.rollout.schedule"):
+  """'adaptive:TAU:BASE' -> (tau, BASE as a KVSchedule of kind 'table'), BASE being any spec
+  `KVSchedule.parse` reads, e.g. 'adaptive:0.86:paper:qwen3-1.7b:0.86'; None for other specs."""
+  if not spec.startswith(_ADAPTIVE):
+    return None
+  tau_text, _, base_spec = spec[len(_ADAPTIVE):].partition(":")
+  try:
+    tau = float(tau_text)
+  except ValueError:
+    tau = float("nan")
+  if not 0 < tau < 1:
+    raise ValueError(f"{field} = {spec!r}: TAU {tau_text!r} must be a number in (0, 1); expected "
+                     "'adaptive:TAU:BASE', e.g. 'adaptive:0.86:paper:qwen3-1.7b:0.86'")
+  base = KVSchedule.parse(base_spec, page_size, field)
+  if base.kind != "table":
+    raise ValueError(f"{field} = {spec!r}: BASE {base_spec!r} is a {base.kind!r} schedule; "
+                     "adaptive needs a 'table' one (top-k per bin: 'paper:MODEL:TAU' or a JSON)")
+  return tau, base
+
+
+def adapt_topk(topk_b, p5_b, count_b, tau: float, max_topk: int, raise_factor: float,
+               lower_factor: float, margin: float, min_tokens: int) -> tuple:
+  """One step of the closed loop (module docstring): a table's top-k pages per bin -> the next
+  step's, from the step's exact-alpha p5 and token count per bin (arrays of the same length; a
+  NaN p5 compares false and holds)."""
+  topk_b = np.asarray(topk_b, np.int64)
+  p5_b = np.asarray(p5_b, np.float64)
+  measured_b = np.asarray(count_b) >= min_tokens
+  up_b = np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1)
+  down_b = np.minimum(np.floor(topk_b * lower_factor), topk_b - 1)
+  next_b = np.where(measured_b & (p5_b < tau), up_b,
+                    np.where(measured_b & (p5_b >= tau + margin), down_b, topk_b))
+  return tuple(int(v) for v in np.maximum.accumulate(np.clip(next_b, 0, max_topk)))
 
 
 def stage_index(stages, step: int) -> int:

@@ -1,10 +1,13 @@
 """The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log, checkpoint.
 
 Everything a step needs is a pure function of (config, step, restored state): the data position is
-`step * prompts_per_step`, the rollout key is fold_in(seed key, step). So a run killed at any point
-and restarted with the same workdir replays exactly the steps an uninterrupted run would have taken.
+`step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
+table is in the checkpoint meta. So a run killed at any point and restarted with the same workdir
+replays exactly the steps an uninterrupted run would have taken.
 """
+import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -70,10 +73,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   targets = tuple(t for t in c.distill.targets.split(",") if t)
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
+  adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
   if r.sparse:
-    for _, schedule in schedule_lib.parse_stages(r.schedule, p):
+    stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
+    for _, schedule in stages:
       _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
                "budget below the always-kept pages")
+  if adaptive:
+    _validate_adaptive(c, adaptive[1])
   for field, ok, allowed in (
       ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
       ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
@@ -94,6 +101,51 @@ def validate(c: ml_collections.ConfigDict) -> None:
       value = value[name]
     _require(ok, field, value, allowed)
   _check_model_fits(c)
+
+
+def _validate_adaptive(c, base):
+  """What 'adaptive:TAU:BASE' needs beyond its spec (which `parse_adaptive` checks)."""
+  r, s = c.rollout, c.stats
+  _require(s.exact_acceptance, "stats.exact_acceptance", s.exact_acceptance,
+           f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the p5 of "
+           "exact alpha per bin (the sampled and top-20 estimators are biased low in the tail)")
+  _require(base.bin_size == s.bin_size, "stats.bin_size", s.bin_size,
+           f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the p5 of "
+           "stats bin b moves table bin b, so both must bin the same tokens")
+  _require(max(base.values) >= 1, "rollout.schedule", r.schedule,
+           "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0")
+  for field, value, ok, allowed in (
+      ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
+      ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
+      ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
+      ("adaptive_margin", r.adaptive_margin, 0 <= r.adaptive_margin < 1, "must be in [0, 1)"),
+      ("adaptive_min_tokens", r.adaptive_min_tokens,
+       isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1, "an int >= 1")):
+    _require(ok, f"rollout.{field}", value, allowed)
+
+
+def _adaptive(c):
+  """rollout.schedule = 'adaptive:TAU:BASE' (sparse) -> (the first step's table, the ceiling
+  table, next(topk_b, metrics) -> the next step's top-k per bin); None for other schedules.
+
+  The table has a bin per stats bin at least (BASE's last value repeated: the same budgets), so
+  every measured bin moves its own value; bins past stats.num_bins are never measured and hold."""
+  r = c.rollout
+  parsed = schedule_lib.parse_adaptive(r.schedule, r.page_size) if r.sparse else None
+  if parsed is None:
+    return None
+  tau, base = parsed
+  first = dataclasses.replace(
+      base, values=base.values + base.values[-1:] * (c.stats.num_bins - len(base.values)))
+  ceiling = dataclasses.replace(base, values=(math.ceil(r.adaptive_headroom * max(base.values)),))
+  unmeasured = len(first.values) - c.stats.num_bins
+
+  def next_topk(topk_b, metrics):
+    return schedule_lib.adapt_topk(
+        topk_b, np.pad(metrics["acceptance/p5_bin"], (0, unmeasured), constant_values=np.nan),
+        np.pad(metrics["acceptance/count_bin"], (0, unmeasured)), tau, ceiling.values[0],
+        r.adaptive_raise, r.adaptive_lower, r.adaptive_margin, r.adaptive_min_tokens)
+  return first, ceiling, next_topk
 
 
 def _model_config(c) -> Qwen3Config:
@@ -368,7 +420,9 @@ def _train(c, mesh):
   cfg, params, tokenizer = load_model(c, task)
   r = c.rollout
   sparse = _sparse(c)
-  stages = schedule_lib.parse_stages(r.schedule, r.page_size) if r.sparse else None
+  adaptive = _adaptive(c)  # (first table, ceiling, next_topk) or None
+  stages = None if not r.sparse else (
+      ((0, adaptive[0]),) if adaptive else schedule_lib.parse_stages(r.schedule, r.page_size))
   sc = step_config(c)
   lr, optimizer, lora_opt = _optimizers(c)
   state, state_shardings = _build_state(c, params, mesh, optimizer, lora_opt)
@@ -385,9 +439,11 @@ def _train(c, mesh):
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
+  topk_b = adaptive[0].values if adaptive else None  # the adaptive table in force
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
+    topk_b = tuple(meta["topk_bin"]) if adaptive else None
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start >= c.total_steps:
     _print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
@@ -398,12 +454,13 @@ def _train(c, mesh):
       f.write(c.to_json_best_effort(indent=2))
   logger = metrics_log.MetricsLogger(c.workdir, resume_step=start) if lead else None
   cache_len = r.max_prompt_len + r.max_new_tokens
-  # Each stage's budget table, and one static cap on selected pages for all of them: switching
-  # stages changes only traced values, so neither the sampler nor the train step recompiles.
-  tables = [sampler.budget_table(s, cache_len, sparse) for _, s in stages] if sparse else None
-  budgets = ([sharding.place(schedule_lib.BudgetTable(t), sharding.replicated(mesh))
-              for t in tables] if sparse else None)
-  max_selected = sampler.max_selected_pages(tables) if sparse else None
+  # One static cap on selected pages for every table the run can use (all stages, or up to the
+  # adaptive ceiling): a new stage or adaptive table changes only the traced BudgetTable, so
+  # neither the sampler nor the train step recompiles.
+  budget_of = lambda schedule: sampler.budget_table(schedule, cache_len, sparse)
+  max_selected = sampler.max_selected_pages(
+      [budget_of(s) for _, s in stages] + ([budget_of(adaptive[1])] if adaptive else [])
+  ) if sparse else None
   key = jax.random.PRNGKey(c.seed)
   rows, nonfinite = [], 0
   # wall time by part; the first step of a process also compiles (the sampler and the train step)
@@ -414,7 +471,11 @@ def _train(c, mesh):
     schedule = budget_by_len = budget = None
     if sparse:
       stage = schedule_lib.stage_index(stages, step)
-      schedule, budget_by_len, budget = stages[stage][1], tables[stage], budgets[stage]
+      schedule = stages[stage][1]
+      if adaptive:
+        schedule = dataclasses.replace(schedule, values=topk_b)
+      budget_by_len = budget_of(schedule)
+      budget = sharding.place(schedule_lib.BudgetTable(budget_by_len), sharding.replicated(mesh))
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
     prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in
                           _prompts(problems, tokenizer, r.group_size, r.max_prompt_len))
@@ -447,6 +508,8 @@ def _train(c, mesh):
                                                         sparse)})
     if sparse is not None:
       metrics["kv/schedule_stage"] = stage
+      if adaptive:
+        metrics["kv/topk_bin"] = np.asarray(topk_b, np.int32)  # the table this step ran under
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
           cfg, schedule, int(np.mean(prompt_lens)), max(int(np.mean(lengths)), 1),
           n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers)
@@ -468,9 +531,12 @@ def _train(c, mesh):
           f"len {metrics['response_length/mean']:.0f}  "
           f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
           f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}")
+    meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
+    if adaptive:  # the next step's table, a function of this step's p5: a resume replays it
+      topk_b = adaptive[2](topk_b, metrics)
+      meta["topk_bin"] = list(topk_b)
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
-      checkpoint.save(mgr, step + 1, state, {"step": step + 1,
-                                             "data_position": (step + 1) * n_prompts})
+      checkpoint.save(mgr, step + 1, state, meta)
   mgr.wait_until_finished()
   if c.export_hf:  # every process joins the gather; the lead writes
     params = jax.tree_util.tree_map(sharding.to_host, state.params)
