@@ -3,6 +3,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from sparrow_jax.logging import MetricsLogger
 
@@ -55,3 +56,71 @@ def test_tail_stats_notebook_defaults_work_from_the_notebooks_dir(tmp_path, monk
   out = capsys.readouterr().out
   assert "40 steps; last reward" in out or "workdir/default" in out
   assert (tmp_path / "out" / "training_curves.png").stat().st_size > 1000
+
+
+def _run_notebook(name):
+  """Executes every code cell of notebooks/<name> (the first, Colab's install, does nothing here);
+  returns the namespace."""
+  namespace = {}
+  for cell in json.load(open(os.path.join(os.path.dirname(NOTEBOOK), name)))["cells"]:
+    if cell["cell_type"] == "code":
+      exec("".join(cell["source"]), namespace)  # noqa: S102 (our own notebook)
+  return namespace
+
+
+def _fake_run(workdir, p5_by_step):
+  """A finished trainer workdir: metrics.jsonl rows with what the notebooks read, summary.json."""
+  logger = MetricsLogger(str(workdir), resume_step=0)
+  for step, p5 in enumerate(p5_by_step, 1):
+    logger.write(step, {"reward/mean": 0.1 * step, "response_length/mean": 300.0 + step,
+                        "acceptance/p5": p5, "acceptance/p5_bin": np.array([np.nan, p5, p5 - 0.1]),
+                        "kv/read_fraction": 0.8, "kv/predicted_speedup": 0.7,
+                        "perf/rollout_tokens_per_s": 1000.0 + step})
+  logger.close()
+  (workdir / "summary.json").write_text(json.dumps({"steps": len(p5_by_step)}))
+
+
+def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys):
+  from configs import tau_sweep as sweep_config
+  from experiments import tau_sweep
+  c = sweep_config.get_config()
+  c.sweep_dir = str(tmp_path / "sweep")
+  settings = tau_sweep.settings(c)  # every kind, from the shipped surface
+  runs = {}
+  for i, setting in enumerate(settings):
+    for seed in (0, 1):
+      workdir = tmp_path / "sweep" / f"{setting['run']}_seed{seed}"
+      if not workdir.exists():
+        _fake_run(workdir, [0.9 - 0.01 * i, 0.95, 0.9 + 0.01 * seed])
+        (workdir / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
+      runs[workdir.name] = tau_sweep.run_record(str(workdir), c.window)
+  sweep = {"config": json.loads(c.to_json_best_effort()),
+           "settings": tau_sweep.summarize(settings, runs, [0, 1]), "runs": runs}
+  (tmp_path / "sweep" / "sweep.json").write_text(json.dumps(sweep))
+  monkeypatch.setenv("SPARROW_SWEEP_DIR", str(tmp_path / "sweep"))
+  monkeypatch.setenv("SPARROW_OUT", str(tmp_path / "out"))
+  monkeypatch.chdir(os.path.dirname(NOTEBOOK))  # as nbconvert runs it; the notebook moves to ROOT
+  namespace = _run_notebook("tau_sweep.ipynb")
+  out = capsys.readouterr().out
+  assert "9 settings, 12 runs" in out and "adaptive0.86" in out  # 0.5 ... 0.94 share a run
+  assert [s["tau"] for s in namespace["taus"]] == [0.3, 0.5, 0.7, 0.86, 0.94, 0.99]
+  for name in ("tau_sweep_notebook.png", "tau_sweep_rewards.png"):
+    assert (tmp_path / "out" / name).stat().st_size > 1000
+
+
+def test_distill_sparse_notebook_reads_finished_runs_without_training(tmp_path, monkeypatch,
+                                                                      capsys):
+  from sparrow_jax.rl import trainer
+  _fake_run(tmp_path / "on", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85])
+  _fake_run(tmp_path / "off", [0.5, 0.5, 0.4, 0.5, 0.5, 0.5, 0.6, 0.5])
+  monkeypatch.setattr(trainer, "train", lambda c: pytest.fail(f"trained {c.workdir}"))
+  for name, value in (("ON", tmp_path / "on"), ("OFF", tmp_path / "off"), ("STEPS", 8)):
+    monkeypatch.setenv(f"SPARROW_DISTILL_{name}", str(value))
+  monkeypatch.setenv("SPARROW_OUT", str(tmp_path / "out"))
+  monkeypatch.chdir(os.path.dirname(NOTEBOOK))  # as nbconvert runs it; the notebook moves to ROOT
+  namespace = _run_notebook("distill_sparse.ipynb")
+  out = capsys.readouterr().out
+  assert "with DistillSparse: 8 steps, p5 first 5 steps 0.600, last 5 0.750" in out
+  assert "without: 8 steps, p5 first 5 steps 0.480, last 5 0.520" in out
+  assert namespace["bins"] == [1, 2]  # bin 0 never has a token
+  assert (tmp_path / "out" / "distill_sparse.png").stat().st_size > 1000

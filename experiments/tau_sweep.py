@@ -1,0 +1,351 @@
+"""Threshold sweep: the same RL job under dense rollouts, calibrated schedules at several tau, a
+fixed aggressive budget and closed-loop budgets; stability against cost per setting.
+
+  python experiments/tau_sweep.py --config=configs/tau_sweep.py [--config.seeds=0 ...]
+
+configs/tau_sweep.py documents every field and a smoke run. Each tau's table is chosen from the
+shipped p5 surface (`calibrate.choose_schedule`) and written as a KVSchedule JSON to
+<sweep_dir>/schedules/, so nothing re-calibrates and every run's config.json names its table. Each
+(setting, seed) is a trainer workdir <sweep_dir>/<run>_seed<k>: a finished one (summary.json at
+total_steps, eval.json current) is skipped, a partial one resumes through the trainer's own resume.
+Taus that pick the same table share one run (same job, same seeds: the same result).
+
+Per run (sweep.json "runs"): the reward curve, reward and mean response length over the first and
+last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
+policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (mean over the last
+`window` steps), KV pages read relative to dense, the cost model's predicted rollout speedup (dense:
+1) and the measured rollout tokens/s (median over the steps after the first, which compiles) with
+its ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
+seed) of each over seeds. Then tau_sweep.png and a printed table.
+"""
+import json
+import os
+import time
+import warnings
+
+from absl import app, flags, logging
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+
+try:  # imported as experiments.tau_sweep (tests, notebooks: the repo root is on sys.path)
+  from experiments import evaluate
+except ImportError:  # run as experiments/tau_sweep.py: experiments/ is sys.path[0]
+  import evaluate
+from configs import evaluate as evaluate_config
+from sparrow_jax.mismatch import calibrate
+from sparrow_jax.rl import trainer
+
+KINDS = ("dense", "tau", "fixed", "adaptive")
+# Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
+FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
+          "length_last", "p5", "p5_bin", "kv_read", "predicted_speedup", "rollout_tokens_per_s",
+          "measured_speedup")
+
+
+def parse_list(text: str, field: str, kind=float) -> list:
+  try:
+    values = [kind(x) for x in str(text).split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"config.{field} = {text!r}: expected comma-separated "
+                     f"{kind.__name__}s") from None
+  if not values:
+    raise ValueError(f"config.{field} is empty")
+  return values
+
+
+def tau_schedules(surface_path: str, taus) -> dict:
+  """{tau: KVSchedule} chosen from a calibration surface (surface.json) at each tau."""
+  with open(surface_path) as f:
+    s = json.load(f)
+  cands = s["candidates"]
+  p5_CB = np.array([s["p5"][str(k)] for k in cands], np.float64)  # None (an empty bin) -> NaN
+  return {tau: calibrate.choose_schedule(p5_CB, cands, tau, page_size=s["page_size"],
+                                         always_kept=s["always_kept"], bin_size=s["bin_size"])
+          for tau in taus}
+
+
+def settings(c) -> list:
+  """The sweep's settings, in config.runs order: dicts of name, kind, tau, schedule (a trainer
+  rollout.schedule spec; None: dense) and run (the workdir prefix; taus with the same table share
+  the first one's run). Writes each tau's table to <sweep_dir>/schedules/tau<T>.json."""
+  kinds = parse_list(c.runs, "runs", str)
+  bad = sorted(set(kinds) - set(KINDS))
+  if bad:
+    raise ValueError(f"config.runs = {c.runs!r}: unknown {bad}; allowed: {list(KINDS)}")
+  taus = parse_list(c.taus, "taus") if "tau" in kinds else []
+  needed = taus + ([c.adaptive_tau] if "adaptive" in kinds else [])
+  tables = tau_schedules(c.surface, needed) if needed else {}
+  paths = {}
+  os.makedirs(os.path.join(c.sweep_dir, "schedules"), exist_ok=True)
+  for tau, schedule in tables.items():
+    paths[tau] = os.path.join(c.sweep_dir, "schedules", f"tau{tau:g}.json")
+    with open(paths[tau], "w") as f:
+      f.write(schedule.to_json() + "\n")
+  out = []
+  for kind in kinds:
+    if kind == "dense":
+      out.append(dict(name="dense", kind=kind, tau=None, schedule=None, run="dense"))
+    elif kind == "fixed":
+      name = f"fixed{c.fixed_pages}"
+      out.append(dict(name=name, kind=kind, tau=None, schedule=f"fixed:{c.fixed_pages}", run=name))
+    elif kind == "adaptive":
+      name = f"adaptive{c.adaptive_tau:g}"
+      out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,
+                      schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}"))
+    else:
+      first = {}  # table -> the first tau that picked it
+      for tau in taus:
+        twin = first.setdefault(tables[tau].values, tau)
+        out.append(dict(name=f"tau{tau:g}", kind=kind, tau=tau, schedule=paths[twin],
+                        run=f"tau{twin:g}"))
+  return out
+
+
+def run_config(c, setting: dict, seed: int) -> ml_collections.ConfigDict:
+  """The trainer config of one run: config.train plus the run's workdir, seed and schedule."""
+  rc = ml_collections.ConfigDict(c.train.to_dict())
+  rc.workdir = os.path.join(c.sweep_dir, f"{setting['run']}_seed{seed}")
+  rc.seed = seed
+  rc.rollout.sparse = setting["schedule"] is not None
+  rc.rollout.schedule = setting["schedule"] or ""
+  if not rc.rollout.sparse:
+    rc.distill.enabled = False  # DistillSparse adapts the sparse actor; dense has none
+  return rc
+
+
+def eval_config(c, rc) -> ml_collections.ConfigDict:
+  """experiments/evaluate.py's config for run `rc`'s exported policy: dense, on the run's task
+  and lengths, held-out seed; results to <workdir>/eval.json."""
+  ec = evaluate_config.get_config()
+  ec.update(c.eval.to_dict())
+  ec.out = os.path.join(rc.workdir, "eval.json")
+  ec.logdir = os.path.join(rc.workdir, "eval_tb")
+  ec.step = rc.total_steps
+  ec.model.update(rc.model.to_dict(), hf_dir=os.path.join(rc.workdir, "hf"), preset="")
+  ec.task.update(rc.task.to_dict())
+  for name in ("max_new_tokens", "temperature", "top_p"):
+    ec.rollout[name] = rc.rollout[name]
+  ec.rollout.sparse = False
+  return ec
+
+
+def _read_json(path):
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def trained(rc) -> bool:
+  """The run reached total_steps (the trainer writes summary.json last)."""
+  summary = _read_json(os.path.join(rc.workdir, "summary.json"))
+  return summary is not None and summary["steps"] >= rc.total_steps
+
+
+def evaluated(ec) -> bool:
+  """eval.json exists and was made with these settings, at this step."""
+  done = _read_json(ec.out)
+  want = {"step": ec.step, "num_problems": ec.num_problems, "samples": ec.samples,
+          "seed": ec.seed, "max_new_tokens": ec.rollout.max_new_tokens}
+  return done is not None and all(done[k] == v for k, v in want.items())
+
+
+def train_and_evaluate(c, rc) -> None:
+  """Trains (or resumes) run `rc` to total_steps, then evaluates it; each part only when not
+  done already."""
+  if not trained(rc):
+    trainer.train(rc)
+  ec = eval_config(c, rc)
+  if not evaluated(ec):
+    if not os.path.isdir(ec.model.hf_dir):
+      raise FileNotFoundError(f"{rc.workdir} has no hf/ export to evaluate: config.train.export_hf "
+                              "must be True (or the run was cut after its last checkpoint: delete "
+                              "the workdir to rerun it)")
+    evaluate.evaluate(ec)
+
+
+def read_metrics(workdir: str) -> list:
+  """The metrics.jsonl rows of a run, one a step, in step order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def series(rows, name, default=None):
+  """Metric `name` per row as floats (None, an empty bin's value, and absent: NaN)."""
+  return np.array([r.get(name, default) for r in rows], np.float64)
+
+
+def run_record(workdir: str, window: int) -> dict:
+  """The figures of one finished, evaluated run (see the module docstring)."""
+  rows = read_metrics(workdir)
+  first, last = rows[:window], rows[-window:]
+  p5_bin = series(last, "acceptance/p5_bin")
+  with warnings.catch_warnings():  # a bin empty in every step stays NaN (null)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    p5_bin = np.nanmean(p5_bin, 0)
+  timed = rows[1:] or rows  # the first step compiles
+  heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
+  return {
+      "workdir": workdir, "steps": len(rows),
+      "reward_curve": series(rows, "reward/mean").tolist(),
+      "reward_first": float(np.mean(series(first, "reward/mean"))),
+      "reward_last": float(np.mean(series(last, "reward/mean"))),
+      "heldout_score": heldout["mean@1"], "heldout_accuracy": heldout["pass@1"],
+      "length_first": float(np.mean(series(first, "response_length/mean"))),
+      "length_last": float(np.mean(series(last, "response_length/mean"))),
+      "p5": float(np.mean(series(last, "acceptance/p5"))),
+      "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
+      "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
+      "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
+      "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s")))}
+
+
+def _mean_std(values):
+  """Mean and std (ddof 1; 0 for one value) over seeds, elementwise for per-bin lists; None for
+  NaN (a bin with no tokens)."""
+  x = np.array(values, np.float64)  # None -> NaN
+  with warnings.catch_warnings():  # a bin empty in every run stays NaN (null)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    mean = np.nanmean(x, 0)
+    std = np.nanstd(x, 0, ddof=1) if len(x) > 1 else np.where(np.isnan(mean), np.nan, 0.0)
+  to_json = lambda a: None if np.isnan(a) else float(a)
+  if np.ndim(mean) == 0:
+    return {"mean": to_json(mean), "std": to_json(std)}
+  return {"mean": [to_json(v) for v in mean], "std": [to_json(v) for v in std]}
+
+
+def summarize(sweep_settings, runs, seeds) -> dict:
+  """Per setting: its runs and the mean / std over seeds of every FIELDS figure. Also fills each
+  run's measured_speedup (tokens/s over the same seed's dense run; None without one)."""
+  for setting in sweep_settings:
+    for seed in seeds:
+      run = runs[f"{setting['run']}_seed{seed}"]
+      dense = runs.get(f"dense_seed{seed}")
+      run["measured_speedup"] = (run["rollout_tokens_per_s"] / dense["rollout_tokens_per_s"]
+                                 if dense else None)
+  out = {}
+  for setting in sweep_settings:
+    rows = [runs[f"{setting['run']}_seed{seed}"] for seed in seeds]
+    out[setting["name"]] = {**setting, "seeds": list(seeds),
+                            **{f: _mean_std([r[f] for r in rows]) for f in FIELDS}}
+  return out
+
+
+def print_table(summary) -> None:
+  fmt = lambda d, p=3: "-" if d["mean"] is None else f"{d['mean']:.{p}f}+-{d['std']:.{p}f}"
+  head = (f"{'setting':<14}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
+          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'KV read':>9}{'pred x':>8}"
+          f"{'tok/s':>8}{'meas x':>8}")
+  print(head)
+  for name, s in summary.items():
+    bins = [v for v in s["p5_bin"]["mean"] if v is not None]
+    meas = s["measured_speedup"]["mean"]
+    print(f"{name:<14}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
+          f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
+          f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
+          f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
+          f"{s['kv_read']['mean']:>9.3f}{s['predicted_speedup']['mean']:>8.2f}"
+          f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
+          f"{'-' if meas is None else f'{meas:.2f}':>8}")
+
+
+def plot(sweep: dict, path: str) -> None:
+  """PNG: reward and held-out score per setting, exact p5 per bin per setting, KV read and
+  speedups per setting, and held-out score against KV read (the Pareto front); error bars are the
+  std over seeds."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  s = sweep["settings"]
+  names = list(s)
+  x = np.arange(len(names))
+  mean = lambda f: np.array([s[n][f]["mean"] for n in names], np.float64)  # None -> NaN
+  std = lambda f: np.nan_to_num(np.array([s[n][f]["std"] for n in names], np.float64))
+  bars = lambda ax, dx, f, fmt, label: ax.errorbar(x + dx, mean(f), std(f), fmt=fmt, capsize=3,
+                                                   label=label)
+  fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+  bars(axes[0], -0.1, "reward_last", "o",
+       f"training reward (last {sweep['config']['window']} steps)")
+  bars(axes[0], 0.0, "heldout_score", "s", "held-out score (dense)")
+  bars(axes[0], 0.1, "heldout_accuracy", "^", "held-out exact accuracy")
+  axes[0].set(title="stability: reward and held-out score", ylabel="score")
+  p5_SB = np.array([s[n]["p5_bin"]["mean"] for n in names], np.float64)
+  for b in range(p5_SB.shape[1]):
+    if np.isfinite(p5_SB[:, b]).any():
+      axes[1].plot(x, p5_SB[:, b], marker="o", label=f"bin {b}")
+  tau = sweep["config"]["train"]["stats"]["tau"]
+  axes[1].axhline(tau, color="k", ls="--", lw=0.8, label=f"stats.tau {tau}")
+  axes[1].set(title="exact-alpha p5 per position bin (last steps)", ylabel="p5")
+  bars(axes[2], -0.1, "kv_read", "o", "KV pages read / dense")
+  bars(axes[2], 0.0, "predicted_speedup", "s", "predicted rollout speedup (cost model)")
+  if np.isfinite(mean("measured_speedup")).any():
+    bars(axes[2], 0.1, "measured_speedup", "^", "measured rollout tokens/s / dense")
+  axes[2].set(title="cost")
+  for ax in axes[:3]:
+    ax.set_xticks(x, names, rotation=30, ha="right")
+    ax.legend(fontsize=7)
+  axes[3].errorbar(mean("kv_read"), mean("heldout_score"), std("heldout_score"), std("kv_read"),
+                   fmt="o", capsize=3)
+  for n, kv, score in zip(names, mean("kv_read"), mean("heldout_score")):
+    axes[3].annotate(n, (kv, score), fontsize=7, xytext=(3, 3), textcoords="offset points")
+  axes[3].set(title="held-out score vs KV read (Pareto front)", xlabel="KV pages read / dense",
+              ylabel="held-out score")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def sweep(c) -> dict:
+  """Runs what is not done yet, then writes sweep.json and tau_sweep.png and prints the table;
+  returns the sweep dict."""
+  seeds = parse_list(c.seeds, "seeds", int)
+  if c.window < 1:
+    raise ValueError(f"config.window = {c.window}: must be >= 1 (steps averaged)")
+  sweep_settings = settings(c)
+  runs = {}  # run name -> trainer config, in order, each shared run once
+  for setting in sweep_settings:
+    for seed in seeds:
+      runs.setdefault(f"{setting['run']}_seed{seed}", run_config(c, setting, seed))
+  todo = [name for name, rc in runs.items()
+          if not (trained(rc) and evaluated(eval_config(c, rc)))]
+  print(f"[tau_sweep] {len(sweep_settings)} settings x {len(seeds)} seeds = {len(runs)} runs "
+        f"(shared tables run once), {len(runs) - len(todo)} done already, in {c.sweep_dir}",
+        flush=True)
+  t_start, times = time.time(), []
+  for i, (name, rc) in enumerate(runs.items()):
+    if name not in todo:
+      print(f"[tau_sweep] run {i + 1}/{len(runs)} {name}: done, skipped", flush=True)
+      continue
+    left = len(todo) - len(times)
+    eta = f"{np.mean(times) * left:.0f}s" if times else "--"
+    print(f"[tau_sweep] run {i + 1}/{len(runs)} {name} ({rc.rollout.schedule or 'dense'}): "
+          f"{time.time() - t_start:.0f}s elapsed, ETA {eta} ({left} runs left)", flush=True)
+    t0 = time.time()
+    train_and_evaluate(c, rc)
+    times.append(time.time() - t0)
+
+  records = {name: run_record(rc.workdir, c.window) for name, rc in runs.items()}
+  out = {"config": json.loads(c.to_json_best_effort()),
+         "settings": summarize(sweep_settings, records, seeds), "runs": records}
+  with open(os.path.join(c.sweep_dir, "sweep.json"), "w") as f:
+    json.dump(out, f, indent=1, allow_nan=False)
+  plot(out, os.path.join(c.sweep_dir, "tau_sweep.png"))
+  print_table(out["settings"])
+  print(f"[tau_sweep] wrote {c.sweep_dir}/sweep.json and tau_sweep.png "
+        f"({time.time() - t_start:.0f}s)", flush=True)
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  sweep(flags.FLAGS.config)
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: tests import this module beside other scripts defining --config.
+  config_flags.DEFINE_config_file("config", "configs/tau_sweep.py", "experiment config")
+  app.run(main)
