@@ -33,7 +33,8 @@ def get_config():
   c.eos_ids = ""                     # comma list; "" = from the model dir, else the synthetic task
 
   c.rollout = common.rollout("max_new_tokens", "temperature", "sparse", "page_size",
-                             "dense_layers", "attention_impl")  # how the scored rollouts are sampled
+                             "dense_layers", "attention_impl",
+                             "page_score")  # how the rollouts are sampled and the pages scored
   c.rollout.sample_topk = 0          # sparse rollouts' top-k pages (0 = the largest candidate)
 
   c.stats = common.stats()           # tau: the p5 target per bin; bin_size: the schedule's bins

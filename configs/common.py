@@ -75,6 +75,9 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
   c.attention_impl = "auto"          # auto (the GPU / TPU kernel on its platform, else xla) | xla |
   #                                    pallas (GPU, Triton) | pallas_tpu (TPU, Mosaic)
+  c.page_score = "mean"              # how pages rank for the top-k: mean (the page's mean key, the
+  #                                    paper) | quest (per-channel key max / min, an upper bound of
+  #                                    q . k; twice the cached summary bytes). Calibrate per choice
   return _select(c, fields, overrides)
 
 

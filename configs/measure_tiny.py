@@ -24,6 +24,7 @@ def get_config():
   c.batch_size = 64                  # rows per generate call
 
   c.rollout = common.rollout("temperature", "schedule", "page_size", "dense_layers",
-                             "attention_impl")  # schedule: the calibrated one ("" = skip the check)
+                             "attention_impl", "page_score")  # schedule: the calibrated one
+  #                                    ("" = skip the check), for page_score's ranking
   c.stats = common.stats()           # tau: p5 target of rollout.schedule in every bin; bin_size
   return c

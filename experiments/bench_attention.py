@@ -76,12 +76,12 @@ def _loops(steps, n_selected, impl):
         q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE, impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
 
-  def sparse_select(q, k, v, centroids, lengths):
+  def sparse_select(q, k, v, summaries, lengths):
     config = select.SparseConfig(page_size=PAGE_SIZE, attention_impl=impl)
     budget = jnp.full(lengths.shape, n_selected, jnp.int32)
 
     def body(i, q):
-      page_idx, n_valid = select.decode_pages(q, centroids, lengths, budget, config, n_selected)
+      page_idx, n_valid = select.decode_pages(q, summaries, lengths, budget, config, n_selected)
       return policy.decode_attention(q, k, v, page_idx, n_valid, lengths, page_size=PAGE_SIZE,
                                      impl=impl)
     return jax.lax.fori_loop(0, steps, body, q)
@@ -119,9 +119,9 @@ def measure(config, context):
            "whole cache": ((whole_cache, (q, k, v, lengths)), cache_tokens * kv_bytes),
            "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes)}
   if config.select:
-    centroids = paged_cache.page_centroids(k[:, :, :context], PAGE_SIZE)
-    calls["sparse+select"] = ((sparse_select, (q, k, v, centroids, lengths)),
-                              config.budget * kv_bytes + centroids.nbytes)
+    summaries = paged_cache.page_summaries(k[:, :, :context], PAGE_SIZE, "mean")
+    calls["sparse+select"] = ((sparse_select, (q, k, v, summaries, lengths)),
+                              config.budget * kv_bytes + summaries.nbytes)
   times = _times_ms([call for call, _ in calls.values()], config.runs)
   return {name: (med / config.steps, low / config.steps, nbytes)
           for (name, (_, nbytes)), (med, low) in zip(calls.items(), times)}

@@ -96,11 +96,11 @@ def calibrate(c):
   prompts, eos_ids, pad_id = load_prompts(c, parse_ints(c.eos_ids, "eos_ids") or eos_ids, pad_id)
   r, s = c.rollout, c.stats
   sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                           attention_impl=r.attention_impl)
+                           attention_impl=r.attention_impl, page_score=r.page_score)
   print(f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
         f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, tau {s.tau} "
         f"({s.alpha} alpha, {'on' if c.on_policy else 'off'}-policy), bins of "
-        f"{s.bin_size} tokens, page size {r.page_size}", flush=True)
+        f"{s.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores", flush=True)
   result = cal.calibrate(
       params, cfg, prompts, jax.random.PRNGKey(c.seed + 1), max_new_tokens=r.max_new_tokens,
       tau=s.tau, candidates=parse_ints(c.candidates, "candidates") or None, repeats=c.repeats,

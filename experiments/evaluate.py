@@ -102,7 +102,7 @@ def evaluate(c) -> dict:
   sparse = schedule = None
   if r.sparse:
     sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                             attention_impl=r.attention_impl)
+                             attention_impl=r.attention_impl, page_score=r.page_score)
     schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
   problems = _problems(task, c.num_problems)
   n_rows = len(problems) * c.samples

@@ -96,7 +96,7 @@ def measure(c) -> dict:
   problems = task.sample(n, 0)
   key = jax.random.PRNGKey(c.seed)
   sparse = sj.SparseConfig(page_size=page, dense_layers=r.dense_layers,
-                           attention_impl=r.attention_impl)
+                           attention_impl=r.attention_impl, page_score=r.page_score)
   num_bins = -(-(task.max_prompt_len + task.max_response_len) // bin_size)
   t0 = time.time()
 

@@ -54,9 +54,11 @@ def test_dense_blockwise_matches_reference_values_and_gradients():
   assert float(jnp.abs(out[0, :9]).max()) == 0.0  # nothing to attend to: zeros, not NaN
 
 
-def test_sparse_blockwise_reads_the_pages_of_the_reference_mask():
+@pytest.mark.parametrize("page_score", ["mean", "quest"])
+def test_sparse_blockwise_reads_the_pages_of_the_reference_mask(page_score):
   q, k, v, mask = qkv_and_mask()
-  sparse = select.SparseConfig(page_size=8, sink_pages=1, local_pages=1, dense_layers=0)
+  sparse = select.SparseConfig(page_size=8, sink_pages=1, local_pages=1, dense_layers=0,
+                               page_score=page_score)
   schedule = KVSchedule.fixed(4, page_size=8, always_kept=2)
   prompt_len = jnp.asarray([20, 10])
   keep_BKTP = select.teacher_forced_keep(q, k, prompt_len, schedule, sparse)
@@ -65,7 +67,7 @@ def test_sparse_blockwise_reads_the_pages_of_the_reference_mask():
   pos = jnp.arange(T)
   budget_BT = jnp.where(pos[None] < prompt_len[:, None], -(-T // 8),
                         schedule.budget_pages(pos + 1)[None])
-  ours = blockwise_fn(mask, budget_BT=budget_BT, page_size=8,
+  ours = blockwise_fn(mask, budget_BT=budget_BT, page_size=8, page_score=page_score,
                       select_fn=functools.partial(select.keep_pages, sparse=sparse))
   assert_same_with_grads(ours, ref, (q, k, v), atol=2e-5)
   # The selection matters: the dense result differs.
@@ -94,7 +96,7 @@ def test_chunked_prefill_equals_one_chunk():
   np.testing.assert_allclose(logits_a, logits_b, atol=1e-5)
   for layer in range(3):
     np.testing.assert_allclose(cache_a.keys(layer), cache_b.keys(layer), atol=1e-5)
-    np.testing.assert_allclose(cache_a.centroids[layer], cache_b.centroids[layer], atol=1e-5)
+    np.testing.assert_allclose(cache_a.summaries[layer], cache_b.summaries[layer], atol=1e-5)
   # and the last prompt token's logits are forward's
   ref = sj.forward(params, prompt, cfg)
   np.testing.assert_allclose(logits_a, ref[jnp.arange(3), prompt_len - 1], atol=1e-4)

@@ -70,7 +70,7 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
   for cache in caches:
     np.testing.assert_array_equal(cache.lengths, [32, 32])
     k, v = np.asarray(cache.keys(0)), np.asarray(cache.values(0))
-    centroids = np.asarray(cache.centroids[0])
+    centroids = np.asarray(cache.summaries[0, :, :, :, 0])  # "mean": one row, the mean key
     assert k.shape == (2, cfg.num_key_value_heads, 48, cfg.head_dim) and centroids.shape[2] == 3
     assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0)
     assert np.all(centroids[:, :, 2:] == 0)

@@ -1,4 +1,6 @@
 """The jit sampler against the teacher-forced forward, dense and sparse."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,17 +49,23 @@ def test_full_budget_sparse_equals_dense():
   np.testing.assert_allclose(dense.logprobs, sparse.logprobs, atol=1e-5)
 
 
-def test_sparse_sampler_matches_sparse_teacher_forcing():
+@pytest.mark.parametrize("page_score, other", [("mean", "quest"), ("quest", "mean")])
+def test_sparse_sampler_matches_sparse_teacher_forcing(page_score, other):
   schedule = KVSchedule.fixed(4, page_size=4)
+  sparse = dataclasses.replace(SPARSE, page_score=page_score)
   out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(3), max_new_tokens=40,
-                    sparse=SPARSE, schedule=schedule)
-  sparse_ref, valid = rescored_logprobs(out, sparse=SPARSE, schedule=schedule,
+                    sparse=sparse, schedule=schedule)
+  sparse_ref, valid = rescored_logprobs(out, sparse=sparse, schedule=schedule,
                                         prompt_len_B=PROMPT_LEN)
-  dense_ref, _ = rescored_logprobs(out)
   np.testing.assert_allclose(np.where(valid, out.logprobs, 0), np.where(valid, sparse_ref, 0),
                              atol=1e-4)
-  # The budget really is binding: dense re-scoring differs.
-  assert float(jnp.abs(jnp.where(valid, out.logprobs - dense_ref, 0)).max()) > 1e-3
+  # The budget really is binding (dense re-scoring differs), and so is the page score (the other
+  # one's teacher-forced pages give other log-probs).
+  dense_ref, _ = rescored_logprobs(out)
+  other_ref, _ = rescored_logprobs(out, sparse=dataclasses.replace(SPARSE, page_score=other),
+                                   schedule=schedule, prompt_len_B=PROMPT_LEN)
+  for ref in (dense_ref, other_ref):
+    assert float(jnp.abs(jnp.where(valid, out.logprobs - ref, 0)).max()) > 1e-3
 
 
 def test_eos_stops_rows_and_same_key_same_output():

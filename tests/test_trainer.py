@@ -73,6 +73,7 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # the def
     ({"distill__rank": 0}, "distill.rank"),
     ({"hardware": "tpu9"}, "hardware"),
     ({"rollout__dense_layers": 99}, "rollout.dense_layers"),
+    ({"rollout__page_score": "max"}, "rollout.page_score"),
     ({"rollout__max_new_tokens": 100000}, "max_new_tokens = 100512"),
     ({"rollout__schedule": "fixed:abc"}, "rollout.schedule"),
     ({"mesh__fsdp": 0}, "mesh.fsdp"),

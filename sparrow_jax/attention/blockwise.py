@@ -13,9 +13,10 @@ layout, so chunked prefill reads the cache directly. Query t sits at slot q_offs
 slot s iff s <= q_offset + t and key_valid_BS[b, s]. A query with nothing to read gives zeros.
 
 Sparse teacher forcing: with `select_fn` and `budget_BT`, each query also reads only the pages that
-`select_fn(scores_BKQP, query_pos, budget)` keeps, scored as the sparse sampler scores them (mean of
-the group's queries . page centroid); the keep mask is made per query block (never [T, P] at once)
-and made again in the backward pass.
+`select_fn(scores_BKQP, query_pos, budget)` keeps, scored as the sparse sampler scores them
+(`paged_cache.page_scores` of the group's mean query against the `page_score` summaries of the
+pages); the keep mask is made per query block (never [T, P] at once) and made again in the backward
+pass.
 """
 import functools
 import math
@@ -35,11 +36,12 @@ def _round_up(n, m):
 
 
 def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=None,
-              select_fn: Optional[Callable] = None, page_size: int = 16, block_q: int = BLOCK_Q,
-              block_k: int = BLOCK_K):
+              select_fn: Optional[Callable] = None, page_size: int = 16, page_score: str = "mean",
+              block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
   """softmax(q k^T / sqrt(E)) v over the causal, valid (and, if sparse, selected) keys; returns
   q's shape and dtype. q_offset (traced is fine): the slot of the first query. Sparse when
-  `select_fn` is given: select_fn(scores_BKQP, query_pos_11Q, budget_B1Q) -> keep_BKQP."""
+  `select_fn` is given: select_fn(scores_BKQP, query_pos_11Q, budget_B1Q) -> keep_BKQP, with pages
+  scored by `page_score` (a paged_cache.PAGE_SCORES key)."""
   B, T, K, G, E = q_BTKGE.shape
   S = k_BKSE.shape[2]
   if (select_fn is None) != (budget_BT is None):
@@ -52,7 +54,7 @@ def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=No
   k, v = jnp.pad(k_BKSE, pad_s), jnp.pad(v_BKSE, pad_s)
   valid = jnp.pad(key_valid_BS.astype(bool), ((0, 0), (0, Sp - S)))
   budget = None if budget_BT is None else jnp.pad(budget_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
-  geometry = _Geometry(bq, bk, page_size, 1.0 / math.sqrt(E), select_fn)
+  geometry = _Geometry(bq, bk, page_size, 1.0 / math.sqrt(E), select_fn, page_score)
   out = _flash(geometry, q, k, v, valid, jnp.asarray(q_offset, jnp.int32), budget)
   return out[:, :T]
 
@@ -64,6 +66,7 @@ class _Geometry(NamedTuple):
   page_size: int
   scale: float
   select_fn: Optional[Callable]
+  page_score: str
 
 
 def _block_mask(g: _Geometry, i, j, q_offset, valid_BS, keep_BKQP):
@@ -79,21 +82,22 @@ def _block_mask(g: _Geometry, i, j, q_offset, valid_BS, keep_BKQP):
   return mask
 
 
-def _centroids(g: _Geometry, k):
-  """The page centroids the selection scores against (None when dense), once per call."""
+def _summaries(g: _Geometry, k):
+  """The page summaries the selection scores against (None when dense), once per call."""
   if g.select_fn is None:
     return None
-  return paged_cache.page_centroids(jax.lax.stop_gradient(k), g.page_size)
+  return paged_cache.page_summaries(jax.lax.stop_gradient(k), g.page_size, g.page_score)
 
 
-def _query_block(g: _Geometry, i, q, k, centroid_BKPE, q_offset, budget):
+def _query_block(g: _Geometry, i, q, k, summary_BKPRE, q_offset, budget):
   """Query block i in float32 [B, K, G, bq, E], its page-keep mask (or None) and how many key
   blocks it can see."""
   q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1).astype(jnp.float32)
   q_b = q_b.transpose(0, 2, 3, 1, 4)
   keep = None
   if g.select_fn is not None:
-    scores = paged_cache.page_scores(jnp.mean(jax.lax.stop_gradient(q_b), axis=2), centroid_BKPE)
+    scores = paged_cache.page_scores(jnp.mean(jax.lax.stop_gradient(q_b), axis=2), summary_BKPRE,
+                                     g.page_score)
     qpos = q_offset + i * g.bq + jnp.arange(g.bq)
     budget_b = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
     keep = g.select_fn(scores, qpos[None, None], budget_b[:, None])
@@ -110,10 +114,10 @@ def _scores(g, q_b, k, j):
 def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
   """(out [B, Tp, K, G, E] in q's dtype, lse [nq, B, K, G, bq])."""
   B, Tp, K, G, E = q.shape
-  centroid_BKPE = _centroids(g, k)
+  summary_BKPRE = _summaries(g, k)
 
   def one_block(i):
-    q_b, keep, n_kb = _query_block(g, i, q, k, centroid_BKPE, q_offset, budget)
+    q_b, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
 
     def step(j, carry):
       m, l, acc = carry
@@ -156,11 +160,11 @@ def _flash_bwd(g, residuals, d_out):
   to_block = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * g.bq, g.bq, axis=1).astype(
       jnp.float32).transpose(0, 2, 3, 1, 4)
 
-  centroid_BKPE = _centroids(g, k)
+  summary_BKPRE = _summaries(g, k)
 
   def one_block(i, carry):
     dq, dk, dv = carry
-    q_b, keep, n_kb = _query_block(g, i, q, k, centroid_BKPE, q_offset, budget)
+    q_b, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
     do_b = to_block(d_out, i)
     delta = jnp.sum(do_b * to_block(out, i), axis=-1)  # [B, K, G, bq]
     lse_b = lse[i]

@@ -1,36 +1,43 @@
-"""Paged KV cache with per-page mean keys (centroids), for block top-k sparse decoding.
+"""Paged KV cache with per-page key summaries (mean keys, or Quest's per-channel bounds), for block
+top-k sparse decoding.
 
 Layout, stacked over layers (prefill scans its layers and indexes the cache with the layer; decoding
 splits it into one single-layer cache per layer, `split_layers`):
   k_stored, v_stored [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
                                    contiguous block k[l, b, k, p*Z:(p+1)*Z]; a [..., P, Z, E] view is
                                    a free reshape. Keys and values of `dtype` (the model's: bfloat16
-                                   at scale), read through `keys(layer)`, `values(layer)`. 2-byte
-                                   floats are stored as uint16 bits: XLA CPU runs every bfloat16
-                                   update of a buffer in float32, converting the whole cache there
-                                   and back, 3x the KV in temporaries (experiments/memory_report.py),
-                                   while integer writes stay in place on every backend. float32 is
-                                   stored as is: its updates are in place, and XLA CPU copied a
+                                   at scale), read through `keys(layer)`, `values(layer)`. On XLA
+                                   CPU 2-byte floats are stored as uint16 bits (`stored_dtype`): it
+                                   runs every bfloat16 update of a buffer in float32, converting the
+                                   whole cache there and back, 3x the KV in temporaries
+                                   (experiments/memory_report.py), while integer writes stay in
+                                   place. Everything else is stored as itself: XLA CPU copied a
                                    whole layer's cache at each decode step to read uint32 bits as
                                    float32 (the tiny default's sparse decode step: 10.6 -> 7.6 ms
                                    without that copy and the stacked-layer slice; README).
-  centroids       [L, B, K, P, E]  mean key of each page, in the cache dtype (bfloat16 at scale: the
-                                   scoring pass reads P x E of it per head and step, as much as a
-                                   2K-token sparse read at 32K in float32, half that in bfloat16).
-                                   Written whenever a token lands in a page, as the float32 mean of
-                                   the page's Z cached slots (unwritten slots are zero) rounded to
-                                   the cache dtype: final once the page is complete, and a partial
-                                   page is never scored (it is always one of the `local_pages`).
+  summaries    [L, B, K, P, R, E]  what each page is scored by (`page_summaries`), R rows per page
+                                   by `SparseConfig.page_score`: "mean" R = 1, the mean key (the
+                                   paper's centroid); "quest" R = 2, the per-channel max and min key
+                                   (Quest's bounds), twice the bytes. In the cache dtype (bfloat16
+                                   at scale): the scoring pass reads P x R x E of it per head and
+                                   step; at R = 1 as much as a 2K-token sparse read at 32K in
+                                   float32, half that in bfloat16 (1/32 of the KV at Z = 16; R = 2:
+                                   1/16). Written whenever a token lands in a page, from the page's
+                                   Z cached slots (unwritten slots are zero): final once the page is
+                                   complete, and a partial page is never scored (it is always one
+                                   of the `local_pages`), so no zero slot reaches a score.
   lengths         [B]              tokens cached per sequence (slot == position: rows are right-padded).
 Why this layout: a selected page is one contiguous Z x E tile per (sequence, head), so a sparse read
 is a gather of whole tiles (coalesced loads on GPU; on TPU 16 x 128 matches the (8, 128) vreg tiling
-and one DMA per page), and the scoring pass reads only the P x E centroid block per head.
-Why means of the cached slots: the trainer scores pages with the same means of the same keys in
-the same dtype (`page_centroids`, `page_scores`), so the sampler picks the pages the trainer
-picks; a running float32 sum would cost twice the bytes and a bfloat16 one would round sixteen
-additions per page.
+and one DMA per page), and the scoring pass reads only the P x R x E summary block per head.
+Why summaries of the cached slots: the trainer scores pages with the same summaries of the same
+keys in the same dtype (`page_summaries`, `page_scores`), so the sampler picks the pages the
+trainer picks; a running float32 sum would cost twice the bytes and a bfloat16 one would round
+sixteen additions per page.
 Sequences are independent (no shared page pool): RL rollouts have one static maximum length per batch.
 """
+from typing import Callable, NamedTuple
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -38,14 +45,19 @@ import jax.numpy as jnp
 from sparrow_jax.model import sharding
 
 
-_STORED = {2: jnp.uint16}  # by itemsize; other dtypes are stored as they are
+def stored_dtype(dtype):
+  """How keys and values of `dtype` are stored: 2-byte floats as uint16 bits on XLA CPU (its
+  bfloat16 updates run in float32 over the whole buffer; integer writes stay in place), every dtype
+  as itself elsewhere (accelerators update bfloat16 in place, and reading bits as bfloat16 would
+  cost a copy of the cache per read, as reading uint32 as float32 did on CPU)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jax.default_backend() == "cpu" else dtype
 
 
 def to_stored(x):
-  """x in its storage form: a free bitcast to uint16 for 2-byte floats, x itself otherwise
-  (`from_stored` undoes it)."""
-  stored = _STORED.get(jnp.dtype(x.dtype).itemsize)
-  return x if stored is None else jax.lax.bitcast_convert_type(x, stored)
+  """x in its storage form (`stored_dtype`): a free bitcast, or x itself; `from_stored` undoes it."""
+  stored = stored_dtype(x.dtype)
+  return x if stored == x.dtype else jax.lax.bitcast_convert_type(x, stored)
 
 
 def from_stored(x, dtype):
@@ -56,10 +68,11 @@ def from_stored(x, dtype):
 class PagedKVCache:
   k_stored: jax.Array
   v_stored: jax.Array
-  centroids: jax.Array
+  summaries: jax.Array
   lengths: jax.Array
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
+  page_score: str = flax.struct.field(pytree_node=False, default="mean")  # a PAGE_SCORES key
 
   def keys(self, layer):
     """Keys [B, K, S, E] of `layer` (traced is fine) in the cache dtype."""
@@ -82,18 +95,21 @@ def check_page_size(page_size) -> None:
     raise ValueError(f"page_size must be a positive power of two, got {page_size!r}")
 
 
-def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.float32) -> PagedKVCache:
-  """An empty cache holding at least max_len tokens (rounded up to whole pages)."""
+def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.float32,
+               page_score: str = "mean") -> PagedKVCache:
+  """An empty cache holding at least max_len tokens (rounded up to whole pages), with the page
+  summaries `page_score` scores."""
   check_page_size(page_size)
+  rows = page_score_fns(page_score).rows
   pages = -(-max_len // page_size)
   K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-  stored = _STORED.get(jnp.dtype(dtype).itemsize, dtype)
+  stored = stored_dtype(dtype)
   return constrain(PagedKVCache(
       k_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
       v_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
-      centroids=jnp.zeros((L, batch, K, pages, E), dtype),
+      summaries=jnp.zeros((L, batch, K, pages, rows, E), dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
-      page_size=page_size, dtype=jnp.dtype(dtype).name))
+      page_size=page_size, dtype=jnp.dtype(dtype).name, page_score=page_score))
 
 
 def split_layers(cache: PagedKVCache, repeat: int = 1) -> tuple:
@@ -104,7 +120,7 @@ def split_layers(cache: PagedKVCache, repeat: int = 1) -> tuple:
   lengths = jnp.repeat(cache.lengths, repeat) if repeat > 1 else cache.lengths
   return tuple(constrain(cache.replace(k_stored=rows(cache.k_stored[i:i + 1]),
                                        v_stored=rows(cache.v_stored[i:i + 1]),
-                                       centroids=rows(cache.centroids[i:i + 1]), lengths=lengths))
+                                       summaries=rows(cache.summaries[i:i + 1]), lengths=lengths))
                for i in range(cache.k_stored.shape[0]))
 
 
@@ -115,46 +131,85 @@ def constrain(cache: PagedKVCache) -> PagedKVCache:
                           for name, axes in sharding.CACHE_AXES.items()})
 
 
-def page_centroids(k_BKSE, page_size: int):
-  """Mean key per page [B, K, P, E] in the keys' dtype: the float32 mean of each page's Z slots (a
-  partial last page padded with zeros), rounded. The sampler's cache and the trainer's sparse
-  teacher forcing both score these."""
+class PageScore(NamedTuple):
+  """One way to score pages: `summary` (keys [B, K, P, Z, E] -> [B, K, P, rows, E], what the cache
+  keeps per page) and `query` (group-mean queries [B, K, X, E] -> [B, K, X, rows, E]); a page's
+  score is the dot of the two over (rows, E)."""
+  rows: int
+  summary: Callable
+  query: Callable
+
+
+def _mean_summary(k_BKPZE):
+  """The float32 mean of each page's Z slots, rounded to the keys' dtype."""
+  return k_BKPZE.astype(jnp.float32).mean(axis=3, keepdims=True).astype(k_BKPZE.dtype)
+
+
+def _bounds_summary(k_BKPZE):
+  """Each channel's max and min over the page's Z slots (exact in any dtype)."""
+  return jnp.stack([k_BKPZE.max(axis=3), k_BKPZE.min(axis=3)], axis=3)
+
+
+def _bounds_query(qbar_BKXE):
+  """q's positive part meets the max row, its negative part the min row, so the dot is Quest's
+  sum_e max(q_e max_e, q_e min_e): an upper bound of q . k over the page's keys, as one matmul."""
+  return jnp.stack([jnp.maximum(qbar_BKXE, 0), jnp.minimum(qbar_BKXE, 0)], axis=-2)
+
+
+# SparseConfig.page_score -> its PageScore. "mean": the paper's mean-key centroid; "quest": the
+# per-channel key bounds of Quest (Tang et al. 2024), scored with the group-mean query.
+PAGE_SCORES = {"mean": PageScore(1, _mean_summary, lambda qbar_BKXE: qbar_BKXE[..., None, :]),
+               "quest": PageScore(2, _bounds_summary, _bounds_query)}
+
+
+def page_score_fns(page_score: str) -> PageScore:
+  if page_score not in PAGE_SCORES:
+    raise ValueError(f"page_score must be one of {tuple(PAGE_SCORES)}, got {page_score!r}")
+  return PAGE_SCORES[page_score]
+
+
+def page_summaries(k_BKSE, page_size: int, page_score: str):
+  """Page summaries [B, K, P, R, E] in the keys' dtype (a partial last page padded with zeros). The
+  sampler's cache and the trainer's sparse teacher forcing both score these."""
   B, K, S, E = k_BKSE.shape
-  k = jnp.pad(k_BKSE.astype(jnp.float32), ((0, 0), (0, 0), (0, -S % page_size), (0, 0)))
-  return k.reshape(B, K, -1, page_size, E).mean(axis=3).astype(k_BKSE.dtype)
+  k = jnp.pad(k_BKSE, ((0, 0), (0, 0), (0, -S % page_size), (0, 0)))
+  return page_score_fns(page_score).summary(k.reshape(B, K, -1, page_size, E))
 
 
-def page_scores(qbar_BKXE, centroid_BKPE):
-  """Scores [B, K, X, P] of X query-head means against the page centroids: the one scoring the
-  sampler and the trainer use. The means are rounded to the centroids' dtype and the dot
-  accumulates in float32, so bfloat16 centroids are read as stored (no float32 copy)."""
-  return jnp.einsum("bkxe,bkpe->bkxp", qbar_BKXE.astype(centroid_BKPE.dtype), centroid_BKPE,
+def page_scores(qbar_BKXE, summary_BKPRE, page_score: str):
+  """Scores [B, K, X, P] of X query-head means against the page summaries: the one scoring the
+  sampler and the trainer use. The query features are rounded to the summaries' dtype and the dot
+  accumulates in float32, so bfloat16 summaries are read as stored (no float32 copy)."""
+  feature_BKXRE = page_score_fns(page_score).query(qbar_BKXE).astype(summary_BKPRE.dtype)
+  return jnp.einsum("bkxre,bkpre->bkxp", feature_BKXRE, summary_BKPRE,
                     preferred_element_type=jnp.float32)
 
 
 def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:
   """Writes a chunk of C tokens (C and start whole pages; layer and start may be traced) into
-  slots [start, start + C) of `layer`, and the centroids of its pages (invalid tokens written as
+  slots [start, start + C) of `layer`, and the summaries of its pages (invalid tokens written as
   zero)."""
   Z = cache.page_size
   stored = lambda x: jnp.where(valid_BC[:, :, None, None], x, 0).astype(cache.dtype)
   k_BKCE, v_BKCE = stored(k_BCKE).transpose(0, 2, 1, 3), stored(v_BCKE).transpose(0, 2, 1, 3)
-  put = lambda buf, x, at: jax.lax.dynamic_update_slice(buf, x[None], (layer, 0, 0, at, 0))
-  return cache.replace(k_stored=put(cache.k_stored, to_stored(k_BKCE), start),
-                       v_stored=put(cache.v_stored, to_stored(v_BKCE), start),
-                       centroids=put(cache.centroids, page_centroids(k_BKCE, Z), start // Z))
+  put = lambda buf, x, at: jax.lax.dynamic_update_slice(
+      buf, x[None], (layer, 0, 0, at) + (0,) * (buf.ndim - 4))
+  return cache.replace(
+      k_stored=put(cache.k_stored, to_stored(k_BKCE), start),
+      v_stored=put(cache.v_stored, to_stored(v_BKCE), start),
+      summaries=put(cache.summaries, page_summaries(k_BKCE, Z, cache.page_score), start // Z))
 
 
 def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
-  """Writes one token per sequence at slot pos_B of `layer` and recomputes the centroid of its page
+  """Writes one token per sequence at slot pos_B of `layer` and recomputes the summary of its page
   from the page's Z cached slots (B x K x Z x E read: nothing next to the attention's)."""
   B, Z = k_BKE.shape[0], cache.page_size
   b_B = jnp.arange(B)
   k_stored = cache.k_stored.at[layer, b_B, :, pos_B].set(to_stored(k_BKE.astype(cache.dtype)))
   slots_BZ = (pos_B // Z)[:, None] * Z + jnp.arange(Z)
   page_BZKE = from_stored(k_stored[layer, b_B[:, None], :, slots_BZ], cache.dtype)
-  centroid_BKE = page_centroids(page_BZKE.transpose(0, 2, 1, 3), Z)[:, :, 0]
+  summary_BKRE = page_summaries(page_BZKE.transpose(0, 2, 1, 3), Z, cache.page_score)[:, :, 0]
   return cache.replace(
       k_stored=k_stored,
       v_stored=cache.v_stored.at[layer, b_B, :, pos_B].set(to_stored(v_BKE.astype(cache.dtype))),
-      centroids=cache.centroids.at[layer, b_B, :, pos_B // Z].set(centroid_BKE))
+      summaries=cache.summaries.at[layer, b_B, :, pos_B // Z].set(summary_BKRE))

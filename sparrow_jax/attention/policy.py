@@ -18,8 +18,8 @@ from sparrow_jax.model import qwen3, sharding
 def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
   """An `attention_fn` for qwen3.forward that restricts each query to the pages the sparse sampler
   read at that step, blockwise (the pages are chosen per query block by the same `keep_pages` rule
-  the sampler's `decode_pages` follows). Prompt positions were prefilled densely, and layers below
-  `dense_layers` stay dense: their budget is every page."""
+  the sampler's `decode_pages` follows, on pages scored by `sparse.page_score`). Prompt positions
+  were prefilled densely, and layers below `dense_layers` stay dense: their budget is every page."""
   select_fn = functools.partial(select.keep_pages, sparse=sparse)
 
   def attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
@@ -30,7 +30,7 @@ def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_le
     budget_BT = jnp.where(dense_BT, every_page, schedule.budget_pages(pos_T + 1)[None])
     return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
                                mask_BT, budget_BT=budget_BT, select_fn=select_fn,
-                               page_size=sparse.page_size)
+                               page_size=sparse.page_size, page_score=sparse.page_score)
   return attention
 
 
@@ -161,12 +161,15 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   """An `attention_fn` for qwen3.decode_step: layers below `dense_layers` read every cached token,
   the others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
   schedule.BudgetTable: traced, so a new schedule does not recompile), at most `max_selected`
-  (static) pages."""
+  (static) pages. The caches must keep the summaries `sparse.page_score` scores."""
   def attention(layer, q_BKGE, cache, lengths_B):  # layer: a Python int (decoding unrolls layers)
     if layer < sparse.dense_layers:
       return dense_decode_fn(sparse.attention_impl)(layer, q_BKGE, cache, lengths_B)
+    if cache.page_score != sparse.page_score:
+      raise ValueError(f"the cache keeps {cache.page_score!r} page summaries, SparseConfig."
+                       f"page_score is {sparse.page_score!r}")
     page_idx_BKN, n_valid_BK = select.decode_pages(
-        q_BKGE, cache.centroids[0], lengths_B, budget.budget_pages(lengths_B), sparse,
+        q_BKGE, cache.summaries[0], lengths_B, budget.budget_pages(lengths_B), sparse,
         min(max_selected, cache.num_pages))
     return decode_attention(q_BKGE, cache.keys(0), cache.values(0), page_idx_BKN, n_valid_BK,
                             lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)

@@ -4,10 +4,15 @@ At a decode step the query is the newest token at position t (already written, s
 cached in ceil((t+1)/Z) pages). Per layer, sequence and KV head:
   - always kept: the first `sink_pages` pages (BOS / attention sink) and the last `local_pages` pages
     (the current, possibly partial, page is one of them);
-  - scored: every other page (all complete) by (mean of the group's query heads) . (page centroid);
+  - scored: every other page (all complete) by `SparseConfig.page_score` with the mean of the
+    group's query heads: "mean" dots it with the page's mean key (the paper), "quest" takes Quest's
+    upper bound of its dot with any key of the page from per-channel key bounds
+    (`paged_cache.PAGE_SCORES`);
   - kept: the top (budget - always_kept) scored pages, budget = schedule.budget_pages(t + 1).
-Both paths call `keep_pages`, so the sampler and the trainer pick the same pages by construction
-(ties broken towards the lower page index). A budget covering every page gives exact dense attention.
+Both paths score with `paged_cache.page_scores` on `paged_cache.page_summaries` of the same keys and
+call `keep_pages`, so the sampler and the trainer pick the same pages by construction (ties broken
+towards the lower page index). A budget covering every page gives exact dense attention. The
+attention kernels take the selected page ids only: how pages are scored does not reach them.
 """
 import dataclasses
 
@@ -16,6 +21,8 @@ import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
 from sparrow_jax.attention.reference import IMPLS
+
+PAGE_SCORES = tuple(paged_cache.PAGE_SCORES)  # SparseConfig.page_score's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +33,8 @@ class SparseConfig:
   dense_layers: int = 2        # the first layers stay dense
   attention_impl: str = "auto"  # "auto" (the GPU / TPU kernel on its platform, XLA elsewhere) |
                                 # "xla" | "pallas" (GPU, Triton) | "pallas_tpu" (TPU, Mosaic)
+  page_score: str = "mean"      # how scored pages rank: "mean" (mean key, the paper) | "quest"
+                                # (per-channel key bounds: twice the cached summary bytes)
 
   def __post_init__(self):
     paged_cache.check_page_size(self.page_size)
@@ -33,13 +42,16 @@ class SparseConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"SparseConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.local_pages < 1:
-      # The current page is partial while it fills: as a scored page its centroid would mix in the
+      # The current page is partial while it fills: as a scored page its summary would mix in the
       # keys written after the query in teacher forcing, so sampler and trainer would disagree.
       raise ValueError(f"SparseConfig.local_pages must be >= 1 (the current, partial page is "
                        f"always read), got {self.local_pages}")
     if self.attention_impl not in IMPLS:
       raise ValueError(f"SparseConfig.attention_impl must be one of {IMPLS}, "
                        f"got {self.attention_impl!r}")
+    if self.page_score not in PAGE_SCORES:
+      raise ValueError(f"SparseConfig.page_score must be one of {PAGE_SCORES}, "
+                       f"got {self.page_score!r}")
 
   @property
   def always_kept(self) -> int:
@@ -76,16 +88,16 @@ def keep_pages(scores_XP, query_pos_X, budget_X, sparse: SparseConfig):
   return always | (candidate & top_n & (n_X1 > 0))
 
 
-def decode_pages(q_BKGE, centroid_BKPE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
+def decode_pages(q_BKGE, summary_BKPRE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
   """Page ids [B, K, N] (kept pages first, padded with valid ids) and their count [B, K].
 
   The same pages as `keep_pages`, found with one `lax.top_k` over the candidates instead of a full
   ranking (sorting all P pages twice per head costs more than the sparse attention at 32K): top_k
   orders equal scores by lower index, exactly like the stable descending rank.
   """
-  B, K, P, _ = centroid_BKPE.shape
+  B, K, P = summary_BKPRE.shape[:3]
   qbar_BK1E = jnp.mean(q_BKGE.astype(jnp.float32), axis=2, keepdims=True)
-  scores_BKP = paged_cache.page_scores(qbar_BK1E, centroid_BKPE)[:, :, 0]
+  scores_BKP = paged_cache.page_scores(qbar_BK1E, summary_BKPRE, sparse.page_score)[:, :, 0]
   _, candidate_BKP = _page_roles(P, (lengths_B - 1)[:, None], sparse)
   n_top = min(max(max_selected - sparse.always_kept, 1), P)
   top_score_BKT, top_idx_BKT = jax.lax.top_k(jnp.where(candidate_BKP, scores_BKP, -jnp.inf), n_top)
@@ -111,10 +123,11 @@ def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseC
   were prefilled densely, so they keep every page. The materialised reference of what
   `blockwise.attention` selects per query block in sparse teacher forcing (tests compare them)."""
   T = q_BTKGE.shape[1]
-  centroid_BKPE = paged_cache.page_centroids(k_BSKE.transpose(0, 2, 1, 3), sparse.page_size)
+  summary_BKPRE = paged_cache.page_summaries(k_BSKE.transpose(0, 2, 1, 3), sparse.page_size,
+                                             sparse.page_score)
   qbar_BKTE = jnp.mean(q_BTKGE.astype(jnp.float32), axis=3).transpose(0, 2, 1, 3)
-  scores_BKTP = paged_cache.page_scores(qbar_BKTE, centroid_BKPE)
+  scores_BKTP = paged_cache.page_scores(qbar_BKTE, summary_BKPRE, sparse.page_score)
   pos_T = jnp.arange(T)
-  budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], centroid_BKPE.shape[2],
+  budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], summary_BKPRE.shape[2],
                         schedule.budget_pages(pos_T + 1)[None])
   return keep_pages(scores_BKTP, pos_T[None, None], budget_BT[:, None], sparse)

@@ -37,6 +37,7 @@ RULES = {
     "head_dim": None,
     "cache_len": None,
     "pages": None,
+    "summary_rows": None,  # a page summary's rows (paged_cache.PAGE_SCORES)
     "length": None,  # positions of a row
     "micro_batch": None,  # the stacked slices of gradient accumulation
     "lookup_vocab": None,  # the embedding table at lookup is gathered: any row may hold any id
@@ -73,7 +74,7 @@ def lora_axes(lora_params):
 
 CACHE_AXES = {"k_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
               "v_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "centroids": ("layers", "batch", "kv_heads", "pages", "head_dim"),
+              "summaries": ("layers", "batch", "kv_heads", "pages", "summary_rows", "head_dim"),
               "lengths": ("batch",)}
 
 

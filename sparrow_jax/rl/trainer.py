@@ -20,7 +20,7 @@ import optax
 
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
-from sparrow_jax.attention.select import IMPLS, SparseConfig
+from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
 from sparrow_jax.data import tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
@@ -62,6 +62,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
            "with the dense policy's full softmax, which a truncated sampler does not match")
   _require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
+  _require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score,
+           f"one of {PAGE_SCORES}")
   _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   _require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _require(bool(c.model.hf_dir) != bool(c.model.preset), "model.hf_dir / model.preset",
@@ -331,7 +333,8 @@ def _strict_json(value):
 def _sparse(c):
   r = c.rollout
   return SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                      attention_impl=r.attention_impl) if r.sparse else None
+                      attention_impl=r.attention_impl,
+                      page_score=r.page_score) if r.sparse else None
 
 
 def _optimizers(c):

@@ -86,7 +86,7 @@ def _generate(params, prompt_BT, prompt_len_B, key, budget, lora, *, cfg, max_ne
               cache_len, prefill_group):
   B, N, g = prompt_BT.shape[0], max_new_tokens, prefill_group
   cache = paged_cache.init_cache(cfg, B // g, cache_len, sparse.page_size if sparse else 16,
-                                 params["embed"].dtype)
+                                 params["embed"].dtype, sparse.page_score if sparse else "mean")
   logits_BV, cache = qwen3.prefill(params, prompt_BT[::g], prompt_len_B[::g], cfg, cache, lora=lora)
   # each group's rows decode from their own copy of the one prefilled prompt, and each layer from
   # its own cache and weights (qwen3.decode_step)
