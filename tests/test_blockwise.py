@@ -142,9 +142,10 @@ def test_chunked_lm_head_matches_full_logits_with_gradients():
 
 
 def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):
-  """remat full (the custom_vjp that keeps each layer's input as integer bits) gives remat none's
-  gradients of params and LoRA through the sparse teacher-forced pass (whose attention closes over
-  traced budgets and prompt lengths), in bf16 too; so does the MLP in chunks."""
+  """remat full (the custom_vjp that keeps each layer's input as integer bits) and remat attention
+  (which also keeps the attention's output) give remat none's gradients of params and LoRA through
+  the sparse teacher-forced pass (whose attention closes over traced budgets and prompt lengths),
+  in bf16 too; so does the MLP in chunks."""
   from sparrow_jax.attention import policy
   from sparrow_jax.mismatch.schedule import BudgetTable
   from sparrow_jax.model import lora as lora_lib
@@ -174,7 +175,26 @@ def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):
             np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
             atol=tol * float(np.max(np.abs(np.asarray(b, np.float32))))), got, want)
     close(grads(params, lora, table, "full"))
+    close(grads(params, lora, table, "attention"))
     if dtype == jnp.float32:
       monkeypatch.setattr(qwen3, "MLP_CHUNK", 16)  # 40 positions: 3 chunks, the last one padded
       close(grads(params, lora, jnp.asarray(table), "full"))  # a new table argument: retraced
       monkeypatch.undo()
+
+
+def test_remat_attention_runs_the_attention_forward_once():
+  """Under remat attention the backward reuses the saved attention output: the gradient's program
+  has the while loops of remat none (the attention forward and its backward), remat full one more
+  (the attention forward again, in the layer's recompute)."""
+  cfg = tiny_config(num_hidden_layers=2)
+  params = sj.init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jnp.zeros((1, 16), jnp.int32)
+  attention = lambda layer, q, k, v, mask: blockwise.attention(
+      q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+
+  def loops(remat):
+    loss = lambda p: jnp.sum(qwen3.forward_hidden(p, tokens, cfg, attention_fn=attention,
+                                                   remat=remat))
+    return str(jax.make_jaxpr(jax.grad(loss))(params)).count("while[")
+
+  assert loops("attention") == loops("none") < loops("full")

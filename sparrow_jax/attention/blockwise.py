@@ -23,6 +23,7 @@ import math
 from typing import Callable, NamedTuple, Optional
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
@@ -149,6 +150,9 @@ def _flash(g, q, k, v, valid, q_offset, budget):
 
 def _flash_fwd(g, q, k, v, valid, q_offset, budget):
   out, lse = _forward(g, q, k, v, valid, q_offset, budget)
+  # Named for the "attention" remat policy (qwen3.REMAT_POLICIES), which keeps them so that a
+  # rematerialised layer's backward does not run this forward (and its page selection) again.
+  out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
   return out, (q, k, v, valid, q_offset, budget, out, lse)
 
 

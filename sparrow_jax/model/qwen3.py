@@ -222,9 +222,13 @@ def causal_attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 # Remat per layer: "full" keeps each layer's input and recomputes the rest in the backward pass
-# (the memory-bounded default; `remat_full`); "dots" also keeps the weight matmuls' outputs (less
-# recompute, more activations); "none" keeps everything autodiff wants.
+# (the memory-bounded default; `remat_full`); "attention" also keeps the blockwise attention's
+# output and log-sum-exp (one [B, T, H, E] and one [B, H, T] per layer more), so the backward runs
+# the attention forward and the sparse page selection once instead of twice; "dots" keeps the
+# weight matmuls' outputs (less recompute, more activations); "none" keeps everything autodiff wants.
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "attention": jax.checkpoint_policies.save_only_these_names(
+                      "attention_out", "attention_lse"),
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "none": None}
 
