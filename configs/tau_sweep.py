@@ -33,8 +33,9 @@ def get_config():
   c.surface = "assets/pointer_chase_tiny/calibration/surface.json"  # p5 per candidate per bin
   #                                    (experiments/calibrate_schedule.py writes it)
   # 8 pages in all (top-k 5 + the 3 always kept): a third of the smallest budget the tau-0.5 table
-  # gives a generated token (21 + 3, bin 3), p5 < 1e-4 in every bin on the surface, and a held-out per-step score of 0.067 vs 0.422
-  # dense before any training (README "Embedded default"): the collapse end of the front.
+  # gives a generated token (21 + 3, bin 3), p5 < 1e-4 in every bin on the surface, and a held-out
+  # per-step score of 0.067 vs 0.422 dense before any training (README "Embedded default"): the
+  # collapse end of the front.
   c.fixed_pages = 8                  # the fixed budget's pages (always-kept included)
   c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
   #                                    target and starting table (README "Closed-loop budgets")

@@ -230,9 +230,7 @@ def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str):
   if n == 1:
     return grad_fn(diff, rows, (1.0, 1.0))
   B = rows[0].gen_mask.shape[0]
-  if B % n:
-    raise ValueError(f"a minibatch of {B} rows is not divisible into micro_batches={n}")
-  parts = _rows(jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows), True)
+  parts = _row_slices(rows, n, "micro_batches")
   tokens_n = jnp.sum(parts[0].gen_mask, axis=(1, 2)).astype(jnp.float32)
   token_w_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
   pg_w_n = token_w_n if loss_agg == "token-mean" else jnp.full((n,), 1.0 / n)
@@ -265,6 +263,26 @@ def _rows(tree, stacked: bool = False):
   return jax.tree_util.tree_map(
       lambda x: sharding.constrain(x, lead + ("batch",) + ("length",) * (x.ndim - len(lead) - 1)),
       tree)
+
+
+def map_row_slices(fn, rows, n: int):
+  """fn(rows) -> a pytree of per-row arrays, computed over n equal slices of `rows` in turn (a
+  lax.map) and put back in row order: a no-grad pass over the whole batch then holds one slice's
+  attention temporaries, as a gradient pass does (the default's pre-update passes over 32 rows had
+  set its peak RSS)."""
+  if n == 1:
+    return fn(rows)
+  out = jax.lax.map(fn, _row_slices(rows, n, "num_minibatches x micro_batches"))
+  return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+
+
+def _row_slices(rows, n: int, field: str):
+  """`rows` (a pytree of per-row arrays) as n stacked equal slices of consecutive rows, each slice
+  spread over the batch mesh axes."""
+  B = jax.tree_util.tree_leaves(rows)[0].shape[0]
+  if B % n:
+    raise ValueError(f"a batch of {B} rows is not divisible into {field} = {n} slices")
+  return _rows(jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows), True)
 
 
 def _minibatches(batch, adv_B, logp_old_BS, n):
@@ -364,9 +382,10 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
                                   std_ddof=sc.grpo_std_ddof)
     with_top = batch.top_logp is not None
     single = sc.ppo_epochs * sc.num_minibatches == 1
+    pass_slices = sc.num_minibatches * sc.micro_batches  # no-grad passes: a gradient pass's rows
     old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
     if not single:
-      x_p = hidden_states(state.params, batch, cfg, sc)
+      x_p = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc), batch, pass_slices)
       old = dict(hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, with_top))
 
     params, opt_state, lora, lora_opt_state = (state.params, state.opt_state, state.lora,
@@ -425,7 +444,8 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
         alpha = jnp.where(mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
       else:
         if x_q is None:
-          x_q = hidden_states(state.params, batch, cfg, sc, state.lora, sparse, budget)
+          x_q = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc, state.lora,
+                                                       sparse, budget), batch, pass_slices)
         alpha = exact_acceptance(state.params, old["hidden"], x_q, cfg, sc)
     metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), alpha, sc))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, lora=lora,
