@@ -6,6 +6,7 @@ table is in the checkpoint meta. So a run killed at any point and restarted with
 replays exactly the steps an uninterrupted run would have taken.
 """
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -460,9 +461,14 @@ def _train(c, mesh):
   # One static cap on selected pages for every table the run can use (all stages, or up to the
   # adaptive ceiling): a new stage or adaptive table changes only the traced BudgetTable, so
   # neither the sampler nor the train step recompiles.
-  budget_of = lambda schedule: sampler.budget_table(schedule, cache_len, sparse)
+  # Each distinct schedule's table is built and placed once (a stage's every step reuses it; an
+  # adaptive table only when the budgets moved): -> (pages by length on the host, its BudgetTable).
+  @functools.cache
+  def budget_of(schedule):
+    table = sampler.budget_table(schedule, cache_len, sparse)
+    return table, sharding.place(schedule_lib.BudgetTable(table), sharding.replicated(mesh))
   max_selected = sampler.max_selected_pages(
-      [budget_of(s) for _, s in stages] + ([budget_of(adaptive[1])] if adaptive else [])
+      [budget_of(s)[0] for _, s in stages] + ([budget_of(adaptive[1])[0]] if adaptive else [])
   ) if sparse else None
   key = jax.random.PRNGKey(c.seed)
   rows, nonfinite = [], 0
@@ -477,8 +483,7 @@ def _train(c, mesh):
       schedule = stages[stage][1]
       if adaptive:
         schedule = dataclasses.replace(schedule, values=topk_b)
-      budget_by_len = budget_of(schedule)
-      budget = sharding.place(schedule_lib.BudgetTable(budget_by_len), sharding.replicated(mesh))
+      budget_by_len, budget = budget_of(schedule)
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
     prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in
                           _prompts(problems, tokenizer, r.group_size, r.max_prompt_len))
