@@ -26,8 +26,9 @@ def get_config():
   c.sweep_dir = "workdir/tau_sweep"  # one trainer workdir per run (<setting>_seed<k>), schedules/,
   #                                    sweep.json and tau_sweep.png; re-running skips finished runs
   #                                    and resumes partial ones
-  c.runs = "dense,tau,fixed,adaptive"  # settings to run, in plot order: dense rollouts, one run per
-  #                                    tau in `taus`, fixed:`fixed_pages`, adaptive:`adaptive_tau`
+  c.runs = "dense,tau,fixed,adaptive,quest"  # settings to run, in plot order: dense rollouts, one
+  #                                    run per tau in `taus`, fixed:`fixed_pages`,
+  #                                    adaptive:`adaptive_tau`, quest page scores at `quest_tau`
   c.taus = "0.3,0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
   #                                    that pick the same table share one run, see the docstring)
   c.surface = "assets/pointer_chase_tiny/calibration/surface.json"  # p5 per candidate per bin
@@ -39,6 +40,8 @@ def get_config():
   c.fixed_pages = 8                  # the fixed budget's pages (always-kept included)
   c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
   #                                    target and starting table (README "Closed-loop budgets")
+  c.quest_tau = 0.86                 # quest: page_score "quest" with the tau-`quest_tau` table of
+  c.quest_surface = "assets/pointer_chase_tiny/calibration_quest/surface.json"  # quest's surface
   c.seeds = "0,1"                    # trainer seeds (init, rollout keys, prompt order) per setting
   c.window = 10                      # steps averaged for the first / last figures and p5 per bin
 
@@ -50,6 +53,7 @@ def get_config():
     del c.train[name]
   for name in ("sparse", "schedule"):
     del c.train.rollout[name]
+  c.train.rollout.page_score = "mean"  # `surface` is the mean-key centroids' (quest runs set theirs)
 
   # Held-out score of each run's exported policy (<workdir>/hf): experiments/evaluate.py, dense,
   # on the run's task and max_new_tokens, written to <workdir>/eval.json.

@@ -1,5 +1,6 @@
 """Threshold sweep: the same RL job under dense rollouts, calibrated schedules at several tau, a
-fixed aggressive budget and closed-loop budgets; stability against cost per setting.
+fixed aggressive budget, closed-loop budgets and quest page scores; stability against cost per
+setting.
 
   python experiments/tau_sweep.py --config=configs/tau_sweep.py [--config.seeds=0 ...]
 
@@ -36,7 +37,7 @@ from configs import evaluate as evaluate_config
 from sparrow_jax.mismatch import calibrate
 from sparrow_jax.rl import trainer
 
-KINDS = ("dense", "tau", "fixed", "adaptive")
+KINDS = ("dense", "tau", "fixed", "adaptive", "quest")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
           "length_last", "p5", "p5_bin", "kv_read", "predicted_speedup", "rollout_tokens_per_s",
@@ -76,12 +77,15 @@ def settings(c) -> list:
   taus = parse_list(c.taus, "taus") if "tau" in kinds else []
   needed = taus + ([c.adaptive_tau] if "adaptive" in kinds else [])
   tables = tau_schedules(c.surface, needed) if needed else {}
-  paths = {}
   os.makedirs(os.path.join(c.sweep_dir, "schedules"), exist_ok=True)
-  for tau, schedule in tables.items():
-    paths[tau] = os.path.join(c.sweep_dir, "schedules", f"tau{tau:g}.json")
-    with open(paths[tau], "w") as f:
+
+  def write(schedule, name):
+    path = os.path.join(c.sweep_dir, "schedules", f"{name}.json")
+    with open(path, "w") as f:
       f.write(schedule.to_json() + "\n")
+    return path
+
+  paths = {tau: write(schedule, f"tau{tau:g}") for tau, schedule in tables.items()}
   out = []
   for kind in kinds:
     if kind == "dense":
@@ -93,6 +97,11 @@ def settings(c) -> list:
       name = f"adaptive{c.adaptive_tau:g}"
       out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,
                       schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}"))
+    elif kind == "quest":  # the same job with quest page scores, on quest's own surface
+      name = f"quest{c.quest_tau:g}"
+      table = tau_schedules(c.quest_surface, [c.quest_tau])[c.quest_tau]
+      out.append(dict(name=name, kind=kind, tau=c.quest_tau, run=name, page_score="quest",
+                      schedule=write(table, name)))
     else:
       first = {}  # table -> the first tau that picked it
       for tau in taus:
@@ -109,6 +118,7 @@ def run_config(c, setting: dict, seed: int) -> ml_collections.ConfigDict:
   rc.seed = seed
   rc.rollout.sparse = setting["schedule"] is not None
   rc.rollout.schedule = setting["schedule"] or ""
+  rc.rollout.page_score = setting.get("page_score", rc.rollout.page_score)
   if not rc.rollout.sparse:
     rc.distill.enabled = False  # DistillSparse adapts the sparse actor; dense has none
   return rc
@@ -160,8 +170,7 @@ def train_and_evaluate(c, rc) -> None:
   if not evaluated(ec):
     if not os.path.isdir(ec.model.hf_dir):
       raise FileNotFoundError(f"{rc.workdir} has no hf/ export to evaluate: config.train.export_hf "
-                              "must be True (or the run was cut after its last checkpoint: delete "
-                              "the workdir to rerun it)")
+                              "must be True")
     evaluate.evaluate(ec)
 
 

@@ -16,6 +16,7 @@ from sparrow_jax.rl import trainer
 from tests.helpers import ROOT, SMALL
 
 SHIPPED_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration/schedule.json")
+QUEST_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest/schedule.json")
 
 
 def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_checks(tmp_path):
@@ -23,10 +24,11 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   c.sweep_dir = str(tmp_path)
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
   assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
-                            "fixed8", "adaptive0.86"]
+                            "fixed8", "adaptive0.86", "quest0.86"]
   table = lambda name: KVSchedule.parse(settings[name]["schedule"], 16).values
-  with open(SHIPPED_SCHEDULE) as f:
-    assert table("tau0.86") == KVSchedule.from_json(f.read()).values  # no re-calibration
+  shipped = lambda path: KVSchedule.from_json(open(path).read()).values
+  assert table("tau0.86") == shipped(SHIPPED_SCHEDULE)  # no re-calibration
+  assert table("quest0.86") == shipped(QUEST_SCHEDULE)  # quest's own surface
   # The shipped surface is a cliff: 0.5 ... 0.94 pick one table and share its run.
   assert {settings[n]["run"] for n in ("tau0.5", "tau0.7", "tau0.86", "tau0.94")} == {"tau0.5"}
   assert all(a <= b <= d for a, b, d in zip(table("tau0.3"), table("tau0.86"), table("tau0.99")))
@@ -39,6 +41,8 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   assert not dense.rollout.sparse and not dense.distill.enabled  # distill needs sparse rollouts
   shared = tau_sweep.run_config(c, settings["tau0.7"], 0)
   assert shared.workdir == f"{tmp_path}/tau0.5_seed0" and shared.distill.enabled
+  assert shared.rollout.page_score == "mean"
+  assert tau_sweep.run_config(c, settings["quest0.86"], 0).rollout.page_score == "quest"
   for setting in settings.values():
     trainer.validate(tau_sweep.run_config(c, setting, 0))  # adaptive: bins match, exact alpha on
 
