@@ -96,6 +96,16 @@ def test_bad_config_names_field(changes, field):
     trainer.validate(config(**changes))
 
 
+def test_schedule_geometry_other_than_the_sparse_configs_is_refused_up_front(tmp_path):
+  """A table made for other always-kept pages (or page size) fails validate, naming the field,
+  not after the model has loaded; for an adaptive BASE too."""
+  table = tmp_path / "two_kept.json"
+  table.write_text(KVSchedule.table((4, 4), page_size=16, always_kept=2).to_json())
+  for spec in (str(table), f"adaptive:0.86:{table}"):
+    with pytest.raises(ValueError, match=r"rollout\.schedule.*always_kept = 2 differs"):
+      trainer.validate(config(rollout__schedule=spec))
+
+
 def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
   """End to end on an offline math task (reasoning-gym) with a tiny random model and a real
   tokenizer + chat template: prompts, sparse rollouts, math-verify rewards, train steps."""
@@ -190,6 +200,15 @@ def test_resume_is_safe(tmp_path, capsys):
   assert trainer.train(small(work, total_steps=3, ckpt_every=2)) == []
   assert (work / "summary.json").stat().st_mtime_ns == summary
   json.loads((work / "summary.json").read_text())  # strict JSON (NaN bins are null)
+  # Cut after the last checkpoint, before the export and summary: a re-run writes only those.
+  (work / "summary.json").unlink()
+  metrics = (work / "metrics.jsonl").read_text()
+  assert trainer.train(small(work, total_steps=3, ckpt_every=2, export_hf=True)) == []
+  finished = json.loads((work / "summary.json").read_text())
+  assert finished["steps"] == 3 and finished["time_s"] is None
+  assert finished["last"]["step"] == 3 and "reward/mean" in finished["last"]
+  assert (work / "hf" / "model.safetensors").exists()
+  assert (work / "metrics.jsonl").read_text() == metrics
 
   newest = work / "checkpoints" / "3"
   for f in newest.rglob("*"):

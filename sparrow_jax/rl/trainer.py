@@ -77,11 +77,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
-  if r.sparse:
+  if r.sparse:  # each table's geometry and budgets, as the sampler will check them at start
     stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
     for _, schedule in stages:
-      _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
-               "budget below the always-kept pages")
+      try:
+        sampler.budget_table(schedule, r.max_prompt_len + r.max_new_tokens, _sparse(c))
+      except ValueError as e:
+        raise ValueError(f"config.rollout.schedule = {r.schedule!r} is invalid: {e}") from None
   if adaptive:
     _validate_adaptive(c, adaptive[1])
   for field, ok, allowed in (
@@ -449,6 +451,12 @@ def _train(c, mesh):
     start = int(meta["step"])
     topk_b = tuple(meta["topk_bin"]) if adaptive else None
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
+  if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
+    _print(f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
+           "its last checkpoint; writing what it had left" + (" (hf export, summary)"
+                                                             if c.export_hf else " (summary)"))
+    _finish(c, cfg, state, task, _logged_row(c.workdir, start) if lead else None, times=None)
+    return []
   if start >= c.total_steps:
     _print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
            "run, nothing rewritten (raise config.total_steps to continue)")
@@ -520,7 +528,8 @@ def _train(c, mesh):
         metrics["kv/topk_bin"] = np.asarray(topk_b, np.int32)  # the table this step ran under
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
           cfg, schedule, int(np.mean(prompt_lens)), max(int(np.mean(lengths)), 1),
-          n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers)
+          n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers,
+          page_score=r.page_score)
     if lead:
       logger.write(step + 1, metrics)
     rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
@@ -546,16 +555,10 @@ def _train(c, mesh):
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       checkpoint.save(mgr, step + 1, state, meta)
   mgr.wait_until_finished()
-  if c.export_hf:  # every process joins the gather; the lead writes
-    params = jax.tree_util.tree_map(sharding.to_host, state.params)
-    if lead:
-      export_policy(c, cfg, params, os.path.join(c.workdir, "hf"), task)
-  times["total"] = time.time() - times["total"]
   if lead:
     logger.close()
-    with open(os.path.join(c.workdir, "summary.json"), "w") as f:
-      json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(rows[-1])}, f,
-                indent=2, allow_nan=False)
+  times["total"] = time.time() - times["total"]
+  _finish(c, cfg, state, task, rows[-1], times)
   _print(f"time: {times['total']:.0f}s in all, first step (with compilation) "
          f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
          f"{times['train_step']:.0f}s")
@@ -563,6 +566,27 @@ def _train(c, mesh):
          f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
          + (f", policy {c.workdir}/hf" if c.export_hf else ""))
   return rows
+
+
+def _finish(c, cfg, state, task, last_row: dict, times) -> None:
+  """The end of a run after its last checkpoint: the exported policy (config.export_hf), then
+  summary.json, written last, so a workdir without one is a run cut before its end."""
+  lead = jax.process_index() == 0
+  if c.export_hf:  # every process joins the gather; the lead writes
+    params = jax.tree_util.tree_map(sharding.to_host, state.params)
+    if lead:
+      export_policy(c, cfg, params, os.path.join(c.workdir, "hf"), task)
+  if lead:  # time_s null: the run's time was not measured by the process that finished it
+    with open(os.path.join(c.workdir, "summary.json"), "w") as f:
+      json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)}, f,
+                indent=2, allow_nan=False)
+
+
+def _logged_row(workdir: str, step: int) -> dict:
+  """Step `step`'s row of metrics.jsonl (the logger's form: per-bin lists, no histograms)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return next(r for r in rows if r["step"] == step)
 
 
 def _print(message: str) -> None:
