@@ -165,6 +165,23 @@ def test_roofline_dense_time_by_hand():
     assert got == pytest.approx(want, rel=1e-12)
 
 
+def test_quest_scores_two_summaries_a_page():
+  # The same schedule as above: quest adds one more centroid's reads and FLOPs per scored page.
+  schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
+  p, r, n = 90496, 2, 2
+  cost = lambda score: cost_model.sparse_rollout_cost("tiny", schedule, 3, 2, n_samples=2,
+                                                      hardware=TOY_HW, dense_layers=1,
+                                                      page_score=score)
+  scoring = n * 64 * 2 + n * 64 * 3 + 2 * 2 * (32 * (1 + n * 1) + 32 * (1 + n * 2))
+  assert cost("quest") - cost("mean") == scoring
+  roofline = lambda score: cost_model.roofline_speedup(
+      "qwen3-8b", KVSchedule.paper("qwen3-8b", 0.86), 1024, 32768, batch_per_device=60,
+      mean_len_frac=0.5, page_score=score)
+  assert roofline("quest") < roofline("mean")
+  with pytest.raises(ValueError, match="page_score must be one of"):
+    cost("max")
+
+
 def test_roofline_sparse_row_by_hand():
   # 1 dense + 1 sparse layer (64 KV elements per token each), pages of 2, budget 2 pages = 4 tokens
   # at S = 4 and 5; 2 complete pages scored per KV head (2 heads, head_dim 16) in the sparse layer.

@@ -12,7 +12,8 @@ and sample, with P parameters, r = GQA ratio and D = K and V elements per token 
           B_t = min(budget_pages(S_t) * page_size, S_t) tokens, read per sample (compute 2 r D B_t,
           memory D B_t elements), plus page scoring: one key centroid per page (D/2 elements, the
           prompt's complete pages shared by the group) read and dotted with the group-mean query
-          (D/2 multiply-adds per page, i.e. D FLOPs).
+          (D/2 multiply-adds per page, i.e. D FLOPs); `page_score` "quest" keeps two summaries a
+          page (key max and min), so twice both.
 Summed, the dense terms reproduce the paper's C_comp / C_mem up to O(gen_len) terms. Like the paper,
 parameter reads are left out: they are amortized over the whole rollout batch. The paper's scoring
 compute also multiplies the generated-token part by r (per-head scoring); Sparrow scores with the
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.attention.paged_cache import page_score_fns
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 
@@ -149,7 +151,7 @@ def dense_rollout_cost(model, prompt_len: int, gen_len: int, n_samples: int = 8,
 
 def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
                         n_samples: int = 8, hardware="h200", page_size: int | None = None,
-                        dense_layers: int = 2) -> float:
+                        dense_layers: int = 2, page_score: str = "mean") -> float:
   """eFLOPs with block-sparse attention under `schedule` in all but the first `dense_layers`.
 
   `page_size` (default: the schedule's) is the page size of the sparse attention; the schedule's
@@ -165,21 +167,22 @@ def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: i
   d_dense = 2 * cfg.kv_width * dense_layers
   d_sparse = 2 * cfg.kv_width * (cfg.num_hidden_layers - dense_layers)
   attend = 2 * cfg.group_size * (d_dense * s_t + d_sparse * b_t)
-  compute = n_samples * (2 * param_count(cfg) + attend + d_sparse * pages_t)
+  rows = page_score_fns(page_score).rows  # summaries kept and scored per page
+  compute = n_samples * (2 * param_count(cfg) + attend + rows * d_sparse * pages_t)
   kv_elems = d_dense * (prompt_len + n_samples * t) + n_samples * d_sparse * b_t
-  centroid_elems = d_sparse / 2 * (prompt_pages + n_samples * (pages_t - prompt_pages))
+  centroid_elems = rows * d_sparse / 2 * (prompt_pages + n_samples * (pages_t - prompt_pages))
   memory = hw.dtype_bytes * (kv_elems + centroid_elems)
   return float(np.sum(compute + hw.intensity * memory))
 
 
 def rollout_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
                     n_samples: int = 8, hardware="h200", page_size: int | None = None,
-                    dense_layers: int = 2) -> float:
+                    dense_layers: int = 2, page_score: str = "mean") -> float:
   """Predicted dense / sparse rollout cost ratio (> 1 means sparse is faster)."""
   hw = get_hardware(hardware)  # measure "this_machine" once for both costs
   dense = dense_rollout_cost(model, prompt_len, gen_len, n_samples, hw)
   return dense / sparse_rollout_cost(model, schedule, prompt_len, gen_len, n_samples, hw,
-                                     page_size, dense_layers)
+                                     page_size, dense_layers, page_score)
 
 
 def page_size_comparison(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
@@ -220,7 +223,7 @@ def running_fraction(gen_len: int, mean_len_frac: float = 1.0):
 
 
 def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, dense_layers: int,
-                   page_size, page_selection: bool):
+                   page_size, page_selection: bool, page_score: str = "mean"):
   """(FLOPs, bytes) that one running row adds to decode step t with s_t cached tokens, the weights
   aside. Its whole KV is read, the prompt's part too: paged-attention kernels read each row's pages
   even when a group shares them. schedule None: dense attention in every layer."""
@@ -236,11 +239,13 @@ def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, dense_layers: 
                            + sparse_layers * _attended_tokens(schedule, s_t, z))
   flops_t, bytes_t = 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
   if page_selection:
-    # Per sparse layer and KV head, every complete page's centroid (head_dim elements) is read and
-    # dotted with the group-mean query, and its fp32 score is written and read back by the top-k.
+    # Per sparse layer and KV head, every complete page's centroid (head_dim elements; quest: two
+    # rows) is read and dotted with the group-mean query, and its fp32 score is written and read
+    # back by the top-k.
+    rows = page_score_fns(page_score).rows
     scored_t = cfg.num_key_value_heads * sparse_layers * (s_t // z)
-    flops_t = flops_t + 2 * cfg.head_dim * scored_t
-    bytes_t = bytes_t + (hw.dtype_bytes * cfg.head_dim + 2 * 4) * scored_t
+    flops_t = flops_t + 2 * rows * cfg.head_dim * scored_t
+    bytes_t = bytes_t + (hw.dtype_bytes * rows * cfg.head_dim + 2 * 4) * scored_t
   return flops_t, bytes_t
 
 
@@ -260,7 +265,7 @@ def prefill_time(model, prompt_len: int, n_prompts: float, hardware="h200") -> f
 def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
                           batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
                           hardware="h200", dense_layers: int = 2, page_size: int | None = None,
-                          page_selection: bool = True) -> float:
+                          page_selection: bool = True, page_score: str = "mean") -> float:
   """Seconds one device takes to prefill and decode `batch_per_device` rows (`n_samples` per
   prompt) that start together and stop after lengths drawn as in `running_fraction`; schedule
   None is dense attention. Each decode step reads every weight once for all running rows, then
@@ -270,7 +275,7 @@ def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, g
   s_t, _ = _steps(prompt_len, gen_len, n_samples)
   rows_t = batch_per_device * running_fraction(gen_len, mean_len_frac)
   row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, s_t, dense_layers, page_size,
-                                            page_selection)
+                                            page_selection, page_score)
   n_params = param_count(cfg)
   flops_t = rows_t * (2 * n_params + row_flops_t)
   bytes_t = hw.dtype_bytes * n_params + rows_t * row_bytes_t
@@ -281,7 +286,7 @@ def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, g
 def roofline_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int, *,
                      batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
                      hardware="h200", dense_layers: int = 2, page_size: int | None = None,
-                     page_selection: bool = True) -> float:
+                     page_selection: bool = True, page_score: str = "mean") -> float:
   """Dense / sparse `roofline_rollout_time` (> 1 means sparse is faster); the same rows and
   lengths on both sides, so it is also the ratio of generated tokens per second."""
   hw = get_hardware(hardware)
@@ -290,7 +295,7 @@ def roofline_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
   dense = roofline_rollout_time(model, None, prompt_len, gen_len, **common)
   return dense / roofline_rollout_time(model, schedule, prompt_len, gen_len, **common,
                                        dense_layers=dense_layers, page_size=page_size,
-                                       page_selection=page_selection)
+                                       page_selection=page_selection, page_score=page_score)
 
 
 def peak_memory_bytes(model, prompt_len: int, gen_len: int, *, batch_per_device: float,
