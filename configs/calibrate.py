@@ -1,10 +1,12 @@
 """Calibrates a KV-budget schedule at threshold tau: by default the tau-0.86 schedule the shipped
-tiny model trains with (assets/pointer_chase_tiny/calibration/, 16 prompts of 128 hops x 8 samples,
-3.2 min on this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
+tiny model trains with (quest page scores: assets/pointer_chase_tiny/calibration_quest/; the paper's
+mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, 2.5-3.2 min on this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
 (configs/common.py), so the schedule is calibrated for the setting that will use it.
 
   python experiments/calibrate_schedule.py --config=configs/calibrate.py \\
-      --config.out_dir=assets/pointer_chase_tiny/calibration   # the shipped schedule
+      --config.out_dir=assets/pointer_chase_tiny/calibration_quest   # the shipped schedule
+  python experiments/calibrate_schedule.py --config=configs/calibrate.py \\
+      --config.rollout.page_score=mean --config.out_dir=assets/pointer_chase_tiny/calibration
   python experiments/calibrate_schedule.py --config=configs/calibrate.py --config.model.hf_dir= \\
       --config.model.preset=tiny-untied --config.rollout.page_size=4 --config.stats.bin_size=32 \\
       --config.task.min_hops=8 --config.task.max_hops=16 --config.num_prompts=4 \\

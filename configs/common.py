@@ -55,7 +55,7 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.temperature = 1.0                # sampling temperature (also used when re-scoring)
   c.top_p = 1.0                      # nucleus sampling mass; must stay 1.0 in training (README)
   c.sparse = True                    # block top-k sparse rollouts (False = dense baseline)
-  c.schedule = "assets/pointer_chase_tiny/calibration/schedule.json"  # KVSchedule: JSON path,
+  c.schedule = "assets/pointer_chase_tiny/calibration_quest/schedule.json"  # KVSchedule: JSON path,
   #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
   #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling,
   #                                    or "adaptive:TAU:BASE" (closed loop from the table BASE; README)
@@ -75,9 +75,12 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
   c.attention_impl = "auto"          # auto (the GPU / TPU kernel on its platform, else xla) | xla |
   #                                    pallas (GPU, Triton) | pallas_tpu (TPU, Mosaic)
-  c.page_score = "mean"              # how pages rank for the top-k: mean (the page's mean key, the
+  c.page_score = "quest"             # how pages rank for the top-k: mean (the page's mean key, the
   #                                    paper) | quest (per-channel key max / min, an upper bound of
-  #                                    q . k; twice the cached summary bytes). Calibrate per choice
+  #                                    q . k; twice the cached summary bytes). Calibrate per choice:
+  #                                    `schedule` is quest's tau-0.86 table for the tiny model, which
+  #                                    reads 0.75 of the dense KV to mean's 0.90 (README "Page
+  #                                    scores"); the paper's tables are mean's
   return _select(c, fields, overrides)
 
 

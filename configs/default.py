@@ -6,7 +6,8 @@ the value of every hop from the prompt's table up to ~800 tokens back, but sampl
 it first slips around hop 17 on average, and a slip derails the chain: its per-step score on
 128-hop chains (~450 prompt tokens, responses up to 390) leaves RL room. Layer 0 (it gathers each
 table entry into its `;`) stays dense; layer 1 does the lookups under the tau-0.86 schedule calibrated
-for this model (assets/pointer_chase_tiny/calibration/). See README "Embedded default".
+for this model with quest page scores (assets/pointer_chase_tiny/calibration_quest/: 0.75 of the
+dense KV read, against 0.90 for the paper's mean-key scores). See README "Embedded default".
 
   python -m sparrow_jax.train --config=configs/default.py [--config.total_steps=50 ...]
 """

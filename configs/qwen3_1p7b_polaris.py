@@ -33,8 +33,9 @@ def get_config():
   c.model = common.model(hf_dir="checkpoints/Qwen3-1.7B", dtype="bfloat16")  # local HF dir
   c.task = common.task(name="math:polaris", path="data/polaris-53k.parquet")  # local file
 
-  c.rollout = common.rollout(schedule="paper:qwen3-1.7b:0.86", dense_layers=2,
-                             max_new_tokens=37 * 1024)  # the paper's math cutoff
+  c.rollout = common.rollout(schedule="paper:qwen3-1.7b:0.86", dense_layers=2, page_score="mean",
+                             max_new_tokens=37 * 1024)  # the paper's math cutoff; its tables rank
+  #                                    pages by mean key (quest: calibrate it for the model first)
   c.rollout.prompts_per_step = 8     # distinct prompts per step (x 8 samples = 64 rollouts)
   c.rollout.group_size = 8           # samples per prompt (n)
   c.rollout.max_prompt_len = 1024    # Polaris prompts with the chat template fit in 1K tokens

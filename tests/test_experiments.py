@@ -51,7 +51,7 @@ def test_evaluate_shipped_model_sparse_under_the_calibrated_schedule(tmp_path, r
   stdout = run_experiment("evaluate", "evaluate", {
       **SHORT, "model.hf_dir": "assets/pointer_chase_tiny", "num_problems": 3, "k": "1,2",
       "rollout.max_new_tokens": 24, "batch_size": 4, "rollout.sparse": True, "out": out})
-  assert "6/6 samples" in stdout and "calibration/schedule.json" in stdout
+  assert "6/6 samples" in stdout and "calibration_quest/schedule.json" in stdout
   results = json.loads(out.read_text())
   assert results["sparse"] and results["seed"] == 1234 and len(results["per_problem"]) == 3
   assert results["schedule"] == default.get_config().rollout.schedule
@@ -65,7 +65,7 @@ def test_measure_tiny_shipped_model(tmp_path, run_experiment):
   stdout = run_experiment("measure_tiny", "measure_tiny", {
       **SHORT, "num_problems": 4, "num_accept": 2, "budgets": "3,4", "small_budget": 3,
       "batch_size": 4, "out": out})
-  assert "calibrated assets/pointer_chase_tiny/calibration/schedule.json" in stdout
+  assert "calibrated assets/pointer_chase_tiny/calibration_quest/schedule.json" in stdout
   results = json.loads(out.read_text())
   assert results["n"] == 4 and results["held_out_seed"] == 1234 and results["hops"] == 4
   assert 0 < results["dense"]["step_score"] <= 1

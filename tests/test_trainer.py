@@ -44,7 +44,7 @@ def config(**changes):
   return c
 
 
-TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # the default's table
+TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's tau-0.86 table
 
 
 @pytest.mark.parametrize("changes, field", [
