@@ -27,7 +27,7 @@ def get_config():
   #                                    sweep.json and tau_sweep.png; re-running skips finished runs
   #                                    and resumes partial ones
   c.runs = "dense,tau,fixed,adaptive,quest"  # settings to run, in plot order: dense rollouts, one
-  #                                    run per tau in `taus`, fixed:`fixed_pages`,
+  #                                    run per tau in `taus`, fixed:P per P in `fixed_pages`,
   #                                    adaptive:`adaptive_tau`, quest page scores at `quest_tau`
   c.taus = "0.3,0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
   #                                    that pick the same table share one run, see the docstring)
@@ -36,8 +36,10 @@ def get_config():
   # 8 pages in all (top-k 5 + the 3 always kept): a third of the smallest budget the tau-0.5 table
   # gives a generated token (21 + 3, bin 3), p5 < 1e-4 in every bin on the surface, and a held-out
   # per-step score of 0.067 vs 0.422 dense before any training (README "Embedded default"): the
-  # collapse end of the front.
-  c.fixed_pages = 8                  # the fixed budget's pages (always-kept included)
+  # collapse end of the front. 64 pages hold every row's whole cache (512 + 400 tokens = 57 pages):
+  # the sparse run's machinery (sparse sampler, DistillSparse, TIS, exact alpha) at no sparsity,
+  # the control that tells the cost of sparsity from the cost of the machinery.
+  c.fixed_pages = "8,64"             # fixed budgets, one run each (pages, always-kept included)
   c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
   #                                    target and starting table (README "Closed-loop budgets")
   c.quest_tau = 0.86                 # quest: page_score "quest" with the tau-`quest_tau` table of

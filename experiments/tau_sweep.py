@@ -91,8 +91,9 @@ def settings(c) -> list:
     if kind == "dense":
       out.append(dict(name="dense", kind=kind, tau=None, schedule=None, run="dense"))
     elif kind == "fixed":
-      name = f"fixed{c.fixed_pages}"
-      out.append(dict(name=name, kind=kind, tau=None, schedule=f"fixed:{c.fixed_pages}", run=name))
+      for pages in parse_list(c.fixed_pages, "fixed_pages", int):
+        out.append(dict(name=f"fixed{pages}", kind=kind, tau=None, schedule=f"fixed:{pages}",
+                        run=f"fixed{pages}"))
     elif kind == "adaptive":
       name = f"adaptive{c.adaptive_tau:g}"
       out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,

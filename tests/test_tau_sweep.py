@@ -24,7 +24,7 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   c.sweep_dir = str(tmp_path)
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
   assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
-                            "fixed8", "adaptive0.86", "quest0.86"]
+                            "fixed8", "fixed64", "adaptive0.86", "quest0.86"]
   table = lambda name: KVSchedule.parse(settings[name]["schedule"], 16).values
   shipped = lambda path: KVSchedule.from_json(open(path).read()).values
   assert table("tau0.86") == shipped(SHIPPED_SCHEDULE)  # no re-calibration
@@ -34,7 +34,7 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   assert all(a <= b <= d for a, b, d in zip(table("tau0.3"), table("tau0.86"), table("tau0.99")))
   assert table("tau0.3") != table("tau0.86") != table("tau0.99")
   assert settings["adaptive0.86"]["schedule"] == f"adaptive:0.86:{tmp_path}/schedules/tau0.86.json"
-  assert settings["fixed8"]["schedule"] == "fixed:8"
+  assert settings["fixed8"]["schedule"] == "fixed:8" and settings["fixed64"]["run"] == "fixed64"
 
   dense = tau_sweep.run_config(c, settings["dense"], 1)
   assert (dense.workdir, dense.seed) == (f"{tmp_path}/dense_seed1", 1)
@@ -89,7 +89,7 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
                for arg in SMALL if "rollout.schedule" not in arg}  # a per-run field
   overrides.update({
       "sweep_dir": str(tmp_path / "sweep"), "surface": str(tmp_path / "surface.json"),
-      "runs": "tau,fixed", "taus": "0.86", "fixed_pages": 4, "seeds": "0", "window": 1,
+      "runs": "tau,fixed", "taus": "0.86", "fixed_pages": "4", "seeds": "0", "window": 1,
       "train.total_steps": 2, "eval.num_problems": 2, "eval.samples": 1, "eval.batch_size": 2})
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",  # launch_small's: same cache keys
              XLA_FLAGS="--xla_force_host_platform_device_count=1")
