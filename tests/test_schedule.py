@@ -173,14 +173,28 @@ def test_adaptive_rule_raises_fast_lowers_slowly_within_floor_and_cap():
   topk = [0, 4, 10, 20, 30, 36, 40, 40]
   p5 = [0.95, 0.5, 0.87, 0.99, 0.5, 0.5, 0.5, np.nan]
   count = [500, 500, 500, 500, 199, 500, 500, 0]
-  # floor 0 | raised x1.5 | dead band [tau, tau + margin) | lowered x0.95 | 199 tokens: holds |
-  # raised to the cap 40 | at the cap | empty: holds
-  assert schedule_lib.adapt_topk(topk, p5, count, **RULE) == (0, 6, 10, 19, 30, 40, 40, 40)
-  assert schedule_lib.adapt_topk([0], [0.1], [500], **RULE) == (1,)  # at least a page up
-  assert schedule_lib.adapt_topk([1], [0.99], [500], **RULE) == (0,)  # and down
-  assert schedule_lib.adapt_topk([5], [np.nan], [500], **RULE) == (5,)
+  # 0 pages | raised x1.5 | dead band [tau, tau + margin) | lowered x0.95 | 199 tokens: holds |
+  # raised to the cap 40 | at the cap | empty: holds; each failed bin's floor is its top-k + 1
+  assert schedule_lib.adapt_topk(topk, [0] * 8, p5, count, **RULE) == (
+      (0, 6, 10, 19, 30, 40, 40, 40), (0, 5, 0, 0, 0, 37, 40, 0))
+  rule = lambda topk, floor, p5: schedule_lib.adapt_topk([topk], [floor], [p5], [500], **RULE)
+  assert rule(0, 0, 0.1) == ((1,), (1,))  # at least a page up
+  assert rule(1, 0, 0.99) == ((0,), (0,))  # and down
+  assert rule(5, 0, np.nan) == ((5,), (0,))
   # a later bin never goes below an earlier one (tables grow with position): 9 is lifted to 15
-  assert schedule_lib.adapt_topk([10, 10], [0.1, 0.99], [500, 500], **RULE) == (15, 15)
+  assert schedule_lib.adapt_topk([10, 10], [0, 0], [0.1, 0.99], [500, 500], **RULE)[0] == (15, 15)
+
+
+def test_adaptive_rule_never_returns_to_a_budget_that_failed():
+  """On a cliff (p5 ~0 below 19 pages, ~1 from 19 on) the bin lowers to the cliff once, fails,
+  and from then on stays at 19 (it would fall off again every ~8 steps without the floor)."""
+  topk, floor, history = (22,), (0,), []
+  for _ in range(40):
+    topk, floor = schedule_lib.adapt_topk(topk, floor, [0.99 if topk[0] >= 19 else 0.0], [500],
+                                          **RULE)
+    history.append(topk[0])
+  assert history[:4] == [20, 19, 18, 27] and floor == (19,)
+  assert sum(k < 19 for k in history) == 1 and history[-10:] == [19] * 10
 
 
 def test_parse_adaptive_and_errors_name_the_field():

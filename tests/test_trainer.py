@@ -275,4 +275,5 @@ def test_adaptive_resume_replays_the_budgets(adaptive_run):
   trainer.train(adaptive_small(root / "resumed", base, total_steps=3, ckpt_every=2))
   got, want = rows_by_step(root / "resumed"), rows_by_step(root / "straight")
   assert got[3]["kv/topk_bin"] == want[3]["kv/topk_bin"] != want[2]["kv/topk_bin"]
+  assert got[3]["kv/floor_bin"] == want[3]["kv/floor_bin"] != [0] * 7  # the floors too
   assert_same_metrics(got, want, (1, 2, 3), atol=1e-6)

@@ -24,10 +24,15 @@ starts from BASE's table (top-k pages per bin) and after every step moves each b
 exact-alpha p5 in that bin (the train step's `acceptance/p5_bin`, binned by `position_bin` like the
 table, so bin b's p5 measures tokens decoded under bin b's budget):
   p5 < tau               -> top-k * raise_factor, at least +1 page (fast: under tau training drifts
-                            toward collapse, which costs far more than extra pages)
-  p5 >= tau + margin     -> top-k * lower_factor, at least -1 page (slow: one lucky batch must not
-                            drop a bin below tau)
+                            toward collapse, which costs far more than extra pages), and the bin's
+                            floor becomes top-k + 1: it never returns to a budget that failed
+  p5 >= tau + margin     -> top-k * lower_factor, at least -1 page, not below the floor (slow: one
+                            lucky batch must not drop a bin below tau)
   otherwise, or fewer than min_tokens tokens in the bin that step -> unchanged.
+The floor is the loop's memory. Without it, on a p5 surface that is a cliff (the tiny model's: p5
+~0 one candidate below > 0.95) every bin lowered itself off the cliff every ~8 steps, and the
+threshold sweep's adaptive runs read more of the KV than the offline table (0.94 vs 0.90) while
+falling under tau as often (README "Threshold sweep").
 Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
 table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
@@ -262,19 +267,21 @@ def parse_adaptive(spec: str, page_size: int, field: str = "config.rollout.sched
   return tau, base
 
 
-def adapt_topk(topk_b, p5_b, count_b, tau: float, max_topk: int, raise_factor: float,
+def adapt_topk(topk_b, floor_b, p5_b, count_b, tau: float, max_topk: int, raise_factor: float,
                lower_factor: float, margin: float, min_tokens: int) -> tuple:
-  """One step of the closed loop (module docstring): a table's top-k pages per bin -> the next
-  step's, from the step's exact-alpha p5 and token count per bin (arrays of the same length; a
-  NaN p5 compares false and holds)."""
-  topk_b = np.asarray(topk_b, np.int64)
+  """One step of the closed loop (module docstring): a table's top-k pages per bin and its floors
+  -> the next step's (top-k, floor) per bin, from the step's exact-alpha p5 and token count per
+  bin (arrays of the same length; a NaN p5 compares false and holds). Floors start at 0."""
+  topk_b, floor_b = np.asarray(topk_b, np.int64), np.asarray(floor_b, np.int64)
   p5_b = np.asarray(p5_b, np.float64)
   measured_b = np.asarray(count_b) >= min_tokens
+  failed_b, passed_b = measured_b & (p5_b < tau), measured_b & (p5_b >= tau + margin)
+  floor_b = np.minimum(np.where(failed_b, np.maximum(floor_b, topk_b + 1), floor_b), max_topk)
   up_b = np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1)
-  down_b = np.minimum(np.floor(topk_b * lower_factor), topk_b - 1)
-  next_b = np.where(measured_b & (p5_b < tau), up_b,
-                    np.where(measured_b & (p5_b >= tau + margin), down_b, topk_b))
-  return tuple(int(v) for v in np.maximum.accumulate(np.clip(next_b, 0, max_topk)))
+  down_b = np.maximum(np.minimum(np.floor(topk_b * lower_factor), topk_b - 1), floor_b)
+  next_b = np.where(failed_b, up_b, np.where(passed_b, down_b, topk_b))
+  next_b = np.maximum.accumulate(np.clip(next_b, 0, max_topk))
+  return tuple(int(v) for v in next_b), tuple(int(v) for v in floor_b)
 
 
 def stage_index(stages, step: int) -> int:
