@@ -31,7 +31,9 @@ import numpy as np
 
 try:  # imported as experiments.tau_sweep (tests, notebooks: the repo root is on sys.path)
   from experiments import evaluate
-except ImportError:  # run as experiments/tau_sweep.py: experiments/ is sys.path[0]
+except ModuleNotFoundError as e:  # run as experiments/tau_sweep.py: experiments/ is sys.path[0]
+  if e.name != "experiments":  # a failure inside evaluate's own imports: show it, not a masked one
+    raise
   import evaluate
 from configs import evaluate as evaluate_config
 from sparrow_jax.mismatch import calibrate
