@@ -26,9 +26,10 @@ def get_config():
   c.sweep_dir = "workdir/tau_sweep"  # one trainer workdir per run (<setting>_seed<k>), schedules/,
   #                                    sweep.json and tau_sweep.png; re-running skips finished runs
   #                                    and resumes partial ones
-  c.runs = "dense,tau,fixed,adaptive,quest"  # settings to run, in plot order: dense rollouts, one
-  #                                    run per tau in `taus`, fixed:P per P in `fixed_pages`,
-  #                                    adaptive:`adaptive_tau`, quest page scores at `quest_tau`
+  c.runs = "dense,tau,fixed,adaptive,quest,quest_adaptive"  # settings to run, in plot order: dense
+  #                                    rollouts, one run per tau in `taus`, fixed:P per P in
+  #                                    `fixed_pages`, adaptive:`adaptive_tau`, quest page scores at
+  #                                    `quest_tau` from its table and from it adaptive
   c.taus = "0.3,0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
   #                                    that pick the same table share one run, see the docstring)
   c.surface = "assets/pointer_chase_tiny/calibration/surface.json"  # p5 per candidate per bin

@@ -39,7 +39,7 @@ from configs import evaluate as evaluate_config
 from sparrow_jax.mismatch import calibrate
 from sparrow_jax.rl import trainer
 
-KINDS = ("dense", "tau", "fixed", "adaptive", "quest")
+KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
           "length_last", "p5", "p5_bin", "kv_read", "predicted_speedup", "rollout_tokens_per_s",
@@ -100,11 +100,13 @@ def settings(c) -> list:
       name = f"adaptive{c.adaptive_tau:g}"
       out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,
                       schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}"))
-    elif kind == "quest":  # the same job with quest page scores, on quest's own surface
-      name = f"quest{c.quest_tau:g}"
-      table = tau_schedules(c.quest_surface, [c.quest_tau])[c.quest_tau]
+    elif kind in ("quest", "quest_adaptive"):  # quest page scores, on quest's own surface
+      table = write(tau_schedules(c.quest_surface, [c.quest_tau])[c.quest_tau],
+                    f"quest{c.quest_tau:g}")
+      name = f"{kind}{c.quest_tau:g}"
       out.append(dict(name=name, kind=kind, tau=c.quest_tau, run=name, page_score="quest",
-                      schedule=write(table, name)))
+                      schedule=f"adaptive:{c.quest_tau:g}:{table}" if kind == "quest_adaptive"
+                      else table))
     else:
       first = {}  # table -> the first tau that picked it
       for tau in taus:

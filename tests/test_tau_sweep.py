@@ -24,7 +24,8 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   c.sweep_dir = str(tmp_path)
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
   assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
-                            "fixed8", "fixed64", "adaptive0.86", "quest0.86"]
+                            "fixed8", "fixed64", "adaptive0.86", "quest0.86",
+                            "quest_adaptive0.86"]
   table = lambda name: KVSchedule.parse(settings[name]["schedule"], 16).values
   shipped = lambda path: KVSchedule.from_json(open(path).read()).values
   assert table("tau0.86") == shipped(SHIPPED_SCHEDULE)  # no re-calibration
@@ -43,6 +44,8 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   assert shared.workdir == f"{tmp_path}/tau0.5_seed0" and shared.distill.enabled
   assert shared.rollout.page_score == "mean"
   assert tau_sweep.run_config(c, settings["quest0.86"], 0).rollout.page_score == "quest"
+  assert settings["quest_adaptive0.86"]["schedule"] == (
+      f"adaptive:0.86:{tmp_path}/schedules/quest0.86.json")
   for setting in settings.values():
     trainer.validate(tau_sweep.run_config(c, setting, 0))  # adaptive: bins match, exact alpha on
 
