@@ -22,6 +22,7 @@ QUEST_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest
 def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_checks(tmp_path):
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path)
+  c.taus = "0.3," + c.taus  # the cheaper table below the cliff too
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
   assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
                             "fixed8", "fixed64", "adaptive0.86", "quest0.86",
