@@ -42,8 +42,8 @@ from sparrow_jax.rl import trainer
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
-          "length_last", "p5", "p5_bin", "kv_read", "predicted_speedup", "rollout_tokens_per_s",
-          "measured_speedup")
+          "length_last", "p5", "p5_bin", "p1", "kv_read", "predicted_speedup",
+          "rollout_tokens_per_s", "measured_speedup")
 
 
 def parse_list(text: str, field: str, kind=float) -> list:
@@ -198,6 +198,7 @@ def run_record(workdir: str, window: int) -> dict:
   with warnings.catch_warnings():  # a bin empty in every step stays NaN (null)
     warnings.simplefilter("ignore", RuntimeWarning)
     p5_bin = np.nanmean(p5_bin, 0)
+  p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (README)
   timed = rows[1:] or rows  # the first step compiles
   heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
   return {
@@ -209,6 +210,7 @@ def run_record(workdir: str, window: int) -> dict:
       "length_first": float(np.mean(series(first, "response_length/mean"))),
       "length_last": float(np.mean(series(last, "response_length/mean"))),
       "p5": float(np.mean(series(last, "acceptance/p5"))),
+      "p1": float(np.nanmean(p1)) if np.isfinite(p1).any() else None,  # mean over all steps
       "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
       "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
       "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
@@ -248,17 +250,19 @@ def summarize(sweep_settings, runs, seeds) -> dict:
 
 def print_table(summary) -> None:
   fmt = lambda d, p=3: "-" if d["mean"] is None else f"{d['mean']:.{p}f}+-{d['std']:.{p}f}"
-  head = (f"{'setting':<14}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
-          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'KV read':>9}{'pred x':>8}"
-          f"{'tok/s':>8}{'meas x':>8}")
+  w = max(map(len, summary), default=0) + 2  # the setting column
+  head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
+          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'p1':>7}{'KV read':>9}"
+          f"{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
-    meas = s["measured_speedup"]["mean"]
-    print(f"{name:<14}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
+    meas, p1 = s["measured_speedup"]["mean"], s["p1"]["mean"]
+    print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
           f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
           f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
           f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
+          f"{'-' if p1 is None else f'{p1:.3f}':>7}"
           f"{s['kv_read']['mean']:>9.3f}{s['predicted_speedup']['mean']:>8.2f}"
           f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
           f"{'-' if meas is None else f'{meas:.2f}':>8}")
