@@ -77,11 +77,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
-  if r.sparse:  # each table's geometry and budgets, as the sampler will check them at start
+  if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
     stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
     for _, schedule in stages:
+      _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
+               "budget below the always-kept pages")
       try:
-        sampler.budget_table(schedule, r.max_prompt_len + r.max_new_tokens, _sparse(c))
+        sampler.check_geometry(schedule, _sparse(c))
       except ValueError as e:
         raise ValueError(f"config.rollout.schedule = {r.schedule!r} is invalid: {e}") from None
   if adaptive:

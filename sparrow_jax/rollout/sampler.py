@@ -30,10 +30,10 @@ class Rollout:
   top_ids: Optional[jax.Array] = None       # [B, N, k] their token ids
 
 
-def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
-  """Pages kept at each cached length 0..max_len, from any schedule with `budget_pages(len)`,
-  after checking that a KVSchedule's page geometry (page size, always-kept pages) is the sparse
-  config's: SparseConfig is the one source of truth for the geometry the sampler reads with."""
+def check_geometry(schedule, sparse: SparseConfig) -> None:
+  """A KVSchedule's page geometry (page size, always-kept pages) must be the sparse config's:
+  SparseConfig is the one source of truth for the geometry the sampler reads with. Host-only (no
+  JAX computation), so config validation can call it before jax.distributed starts."""
   geometry = (("page_size", sparse.page_size, "page size"),
               ("always_kept", sparse.always_kept, f"always-kept pages (sink_pages "
                                                   f"{sparse.sink_pages} + local_pages "
@@ -42,6 +42,12 @@ def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
     if getattr(schedule, name, want) != want:
       raise ValueError(f"schedule.{name} = {getattr(schedule, name)} differs from the "
                        f"SparseConfig's {what}: {want}")
+
+
+def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
+  """Pages kept at each cached length 0..max_len, from any schedule with `budget_pages(len)`,
+  after `check_geometry`."""
+  check_geometry(schedule, sparse)
   budget = np.asarray(jax.device_get(schedule.budget_pages(jnp.arange(max_len + 1))), np.int32)
   pages = -(-np.arange(max_len + 1) // sparse.page_size)
   low = np.nonzero(budget < np.minimum(sparse.always_kept, pages))[0]
