@@ -44,6 +44,8 @@ def test_two_processes_match_one_device_and_resume_after_sigkill(small_run, tmp_
   while time.time() < deadline:  # step 3 logged: the step-2 checkpoint exists (ckpt_every=2)
     if metrics.exists() and '"step": 3' in metrics.read_text():
       break
+    if any(p.poll() is not None for p in procs):  # one died early: fail now, not at the deadline
+      break
     time.sleep(0.2)
   for p in procs:
     p.send_signal(signal.SIGKILL)
