@@ -149,9 +149,10 @@ def _adaptive(c):
   unmeasured = len(first.values) - c.stats.num_bins
 
   def next_topk(topk_b, floor_b, metrics):
+    p5_b = np.pad(metrics["acceptance/p5_bin"], (0, unmeasured), constant_values=np.nan)
     return schedule_lib.adapt_topk(
-        topk_b, floor_b, np.pad(metrics["acceptance/p5_bin"], (0, unmeasured), constant_values=np.nan),
-        np.pad(metrics["acceptance/count_bin"], (0, unmeasured)), tau, ceiling.values[0],
+        topk_b, floor_b, p5_b, np.pad(metrics["acceptance/count_bin"], (0, unmeasured)), tau,
+        ceiling.values[0],
         r.adaptive_raise, r.adaptive_lower, r.adaptive_margin, r.adaptive_min_tokens)
   return first, ceiling, next_topk
 
@@ -449,8 +450,9 @@ def _train(c, mesh):
   restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
   # The adaptive table in force and its floors (budgets that failed: schedule.adapt_topk).
-  topk_b, floor_b = (adaptive[0].values, (0,) * len(adaptive[0].values)) if adaptive else (None,
-                                                                                          None)
+  topk_b = floor_b = None
+  if adaptive:
+    topk_b, floor_b = adaptive[0].values, (0,) * len(adaptive[0].values)
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
