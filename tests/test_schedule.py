@@ -174,27 +174,37 @@ def test_adaptive_rule_raises_fast_lowers_slowly_within_floor_and_cap():
   p5 = [0.95, 0.5, 0.87, 0.99, 0.5, 0.5, 0.5, np.nan]
   count = [500, 500, 500, 500, 199, 500, 500, 0]
   # 0 pages | raised x1.5 | dead band [tau, tau + margin) | lowered x0.95 | 199 tokens: holds |
-  # raised to the cap 40 | at the cap | empty: holds; each failed bin's floor is its top-k + 1
-  assert schedule_lib.adapt_topk(topk, [0] * 8, p5, count, **RULE) == (
-      (0, 6, 10, 19, 30, 40, 40, 40), (0, 5, 0, 0, 0, 37, 40, 0))
-  rule = lambda topk, floor, p5: schedule_lib.adapt_topk([topk], [floor], [p5], [500], **RULE)
+  # raised to the cap 40 | at the cap | empty: holds; each failed bin's floor is its top-k + 1;
+  # the step before ran the same table (no bin was just lowered), and this step's is returned
+  assert schedule_lib.adapt_topk(topk, [0] * 8, topk, p5, count, **RULE) == (
+      (0, 6, 10, 19, 30, 40, 40, 40), (0, 5, 0, 0, 0, 37, 40, 0), tuple(topk))
+  rule = lambda topk, floor, p5, last=None: schedule_lib.adapt_topk(
+      [topk], [floor], [topk if last is None else last], [p5], [500], **RULE)[:2]
   assert rule(0, 0, 0.1) == ((1,), (1,))  # at least a page up
   assert rule(1, 0, 0.99) == ((0,), (0,))  # and down
   assert rule(5, 0, np.nan) == ((5,), (0,))
+  assert rule(18, 0, 0.1, last=19) == ((19,), (19,))  # a failed probe is undone, not raised x1.5
+  assert rule(19, 0, 0.1, last=18) == ((29,), (20,))  # failing after a raise: x1.5
   # a later bin never goes below an earlier one (tables grow with position): 9 is lifted to 15
-  assert schedule_lib.adapt_topk([10, 10], [0, 0], [0.1, 0.99], [500, 500], **RULE)[0] == (15, 15)
+  assert schedule_lib.adapt_topk([10, 10], [0, 0], [10, 10], [0.1, 0.99], [500, 500],
+                                 **RULE)[0] == (15, 15)
 
 
-def test_adaptive_rule_never_returns_to_a_budget_that_failed():
-  """On a cliff (p5 ~0 below 19 pages, ~1 from 19 on) the bin lowers to the cliff once, fails,
-  and from then on stays at 19 (it would fall off again every ~8 steps without the floor)."""
-  topk, floor, history = (22,), (0,), []
+@pytest.mark.parametrize("start, cliff, first", [
+    (22, 19, [20, 19, 18, 19]),  # lowers a page at a time: one probe under the cliff
+    (40, 36, [38, 36, 34, 36, 35, 36]),  # lowers 2 pages at a time: the undo, then a 1-page probe
+])
+def test_adaptive_rule_probes_a_cliff_once_per_budget_and_undoes_the_probe(start, cliff, first):
+  """On a cliff (p5 ~0 below `cliff` pages, ~1 from it on) the bin lowers to the cliff, probes
+  under it, fails, returns to the budget that held and stays there: the floor keeps it from
+  falling off again every ~8 steps, and the undo from overshooting to x1.5 the probe."""
+  state, history = ((start,), (0,), (start,)), []
   for _ in range(40):
-    topk, floor = schedule_lib.adapt_topk(topk, floor, [0.99 if topk[0] >= 19 else 0.0], [500],
-                                          **RULE)
-    history.append(topk[0])
-  assert history[:4] == [20, 19, 18, 27] and floor == (19,)
-  assert sum(k < 19 for k in history) == 1 and history[-10:] == [19] * 10
+    state = schedule_lib.adapt_topk(*state, [0.99 if state[0][0] >= cliff else 0.0], [500],
+                                    **RULE)
+    history.append(state[0][0])
+  assert history[:len(first)] == first and state[1] == (cliff,)
+  assert history[len(first):] == [cliff] * (40 - len(first))
 
 
 def test_parse_adaptive_and_errors_name_the_field():

@@ -23,16 +23,21 @@ Closed loop, beyond the paper ('adaptive:TAU:BASE', `parse_adaptive`, `adapt_top
 starts from BASE's table (top-k pages per bin) and after every step moves each bin by the step's
 exact-alpha p5 in that bin (the train step's `acceptance/p5_bin`, binned by `position_bin` like the
 table, so bin b's p5 measures tokens decoded under bin b's budget):
-  p5 < tau               -> top-k * raise_factor, at least +1 page (fast: under tau training drifts
-                            toward collapse, which costs far more than extra pages), and the bin's
-                            floor becomes top-k + 1: it never returns to a budget that failed
-  p5 >= tau + margin     -> top-k * lower_factor, at least -1 page, not below the floor (slow: one
+  p5 < tau, just lowered  -> the step before's top-k, which passed with margin (a failed probe is
+                            undone; raising it x raise_factor would overshoot a known-good budget)
+  p5 < tau otherwise      -> top-k * raise_factor, at least +1 page (fast: under tau training
+                            drifts toward collapse, which costs far more than extra pages)
+                            In both cases the bin's floor becomes top-k + 1: it never returns to a
+                            budget that failed.
+  p5 >= tau + margin      -> top-k * lower_factor, at least -1 page, not below the floor (slow: one
                             lucky batch must not drop a bin below tau)
   otherwise, or fewer than min_tokens tokens in the bin that step -> unchanged.
 The floor is the loop's memory. Without it, on a p5 surface that is a cliff (the tiny model's: p5
 ~0 one candidate below > 0.95) every bin lowered itself off the cliff every ~8 steps, and the
 threshold sweep's adaptive runs read more of the KV than the offline table (0.94 vs 0.90) while
-falling under tau as often (README "Threshold sweep").
+falling under tau as often (README "Threshold sweep"). With the floor but raising x1.5 after a
+failed probe they still read more (quest: 0.775 vs 0.755), the excess being the ~8 steps each
+overshoot took to come back down; hence the undo (measured: README "Threshold sweep").
 Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
 table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
@@ -267,21 +272,25 @@ def parse_adaptive(spec: str, page_size: int, field: str = "config.rollout.sched
   return tau, base
 
 
-def adapt_topk(topk_b, floor_b, p5_b, count_b, tau: float, max_topk: int, raise_factor: float,
-               lower_factor: float, margin: float, min_tokens: int) -> tuple:
-  """One step of the closed loop (module docstring): a table's top-k pages per bin and its floors
-  -> the next step's (top-k, floor) per bin, from the step's exact-alpha p5 and token count per
-  bin (arrays of the same length; a NaN p5 compares false and holds). Floors start at 0."""
+def adapt_topk(topk_b, floor_b, last_b, p5_b, count_b, tau: float, max_topk: int,
+               raise_factor: float, lower_factor: float, margin: float, min_tokens: int) -> tuple:
+  """One step of the closed loop (module docstring): a table's top-k pages per bin, its floors and
+  the step before's top-k -> the next step's (top-k, floor, this step's top-k) per bin, from the
+  step's exact-alpha p5 and token count per bin (arrays of the same length; a NaN p5 compares
+  false and holds). Floors start at 0 and the step before's top-k at the first table.
+
+  A bin's top-k only ever goes down by its own lowering, which needs a pass with margin, so
+  `last_b > topk_b` says the bin lowered into its budget this step and `last_b` held."""
   topk_b, floor_b = np.asarray(topk_b, np.int64), np.asarray(floor_b, np.int64)
-  p5_b = np.asarray(p5_b, np.float64)
+  last_b, p5_b = np.asarray(last_b, np.int64), np.asarray(p5_b, np.float64)
   measured_b = np.asarray(count_b) >= min_tokens
   failed_b, passed_b = measured_b & (p5_b < tau), measured_b & (p5_b >= tau + margin)
   floor_b = np.minimum(np.where(failed_b, np.maximum(floor_b, topk_b + 1), floor_b), max_topk)
-  up_b = np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1)
+  up_b = np.where(last_b > topk_b, last_b, np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1))
   down_b = np.maximum(np.minimum(np.floor(topk_b * lower_factor), topk_b - 1), floor_b)
   next_b = np.where(failed_b, up_b, np.where(passed_b, down_b, topk_b))
   next_b = np.maximum.accumulate(np.clip(next_b, 0, max_topk))
-  return tuple(int(v) for v in next_b), tuple(int(v) for v in floor_b)
+  return tuple(tuple(int(v) for v in x_b) for x_b in (next_b, floor_b, topk_b))
 
 
 def stage_index(stages, step: int) -> int:

@@ -133,8 +133,8 @@ def _validate_adaptive(c, base):
 
 def _adaptive(c):
   """rollout.schedule = 'adaptive:TAU:BASE' (sparse) -> (the first step's table, the ceiling
-  table, next(topk_b, floor_b, metrics) -> the next step's top-k and floor per bin); None for
-  other schedules.
+  table, next(topk_b, floor_b, last_b, metrics) -> the next step's top-k, floor and step before's
+  top-k per bin: schedule.adapt_topk); None for other schedules.
 
   The table has a bin per stats bin at least (BASE's last value repeated: the same budgets), so
   every measured bin moves its own value; bins past stats.num_bins are never measured and hold."""
@@ -148,11 +148,11 @@ def _adaptive(c):
   ceiling = dataclasses.replace(base, values=(math.ceil(r.adaptive_headroom * max(base.values)),))
   unmeasured = len(first.values) - c.stats.num_bins
 
-  def next_topk(topk_b, floor_b, metrics):
+  def next_topk(topk_b, floor_b, last_b, metrics):
     p5_b = np.pad(metrics["acceptance/p5_bin"], (0, unmeasured), constant_values=np.nan)
     return schedule_lib.adapt_topk(
-        topk_b, floor_b, p5_b, np.pad(metrics["acceptance/count_bin"], (0, unmeasured)), tau,
-        ceiling.values[0],
+        topk_b, floor_b, last_b, p5_b, np.pad(metrics["acceptance/count_bin"], (0, unmeasured)),
+        tau, ceiling.values[0],
         r.adaptive_raise, r.adaptive_lower, r.adaptive_margin, r.adaptive_min_tokens)
   return first, ceiling, next_topk
 
@@ -449,15 +449,17 @@ def _train(c, mesh):
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
-  # The adaptive table in force and its floors (budgets that failed: schedule.adapt_topk).
-  topk_b = floor_b = None
+  # The adaptive table in force, its floors (budgets that failed) and the step before's table (a
+  # failed probe returns to it): schedule.adapt_topk.
+  topk_b = floor_b = last_b = None
   if adaptive:
-    topk_b, floor_b = adaptive[0].values, (0,) * len(adaptive[0].values)
+    topk_b, floor_b, last_b = adaptive[0].values, (0,) * len(adaptive[0].values), adaptive[0].values
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
     if adaptive:
       topk_b, floor_b = tuple(meta["topk_bin"]), tuple(meta["floor_bin"])
+      last_b = tuple(meta.get("last_bin", topk_b))  # checkpoints before the undo: no probe to undo
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
     _print(f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
@@ -559,8 +561,8 @@ def _train(c, mesh):
           f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}")
     meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
     if adaptive:  # the next step's table, a function of this step's p5: a resume replays it
-      topk_b, floor_b = adaptive[2](topk_b, floor_b, metrics)
-      meta.update(topk_bin=list(topk_b), floor_bin=list(floor_b))
+      topk_b, floor_b, last_b = adaptive[2](topk_b, floor_b, last_b, metrics)
+      meta.update(topk_bin=list(topk_b), floor_bin=list(floor_b), last_bin=list(last_b))
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       checkpoint.save(mgr, step + 1, state, meta)
   mgr.wait_until_finished()
