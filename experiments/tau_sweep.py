@@ -14,7 +14,8 @@ Taus that pick the same table share one run (same job, same seeds: the same resu
 Per run (sweep.json "runs"): the reward curve, reward and mean response length over the first and
 last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
 policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (mean over the last
-`window` steps), KV pages read relative to dense, the cost model's predicted rollout speedup (dense:
+`window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in
+the bin), KV pages read relative to dense, the cost model's predicted rollout speedup (dense:
 1) and the measured rollout tokens/s (median over the steps after the first, which compiles) with
 its ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
 seed) of each over seeds. Then tau_sweep.png and a printed table.
@@ -42,7 +43,7 @@ from sparrow_jax.rl import trainer
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
-          "length_last", "p5", "p5_bin", "p1", "kv_read", "predicted_speedup",
+          "length_last", "p5", "p5_bin", "under_tau_bin", "p1", "kv_read", "predicted_speedup",
           "rollout_tokens_per_s", "measured_speedup")
 
 
@@ -190,14 +191,15 @@ def series(rows, name, default=None):
   return np.array([r.get(name, default) for r in rows], np.float64)
 
 
-def run_record(workdir: str, window: int) -> dict:
+def run_record(workdir: str, window: int, tau: float) -> dict:
   """The figures of one finished, evaluated run (see the module docstring)."""
   rows = read_metrics(workdir)
   first, last = rows[:window], rows[-window:]
-  p5_bin = series(last, "acceptance/p5_bin")
+  p5_step_bin = series(rows, "acceptance/p5_bin")
   with warnings.catch_warnings():  # a bin empty in every step stays NaN (null)
     warnings.simplefilter("ignore", RuntimeWarning)
-    p5_bin = np.nanmean(p5_bin, 0)
+    p5_bin = np.nanmean(p5_step_bin[-window:], 0)
+    under_tau_bin = np.nanmean(np.where(np.isnan(p5_step_bin), np.nan, p5_step_bin < tau), 0)
   p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (README)
   timed = rows[1:] or rows  # the first step compiles
   heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
@@ -212,6 +214,7 @@ def run_record(workdir: str, window: int) -> dict:
       "p5": float(np.mean(series(last, "acceptance/p5"))),
       "p1": float(np.nanmean(p1)) if np.isfinite(p1).any() else None,  # mean over all steps
       "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
+      "under_tau_bin": [None if np.isnan(v) else float(v) for v in under_tau_bin],
       "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
       "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
       "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s")))}
@@ -252,16 +255,19 @@ def print_table(summary) -> None:
   fmt = lambda d, p=3: "-" if d["mean"] is None else f"{d['mean']:.{p}f}+-{d['std']:.{p}f}"
   w = max(map(len, summary), default=0) + 2  # the setting column
   head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
-          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'p1':>7}{'KV read':>9}"
+          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}{'p1':>7}"
+          f"{'KV read':>9}"
           f"{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
+    under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
     meas, p1 = s["measured_speedup"]["mean"], s["p1"]["mean"]
     print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
           f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
           f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
           f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
+          f"{f'{min(under):.0%}-{max(under):.0%}' if under else '-':>10}"
           f"{'-' if p1 is None else f'{p1:.3f}':>7}"
           f"{s['kv_read']['mean']:>9.3f}{s['predicted_speedup']['mean']:>8.2f}"
           f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
@@ -344,7 +350,7 @@ def sweep(c) -> dict:
     train_and_evaluate(c, rc)
     times.append(time.time() - t0)
 
-  records = {name: run_record(rc.workdir, c.window) for name, rc in runs.items()}
+  records = {name: run_record(rc.workdir, c.window, rc.stats.tau) for name, rc in runs.items()}
   out = {"config": json.loads(c.to_json_best_effort()),
          "settings": summarize(sweep_settings, records, seeds), "runs": records}
   with open(os.path.join(c.sweep_dir, "sweep.json"), "w") as f:

@@ -93,7 +93,7 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
       if not workdir.exists():
         _fake_run(workdir, [0.9 - 0.01 * i, 0.95, 0.9 + 0.01 * seed])
         (workdir / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
-      runs[workdir.name] = tau_sweep.run_record(str(workdir), c.window)
+      runs[workdir.name] = tau_sweep.run_record(str(workdir), c.window, 0.86)
   sweep = {"config": json.loads(c.to_json_best_effort()),
            "settings": tau_sweep.summarize(settings, runs, [0, 1]), "runs": runs}
   (tmp_path / "sweep" / "sweep.json").write_text(json.dumps(sweep))
@@ -123,4 +123,21 @@ def test_distill_sparse_notebook_reads_finished_runs_without_training(tmp_path, 
   assert "with DistillSparse: 8 steps, p5 first 5 steps 0.600, last 5 0.750" in out
   assert "without: 8 steps, p5 first 5 steps 0.480, last 5 0.520" in out
   assert namespace["bins"] == [1, 2]  # bin 0 never has a token
+  assert (tmp_path / "out" / "distill_sparse.png").stat().st_size > 1000
+
+
+def test_distill_sparse_notebook_defaults_to_the_shipped_runs(tmp_path, monkeypatch, capsys):
+  """With no run named, the notebook reads the two runs shipped in assets/ (README
+  "DistillSparse") and trains nothing, whatever SPARROW_DISTILL_STEPS says."""
+  from sparrow_jax.rl import trainer
+  monkeypatch.setattr(trainer, "train", lambda c: pytest.fail(f"trained {c.workdir}"))
+  for name in ("ON", "OFF"):
+    monkeypatch.delenv(f"SPARROW_DISTILL_{name}", raising=False)
+  monkeypatch.setenv("SPARROW_DISTILL_STEPS", "7")
+  monkeypatch.setenv("SPARROW_OUT", str(tmp_path / "out"))
+  monkeypatch.chdir(os.path.dirname(NOTEBOOK))
+  namespace = _run_notebook("distill_sparse.ipynb")
+  out = capsys.readouterr().out
+  assert "with DistillSparse: 20 steps" in out and "without: 20 steps" in out, out
+  assert [len(rows) for rows in namespace["rows"].values()] == [20, 20]
   assert (tmp_path / "out" / "distill_sparse.png").stat().st_size > 1000

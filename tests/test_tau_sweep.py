@@ -71,6 +71,24 @@ def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_
       "fixed8"]["measured_speedup"] == {"mean": None, "std": None}  # no dense run to compare
 
 
+def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
+  """A bin's under-tau share is over the steps with tokens in it (NaN: none), at the given tau;
+  p5 per bin is over the last `window` steps."""
+  from sparrow_jax.logging import MetricsLogger
+  logger = MetricsLogger(str(tmp_path), resume_step=0)
+  for step, p5_bin in enumerate([[np.nan, 0.9, 0.5], [np.nan, 0.8, np.nan], [np.nan, 0.95, 0.7],
+                                 [np.nan, 0.99, 0.9]], 1):
+    logger.write(step, {"reward/mean": 0.1, "response_length/mean": 10.0, "acceptance/p5": 0.5,
+                        "acceptance/p5_bin": np.array(p5_bin), "kv/read_fraction": 0.5,
+                        "perf/rollout_tokens_per_s": 1.0})
+  logger.close()
+  (tmp_path / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
+  run = tau_sweep.run_record(str(tmp_path), window=2, tau=0.86)
+  assert run["under_tau_bin"] == [None, 0.25, pytest.approx(2 / 3)]
+  assert run["p5_bin"] == [None, pytest.approx(0.97), pytest.approx(0.8)]
+  assert tau_sweep.run_record(str(tmp_path), window=2, tau=0.5)["under_tau_bin"] == [None, 0, 0]
+
+
 def _value(text):
   for kind in (int, float):
     try:
