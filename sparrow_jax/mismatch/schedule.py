@@ -37,7 +37,7 @@ The floor is the loop's memory. Without it, on a p5 surface that is a cliff (the
 threshold sweep's adaptive runs read more of the KV than the offline table (0.94 vs 0.90) while
 falling under tau as often (README "Threshold sweep"). With the floor but raising x1.5 after a
 failed probe they still read more (quest: 0.775 vs 0.755), the excess being the ~8 steps each
-overshoot took to come back down; hence the undo (measured: README "Threshold sweep").
+overshoot took to come back down; the undo halved that (0.764; README "Threshold sweep").
 Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
 table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
