@@ -256,8 +256,7 @@ def print_table(summary) -> None:
   w = max(map(len, summary), default=0) + 2  # the setting column
   head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
           f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}{'p1':>7}"
-          f"{'KV read':>9}"
-          f"{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
+          f"{'KV read':>9}{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
