@@ -14,9 +14,7 @@ Schedules at tau come from the shipped p5 surface (calibrate.choose_schedule), n
 re-calibrated. On that surface p5 is a cliff (it jumps from ~0 to > 0.95 between neighbouring
 candidates), so every tau in (0.49, 0.95] picks the same table (top-k 21 25 31 37 37 from bin 3):
 0.5, 0.7, 0.86 and 0.94 are one run, shared (sweep.json says which); 0.99 (25 31 37 45 45) is the
-tau above that moves the budget. Below, 0.3 (21 21 31 31 31) would; the shipped sweep did not run it
-(for time: the cheap side of the front has fixed8 and the closed loops): add it with
---config.taus=0.3,0.5,0.7,0.86,0.94,0.99.
+tau above that moves the budget, and 0.3 (21 21 31 31 31) the one below.
 """
 import ml_collections
 
@@ -32,7 +30,7 @@ def get_config():
   #                                    rollouts, one run per tau in `taus`, fixed:P per P in
   #                                    `fixed_pages`, adaptive:`adaptive_tau`, quest page scores at
   #                                    `quest_tau` from its table and from it adaptive
-  c.taus = "0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
+  c.taus = "0.3,0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
   #                                    that pick the same table share one run, see the docstring)
   c.surface = "assets/pointer_chase_tiny/calibration/surface.json"  # p5 per candidate per bin
   #                                    (experiments/calibrate_schedule.py writes it)

@@ -15,9 +15,10 @@ Per run (sweep.json "runs"): the reward curve, reward and mean response length o
 last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
 policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (mean over the last
 `window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in
-the bin), KV pages read relative to dense, the cost model's predicted rollout speedup (dense:
-1) and the measured rollout tokens/s (median over the steps after the first, which compiles) with
-its ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
+the bin), KV pages read relative to dense (a closed loop's also as its start table would have
+read the same rollouts, `kv_read_start`: the loop's saving, paired token for token), the cost
+model's predicted rollout speedup (dense: 1) and the measured rollout tokens/s (median over the
+steps after the first, which compiles) with its ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
 seed) of each over seeds. Then tau_sweep.png and a printed table.
 """
 import json
@@ -43,8 +44,8 @@ from sparrow_jax.rl import trainer
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
-          "length_last", "p5", "p5_bin", "under_tau_bin", "p1", "kv_read", "predicted_speedup",
-          "rollout_tokens_per_s", "measured_speedup")
+          "length_last", "p5", "p5_bin", "under_tau_bin", "p1", "kv_read", "kv_read_start",
+          "predicted_speedup", "rollout_tokens_per_s", "measured_speedup")
 
 
 def parse_list(text: str, field: str, kind=float) -> list:
@@ -201,6 +202,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     p5_bin = np.nanmean(p5_step_bin[-window:], 0)
     under_tau_bin = np.nanmean(np.where(np.isnan(p5_step_bin), np.nan, p5_step_bin < tau), 0)
   p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (README)
+  kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
   timed = rows[1:] or rows  # the first step compiles
   heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
   return {
@@ -216,6 +218,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
       "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
       "under_tau_bin": [None if np.isnan(v) else float(v) for v in under_tau_bin],
       "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
+      "kv_read_start": float(np.mean(kv_start)) if np.isfinite(kv_start).all() else None,
       "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
       "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s")))}
 
@@ -256,19 +259,20 @@ def print_table(summary) -> None:
   w = max(map(len, summary), default=0) + 2  # the setting column
   head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
           f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}{'p1':>7}"
-          f"{'KV read':>9}{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
+          f"{'KV read':>9}{'start':>7}{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
     under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
-    meas, p1 = s["measured_speedup"]["mean"], s["p1"]["mean"]
+    meas, p1, start = (s[f]["mean"] for f in ("measured_speedup", "p1", "kv_read_start"))
     print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
           f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
           f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
           f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
           f"{f'{min(under):.0%}-{max(under):.0%}' if under else '-':>10}"
           f"{'-' if p1 is None else f'{p1:.3f}':>7}"
-          f"{s['kv_read']['mean']:>9.3f}{s['predicted_speedup']['mean']:>8.2f}"
+          f"{s['kv_read']['mean']:>9.3f}{'-' if start is None else f'{start:.3f}':>7}"
+          f"{s['predicted_speedup']['mean']:>8.2f}"
           f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
           f"{'-' if meas is None else f'{meas:.2f}':>8}")
 

@@ -102,8 +102,8 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
   monkeypatch.chdir(os.path.dirname(NOTEBOOK))  # as nbconvert runs it; the notebook moves to ROOT
   namespace = _run_notebook("tau_sweep.ipynb")
   out = capsys.readouterr().out
-  assert "11 settings, 16 runs" in out and "quest0.86" in out  # 0.5 ... 0.94 share a run
-  assert [s["tau"] for s in namespace["taus"]] == [0.5, 0.7, 0.86, 0.94, 0.99]
+  assert "12 settings, 18 runs" in out and "quest0.86" in out  # 0.5 ... 0.94 share a run
+  assert [s["tau"] for s in namespace["taus"]] == [0.3, 0.5, 0.7, 0.86, 0.94, 0.99]
   for name in ("tau_sweep_notebook.png", "tau_sweep_rewards.png"):
     assert (tmp_path / "out" / name).stat().st_size > 1000
 

@@ -22,7 +22,6 @@ QUEST_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest
 def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_checks(tmp_path):
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path)
-  c.taus = "0.3," + c.taus  # the cheaper table below the cliff too
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
   assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
                             "fixed8", "fixed64", "adaptive0.86", "quest0.86",
@@ -73,19 +72,21 @@ def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_
 
 def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
   """A bin's under-tau share is over the steps with tokens in it (NaN: none), at the given tau;
-  p5 per bin is over the last `window` steps."""
+  p5 per bin is over the last `window` steps; a closed loop's start-table read over all steps."""
   from sparrow_jax.logging import MetricsLogger
   logger = MetricsLogger(str(tmp_path), resume_step=0)
   for step, p5_bin in enumerate([[np.nan, 0.9, 0.5], [np.nan, 0.8, np.nan], [np.nan, 0.95, 0.7],
                                  [np.nan, 0.99, 0.9]], 1):
     logger.write(step, {"reward/mean": 0.1, "response_length/mean": 10.0, "acceptance/p5": 0.5,
                         "acceptance/p5_bin": np.array(p5_bin), "kv/read_fraction": 0.5,
+                        "kv/read_fraction_start": 0.4 + 0.1 * step,
                         "perf/rollout_tokens_per_s": 1.0})
   logger.close()
   (tmp_path / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
   run = tau_sweep.run_record(str(tmp_path), window=2, tau=0.86)
   assert run["under_tau_bin"] == [None, 0.25, pytest.approx(2 / 3)]
   assert run["p5_bin"] == [None, pytest.approx(0.97), pytest.approx(0.8)]
+  assert run["kv_read_start"] == pytest.approx(0.65) and run["kv_read"] == 0.5
   assert tau_sweep.run_record(str(tmp_path), window=2, tau=0.5)["under_tau_bin"] == [None, 0, 0]
 
 
@@ -133,6 +134,7 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
     assert set(run) >= set(tau_sweep.FIELDS) | {"reward_curve", "workdir"}
     assert len(run["p5_bin"]) == 7 and 0 <= run["p5"] <= 1  # stats.num_bins
     assert 0 < run["kv_read"] < 1 and run["predicted_speedup"] > 0
+    assert run["kv_read_start"] is None  # no closed loop, no start table
     assert run["rollout_tokens_per_s"] > 0 and run["measured_speedup"] is None  # no dense run
     assert 0 <= run["heldout_score"] <= 1 and 0 <= run["heldout_accuracy"] <= 1
   table = KVSchedule.from_json((sweep_dir / "schedules" / "tau0.86.json").read_text())

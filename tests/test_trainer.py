@@ -265,6 +265,9 @@ def test_adaptive_budgets_move_without_recompiling(adaptive_run):
   assert len({max(t) for t in tables}) == 3, tables  # a larger budget each step (1 + 3 pages ..)
   assert all(t == sorted(t) and max(t) <= 4 for t in tables)  # ceiling 4 x 1
   assert rows[-1]["kv/read_fraction"] > rows[0]["kv/read_fraction"]  # the rollouts read more
+  # BASE's read of the same rollouts: equal under BASE (step 1), below the raised tables after
+  assert rows[0]["kv/read_fraction_start"] == rows[0]["kv/read_fraction"]
+  assert all(r["kv/read_fraction_start"] < r["kv/read_fraction"] for r in rows[1:])
   assert compiled[0] == compiled[-1], compiled  # neither the train step nor the sampler again
   assert [rows_by_step(root / "straight")[s]["kv/topk_bin"] for s in (1, 2, 3)] == tables
 

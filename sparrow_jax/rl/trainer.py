@@ -537,6 +537,10 @@ def _train(c, mesh):
       if adaptive:
         metrics["kv/topk_bin"] = np.asarray(topk_b, np.int32)  # the table this step ran under
         metrics["kv/floor_bin"] = np.asarray(floor_b, np.int32)  # and its floors
+        # The start table's read of the same rollouts: the loop's saving (or cost) over the table
+        # it moved from, paired token for token (two runs' read fractions differ by their lengths).
+        metrics["kv/read_fraction_start"] = cost_model.kv_read_fraction(
+            budget_of(stages[stage][1])[0], prompt_lens, lengths, cfg, sparse)
       metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
           cfg, schedule, int(np.mean(prompt_lens)), max(int(np.mean(lengths)), 1),
           n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers,
