@@ -18,8 +18,8 @@ policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (m
 the bin), KV pages read relative to dense (a closed loop's also as its start table would have
 read the same rollouts, `kv_read_start`: the loop's saving, paired token for token), the cost
 model's predicted rollout speedup (dense: 1) and the measured rollout tokens/s (median over the
-steps after the first, which compiles) with its ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
-seed) of each over seeds. Then tau_sweep.png and a printed table.
+steps after the first, which compiles) with its ratio to the same seed's dense run. Per setting
+("settings"): mean and std (ddof 1; 0 for one seed) of each over seeds. Then tau_sweep.png and a printed table.
 """
 import json
 import os
