@@ -63,14 +63,16 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.adaptive_headroom = 2.0          # ceiling of every bin's top-k: this x BASE's largest, fixed at
   #                                    start (it sizes the static page selection); 2x is the paper's
   #                                    step from tau 0.86 to 0.92 (qwen3-1.7b: 253 -> 509 pages)
-  c.adaptive_raise = 1.5             # p5 < tau: top-k x this (>= +1 page); fast, as a bin under tau
-  #                                    drifts toward collapse (paper: tau 0.75 collapses)
-  c.adaptive_lower = 0.95            # p5 >= tau + margin: top-k x this (>= -1 page); slow: ~8 steps
-  #                                    undo one raise, so one lucky batch cannot undercut tau
-  c.adaptive_margin = 0.02           # dead band [tau, tau + margin): the bin holds, so a bin at the
-  #                                    edge does not go up and down every step
-  c.adaptive_min_tokens = 200        # a bin with fewer tokens in the step holds: its p5 then rests on
-  #                                    >= 10 tokens (5% of 200), not on one outlier
+  c.adaptive_raise = 1.5             # a failed bin that came up to its budget: top-k x this (>= +1
+  #                                    page); fast, as a bin under tau drifts toward collapse (paper:
+  #                                    tau 0.75 collapses). One that came down goes back (undone)
+  c.adaptive_lower = 0.95            # a passed bin: top-k x this (>= -1 page), not below its floor
+  c.adaptive_window = 4              # steps of tokens a budget is judged on (pooled) before it may
+  #                                    pass or fail; a step with p10 < tau fails at once (a cliff)
+  c.adaptive_lower_share = 0.04      # a bin passes when at most this share of its pooled tokens is
+  #                                    under tau (its pool's p4 >= tau); it fails over 0.05 (p5 < tau)
+  c.adaptive_min_tokens = 200        # a bin with fewer tokens in the step holds and pools nothing:
+  #                                    its p10 then rests on >= 20 tokens, not on one outlier
   c.page_size = 16                   # tokens per KV page (power of two; the paper uses 16)
   c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
   c.attention_impl = "auto"          # auto (the GPU / TPU kernel on its platform, else xla) | xla |

@@ -15,11 +15,14 @@ Per run (sweep.json "runs"): the reward curve, reward and mean response length o
 last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
 policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (mean over the last
 `window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in
-the bin), KV pages read relative to dense (a closed loop's also as its start table would have
-read the same rollouts, `kv_read_start`: the loop's saving, paired token for token), the cost
-model's predicted rollout speedup (dense: 1) and the measured rollout tokens/s (median over the
-steps after the first, which compiles) with its ratio to the same seed's dense run. Per setting
-("settings"): mean and std (ddof 1; 0 for one seed) of each over seeds. Then tau_sweep.png and a printed table.
+the bin) and the share of the run's tokens under tau (`below_tau_bin`, pooled over all steps: at
+most 5% is the run's p5 >= tau, the closed loop's target), KV pages read relative to dense (a
+closed loop's also as its start table would have read the same rollouts, `kv_read_start`: the
+loop's saving, paired token for token), the cost model's predicted rollout speedup (dense: 1) and
+the measured rollout tokens/s (median over the steps after the first, which compiles) with its
+ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
+seed) of each over seeds. Then tau_sweep.png and a printed table. With `base`, a finished sweep's
+other settings and runs are kept beside the ones run here (re-running a few settings only).
 """
 import json
 import os
@@ -44,8 +47,8 @@ from sparrow_jax.rl import trainer
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
 FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
-          "length_last", "p5", "p5_bin", "under_tau_bin", "p1", "kv_read", "kv_read_start",
-          "predicted_speedup", "rollout_tokens_per_s", "measured_speedup")
+          "length_last", "p5", "p5_bin", "under_tau_bin", "below_tau_bin", "p1", "kv_read",
+          "kv_read_start", "predicted_speedup", "rollout_tokens_per_s", "measured_speedup")
 
 
 def parse_list(text: str, field: str, kind=float) -> list:
@@ -201,6 +204,13 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     warnings.simplefilter("ignore", RuntimeWarning)
     p5_bin = np.nanmean(p5_step_bin[-window:], 0)
     under_tau_bin = np.nanmean(np.where(np.isnan(p5_step_bin), np.nan, p5_step_bin < tau), 0)
+  below_tau_bin = None  # runs from before the metric was logged
+  if "acceptance/frac_below_tau_bin" in rows[0]:  # the share of the run's tokens under tau per
+    count_step_bin = series(rows, "acceptance/count_bin")  # bin, pooled over all steps: at most
+    below_step_bin = np.nan_to_num(series(rows, "acceptance/frac_below_tau_bin")) * count_step_bin
+    with np.errstate(invalid="ignore"):  # 5% is the run's p5 >= tau
+      below_tau_bin = [None if np.isnan(v) else float(v)
+                       for v in below_step_bin.sum(0) / count_step_bin.sum(0)]
   p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (README)
   kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
   timed = rows[1:] or rows  # the first step compiles
@@ -217,6 +227,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
       "p1": float(np.nanmean(p1)) if np.isfinite(p1).any() else None,  # mean over all steps
       "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
       "under_tau_bin": [None if np.isnan(v) else float(v) for v in under_tau_bin],
+      "below_tau_bin": below_tau_bin,
       "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
       "kv_read_start": float(np.mean(kv_start)) if np.isfinite(kv_start).all() else None,
       "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
@@ -226,6 +237,8 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
 def _mean_std(values):
   """Mean and std (ddof 1; 0 for one value) over seeds, elementwise for per-bin lists; None for
   NaN (a bin with no tokens)."""
+  if all(v is None for v in values):  # a figure these runs did not record
+    return {"mean": None, "std": None}
   x = np.array(values, np.float64)  # None -> NaN
   with warnings.catch_warnings():  # a bin empty in every run stays NaN (null)
     warnings.simplefilter("ignore", RuntimeWarning)
@@ -250,7 +263,7 @@ def summarize(sweep_settings, runs, seeds) -> dict:
   for setting in sweep_settings:
     rows = [runs[f"{setting['run']}_seed{seed}"] for seed in seeds]
     out[setting["name"]] = {**setting, "seeds": list(seeds),
-                            **{f: _mean_std([r[f] for r in rows]) for f in FIELDS}}
+                            **{f: _mean_std([r.get(f) for r in rows]) for f in FIELDS}}
   return out
 
 
@@ -258,18 +271,21 @@ def print_table(summary) -> None:
   fmt = lambda d, p=3: "-" if d["mean"] is None else f"{d['mean']:.{p}f}+-{d['std']:.{p}f}"
   w = max(map(len, summary), default=0) + 2  # the setting column
   head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
-          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}{'p1':>7}"
+          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}"
+          f"{'max below':>10}{'p1':>7}"
           f"{'KV read':>9}{'start':>7}{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
     under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
+    below = [v for v in s["below_tau_bin"]["mean"] or [] if v is not None]  # pooled, <= 5%: holds
     meas, p1, start = (s[f]["mean"] for f in ("measured_speedup", "p1", "kv_read_start"))
     print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
           f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
           f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
           f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
           f"{f'{min(under):.0%}-{max(under):.0%}' if under else '-':>10}"
+          f"{f'{max(below):.1%}' if below else '-':>10}"
           f"{'-' if p1 is None else f'{p1:.3f}':>7}"
           f"{s['kv_read']['mean']:>9.3f}{'-' if start is None else f'{start:.3f}':>7}"
           f"{s['predicted_speedup']['mean']:>8.2f}"
@@ -330,6 +346,9 @@ def sweep(c) -> dict:
   seeds = parse_list(c.seeds, "seeds", int)
   if c.window < 1:
     raise ValueError(f"config.window = {c.window}: must be >= 1 (steps averaged)")
+  base = _read_json(c.base) if c.base else {"settings": {}, "runs": {}}  # read before hours of runs
+  if base is None:
+    raise FileNotFoundError(f"config.base = {c.base!r}: no such sweep.json")
   sweep_settings = settings(c)
   runs = {}  # run name -> trainer config, in order, each shared run once
   for setting in sweep_settings:
@@ -354,8 +373,11 @@ def sweep(c) -> dict:
     times.append(time.time() - t0)
 
   records = {name: run_record(rc.workdir, c.window, rc.stats.tau) for name, rc in runs.items()}
+  records = {**base["runs"], **records}  # a run made here replaces the base's of the same name
+  merged = {**base["settings"], **summarize(sweep_settings, records, seeds)}
+  order = lambda n: (KINDS.index(merged[n]["kind"]), merged[n]["tau"] or 0, len(n), n)  # plot order
   out = {"config": json.loads(c.to_json_best_effort()),
-         "settings": summarize(sweep_settings, records, seeds), "runs": records}
+         "settings": {name: merged[name] for name in sorted(merged, key=order)}, "runs": records}
   with open(os.path.join(c.sweep_dir, "sweep.json"), "w") as f:
     json.dump(out, f, indent=1, allow_nan=False)
   plot(out, os.path.join(c.sweep_dir, "tau_sweep.png"))

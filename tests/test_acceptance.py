@@ -121,20 +121,20 @@ def _tail_inputs(seed=0):
   return alpha, mask, positions
 
 
-def _np_summary(values):
+def _np_summary(values, tau=0.86):
   if values.size == 0:
-    return {k: np.nan for k in ("p1", "p5", "p10", "p50", "mean", "frac_above_0999")} | {
-        "count": 0}
+    return {k: np.nan for k in ("p1", "p5", "p10", "p50", "mean", "frac_above_0999",
+                                "frac_below_tau")} | {"count": 0}
   out = {f"p{p}": np.percentile(values, p) for p in (1, 5, 10, 50)}
   return out | {"mean": values.mean(), "frac_above_0999": (values > 0.999).mean(),
-                "count": values.size}
+                "frac_below_tau": (values < tau).mean(), "count": values.size}
 
 
 def test_tail_stats_match_numpy_overall_and_per_bin_under_jit():
   alpha, mask, positions = _tail_inputs()
   num_bins, bin_size = 12, 64  # positions reach 949: bins 0..11 cover 768, the rest is overall only
   stats = jax.jit(acceptance.tail_stats, static_argnames=("bin_size", "num_bins"))(
-      alpha, mask, positions, bin_size=bin_size, num_bins=num_bins)
+      alpha, mask, positions, bin_size=bin_size, num_bins=num_bins, tau=0.86)
   for key, value in _np_summary(alpha[mask].astype(np.float64)).items():
     np.testing.assert_allclose(stats[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
   for b in range(num_bins):
@@ -143,6 +143,8 @@ def test_tail_stats_match_numpy_overall_and_per_bin_under_jit():
       np.testing.assert_allclose(stats[f"{key}_bin"][b], value, rtol=1e-5, atol=1e-6,
                                  err_msg=f"{key}_bin[{b}]")
   assert stats["p5_bin"].shape == (num_bins,)
+  assert 0 < float(stats["frac_below_tau"]) < 1  # the threshold cuts the sample, not above it
+  assert "frac_below_tau" not in acceptance.tail_stats(alpha, mask, positions)  # only with tau
   assert int(stats["count_bin"].sum()) == int((mask & (positions < num_bins * bin_size)).sum())
 
 
@@ -156,15 +158,13 @@ def test_tail_stats_empty_bins_and_empty_mask_are_nan():
   assert np.isnan(empty["p5"]) and np.isnan(empty["mean"]) and int(empty["count"]) == 0
 
 
-def test_histogram_and_fraction_below_match_numpy():
+def test_histogram_matches_numpy():
   alpha, mask, _ = _tail_inputs(2)
   counts = acceptance.alpha_histogram(alpha, mask, num_buckets=10)
   expected, _ = np.histogram(alpha[mask], bins=np.linspace(0.0, 1.0, 11))
   np.testing.assert_array_equal(counts, expected)
   ones = acceptance.alpha_histogram(jnp.ones((1, 3)), jnp.ones((1, 3)), num_buckets=4)
   np.testing.assert_array_equal(ones, [0, 0, 0, 3])
-  np.testing.assert_allclose(acceptance.fraction_below(alpha, mask, 0.86),
-                             (alpha[mask] < 0.86).mean(), rtol=1e-6)
 
 
 def test_sampled_estimator_p5_is_biased_low_where_exact_is_not():

@@ -165,46 +165,86 @@ def test_position_bin_is_the_table_schedules_bin():
     schedule_lib.position_bin(lens, 16, 24)
 
 
-RULE = dict(tau=0.86, max_topk=40, raise_factor=1.5, lower_factor=0.95, margin=0.02,
-            min_tokens=200)
+RULE = dict(tau=0.86, max_topk=40, raise_factor=1.5, lower_factor=0.95, window=4,
+            lower_share=0.04, min_tokens=200)
 
 
-def test_adaptive_rule_raises_fast_lowers_slowly_within_floor_and_cap():
-  topk = [0, 4, 10, 20, 30, 36, 40, 40]
-  p5 = [0.95, 0.5, 0.87, 0.99, 0.5, 0.5, 0.5, np.nan]
-  count = [500, 500, 500, 500, 199, 500, 500, 0]
-  # 0 pages | raised x1.5 | dead band [tau, tau + margin) | lowered x0.95 | 199 tokens: holds |
-  # raised to the cap 40 | at the cap | empty: holds; each failed bin's floor is its top-k + 1;
-  # the step before ran the same table (no bin was just lowered), and this step's is returned
-  assert schedule_lib.adapt_topk(topk, [0] * 8, topk, p5, count, **RULE) == (
-      (0, 6, 10, 19, 30, 40, 40, 40), (0, 5, 0, 0, 0, 37, 40, 0), tuple(topk))
-  rule = lambda topk, floor, p5, last=None: schedule_lib.adapt_topk(
-      [topk], [floor], [topk if last is None else last], [p5], [500], **RULE)[:2]
-  assert rule(0, 0, 0.1) == ((1,), (1,))  # at least a page up
-  assert rule(1, 0, 0.99) == ((0,), (0,))  # and down
-  assert rule(5, 0, np.nan) == ((5,), (0,))
-  assert rule(18, 0, 0.1, last=19) == ((19,), (19,))  # a failed probe is undone, not raised x1.5
-  assert rule(19, 0, 0.1, last=18) == ((29,), (20,))  # failing after a raise: x1.5
-  # a later bin never goes below an earlier one (tables grow with position): 9 is lifted to 15
-  assert schedule_lib.adapt_topk([10, 10], [0, 0], [10, 10], [0.1, 0.99], [500, 500],
-                                 **RULE)[0] == (15, 15)
+def loop_step(state, share, count=1000, p10=0.99):
+  """adapt_topk on one bin, `share` of its `count` tokens under tau, judged on 3 steps."""
+  return schedule_lib.adapt_topk(state, [count], [round(share * count)], [p10],
+                                 **{**RULE, "window": 3})
 
 
-@pytest.mark.parametrize("start, cliff, first", [
-    (22, 19, [20, 19, 18, 19]),  # lowers a page at a time: one probe under the cliff
-    (40, 36, [38, 36, 34, 36, 35, 36]),  # lowers 2 pages at a time: the undo, then a 1-page probe
+def test_adaptive_rule_pools_a_window_before_judging():
+  start = schedule_lib.LoopState.start((20,))
+  one = loop_step(start, share=0.2)  # one bad step under the window: holds, pooled
+  assert one.topk == (20,) and (one.tokens, one.below, one.steps) == ((1000,), (200,), (1,))
+  two = loop_step(one, share=0.0, count=199)  # too few tokens: pools nothing
+  assert two == one
+  state = start
+  for _ in range(3):  # 3 steps at 3%: the pool passes (<= 4%) at the window, lowered x0.95
+    state = loop_step(state, share=0.03)
+  assert state.topk == (19,) and state.before == (20,) and state.steps == (0,)  # a new pool
+  for share, topk in [(0.07, 19), (0.07, 19), (0.07, 20)]:  # the probe fails on its pool: undone
+    state = loop_step(state, share)
+    assert state.topk == (topk,)
+  assert state.floor == (20,) and state.before == (19,)
+  held = state
+  for _ in range(3):  # 4.5%: neither passes nor fails; the pool grows
+    held = loop_step(held, 0.045)
+  assert held.topk == (20,) and held.steps == (3,)
+  for _ in range(3):  # 3% at the floor: passes, but the floor keeps it at 20
+    state = loop_step(state, 0.03)
+  assert state.topk == (20,)
+  for _ in range(3):  # a failure (pooled with the 3%: 6.5%) after coming up: raised x1.5
+    state = loop_step(state, 0.1)
+  assert (state.topk, state.floor, state.before) == ((30,), (21,), (20,))
+
+
+def test_adaptive_rule_fails_a_cliff_at_once_within_floor_and_cap():
+  state = schedule_lib.LoopState.start((0, 4, 30, 36, 40))
+  # every bin's step p10 under tau: raised at once (x1.5, >= +1 page, <= the cap 40)
+  state = schedule_lib.adapt_topk(state, [500] * 5, [300] * 5, [0.1] * 5, **RULE)
+  assert state.topk == (1, 6, 40, 40, 40) and state.floor == (1, 5, 31, 37, 40)
+  # a NaN p10 (an empty bin) holds; a later bin is lifted to an earlier one (tables grow with
+  # position), and the lift starts its pool anew
+  lifted = schedule_lib.adapt_topk(schedule_lib.LoopState.start((10, 10)), [500, 500], [0, 0],
+                                   [0.1, np.nan], **RULE)
+  assert lifted.topk == (15, 15) and lifted.steps == (0, 0) and lifted.before == (10, 10)
+
+
+def noisy_cliff_run(start, cliff, window, steps=80):
+  """A bin whose step share under tau is noisy (Beta, mean 3% from `cliff` pages up: a step's
+  share tops 5% in ~10% of steps at budgets that hold) with a cliff below `cliff` (mean 60%, step
+  p10 ~0) -> (top-k after each step, final state)."""
+  rs = np.random.RandomState(0)
+  state, history = schedule_lib.LoopState.start((start,)), []
+  for _ in range(steps):
+    mean_share = 0.03 if state.topk[0] >= cliff else 0.6
+    p10 = 0.99 if state.topk[0] >= cliff else 0.0
+    state = schedule_lib.adapt_topk(state, [1000], [round(1000 * rs.beta(4, 4 / mean_share - 4))],
+                                    [p10], **{**RULE, "window": window})
+    history.append(state.topk[0])
+  return history, state
+
+
+@pytest.mark.parametrize("start, cliff, probes", [
+    (22, 19, [18]),  # lowers a page at a time: one probe over the cliff
+    (40, 36, [34, 35]),  # lowers 2 pages at a time: the undo, then a 1-page probe
 ])
-def test_adaptive_rule_probes_a_cliff_once_per_budget_and_undoes_the_probe(start, cliff, first):
-  """On a cliff (p5 ~0 below `cliff` pages, ~1 from it on) the bin lowers to the cliff, probes
-  under it, fails, returns to the budget that held and stays there: the floor keeps it from
-  falling off again every ~8 steps, and the undo from overshooting to x1.5 the probe."""
-  state, history = ((start,), (0,), (start,)), []
-  for _ in range(40):
-    state = schedule_lib.adapt_topk(*state, [0.99 if state[0][0] >= cliff else 0.0], [500],
-                                    **RULE)
-    history.append(state[0][0])
-  assert history[:len(first)] == first and state[1] == (cliff,)
-  assert history[len(first):] == [cliff] * (40 - len(first))
+def test_adaptive_rule_settles_at_the_cliff_edge_on_noisy_steps(start, cliff, probes):
+  """Pooled, the loop walks down to the cliff, probes over it once per budget (each fails at
+  once), returns and stays at the cheapest budget that holds."""
+  history, state = noisy_cliff_run(start, cliff, RULE["window"])
+  assert [k for k in history if k < cliff] == probes
+  assert state.floor == (cliff,) and history[-20:] == [cliff] * 20
+
+
+def test_adaptive_rule_judged_per_step_locks_itself_out_of_budgets_that_hold():
+  """The same noisy bin judged on each step alone (window 1): a step over 5% at a budget that
+  holds fails it, and its floor then keeps it there or above: it ends above the cliff edge."""
+  history, state = noisy_cliff_run(22, 19, window=1)
+  assert state.floor[0] > 19 and min(history[-20:]) > 19
 
 
 def test_parse_adaptive_and_errors_name_the_field():

@@ -72,7 +72,8 @@ def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_
 
 def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
   """A bin's under-tau share is over the steps with tokens in it (NaN: none), at the given tau;
-  p5 per bin is over the last `window` steps; a closed loop's start-table read over all steps."""
+  its tokens under tau are pooled over all steps; p5 per bin is over the last `window` steps; a
+  closed loop's start-table read over all steps."""
   from sparrow_jax.logging import MetricsLogger
   logger = MetricsLogger(str(tmp_path), resume_step=0)
   for step, p5_bin in enumerate([[np.nan, 0.9, 0.5], [np.nan, 0.8, np.nan], [np.nan, 0.95, 0.7],
@@ -80,6 +81,8 @@ def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
     logger.write(step, {"reward/mean": 0.1, "response_length/mean": 10.0, "acceptance/p5": 0.5,
                         "acceptance/p5_bin": np.array(p5_bin), "kv/read_fraction": 0.5,
                         "kv/read_fraction_start": 0.4 + 0.1 * step,
+                        "acceptance/count_bin": np.array([0, 100 * step, 10]),
+                        "acceptance/frac_below_tau_bin": np.array([np.nan, 0.01 * step, 0.5]),
                         "perf/rollout_tokens_per_s": 1.0})
   logger.close()
   (tmp_path / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
@@ -87,6 +90,8 @@ def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
   assert run["under_tau_bin"] == [None, 0.25, pytest.approx(2 / 3)]
   assert run["p5_bin"] == [None, pytest.approx(0.97), pytest.approx(0.8)]
   assert run["kv_read_start"] == pytest.approx(0.65) and run["kv_read"] == 0.5
+  # pooled over the steps, token-weighted: bin 1 (1 + 4 + 9 + 16) / 1000 under tau
+  assert run["below_tau_bin"] == [None, pytest.approx(0.03), pytest.approx(0.5)]
   assert tau_sweep.run_record(str(tmp_path), window=2, tau=0.5)["under_tau_bin"] == [None, 0, 0]
 
 
@@ -151,6 +156,25 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   c.update_from_flattened_dict(overrides)
   assert tau_sweep.sweep(c) == sweep and calls == []
   assert metrics == {run: (sweep_dir / run / "metrics.jsonl").read_bytes() for run in sweep["runs"]}
+  # On a base sweep: its other settings kept (in plot order), its namesake replaced, and the
+  # speedup measured against its dense run.
+  fixed4 = sweep["settings"]["fixed4"]
+  base = {"settings": {"dense": {**fixed4, "name": "dense", "kind": "dense", "note": "base"},
+                       "fixed4": {**fixed4, "note": "base"}},
+          "runs": {"dense_seed0": {**sweep["runs"]["fixed4_seed0"], "rollout_tokens_per_s": 1.0}}}
+  (tmp_path / "base.json").write_text(json.dumps(base))
+  c.base = str(tmp_path / "base.json")
+  merged = tau_sweep.sweep(c)
+  assert list(merged["settings"]) == ["dense", "tau0.86", "fixed4"] and calls == []
+  assert merged["settings"]["dense"]["note"] == "base"
+  assert "note" not in merged["settings"]["fixed4"]
+  assert set(merged["runs"]) == {"dense_seed0", "tau0.86_seed0", "fixed4_seed0"}
+  assert merged["runs"]["fixed4_seed0"]["measured_speedup"] == pytest.approx(
+      sweep["runs"]["fixed4_seed0"]["rollout_tokens_per_s"])
+  c.base = str(tmp_path / "missing.json")
+  with pytest.raises(FileNotFoundError, match="config.base"):
+    tau_sweep.sweep(c)
+  c.base = ""
   # A run that did not finish (no summary.json) goes back to the trainer, which resumes it.
   (sweep_dir / "fixed4_seed0" / "summary.json").unlink()
   tau_sweep.sweep(c)

@@ -90,6 +90,11 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
      "rollout.adaptive_lower"),
     ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_headroom": 0.5},
      "rollout.adaptive_headroom"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_window": 0},
+     "rollout.adaptive_window"),
+    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_lower_share": 0.05},
+     "rollout.adaptive_lower_share"),
+    ({"rollout__schedule": "adaptive:0.9:" + TINY_SCHEDULE}, "stats.tau"),
 ])
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -229,9 +234,9 @@ def test_resume_is_safe(tmp_path, capsys):
 
 def adaptive_small(workdir, base, **changes):
   """`small` under 'adaptive:0.9999:BASE', bins moving on 16 tokens, ceiling 4 x BASE's largest:
-  the tiny random model's sparse p5 (~0.98) is under tau in every measured bin, so each step
-  raises them, and the largest budget with them."""
-  return small(workdir, rollout__schedule=f"adaptive:0.9999:{base}",
+  the tiny random model's sparse p10 (~0.99) is under tau in every measured bin (a cliff), so each
+  step raises them at once, and the largest budget with them."""
+  return small(workdir, rollout__schedule=f"adaptive:0.9999:{base}", stats__tau=0.9999,
                rollout__adaptive_min_tokens=16, rollout__adaptive_headroom=4.0, **changes)
 
 

@@ -130,15 +130,18 @@ def _sorted_quantile(sorted_N, start, count, q):
   return jnp.where(count > 0, a + (b - a) * (pos - lo), jnp.nan)
 
 
-def _summary(sorted_N, start, count, sum_alpha, num_high, suffix):
+def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix):
   stats = {f"p{p}{suffix}": _sorted_quantile(sorted_N, start, count, p / 100) for p in PERCENTILES}
   stats[f"mean{suffix}"] = sum_alpha / count                  # 0 / 0 = NaN for an empty bin
   stats[f"frac_above_0999{suffix}"] = num_high / count
+  if num_below is not None:
+    stats[f"frac_below_tau{suffix}"] = num_below / count
   stats[f"count{suffix}"] = count
   return stats
 
 
-def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page_size=1):
+def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page_size=1,
+               tau=None):
   """Masked tail statistics of alpha, overall and per position bin.
 
   positions_BT is each token's absolute position in its sequence, counting prompt + generated
@@ -147,6 +150,11 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   holds positions [b*bin_size, (b+1)*bin_size); with the KV page size, a token is binned by the
   whole pages cached at its decode step, exactly as a table schedule picks that step's budget.
   Tokens past the last bin count in the overall statistics only.
+
+  With `tau`, also "frac_below_tau" (overall and per bin): the share of tokens with alpha < tau.
+  p5 >= tau exactly when that share is <= 5% (up to the quantile's interpolation), and unlike p5
+  it pools over steps: sum(frac_below_tau_bin * count_bin) / sum(count_bin) is the share over all
+  of them (the closed loop's test, schedule.adapt_topk).
 
   Returns a dict of jnp arrays: overall scalars "p1", "p5", "p10", "p50", "mean",
   "frac_above_0999", "count" (int32), and the same per bin with a "_bin" suffix, shape [num_bins].
@@ -157,9 +165,11 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   valid_N = jnp.asarray(mask_BT, bool).reshape(-1)
   bin_N = position_bin(jnp.asarray(positions_BT).reshape(-1), page_size, bin_size)
   high_N = (alpha_N > HIGH_ALPHA) & valid_N
+  below_N = None if tau is None else (alpha_N < tau) & valid_N
   count = valid_N.sum(dtype=jnp.int32)
   overall = _summary(jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)), 0, count,
-                     jnp.where(valid_N, alpha_N, 0.0).sum(), high_N.sum(), "")
+                     jnp.where(valid_N, alpha_N, 0.0).sum(), high_N.sum(),
+                     None if tau is None else below_N.sum(), "")
 
   # One sort by (bin, alpha) lays each bin out contiguously; masked/out-of-range tokens go last.
   key_N = jnp.where(valid_N & (bin_N >= 0) & (bin_N < num_bins), bin_N, num_bins)
@@ -168,8 +178,9 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   start_b = jnp.cumsum(count_b) - count_b
   in_bin_N = key_N < num_bins
   sum_b = jnp.zeros(num_bins + 1).at[key_N].add(jnp.where(in_bin_N, alpha_N, 0.0))[:num_bins]
-  high_b = jnp.zeros(num_bins + 1).at[key_N].add(high_N & in_bin_N)[:num_bins]
-  per_bin = _summary(sorted_N, start_b, count_b, sum_b, high_b, "_bin")
+  per_bin_sum = lambda x_N: jnp.zeros(num_bins + 1).at[key_N].add(x_N & in_bin_N)[:num_bins]
+  per_bin = _summary(sorted_N, start_b, count_b, sum_b, per_bin_sum(high_N),
+                     None if tau is None else per_bin_sum(below_N), "_bin")
   return {**overall, **per_bin}
 
 
@@ -180,9 +191,3 @@ def alpha_histogram(alpha_BT, mask_BT, num_buckets=20):
   idx_N = jnp.clip(jnp.floor(jnp.asarray(alpha_BT).reshape(-1) * num_buckets), 0, num_buckets - 1)
   weight_N = jnp.asarray(mask_BT, jnp.int32).reshape(-1)
   return jnp.zeros(num_buckets, jnp.int32).at[idx_N.astype(jnp.int32)].add(weight_N)
-
-
-def fraction_below(alpha_BT, mask_BT, tau):
-  """Fraction of masked tokens with alpha < tau (NaN when the mask is empty)."""
-  valid_BT = jnp.asarray(mask_BT, bool)
-  return (valid_BT & (jnp.asarray(alpha_BT) < tau)).sum() / valid_BT.sum()

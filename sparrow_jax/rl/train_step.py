@@ -326,9 +326,9 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
         *top_old, batch.top_logp, batch.top_ids)
   metrics = {}
   for name, alpha in families.items():
-    stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size)
+    stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size,
+                                  sc.tau)
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
-    metrics[f"{name}/frac_below_tau"] = acceptance.fraction_below(alpha, mask, sc.tau)
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
   return metrics
 

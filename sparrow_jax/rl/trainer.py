@@ -87,7 +87,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       except ValueError as e:
         raise ValueError(f"config.rollout.schedule = {r.schedule!r} is invalid: {e}") from None
   if adaptive:
-    _validate_adaptive(c, adaptive[1])
+    _validate_adaptive(c, *adaptive)
   for field, ok, allowed in (
       ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
       ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
@@ -110,22 +110,29 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_model_fits(c)
 
 
-def _validate_adaptive(c, base):
+def _validate_adaptive(c, tau, base):
   """What 'adaptive:TAU:BASE' needs beyond its spec (which `parse_adaptive` checks)."""
   r, s = c.rollout, c.stats
   _require(s.exact_acceptance, "stats.exact_acceptance", s.exact_acceptance,
-           f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the p5 of "
+           f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the tail of "
            "exact alpha per bin (the sampled and top-20 estimators are biased low in the tail)")
+  _require(s.tau == tau, "stats.tau", s.tau,
+           f"must equal the TAU {tau:g} of rollout.schedule = {r.schedule!r}: the loop pools "
+           "each bin's share of tokens under stats.tau (acceptance/frac_below_tau_bin)")
   _require(base.bin_size == s.bin_size, "stats.bin_size", s.bin_size,
-           f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the p5 of "
+           f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the tail of "
            "stats bin b moves table bin b, so both must bin the same tokens")
   _require(max(base.values) >= 1, "rollout.schedule", r.schedule,
            "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0")
+  q = schedule_lib.LOOP_QUANTILE
   for field, value, ok, allowed in (
       ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
       ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
       ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
-      ("adaptive_margin", r.adaptive_margin, 0 <= r.adaptive_margin < 1, "must be in [0, 1)"),
+      ("adaptive_window", r.adaptive_window,
+       isinstance(r.adaptive_window, int) and r.adaptive_window >= 1, "an int >= 1"),
+      ("adaptive_lower_share", r.adaptive_lower_share, 0 <= r.adaptive_lower_share < q,
+       f"must be in [0, {q:g}): a share above {q:g} fails"),
       ("adaptive_min_tokens", r.adaptive_min_tokens,
        isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1, "an int >= 1")):
     _require(ok, f"rollout.{field}", value, allowed)
@@ -133,8 +140,8 @@ def _validate_adaptive(c, base):
 
 def _adaptive(c):
   """rollout.schedule = 'adaptive:TAU:BASE' (sparse) -> (the first step's table, the ceiling
-  table, next(topk_b, floor_b, last_b, metrics) -> the next step's top-k, floor and step before's
-  top-k per bin: schedule.adapt_topk); None for other schedules.
+  table, next(LoopState, metrics) -> the next step's LoopState: schedule.adapt_topk); None for
+  other schedules.
 
   The table has a bin per stats bin at least (BASE's last value repeated: the same budgets), so
   every measured bin moves its own value; bins past stats.num_bins are never measured and hold."""
@@ -148,13 +155,17 @@ def _adaptive(c):
   ceiling = dataclasses.replace(base, values=(math.ceil(r.adaptive_headroom * max(base.values)),))
   unmeasured = len(first.values) - c.stats.num_bins
 
-  def next_topk(topk_b, floor_b, last_b, metrics):
-    p5_b = np.pad(metrics["acceptance/p5_bin"], (0, unmeasured), constant_values=np.nan)
+  def next_state(state, metrics):
+    pad = lambda x, fill=0: np.pad(np.asarray(x, np.float64), (0, unmeasured),
+                                   constant_values=fill)
+    count_b = pad(metrics["acceptance/count_bin"]).astype(np.int64)
+    # the step's tokens under tau per bin (an empty bin's NaN share: none)
+    below_b = np.rint(np.nan_to_num(pad(metrics["acceptance/frac_below_tau_bin"])) * count_b)
     return schedule_lib.adapt_topk(
-        topk_b, floor_b, last_b, p5_b, np.pad(metrics["acceptance/count_bin"], (0, unmeasured)),
-        tau, ceiling.values[0],
-        r.adaptive_raise, r.adaptive_lower, r.adaptive_margin, r.adaptive_min_tokens)
-  return first, ceiling, next_topk
+        state, count_b, below_b.astype(np.int64), pad(metrics["acceptance/p10_bin"], np.nan),
+        tau, ceiling.values[0], r.adaptive_raise, r.adaptive_lower, r.adaptive_window,
+        r.adaptive_lower_share, r.adaptive_min_tokens)
+  return first, ceiling, next_state
 
 
 def _model_config(c) -> Qwen3Config:
@@ -449,17 +460,13 @@ def _train(c, mesh):
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
-  # The adaptive table in force, its floors (budgets that failed) and the step before's table (a
-  # failed probe returns to it): schedule.adapt_topk.
-  topk_b = floor_b = last_b = None
-  if adaptive:
-    topk_b, floor_b, last_b = adaptive[0].values, (0,) * len(adaptive[0].values), adaptive[0].values
+  # The closed loop's table in force, floors and pools (schedule.adapt_topk).
+  loop = schedule_lib.LoopState.start(adaptive[0].values) if adaptive else None
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
     if adaptive:
-      topk_b, floor_b = tuple(meta["topk_bin"]), tuple(meta["floor_bin"])
-      last_b = tuple(meta.get("last_bin", topk_b))  # checkpoints before the undo: no probe to undo
+      loop = schedule_lib.LoopState(**{k: tuple(v) for k, v in meta["adaptive"].items()})
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
     _print(f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
@@ -500,7 +507,7 @@ def _train(c, mesh):
       stage = schedule_lib.stage_index(stages, step)
       schedule = stages[stage][1]
       if adaptive:
-        schedule = dataclasses.replace(schedule, values=topk_b)
+        schedule = dataclasses.replace(schedule, values=loop.topk)
       budget_by_len, budget = budget_of(schedule)
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
     prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in
@@ -535,8 +542,8 @@ def _train(c, mesh):
     if sparse is not None:
       metrics["kv/schedule_stage"] = stage
       if adaptive:
-        metrics["kv/topk_bin"] = np.asarray(topk_b, np.int32)  # the table this step ran under
-        metrics["kv/floor_bin"] = np.asarray(floor_b, np.int32)  # and its floors
+        metrics["kv/topk_bin"] = np.asarray(loop.topk, np.int32)  # the table this step ran under
+        metrics["kv/floor_bin"] = np.asarray(loop.floor, np.int32)  # and its floors
         # The start table's read of the same rollouts: the loop's saving (or cost) over the table
         # it moved from, paired token for token (two runs' read fractions differ by their lengths).
         metrics["kv/read_fraction_start"] = cost_model.kv_read_fraction(
@@ -564,9 +571,9 @@ def _train(c, mesh):
           f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
           f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}")
     meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
-    if adaptive:  # the next step's table, a function of this step's p5: a resume replays it
-      topk_b, floor_b, last_b = adaptive[2](topk_b, floor_b, last_b, metrics)
-      meta.update(topk_bin=list(topk_b), floor_bin=list(floor_b), last_bin=list(last_b))
+    if adaptive:  # the next step's table, a function of this step's tail: a resume replays it
+      loop = adaptive[2](loop, metrics)
+      meta["adaptive"] = {k: list(v) for k, v in loop._asdict().items()}
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       checkpoint.save(mgr, step + 1, state, meta)
   mgr.wait_until_finished()
