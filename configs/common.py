@@ -63,9 +63,10 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.adaptive_headroom = 2.0          # ceiling of every bin's top-k: this x BASE's largest, fixed at
   #                                    start (it sizes the static page selection); 2x is the paper's
   #                                    step from tau 0.86 to 0.92 (qwen3-1.7b: 253 -> 509 pages)
-  c.adaptive_raise = 1.5             # a failed bin that came up to its budget: top-k x this (>= +1
-  #                                    page); fast, as a bin under tau drifts toward collapse (paper:
-  #                                    tau 0.75 collapses). One that came down goes back (undone)
+  c.adaptive_raise = 1.5             # a bin off a cliff (step p10 < tau): top-k x this (>= +1 page);
+  #                                    fast, as a bin under tau drifts toward collapse (paper: tau
+  #                                    0.75 collapses). Just over the edge (pooled share 5-10%): +1
+  #                                    page; a bin that came down to the failed budget goes back
   c.adaptive_lower = 0.95            # a passed bin: top-k x this (>= -1 page), not below its floor
   c.adaptive_window = 4              # steps of tokens a budget is judged on (pooled) before it may
   #                                    pass or fail; a step with p10 < tau fails at once (a cliff)

@@ -196,9 +196,10 @@ def test_adaptive_rule_pools_a_window_before_judging():
   for _ in range(3):  # 3% at the floor: passes, but the floor keeps it at 20
     state = loop_step(state, 0.03)
   assert state.topk == (20,)
-  for _ in range(3):  # a failure (pooled with the 3%: 6.5%) after coming up: raised x1.5
+  for _ in range(3):  # a failure (pooled with the 3%: 6.5%) after coming up: at the edge, +1 page
     state = loop_step(state, 0.1)
-  assert (state.topk, state.floor, state.before) == ((30,), (21,), (20,))
+  assert (state.topk, state.floor, state.before) == ((21,), (21,), (20,))
+  assert loop_step(state, 0.3, p10=0.5).topk == (32,)  # off a cliff after coming up: x1.5
 
 
 def test_adaptive_rule_fails_a_cliff_at_once_within_floor_and_cap():

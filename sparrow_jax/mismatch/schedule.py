@@ -34,8 +34,11 @@ the tokens it decoded since its top-k last changed and judges the budget on all 
                                           steps of tokens, not on one lucky batch)
   otherwise, or fewer than min_tokens tokens in the bin that step -> holds, and the pool grows
 A failed bin that came down to its budget goes back to the budget before (it passed: the probe is
-undone); one that came up is raised x raise_factor, at least +1 page. Either way its floor becomes
-top-k + 1: it never returns to a budget that failed. A bin whose top-k changes starts a new pool.
+undone); any other is raised x raise_factor (at least +1 page) off a cliff, and by one page when
+its pool is just over the edge (a pooled share of 5-10%: the bin is at its edge, and x1.5 from
+there overshoots; on the shipped model one such raise, 15 -> 23 pages, cost a run its saving).
+Either way its floor becomes top-k + 1: it never returns to a budget that failed. A bin whose
+top-k changes starts a new pool.
 Why pooled: the per-step p5 of one bin rests on a few prompts, and at the calibrated budget of the
 tiny model it falls under tau in 1-6% of steps while the budget holds; the per-step rule (undo and
 floor as here, judged on each step's p5) read the offline table's KV or more (quest: 0.764 vs
@@ -310,12 +313,12 @@ def adapt_topk(state: LoopState, count_b, below_b, p10_b, tau: float, max_topk: 
   steps_b = steps_b + measured_b
   share_b = pool_below_b / np.maximum(tokens_b, 1)
   judged_b = steps_b >= window
-  failed_b = (measured_b & (np.asarray(p10_b, np.float64) < tau)) | (
-      judged_b & (share_b > LOOP_QUANTILE))
+  cliff_b = measured_b & (np.asarray(p10_b, np.float64) < tau)
+  failed_b = cliff_b | (judged_b & (share_b > LOOP_QUANTILE))
   passed_b = ~failed_b & judged_b & (share_b <= lower_share)
   floor_b = np.minimum(np.where(failed_b, np.maximum(floor_b, topk_b + 1), floor_b), max_topk)
-  up_b = np.where(before_b > topk_b, before_b,
-                  np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1))
+  raised_b = np.where(cliff_b, np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1), topk_b + 1)
+  up_b = np.where(before_b > topk_b, before_b, raised_b)
   down_b = np.maximum(np.minimum(np.floor(topk_b * lower_factor), topk_b - 1), floor_b)
   next_b = np.where(failed_b, up_b, np.where(passed_b, down_b, topk_b))
   next_b = np.maximum.accumulate(np.clip(next_b, 0, max_topk))
