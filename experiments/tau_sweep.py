@@ -278,8 +278,10 @@ def print_table(summary) -> None:
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
     under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
-    below = [v for v in s["below_tau_bin"]["mean"] or [] if v is not None]  # pooled, <= 5%: holds
-    meas, p1, start = (s[f]["mean"] for f in ("measured_speedup", "p1", "kv_read_start"))
+    # figures a base sweep's older settings may not have recorded: "-"
+    meas, p1, start, below = ((s.get(f) or {}).get("mean") for f in (
+        "measured_speedup", "p1", "kv_read_start", "below_tau_bin"))
+    below = [v for v in below or [] if v is not None]  # pooled: at most 5% is p5 >= tau
     print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
           f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
           f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"

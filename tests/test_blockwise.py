@@ -137,8 +137,9 @@ def test_chunked_lm_head_matches_full_logits_with_gradients():
   np.testing.assert_allclose(chunked(params), full(params), atol=1e-5)
   g_full = jax.grad(lambda p: jnp.sum(full(p)))(params)
   g_chunked = jax.grad(lambda p: jnp.sum(chunked(p)))(params)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_chunked,
-                         g_full)
+  # float32 sums in another order: 1.1e-5 absolute on a gradient of 7.49 on one VM's CPU
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+                         g_chunked, g_full)
 
 
 def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):

@@ -66,9 +66,10 @@ def test_fused_step_equals_separate_updates():
                                           SCHEDULE)[0])(lora)
   lupd, _ = lora_opt.update(lg, lora_opt.init(lora), lora)
   new_lora = optax.apply_updates(lora, lupd)
-  # Adam turns float noise in near-zero gradients into up to ~1% of one step (measured 1.1e-5 once
-  # with blockwise attention and chunked log-probs, whose sums run in another order): atol = lr / 50.
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), fused.params,
+  # Adam turns float noise in near-zero gradients into a few % of one step (measured 1.1e-5 once
+  # with blockwise attention and chunked log-probs, whose sums run in another order; 2.9e-5 on
+  # another VM's CPU, whose XLA codegen differs): atol = lr / 20, a wrong update is a whole lr.
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), fused.params,
                          new_params)  # lr 1e-3
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), fused.lora,
                          new_lora)  # lr 1e-2
