@@ -465,8 +465,10 @@ def _train(c, mesh):
   if restored is not None:
     state, meta = restored
     start = int(meta["step"])
-    if adaptive:
+    if adaptive and "adaptive" in meta:
       loop = schedule_lib.LoopState(**{k: tuple(v) for k, v in meta["adaptive"].items()})
+    elif adaptive:  # a checkpoint of the per-step loop: its table and floors, an empty pool
+      loop = loop.start(meta["topk_bin"])._replace(floor=tuple(meta["floor_bin"]))
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
     _print(f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
