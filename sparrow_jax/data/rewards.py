@@ -28,6 +28,7 @@ class Grade(NamedTuple):
   reward: float
   reason: str   # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
                 # code: correct partial wrong_answer runtime_error timeout no_code aborted sandbox_error
+                #   grader_error
 
 
 def final_text(response: str) -> str | None:
@@ -161,12 +162,40 @@ def extract_code(response: str) -> str | None:
   return blocks[-1] if blocks else None
 
 
-def _close(a, b):
-  return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+FLOAT_TOLERANCE = 1e-6  # relative and absolute, for expected values written as floats only
+
+
+def _number(text: str):
+  """A stdout token as an int (arbitrary size) or a float, else None."""
+  try:
+    return int(text)
+  except ValueError:
+    pass
+  try:
+    return float(text)
+  except ValueError:
+    return None
+
+
+def _same_number(got, want) -> bool:
+  """Integers compare exactly, at any size (Python compares an int with a float exactly, without
+  converting); an expected float matches within FLOAT_TOLERANCE; a non-finite value never matches a
+  finite one, and NaN matches nothing. Nothing here can raise."""
+  if isinstance(want, int):
+    return got == want
+  if isinstance(got, int):
+    try:
+      got = float(got)
+    except OverflowError:  # an int beyond float range is no float answer
+      return False
+  if not (math.isfinite(got) and math.isfinite(want)):
+    return got == want
+  return math.isclose(got, want, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
 
 
 def _same_stdout(got, want):
-  """Token-wise, whitespace-insensitive; numbers within 1e-6 (how TACO-style judges compare)."""
+  """Token-wise, whitespace-insensitive; integer tokens exactly, float tokens of the expected
+  output within FLOAT_TOLERANCE (how TACO-style judges compare)."""
   got, want = got.split(), want.split()
   if got == want:
     return True
@@ -174,29 +203,32 @@ def _same_stdout(got, want):
     return False
   for a, b in zip(got, want):
     if a != b:
-      try:
-        if not _close(float(a), float(b)):
-          return False
-      except ValueError:
+      a_num, b_num = _number(a), _number(b)
+      if a_num is None or b_num is None or not _same_number(a_num, b_num):
         return False
   return True
 
 
 def _equal(a, b):
-  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-    return _close(a, b)
+  numbers = (int, float)
+  if (isinstance(a, numbers) and isinstance(b, numbers)
+      and not isinstance(a, bool) and not isinstance(b, bool)):
+    return _same_number(a, b)
   if isinstance(a, list) and isinstance(b, list):
     return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
   return a == b
 
 
 def _same_result(got_json, want):
+  """The program's JSON result against the expected value; a result too deep to parse or compare
+  (RecursionError) is simply wrong."""
   try:
     got = json.loads(got_json)
-  except ValueError:
+    # TACO wraps each expected return value in a one-element list.
+    return _equal(got, want) or (isinstance(want, list) and len(want) == 1
+                                 and _equal(got, want[0]))
+  except (ValueError, RecursionError):
     return False
-  # TACO wraps each expected return value in a one-element list.
-  return _equal(got, want) or (isinstance(want, list) and len(want) == 1 and _equal(got, want[0]))
 
 
 def _passed(tests, case):
@@ -224,7 +256,11 @@ def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) ->
   except OSError as e:  # e.g. no space for the work directory: the trainer must go on
     log.warning("code sandbox failed to start: %s", e)
     return Grade(0.0, "sandbox_error")
-  passed = sum(_passed(tests, case) for case in run.cases)
+  try:
+    passed = sum(_passed(tests, case) for case in run.cases)
+  except Exception:  # a grader bug must cost this response its reward, never the training run
+    log.exception("grading a code response raised (a grader bug: please report it)")
+    return Grade(0.0, "grader_error")
   total = len(tests.inputs)
   reward = passed / total if partial else float(passed == total)
   if passed == total:
