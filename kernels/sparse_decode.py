@@ -1,9 +1,12 @@
 """Block-sparse flash-decoding over the paged KV cache (Pallas; Triton lowering on GPU).
 
-Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one
+Same contract as sparrow_jax.attention.reference.paged_decode_attention (its jnp twin): one
 decode query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k]
-pages listed first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked),
-tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
+pages listed first in page_idx_BKN[b, k] (physical ids into a flat [X, Z, E] page array, a page
+pool; padding slots hold a valid page id and are masked), each page's positions given by its
+logical id in the row, tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
+`sparse_decode_attention` reads per-row caches through it (reference.sparse_decode_attention's
+contract).
 
 Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of page slots, a block
 of pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a
@@ -101,8 +104,8 @@ def _weighted_values(p_GT, v_TE, use_dot):
   return jnp.sum(p_GT[:, :, None] * v_TE[None].astype(jnp.float32), axis=1)
 
 
-def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
-            scale, page_size, pages_per_block, blocks_per_split, use_dot):
+def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref,
+            l_ref, acc_ref, *, scale, page_size, pages_per_block, blocks_per_split, use_dot):
   """One (b, k, split): online softmax over this split's blocks of selected pages."""
   split = pl.program_id(2)
   n_valid = n_valid_ref[0]
@@ -122,7 +125,8 @@ def _kernel(page_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref, l
     v_TE = v_ref[ids_N].reshape(T, E)
     s_GT = _scores(q_GE, k_TE, use_dot) * scale
     slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
-    pos_NZ = ids_N[:, None] * page_size + jnp.arange(page_size)[None, :]
+    logical_N = logical_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    pos_NZ = logical_N[:, None] * page_size + jnp.arange(page_size)[None, :]
     valid_T = ((slot_N[:, None] < n_valid) & (pos_NZ < length)).reshape(T)
     s_GT = jnp.where(valid_T[None, :], s_GT, -jnp.inf)
     m_new_G = jnp.maximum(m_G, jnp.max(s_GT, axis=1))
@@ -155,16 +159,31 @@ def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
 
 def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
                             *, page_size, scale=None, num_splits=None, config=None, interpret=None):
-  """Pallas twin of reference.sparse_decode_attention (same arguments, same result).
+  """Pallas twin of reference.sparse_decode_attention (same arguments, same result): per-row
+  caches read through `paged_decode_attention` (`reference.rows_as_pages`, a free reshape)."""
+  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
+                              lengths_B, page_size)
+  k_pages, v_pages, flat_idx, logical_idx = reference.rows_as_pages(
+      k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size)
+  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
+                                lengths_B, scale=scale, num_splits=num_splits, config=config,
+                                interpret=interpret)
+
+
+def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                           n_valid_BK, lengths_B, *, scale=None, num_splits=None, config=None,
+                           interpret=None):
+  """Pallas twin of reference.paged_decode_attention (same arguments, same result): page ids are
+  physical ids into the flat page array (a page pool), logical ids give the positions to mask.
 
   Kernel-only knobs: num_splits (page ranges per (b, k); default aims at the tuning's
   target_programs), config (a Tuning; default `tuning(cache dtype, G)`) and interpret (default:
   True unless the backend is a GPU).
   """
-  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
-                              lengths_B, page_size)
+  reference.check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                             n_valid_BK, lengths_B)
   B, K, G, E = q_BKGE.shape
-  P = k_cache_BKSE.shape[2] // page_size
+  X, page_size, _ = k_pages_XZE.shape
   N = page_idx_BKN.shape[2]
   if not supports(E):
     raise ValueError(f"head_dim must be a power of two >= {_MIN_DOT} for the Triton dot, got {E}")
@@ -172,7 +191,7 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   scale = reference.default_scale(E) if scale is None else float(scale)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  config = config or tuning(k_cache_BKSE.dtype, G)
+  config = config or tuning(k_pages_XZE.dtype, G)
 
   pages_per_block = max(config.block_tokens, _MIN_DOT, page_size) // page_size
   n_blocks = -(-N // pages_per_block)
@@ -182,30 +201,33 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
     raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
   blocks_per_split = -(-n_blocks // num_splits)
   per_split = blocks_per_split * pages_per_block
-  # Padding slots sit at index >= N >= n_valid, so the kernel masks them like the caller's padding.
-  page_idx_BKXN = jnp.pad(page_idx_BKN.astype(jnp.int32),
-                          ((0, 0), (0, 0), (0, num_splits * per_split - N)))
-  page_idx_BKXN = page_idx_BKXN.reshape(B, K, num_splits, per_split)
+  # Padding slots sit at index >= N >= n_valid, so the kernel masks them like the caller's padding;
+  # their page id 0 keeps the gather in bounds, as the clip does for the caller's ids.
+  split = lambda idx_BKN: jnp.pad(idx_BKN.astype(jnp.int32), (
+      (0, 0), (0, 0), (0, num_splits * per_split - N))).reshape(B, K, num_splits, per_split)
+  page_idx_BKXN = split(jnp.clip(page_idx_BKN, 0, X - 1))
+  logical_idx_BKXN = split(logical_idx_BKN)
   Gp = max(_MIN_DOT, _next_pow2(G)) if config.use_dot else _next_pow2(G)
   # q meets the cache in the cache's dtype (the Triton dot takes one element type).
-  q_BKGE_padded = jnp.pad(q_BKGE.astype(k_cache_BKSE.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
-  k_BKPZE = k_cache_BKSE.reshape(B, K, P, page_size, E)
-  v_BKPZE = v_cache_BKSE.reshape(B, K, P, page_size, E)
+  q_BKGE_padded = jnp.pad(q_BKGE.astype(k_pages_XZE.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
   kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
                              pages_per_block=pages_per_block, blocks_per_split=blocks_per_split,
                              use_dot=config.use_dot)
-  cache_spec = pl.BlockSpec((None, None, P, page_size, E), lambda b, k, s: (b, k, 0, 0, 0))
+  # Every program sees the whole page array and gathers its pages by id (no per-row block).
+  pages_spec = pl.BlockSpec((X, page_size, E), lambda b, k, s: (0, 0, 0))
+  ids_spec = pl.BlockSpec((None, None, None, per_split), lambda b, k, s: (b, k, s, 0))
   m_BKXG, l_BKXG, acc_BKXGE = pl.pallas_call(
       kernel,
       grid=(B, K, num_splits),
       in_specs=[
-          pl.BlockSpec((None, None, None, per_split), lambda b, k, s: (b, k, s, 0)),
+          ids_spec,
+          ids_spec,
           pl.BlockSpec((None, None, 1), lambda b, k, s: (b, k, 0)),
           pl.BlockSpec((None, 1), lambda b, k, s: (b, 0)),
           pl.BlockSpec((None, None, Gp, E), lambda b, k, s: (b, k, 0, 0)),
-          cache_spec,
-          cache_spec,
+          pages_spec,
+          pages_spec,
       ],
       out_specs=[
           pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
@@ -222,7 +244,7 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
                                               num_stages=config.num_stages),
       interpret=interpret,
       name="sparse_decode",
-  )(page_idx_BKXN, n_valid_BK.astype(jnp.int32)[..., None], lengths_B.astype(jnp.int32)[:, None],
-    q_BKGE_padded, k_BKPZE, v_BKPZE)
+  )(page_idx_BKXN, logical_idx_BKXN, n_valid_BK.astype(jnp.int32)[..., None],
+    lengths_B.astype(jnp.int32)[:, None], q_BKGE_padded, k_pages_XZE, v_pages_XZE)
   out_BKGE = _merge_splits(m_BKXG, l_BKXG, acc_BKXGE)
   return out_BKGE[:, :, :G].astype(q_BKGE.dtype)

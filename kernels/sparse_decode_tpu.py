@@ -1,13 +1,15 @@
 """Block-sparse paged decode attention (Pallas; Mosaic lowering on TPU).
 
-Same contract as sparrow_jax.attention.reference.sparse_decode_attention (its jnp twin): one
+Same contract as sparrow_jax.attention.reference.paged_decode_attention (its jnp twin): one
 decode query per (sequence b, KV head k) with G query heads, attending to the n_valid_BK[b, k]
-pages listed first in page_idx_BKN[b, k] (padding slots hold a valid page id and are masked),
-tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
+pages listed first in page_idx_BKN[b, k] (physical ids into a flat [X, Z, E] page array, a page
+pool; padding slots hold a valid page id and are masked), each page's positions given by its
+logical id in the row, tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
+`sparse_decode_attention` reads per-row caches through it (a free reshape).
 
 Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block at a time in an
 in-kernel loop with an online softmax (float32) and writes its [G, E] output. The page list,
-n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the kernel turns into
+its logical ids, n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the kernel turns into
 DMA addresses. The caches stay in HBM; each block's pages are DMA'd (one copy per page) into one
 slot of a two-slot VMEM buffer while the other slot's block is computed on (double buffering), and
 only the first ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the
@@ -24,9 +26,9 @@ Padding: nothing requires it (a block equal to the full array dims is legal for 
 zero-padded to the sublane tile of q's dtype (8 rows for 32-bit, 16 for bf16) and sliced off
 after: it costs nothing (a vreg holds that many rows and the MXU pads M to it anyway) and keeps q
 and out off the sub-tile second-minor layouts for which JAX's paged_attention needs a reshape
-workaround. Each page is Z contiguous rows of the [B, K, S, E] cache, so one DMA per page; with
+workaround. Each page is Z contiguous rows of the [X, Z, E] page array, so one DMA per page; with
 page_size a multiple of the sublane tile (Qwen3: 16 rows of bf16) each copy is whole (tile, 128)
-tiles. Page ids are clipped to [0, P) like the reference's gather, so no DMA leaves the cache.
+tiles. Page ids are clipped to [0, X) like the reference's gather, so no DMA leaves the pages.
 
 jax 0.10.2: `interpret=pltpu.InterpretParams()` runs the kernel on CPU with TPU semantics: a DMA
 lands only when it is waited on and scratch starts as NaN, so a missing wait shows up as NaN and a
@@ -51,26 +53,26 @@ def _sublane_tile(dtype) -> int:
   return _SUBLANES * 4 // jnp.dtype(dtype).itemsize
 
 
-def _page_copies(b, k, j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size,
+def _page_copies(j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size,
                  pages_per_block):
-  """The DMA descriptors of block j's pages of (b, k) into buffer slot `slot`."""
+  """The DMA descriptors of block j's pages of one (b, k) into buffer slot `slot`."""
   copies = []
   for i in range(pages_per_block):
     page = page_idx_ref[row + j * pages_per_block + i]
-    src = hbm_ref.at[b, k, pl.ds(page * page_size, page_size)]
+    src = hbm_ref.at[page]
     dst = buf_ref.at[slot, pl.ds(i * page_size, page_size)]
     copies.append(pltpu.make_async_copy(src, dst, sem_ref.at[slot]))
   return copies
 
 
-def _block_mask(page_idx_ref, first, end, length, *, page_size, pages_per_block):
+def _block_mask(logical_idx_ref, first, end, length, *, page_size, pages_per_block):
   """[1, T] validity of the tokens of the block at flat slot `first`: slot < end (the row's
   n_valid) and position < length. Each page's count of valid rows is a scalar (scalar core), so
   the vector work is one compare pair per page."""
   tok_1T = jax.lax.broadcasted_iota(jnp.int32, (1, pages_per_block * page_size), 1)
   valid_1T = jnp.zeros(tok_1T.shape, jnp.bool_)
   for i in range(pages_per_block):
-    rows = length - page_idx_ref[first + i] * page_size
+    rows = length - logical_idx_ref[first + i] * page_size
     rows = jnp.where(first + i < end, jnp.clip(rows, 0, page_size), 0)
     valid_1T |= (tok_1T >= i * page_size) & (tok_1T < i * page_size + rows)
   return valid_1T
@@ -95,18 +97,18 @@ def _softmax_step(carry, q_GE, k_TE, v_TE, valid_1T, scale):
   return m_new_G1, l_G1, acc_GE * corr_G1 + pv_GE
 
 
-def _kernel(page_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref, o_ref,
-            k_buf_ref, v_buf_ref, k_sem_ref, v_sem_ref, *, scale, page_size, pages_per_block,
-            slots_per_row):
+def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref,
+            o_ref, k_buf_ref, v_buf_ref, k_sem_ref, v_sem_ref, *, scale, page_size,
+            pages_per_block, slots_per_row):
   """One (b, k): double-buffered DMA of the selected pages, online softmax over the blocks."""
   b, k = pl.program_id(0), pl.program_id(1)
-  bk = b * k_hbm_ref.shape[1] + k
+  bk = b * pl.num_programs(1) + k
   row = bk * slots_per_row
   n_valid = n_valid_ref[bk]
   length = lengths_ref[b]
   # A row with nothing cached copies nothing (n_valid alone would still fetch its pages).
   n_blocks = jnp.where(length > 0, jax.lax.div(n_valid + pages_per_block - 1, pages_per_block), 0)
-  copies = functools.partial(_page_copies, b, k, page_idx_ref=page_idx_ref, row=row,
+  copies = functools.partial(_page_copies, page_idx_ref=page_idx_ref, row=row,
                              page_size=page_size, pages_per_block=pages_per_block)
 
   def start(j, slot):
@@ -134,7 +136,7 @@ def _kernel(page_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref,
     def _():
       start(j + 1, 1 - slot)
 
-    valid_1T = _block_mask(page_idx_ref, row + j * pages_per_block, row + n_valid, length,
+    valid_1T = _block_mask(logical_idx_ref, row + j * pages_per_block, row + n_valid, length,
                            page_size=page_size, pages_per_block=pages_per_block)
     wait(j, slot, k_hbm_ref, k_buf_ref, k_sem_ref)
     wait(j, slot, v_hbm_ref, v_buf_ref, v_sem_ref)
@@ -149,16 +151,30 @@ def _kernel(page_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref,
 
 def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
                             *, page_size, scale=None, pages_per_block=None, interpret=None):
-  """Pallas TPU twin of reference.sparse_decode_attention (same arguments, same result).
+  """Pallas TPU twin of reference.sparse_decode_attention (same arguments, same result): per-row
+  caches read through `paged_decode_attention` (`reference.rows_as_pages`, a free reshape)."""
+  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
+                              lengths_B, page_size)
+  k_pages, v_pages, flat_idx, logical_idx = reference.rows_as_pages(
+      k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size)
+  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
+                                lengths_B, scale=scale, pages_per_block=pages_per_block,
+                                interpret=interpret)
+
+
+def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                           n_valid_BK, lengths_B, *, scale=None, pages_per_block=None,
+                           interpret=None):
+  """Pallas TPU twin of reference.paged_decode_attention (same arguments, same result).
 
   Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
   most N) and interpret (pallas_call's; default: TPU interpret mode, pltpu.InterpretParams(),
   unless the backend is a TPU).
   """
-  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
-                              lengths_B, page_size)
+  reference.check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                             n_valid_BK, lengths_B)
   B, K, G, E = q_BKGE.shape
-  P = k_cache_BKSE.shape[2] // page_size
+  X, page_size, _ = k_pages_XZE.shape
   N = page_idx_BKN.shape[2]
   # A Python float: the kernel bakes it in (a traced scale cannot be closed over by pallas_call).
   scale = reference.default_scale(E) if scale is None else float(scale)
@@ -171,9 +187,9 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
 
   slots_per_row = -(-N // pages_per_block) * pages_per_block
   # Slots >= N sit past every n_valid, so the kernel masks them like the caller's padding; page 0
-  # keeps their copies in bounds.
-  page_idx_BKX = jnp.pad(jnp.clip(page_idx_BKN.astype(jnp.int32), 0, P - 1),
-                         ((0, 0), (0, 0), (0, slots_per_row - N)))
+  # keeps their copies in bounds, as the clip does for the caller's ids.
+  flat = lambda idx_BKN: jnp.pad(idx_BKN.astype(jnp.int32),
+                                 ((0, 0), (0, 0), (0, slots_per_row - N))).reshape(-1)
   Gp = -(-G // _sublane_tile(q_BKGE.dtype)) * _sublane_tile(q_BKGE.dtype)
   q_BKGE_padded = jnp.pad(q_BKGE, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   T = pages_per_block * page_size
@@ -182,11 +198,11 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
                              pages_per_block=pages_per_block, slots_per_row=slots_per_row)
   qo_spec = pl.BlockSpec((None, None, Gp, E), lambda b, k, *_: (b, k, 0, 0))
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
-  buf = pltpu.VMEM((2, T, E), k_cache_BKSE.dtype)  # two slots: one DMA'd into, one computed on
+  buf = pltpu.VMEM((2, T, E), k_pages_XZE.dtype)  # two slots: one DMA'd into, one computed on
   out_BKGE = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
+          num_scalar_prefetch=4,
           grid=(B, K),
           in_specs=[qo_spec, hbm_spec, hbm_spec],
           out_specs=qo_spec,
@@ -196,6 +212,7 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
       name="sparse_decode_tpu",
-  )(page_idx_BKX.reshape(-1), n_valid_BK.astype(jnp.int32).reshape(-1),
-    lengths_B.astype(jnp.int32), q_BKGE_padded, k_cache_BKSE, v_cache_BKSE)
+  )(flat(jnp.clip(page_idx_BKN, 0, X - 1)), flat(logical_idx_BKN),
+    n_valid_BK.astype(jnp.int32).reshape(-1), lengths_B.astype(jnp.int32), q_BKGE_padded,
+    k_pages_XZE, v_pages_XZE)
   return out_BKGE[:, :, :G]

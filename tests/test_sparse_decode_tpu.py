@@ -118,8 +118,9 @@ def test_kernel_lowers_to_mosaic_for_tpu():
   kernel = _mosaic_text(module)
   assert "iteration_bounds = array<i64: 4, 8>" in kernel  # grid (B, K)
   assert "#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<parallel>" in kernel
-  assert "scalar_prefetch = 3" in kernel
-  assert kernel.count("memref<4x8x1024x128xbf16, #tpu.memory_space<any>>, ") >= 2  # caches in HBM
+  assert "scalar_prefetch = 4" in kernel  # page ids, their logical ids, n_valid, lengths
+  # the caches as one flat page array (B * K * P pages), in HBM
+  assert kernel.count("memref<2048x16x128xbf16, #tpu.memory_space<any>>, ") >= 2
   assert "memref<2x128x128xbf16, #tpu.memory_space<vmem>>" in kernel  # 2 slots x 8 pages x 16
   page_dma = r"tpu.enqueue_dma source\(%\w+ : memref<16x128xbf16, #tpu.memory_space<any>>\)"
   assert re.search(page_dma, kernel)

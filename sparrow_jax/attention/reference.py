@@ -100,18 +100,71 @@ def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, sca
   return _softmax_av(s_BKGS, valid_B11S, v_cache_BKSE).astype(q_BKGE.dtype)
 
 
-def _sparse_row(q_GE, k_PZE, v_PZE, page_idx_N, n_valid, length, scale):
+def check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK,
+                     lengths_B) -> None:
+  """Static shape checks of the paged form, shared by the reference and the Pallas kernels."""
+  B, K, _, E = q_BKGE.shape
+  if k_pages_XZE.ndim != 3 or k_pages_XZE.shape[2] != E or v_pages_XZE.shape != k_pages_XZE.shape:
+    raise ValueError(f"k_pages/v_pages must be [X, Z, E] with E = {E}, got {k_pages_XZE.shape} and "
+                     f"{v_pages_XZE.shape}")
+  paged_cache.check_page_size(k_pages_XZE.shape[1])
+  if page_idx_BKN.ndim != 3 or page_idx_BKN.shape[:2] != (B, K):
+    raise ValueError(f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, "
+                     f"got {page_idx_BKN.shape}")
+  if logical_idx_BKN.shape != page_idx_BKN.shape:
+    raise ValueError(f"logical_idx_BKN must be shaped like page_idx_BKN {page_idx_BKN.shape}, "
+                     f"got {logical_idx_BKN.shape}")
+  if n_valid_BK.shape != (B, K):
+    raise ValueError(f"n_valid_BK must be [B, K] = {(B, K)}, got {n_valid_BK.shape}")
+  if lengths_B.shape != (B,):
+    raise ValueError(f"lengths_B must be [B] = {(B,)}, got {lengths_B.shape}")
+
+
+def rows_as_pages(k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size):
+  """Per-row caches as the paged form: every (row, head)'s pages laid end to end as one flat page
+  array [B * K * P, Z, E] (a free reshape), page ids into it, and the row's own page ids as the
+  logical ids that positions come from."""
+  B, K, S, E = k_cache_BKSE.shape
+  P = S // page_size
+  flat = lambda c: c.reshape(B * K * P, page_size, E)
+  base_BK1 = (jnp.arange(B * K, dtype=jnp.int32) * P).reshape(B, K, 1)
+  logical_BKN = jnp.clip(page_idx_BKN.astype(jnp.int32), 0, P - 1)
+  return flat(k_cache_BKSE), flat(v_cache_BKSE), base_BK1 + logical_BKN, logical_BKN
+
+
+def _paged_row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length, scale):
   """One (sequence, KV head): gather the selected pages, then masked softmax attention."""
   N = page_idx_N.shape[0]
-  _, Z, E = k_PZE.shape
+  _, Z, E = k_pages_XZE.shape
   # mode="clip" clamps the N page ids once; the default fill mode would add a per-element select.
-  k_TE = k_PZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
-  v_TE = v_PZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
+  k_TE = k_pages_XZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
+  v_TE = v_pages_XZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)
   s_GT = jnp.einsum("ge,te->gt", q_GE.astype(jnp.float32), k_TE.astype(jnp.float32)) * scale
-  pos_T = (page_idx_N[:, None] * Z + jnp.arange(Z)).reshape(N * Z)
+  pos_T = (logical_idx_N[:, None] * Z + jnp.arange(Z)).reshape(N * Z)
   slot_T = jnp.arange(N * Z) // Z
   valid_T = (slot_T < n_valid) & (pos_T < length)
   return _softmax_av(s_GT, valid_T, v_TE)
+
+
+def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                           n_valid_BK, lengths_B, *, scale=None):
+  """Attention of one decode query per (sequence b, KV head k) over pages of a flat page array:
+  the first n_valid_BK[b, k] entries of page_idx_BKN[b, k] are distinct page ids into k_pages_XZE /
+  v_pages_XZE (any order; the rest are padding holding a valid id, masked), and logical_idx_BKN
+  holds each one's page number in the row, which gives its positions: a token at position >=
+  lengths_B[b] is masked (the partial last page). The form a page pool is read in (the page id is
+  physical, the logical id comes from the row's page table); per-row caches reach it through
+  `rows_as_pages`."""
+  check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK,
+                   lengths_B)
+  B, K, G, E = q_BKGE.shape
+  N = page_idx_BKN.shape[2]
+  scale = default_scale(E) if scale is None else scale
+  rows = (q_BKGE.reshape(B * K, G, E), page_idx_BKN.reshape(B * K, N),
+          logical_idx_BKN.reshape(B * K, N), n_valid_BK.reshape(B * K), jnp.repeat(lengths_B, K))
+  out_RGE = jax.lax.map(lambda row: _paged_row(row[0], k_pages_XZE, v_pages_XZE, *row[1:], scale),
+                        rows)
+  return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
 def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
@@ -119,15 +172,7 @@ def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_
   """Attention of one decode query per sequence over the selected pages only (see module doc)."""
   check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
                     page_size)
-  B, K, G, E = q_BKGE.shape
-  P = k_cache_BKSE.shape[2] // page_size
-  N = page_idx_BKN.shape[2]
-  scale = default_scale(E) if scale is None else scale
-  rows = (q_BKGE.reshape(B * K, G, E),
-          k_cache_BKSE.reshape(B * K, P, page_size, E),
-          v_cache_BKSE.reshape(B * K, P, page_size, E),
-          page_idx_BKN.reshape(B * K, N),
-          n_valid_BK.reshape(B * K),
-          jnp.repeat(lengths_B, K))
-  out_RGE = jax.lax.map(lambda row: _sparse_row(*row, scale), rows)
-  return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
+  k_pages, v_pages, flat_idx, logical_idx = rows_as_pages(k_cache_BKSE, v_cache_BKSE, page_idx_BKN,
+                                                          page_size)
+  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
+                                lengths_B, scale=scale)
