@@ -5,6 +5,7 @@ import sys
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import sparrow_jax as sj
@@ -103,3 +104,19 @@ def assert_same_metrics(got, want, steps, atol):
       value = np.asarray(value, dtype=float)  # per-bin lists hold None for empty bins -> nan
       np.testing.assert_allclose(np.asarray(got[step][name], dtype=float), value, rtol=1e-5,
                                  atol=atol, err_msg=f"step {step} {name}")
+
+
+def rescored_logprobs(params, cfg, prompt, prompt_len, out, **forward_kwargs):
+  """The teacher-forced log-prob of each completion token of a Rollout (dense, or sparse with
+  forward_kwargs sparse/schedule/prompt_len_B) and the mask of real completion tokens."""
+  from sparrow_jax.model import qwen3
+  from sparrow_jax.rollout import sampler
+  prompt_len = jnp.asarray(prompt_len)
+  seq_BS, _ = sampler.full_sequences(prompt, prompt_len, out)
+  logits = sj.forward(params, seq_BS, cfg, mask_BT=seq_BS != -1, **forward_kwargs)
+  logp_BS = jnp.pad(qwen3.token_logprobs(logits[:, :-1], seq_BS[:, 1:]), ((0, 0), (1, 0)))
+  # completion token j of row b sits at position prompt_len[b] + j
+  idx = jnp.minimum(prompt_len[:, None] + jnp.arange(out.tokens.shape[1])[None],
+                    seq_BS.shape[1] - 1)
+  valid = jnp.arange(out.tokens.shape[1])[None] < out.lengths[:, None]
+  return jnp.take_along_axis(logp_BS, idx, 1), valid

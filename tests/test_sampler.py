@@ -11,6 +11,7 @@ from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.model import qwen3
 from sparrow_jax.rollout import sampler
+from tests import helpers
 from tests.helpers import tiny_config
 
 CFG = tiny_config(num_hidden_layers=3)
@@ -22,15 +23,7 @@ SPARSE = SparseConfig(page_size=4, dense_layers=1)
 
 
 def rescored_logprobs(out, **forward_kwargs):
-  seq_BS, gen_mask_BS = sampler.full_sequences(PROMPT, PROMPT_LEN, out)
-  logits = sj.forward(PARAMS, seq_BS, CFG, mask_BT=seq_BS != -1, **forward_kwargs)
-  logp_BS = qwen3.token_logprobs(logits[:, :-1], seq_BS[:, 1:])
-  logp_BS = jnp.pad(logp_BS, ((0, 0), (1, 0)))
-  # completion token j of row b sits at position prompt_len[b] + j
-  idx = PROMPT_LEN[:, None] + jnp.arange(out.tokens.shape[1])[None]
-  idx = jnp.minimum(idx, seq_BS.shape[1] - 1)
-  valid = jnp.arange(out.tokens.shape[1])[None] < out.lengths[:, None]
-  return jnp.take_along_axis(logp_BS, idx, 1), valid
+  return helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out, **forward_kwargs)
 
 
 def test_dense_sampler_logprobs_match_forward():

@@ -89,6 +89,13 @@ class PagedKVCache:
   def num_pages(self) -> int:
     return self.max_len // self.page_size
 
+  def append_token(self, k_BKE, v_BKE, pos_B) -> "PagedKVCache":
+    """`append` into this single-layer cache (what `qwen3.decode_step` calls on each layer)."""
+    return append(self, 0, k_BKE, v_BKE, pos_B)
+
+  def constrain(self) -> "PagedKVCache":
+    return constrain(self)
+
 
 def check_page_size(page_size) -> None:
   if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):

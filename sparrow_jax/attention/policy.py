@@ -174,3 +174,64 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
     return decode_attention(q_BKGE, cache.keys(0), cache.values(0), page_idx_BKN, n_valid_BK,
                             lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)
   return attention
+
+
+def _paged_fn(impl, interpret=None):
+  """One implementation of reference.paged_decode_attention's contract (flat pages, page ids)."""
+  if impl == "xla":
+    return reference.paged_decode_attention
+  kernel = sparse_decode if impl == "pallas" else sparse_decode_tpu
+  return functools.partial(kernel.paged_decode_attention, interpret=interpret)
+
+
+def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
+                           n_valid_BK, lengths_B, *, impl="auto"):
+  """reference.paged_decode_attention by `impl`, as `decode_attention` dispatches."""
+  return _dispatch(impl, _paged_fn)(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN,
+                                    logical_idx_BKN, n_valid_BK, lengths_B)
+
+
+def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "auto"):
+  """An `attention_fn` for qwen3.decode_step over a page pool (`page_pool.layer_views`): dense
+  (sparse=None, and layers below `sparse.dense_layers`) reads every page a slot has cached; sparse
+  layers read the pages `select.decode_pages` picks from the slot's pages in logical order, the
+  one rule the per-row sampler and the trainer use. Slots that are not running read nothing.
+
+  Reads go through a prefix of the page tables that covers the longest running row (a lax.switch
+  over DENSE_PREFIXES eighths of the table, or all of it), so a step scores and gathers only
+  about as many pages as the longest row holds, not the table's static width."""
+  impl = sparse.attention_impl if sparse is not None else impl
+
+  def attention(layer, q_BKGE, pool, lengths_B):  # pool: a page_pool.PoolLayer
+    dense = sparse is None or layer < sparse.dense_layers
+    if not dense and pool.page_score != sparse.page_score:
+      raise ValueError(f"the pool keeps {pool.page_score!r} page summaries, SparseConfig."
+                       f"page_score is {sparse.page_score!r}")
+    B, K = q_BKGE.shape[:2]
+    X, Z, PR = pool.k_stored.shape[1], pool.page_size, pool.page_table.shape[1]
+    lengths_B = jnp.where(pool.active, lengths_B, 0)
+    n_pages_B = -(-lengths_B // Z)
+    k_pages, v_pages = pool.pages()
+    head_base_1K1 = (jnp.arange(K, dtype=jnp.int32) * X)[None, :, None]
+
+    def read(size):
+      def fn(q_BKGE):
+        table_BKN = jnp.broadcast_to(pool.page_table[:, None, :size], (B, K, size))
+        if dense:
+          logical_BKN = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, K, size))
+          n_valid_BK = jnp.broadcast_to(n_pages_B[:, None], (B, K)).astype(jnp.int32)
+        else:
+          summary_BKNRE = pool.summaries[:, pool.page_table[:, :size]].transpose(1, 0, 2, 3, 4)
+          logical_BKN, n_valid_BK = select.decode_pages(
+              q_BKGE, summary_BKNRE, lengths_B, budget.budget_pages(lengths_B), sparse,
+              min(max_selected, size))
+          n_valid_BK = jnp.where(pool.active[:, None], n_valid_BK, 0)
+        page_BKN = jnp.take_along_axis(table_BKN, logical_BKN, axis=2) + head_base_1K1
+        return paged_decode_attention(q_BKGE, k_pages, v_pages, page_BKN, logical_BKN,
+                                      n_valid_BK, lengths_B, impl=impl)
+      return fn
+
+    sizes = sorted({-(-PR * i // 8) for i in DENSE_PREFIXES} | {PR})
+    bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(n_pages_B))
+    return jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [read(s) for s in sizes], q_BKGE)
+  return attention

@@ -401,9 +401,10 @@ def decode_step(params, token_B, cfg: Qwen3Config, caches, *,
                 attention_fn: Optional[DecodeAttentionFn] = None, lora=None):
   """Appends one token per sequence and returns the next-token logits_BV and the caches.
 
-  caches: one single-layer cache per layer (`paged_cache.split_layers`). The layers run unrolled,
-  each on its own cache buffer, which the step updates and reads in place: a decode loop carrying
-  a stacked cache copied each layer's keys and values (its whole [B, K, S, E]) at every step.
+  caches: one single-layer cache per layer (`paged_cache.split_layers`, or a page pool's
+  `page_pool.layer_views`: anything with `lengths`, `append_token` and `constrain`). The layers
+  run unrolled, each on its own cache buffer, which the step updates and reads in place: a decode
+  loop carrying a stacked cache copied each layer's keys and values at every step.
   params (and lora) are best split by `unstack_layers` before the loop; stacked ones work too.
   attention_fn(layer, q_BKGE, cache, lengths_B) -> out_BKGE: layer a Python int, cache that
   layer's own cache (`cache.keys(0)`), whose newest token is already written (lengths_B tokens
@@ -422,9 +423,9 @@ def decode_step(params, token_B, cfg: Qwen3Config, caches, *,
   new_caches = []
   for i, (layer, lora_layer, cache) in enumerate(zip(params["layers"], lora_layers, caches)):
     q_B1HE, k_B1KE, v_B1KE = qkv(layer, x_B1D, pos_B[:, None], cfg, lora_layer, scale)
-    cache = paged_cache.append(cache, 0, k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
+    cache = cache.append_token(k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
     out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
     x_B1D = finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
     x_B1D = sharding.constrain(x_B1D, ACT_AXES)
-    new_caches.append(paged_cache.constrain(cache.replace(lengths=lengths_B)))
+    new_caches.append(cache.replace(lengths=lengths_B).constrain())
   return unembed(params, x_B1D, cfg)[:, 0], tuple(new_caches)

@@ -1,0 +1,128 @@
+"""The rollout engine: its rows equal the landed sampler's (greedy) and the teacher-forced forward
+(sampled, dense and sparse), whatever the slots, chunk length, admission order or pool size."""
+import jax
+import numpy as np
+import pytest
+
+import sparrow_jax as sj
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.rollout import engine
+from tests import helpers
+from tests.helpers import tiny_config
+
+CFG = tiny_config(num_hidden_layers=3)
+PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+SPARSE = SparseConfig(page_size=4, dense_layers=1)
+SCHEDULE = KVSchedule.fixed(4, page_size=4)  # binding: rows reach 15+ pages
+# three GRPO groups of two rows; 20 is a whole number of pages (no partial prompt page to copy)
+GROUP_LEN = np.asarray([9, 20, 13])
+PROMPT_LEN = np.repeat(GROUP_LEN, 2)
+PROMPT = np.repeat(np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)), 2, axis=0) * (
+    np.arange(21)[None] < PROMPT_LEN[:, None])
+MAX_NEW = np.asarray([40, 7, 33, 40, 1, 25])  # per row; row 4 ends at its first token
+EOS = (3, 5)
+
+
+def run(slots=6, chunk=64, pages=200, order=None, sparse=True, static=False, **kw):
+  config = engine.EngineConfig(num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static)
+  kw = dict(dict(max_new_tokens=MAX_NEW, eos_ids=EOS, group_size=2), **kw)
+  if sparse:
+    kw.update(sparse=SPARSE, schedule=SCHEDULE)
+  return engine.run(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), engine=config,
+                    order=order, **kw)
+
+
+def assert_same_rows(a, b):
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+  return run()
+
+
+@pytest.mark.parametrize("placement", [dict(slots=2), dict(slots=5), dict(chunk=1),
+                                       dict(chunk=7), dict(slots=3, chunk=5),
+                                       dict(order=[4, 5, 0, 1, 2, 3]),
+                                       dict(order=[3, 2, 5, 4, 1, 0], slots=2)])
+def test_rows_do_not_depend_on_placement(reference_run, placement):
+  out, stats = run(**placement)
+  assert_same_rows(out, reference_run[0])
+  assert stats.useful_row_steps == reference_run[1].useful_row_steps
+
+
+def test_rows_end_at_eos_or_their_own_max_new_tokens(reference_run):
+  out, _ = reference_run
+  tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+  assert lengths[4] == 1 and (lengths <= MAX_NEW).all()
+  for row, n, cap in zip(tokens, lengths, MAX_NEW):
+    assert not set(row[:n - 1].tolist()) & set(EOS)
+    assert n == cap or row[n - 1] in EOS
+    assert (row[n:] == 0).all()
+  assert (lengths > 10).sum() >= 2  # the sampled rows are long enough to exercise paging
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_logprobs_equal_the_teacher_forced_forward(reference_run, sparse):
+  out = reference_run[0] if sparse else run(sparse=False)[0]
+  kw = dict(sparse=SPARSE, schedule=SCHEDULE, prompt_len_B=PROMPT_LEN) if sparse else {}
+  ref, valid = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out, **kw)
+  np.testing.assert_allclose(np.where(valid, out.logprobs, 0), np.where(valid, ref, 0), atol=1e-4)
+  if sparse:  # the budget binds: dense re-scoring differs
+    dense, _ = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out)
+    assert float(np.abs(np.where(valid, out.logprobs - dense, 0)).max()) > 1e-3
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_greedy_rows_equal_the_landed_sampler(sparse):
+  kw = dict(sparse=SPARSE, schedule=SCHEDULE) if sparse else {}
+  want = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(2), max_new_tokens=40,
+                     temperature=0.0, **kw)
+  got, _ = run(slots=3, chunk=7, sparse=sparse, temperature=0.0, max_new_tokens=40, eos_ids=())
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+def test_a_pool_too_small_for_every_row_completes_them_unchanged(reference_run):
+  """24 pages: at most two rows near the cap at once besides the prompts, so rows are preempted
+  and decoded again; no row is lost or truncated and none changes."""
+  out, stats = run(pages=24, chunk=4)
+  assert stats.preemptions > 0
+  assert stats.peak_pages <= 23
+  assert_same_rows(out, reference_run[0])
+
+
+def test_static_batch_same_rows_more_pages_less_occupancy(reference_run):
+  out, static = run(static=True, slots=4, chunk=4)
+  assert_same_rows(out, reference_run[0])
+  _, continuous = run(slots=4, chunk=4)
+  assert static.useful_row_steps == continuous.useful_row_steps
+  assert static.computed_row_steps > continuous.computed_row_steps  # waves wait for their longest
+  assert static.peak_pages > continuous.peak_pages                   # full-length pages up front
+
+
+def test_top_logprobs_and_no_recompilation_across_lengths():
+  out, _ = run(num_top_logprobs=3, slots=3, chunk=8)
+  valid = np.arange(out.tokens.shape[1])[None] < np.asarray(out.lengths)[:, None]
+  assert out.top_logprobs.shape == (6, 40, 3)
+  assert np.all(np.where(valid, out.top_logprobs[..., 0] >= out.logprobs - 1e-6, True))
+  before = engine._decode_chunk._cache_size()
+  # other per-row lengths under the same cap, another schedule under the same max_selected
+  run(num_top_logprobs=3, slots=3, chunk=8, max_new_tokens=MAX_NEW[::-1])
+  run(num_top_logprobs=3, slots=3, chunk=8, schedule=KVSchedule.fixed(3, page_size=4))
+  assert engine._decode_chunk._cache_size() == before
+
+
+def test_bad_requests_rejected():
+  with pytest.raises(ValueError, match="num_pages = 8 cannot hold row 0"):
+    run(pages=8)
+  with pytest.raises(ValueError, match="EngineConfig.num_slots"):
+    engine.EngineConfig(num_slots=0)
+  with pytest.raises(ValueError, match="not runs of 3 identical"):
+    engine.run(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(0), max_new_tokens=3,
+               group_size=3)
+  with pytest.raises(ValueError, match="permutation"):
+    run(order=[0, 1, 2])

@@ -1,0 +1,107 @@
+"""Both Pallas kernels read a page pool through page tables (physical page ids, logical ids for
+the positions) exactly as their jnp twin does: rows whose pages are scattered over a shared pool,
+shared prompt pages, a partial last page, padding and empty rows."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import sparse_decode, sparse_decode_tpu
+from sparrow_jax.attention import policy, reference
+
+
+def _pool_inputs(seed, B, K, G, E, Z, X, N, dtype=jnp.float32):
+  """A pool of X pages per KV head; each row's logical pages map to distinct physical pages (rows
+  0 and 1 share their first two, as a GRPO group shares its prompt); each (row, head) selects
+  n_valid of its pages in a random order, the rest padding."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(Z * 2 + 1, Z * (X // B) + 1, size=B)
+  lengths[-1] = 0  # a slot that runs no row
+  physical = rng.permutation(np.arange(1, X))  # page 0 is the trash page
+  tables, at = [], 0
+  for b in range(B):
+    n = -(-lengths[b] // Z)
+    table = physical[at:at + n].copy()
+    at += n
+    if b == 1:
+      table[:2] = tables[0][:2]
+    tables.append(table)
+  page_idx = np.zeros((B, K, N), np.int32)
+  logical = np.zeros((B, K, N), np.int32)
+  n_valid = np.zeros((B, K), np.int32)
+  for b in range(B):
+    for k in range(K):
+      n_pages = len(tables[b])
+      n = min(N, n_pages) if (b + k) % 2 else rng.integers(0, min(N, n_pages) + 1)
+      pick = rng.permutation(n_pages)[:n]
+      logical[b, k, :n], n_valid[b, k] = pick, n
+      page_idx[b, k, :n] = k * X + tables[b][pick]
+      page_idx[b, k, n:] = rng.integers(0, K * X, N - n)  # padding: any valid id
+  q = rng.standard_normal((B, K, G, E))
+  k_pages, v_pages = rng.standard_normal((2, K * X, Z, E))
+  return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+          jnp.asarray(page_idx), jnp.asarray(logical), jnp.asarray(n_valid),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def _naive(q, k_pages, v_pages, page_idx, logical, n_valid, lengths):
+  q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+  B, K, G, E = q.shape
+  Z = k_pages.shape[1]
+  out = np.zeros((B, K, G, E))
+  for b in range(B):
+    for k in range(K):
+      keys, values = [], []
+      for i in range(int(n_valid[b, k])):
+        for z in range(Z):
+          if int(logical[b, k, i]) * Z + z < int(lengths[b]):
+            keys.append(k_pages[int(page_idx[b, k, i]), z])
+            values.append(v_pages[int(page_idx[b, k, i]), z])
+      if keys:
+        s = q[b, k] @ np.asarray(keys).T / np.sqrt(E)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[b, k] = (w / w.sum(axis=-1, keepdims=True)) @ np.asarray(values)
+  return out
+
+
+KERNELS = {
+    "pallas": functools.partial(sparse_decode.paged_decode_attention, interpret=True),
+    "pallas_tpu": sparse_decode_tpu.paged_decode_attention,
+}
+
+
+@pytest.mark.parametrize("G,E,Z,X,N", [(2, 16, 8, 40, 5), (4, 32, 16, 30, 7)])
+def test_reference_reads_the_pool_through_page_tables(G, E, Z, X, N):
+  args = _pool_inputs(G + E, B=3, K=2, G=G, E=E, Z=Z, X=X, N=N)
+  got = jax.jit(reference.paged_decode_attention)(*args)
+  np.testing.assert_allclose(got, _naive(*args), atol=1e-5)
+  assert np.all(np.asarray(got)[-1] == 0)  # the empty slot reads nothing
+
+
+@pytest.mark.parametrize("impl", list(KERNELS))
+@pytest.mark.parametrize("G,E,Z,X,N", [(2, 16, 8, 40, 5), (4, 32, 16, 30, 7)])
+def test_kernels_equal_their_twin_with_page_tables(impl, G, E, Z, X, N):
+  args = _pool_inputs(G + E + 1, B=3, K=2, G=G, E=E, Z=Z, X=X, N=N)
+  want = jax.jit(reference.paged_decode_attention)(*args)
+  np.testing.assert_allclose(jax.jit(KERNELS[impl])(*args), want, atol=1e-5)
+  dispatched = jax.jit(functools.partial(policy.paged_decode_attention, impl=impl))(*args)
+  np.testing.assert_allclose(dispatched, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_engine_decode_attention_lowers_for_accelerators(platform):
+  """policy.paged_decode_attention with impl auto exports for CUDA and TPU from this CPU: the
+  Pallas kernel of each platform in the module (Qwen3 head shapes, a pool of 4K pages)."""
+  B, K, G, E, Z, X, N = 4, 8, 2, 128, 16, 4096, 64
+  shapes = [((B, K, G, E), jnp.bfloat16), ((K * X, Z, E), jnp.bfloat16),
+            ((K * X, Z, E), jnp.bfloat16), ((B, K, N), jnp.int32), ((B, K, N), jnp.int32),
+            ((B, K), jnp.int32), ((B,), jnp.int32)]
+  # Triton IR has no cross-version guarantee, so jax.export asks to accept it by name
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  exported = jax.export.export(jax.jit(policy.paged_decode_attention), platforms=[platform],
+                               disabled_checks=disabled if platform == "cuda" else ())(
+      *[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+  module = exported.mlir_module()
+  assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in module
