@@ -3,44 +3,139 @@
 Restarting with the same workdir resumes from the latest checkpoint: the rollout PRNG key is
 derived from (seed, step) and the data position is stored, so the resumed run replays exactly what
 an uninterrupted run would have done.
+
+Each checkpoint's meta carries a checksum of every array of the state (`checksums`), verified on
+restore: a byte flipped on disk reads back as a corrupt checkpoint, not as silently wrong weights.
 """
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
+from sparrow_jax.model import sharding
+
+CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
+
 
 def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+  # Handlers named up front, so a fresh manager can read a checkpoint's metadata (its tree of
+  # shapes and dtypes) before restoring it.
+  return ocp.CheckpointManager(
+      os.path.abspath(os.path.join(workdir, "checkpoints")),
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep),
+      item_handlers={"state": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()})
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
+  meta = {**meta, CHECKSUMS: checksums(state)}
   mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                          meta=ocp.args.JsonSave(meta)))
+
+
+def _leaf_checksum(x):
+  """uint32[2]: the wrapping sums of the leaf's bit patterns u_i and of u_i * (2i + 1).
+
+  Integer sums are exact in any order, so every sharding and mesh gives the same value (a run may
+  resume on another mesh). A changed byte changes u_i by b * 2**(8k) with 0 < |b| < 256, k < 4,
+  which is nonzero mod 2**32, and an odd factor keeps it nonzero: one flipped byte always shows.
+  """
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  if x.dtype.itemsize >= 4:  # 8-byte values become two uint32 words (a trailing axis)
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  else:
+    u = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  u = u.astype(jnp.uint32).ravel()
+  i = jnp.arange(u.size, dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * (2 * i + 1), dtype=jnp.uint32)])
+
+
+_checksum_tree = jax.jit(lambda tree: jax.tree_util.tree_map(_leaf_checksum, tree))
+
+
+def checksums(state) -> dict:
+  """{leaf path: 16 hex digits} of every array of `state` (any sharding; computed on device)."""
+  sums = _checksum_tree(state)
+  return {jax.tree_util.keystr(path): "".join(f"{int(v):08x}" for v in sharding.to_host(s))
+          for path, s in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+class _Unreadable(Exception):
+  """The checkpoint's bytes do not read as a checkpoint (or not as the one that was saved)."""
+
+
+def _shapes(tree, serialize: bool) -> dict:
+  """{'a/b/c': (shape, dtype name)} of a checkpoint's metadata tree, or (serialize) of an abstract
+  state, keyed the way orbax stores a tree (nested dicts of field names), so the two compare."""
+  if serialize:
+    tree = ocp.tree.serialize_tree(tree, keep_empty_nodes=True)
+  return {"/".join(map(str, k)): (tuple(v.shape), str(v.dtype))
+          for k, v in ocp.tree.to_flat_dict(tree).items() if hasattr(v, "shape")}
+
+
+def state_difference(saved: dict, wanted: dict) -> str:
+  """'' when the two `_shapes` maps agree, else the first differences in words."""
+  diffs = [f"{k} only in the checkpoint" for k in sorted(set(saved) - set(wanted))]
+  diffs += [f"{k} only in this config's state" for k in sorted(set(wanted) - set(saved))]
+  diffs += [f"{k} is {saved[k][0]} {saved[k][1]} in the checkpoint, {wanted[k][0]} "
+            f"{wanted[k][1]} here" for k in sorted(set(saved) & set(wanted))
+            if saved[k] != wanted[k]]
+  return "; ".join(diffs[:3]) + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
+
+
+def _restore(mgr, step, abstract, path):
+  """(state, meta) of checkpoint `step`. Raises _Unreadable when its files do not read as a
+  checkpoint or fail their checksums, ValueError when it reads but holds another state."""
+  try:
+    saved = _shapes(mgr.item_metadata(step)["state"].tree, serialize=False)
+  except (MemoryError, PermissionError):  # the machine, not the checkpoint
+    raise
+  except Exception as e:  # orbax / tensorstore / JSON errors of damaged metadata
+    raise _Unreadable(f"{type(e).__name__}: {e}") from e
+  difference = state_difference(saved, _shapes(abstract, serialize=True))
+  if difference:
+    raise ValueError(
+        f"checkpoint {path} holds another train state than this config's ({difference}): it was "
+        "written by another config or code version. Nothing was changed; resume with that run's "
+        "config or use a new config.workdir")
+  try:
+    restored = mgr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+  except (MemoryError, PermissionError):
+    raise
+  except Exception as e:  # damaged array data or meta JSON
+    raise _Unreadable(f"{type(e).__name__}: {e}") from e
+  want = restored.meta.get(CHECKSUMS)
+  if want is not None:  # checkpoints written before checksums existed are taken as they are
+    got = checksums(restored.state)
+    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+    if bad:
+      raise _Unreadable(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
+  return restored.state, {k: v for k, v in restored.meta.items() if k != CHECKSUMS}
 
 
 def restore_latest(mgr: ocp.CheckpointManager, like_state):
   """(state, meta) of the newest readable checkpoint, or None when there is none; arrays come back
 on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
-  A checkpoint that fails to restore (e.g. a write cut short) is moved aside to
-  `<step>.corrupt` with a warning naming it, and the previous one is tried: a later save at that
-  step must not collide with it, and nothing is deleted.
+  Only a checkpoint whose files fail to read as a checkpoint, or fail their checksums, is moved
+  aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later save
+  at that step must not collide with it, and nothing is deleted. A checkpoint that reads but holds
+  another state (a changed config) raises ValueError and changes nothing on disk.
   """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
   for step in sorted(mgr.all_steps(), reverse=True):
+    path = os.path.join(str(mgr.directory), str(step))
     try:
-      restored = mgr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-      return restored.state, restored.meta
-    except Exception as e:  # orbax / tensorstore / JSON errors of a damaged checkpoint
-      path = os.path.join(str(mgr.directory), str(step))
+      return _restore(mgr, step, abstract, path)
+    except _Unreadable as e:
       if jax.process_index() == 0:
         os.replace(path, f"{path}.corrupt")
       multihost_utils.sync_global_devices(f"moved aside checkpoint {step}")
       mgr.reload()
-      print(f"warning: checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-            f"moved to {path}.corrupt, trying the previous one", flush=True)
+      print(f"warning: checkpoint {path} is unreadable ({str(e)[:200]}); moved to "
+            f"{path}.corrupt, trying the previous one", flush=True)
   return None
