@@ -1,4 +1,8 @@
-"""Metrics out: TensorBoard (tensorboardX writer) and a metrics.jsonl that notebooks can read."""
+"""Metrics out: TensorBoard (tensorboardX writer) and a metrics.jsonl that notebooks can read.
+
+Nothing a kill can tear: metrics.jsonl is only appended to (a torn last line, a write the kill cut,
+is dropped when the run resumes), and whole files are replaced atomically (`write_atomic`).
+"""
 import json
 import os
 
@@ -16,10 +20,8 @@ class MetricsLogger:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(path):
-      with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-      with open(path, "w") as f:
-        f.writelines(kept)
+      kept = [row for row in read_rows(path) if row["step"] <= resume_step]
+      write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
     self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                 purge_step=resume_step + 1 if resume_step else None)
     self.jsonl = open(path, "a")
@@ -57,3 +59,37 @@ class MetricsLogger:
   def close(self) -> None:
     self.writer.close()
     self.jsonl.close()
+
+
+def read_rows(path: str) -> list:
+  """The rows of a metrics.jsonl. A last line that does not parse is a write cut by a kill and is
+  left out; a bad line before it is damage this file's writer cannot make: ValueError naming it."""
+  with open(path) as f:
+    lines = f.read().split("\n")
+  rows = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      if any(rest.strip() for rest in lines[i + 1:]):
+        raise ValueError(f"{path} line {i + 1} is not JSON ({line[:80]!r}); only a torn last line "
+                         "is repaired: fix or remove that line to resume") from None
+  return rows
+
+
+def write_atomic(path: str, text: str) -> None:
+  """`text` as the file `path`, all or nothing: written to a temporary file beside it, flushed to
+  disk, then renamed over it, so a kill leaves the old file or the new one, never a torn one."""
+  directory, name = os.path.split(os.path.abspath(path))
+  tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # open(): the usual file mode
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
