@@ -4,13 +4,22 @@ Everything a step needs is a pure function of (config, step, restored state): th
 `step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
 table is in the checkpoint meta. So a run killed at any point and restarted with the same workdir
 replays exactly the steps an uninterrupted run would have taken.
+
+A run never loses data: every check that can run before the workdir is written does (`validate`,
+then `check_inputs` against the task and the model), so a config error leaves no workdir behind;
+one run holds a workdir at a time (`workdir_lock`); whole files are replaced atomically and
+metrics.jsonl is append-only; only a checkpoint that does not read as one (or fails its checksums)
+is moved aside, and any other restore error stops the run, changing nothing (sparrow_jax.checkpoint).
 """
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
 import os
 import shutil
+import socket
 import time
 
 import jax
@@ -40,11 +49,32 @@ def _require(ok: bool, field: str, value, allowed: str):
     raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
 
 
+# Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
+INT_MIN, INT_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def _check_scalars(c) -> None:
+  """Each value alone: a workdir to write to, a seed a PRNG key holds, every int in int32 and
+  every float finite (an inf learning rate or NaN coefficient would train on nonsense)."""
+  _require(isinstance(c.workdir, str) and c.workdir.strip() != "", "workdir", c.workdir,
+           "must be a directory path (not empty)")
+  _require(isinstance(c.seed, int) and not isinstance(c.seed, bool) and 0 <= c.seed <= INT_MAX,
+           "seed", c.seed, f"must be an int in [0, {INT_MAX}]")
+  for field, value in _flat(c.to_dict()).items():
+    if isinstance(value, float):
+      _require(math.isfinite(value), field, value, "must be a finite number")
+    elif isinstance(value, int) and not isinstance(value, bool):
+      _require(INT_MIN <= value <= INT_MAX, field, value,
+               f"must be an int in [{INT_MIN}, {INT_MAX}]")
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Rejects a bad config up front, naming the field. The train step's own fields are checked by
   `StepConfig.__post_init__` (via `step_config`) and the sparse ones by `SparseConfig`; what is
-  left here is what only the whole config knows."""
+  left here is what only the whole config knows. What needs the data or the model's vocabulary is
+  `check_inputs`, also run before anything is written."""
   r = c.rollout
+  _check_scalars(c)
   step_config(c)
   p = r.page_size
   _require(isinstance(p, int) and p > 0 and not p & (p - 1), "rollout.page_size", p,
@@ -187,9 +217,24 @@ def _check_model_fits(c):
 
 
 def make_task(c):
-  """The task of config `c` (its `task` group and `seed`) from the task registry."""
-  return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed,
-                         min_hops=c.task.min_hops, max_hops=c.task.max_hops)
+  """The task of config `c` (its `task` group and `seed`) from the task registry; an unknown name
+  or unreadable data names the config fields."""
+  try:
+    return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed,
+                           min_hops=c.task.min_hops, max_hops=c.task.max_hops)
+  except (ValueError, OSError) as e:
+    raise ValueError(f"config.task.name = {c.task.name!r} with config.task.path = "
+                     f"{c.task.path!r} is invalid: {e}") from None
+
+
+def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
+  """The checks that need the task, the model's config and its tokenizer, run before anything is
+  written: top-k log-probs within the vocabulary, and the first step's prompts within
+  rollout.max_prompt_len (a later, longer prompt stops the run at its step, the workdir intact)."""
+  r = c.rollout
+  _require(r.num_top_logprobs <= cfg.vocab_size, "rollout.num_top_logprobs", r.num_top_logprobs,
+           f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)")
+  _prompts(task.sample(r.prompts_per_step, 0), tokenizer, 1, r.max_prompt_len)
 
 
 def load_model(c, task):
@@ -323,12 +368,23 @@ def _flat(d, prefix=""):
 
 def check_resume(c) -> None:
   """A workdir holds one run: resuming it with another config (other than RESUMABLE_FIELDS) would
-  mix two runs in one set of curves and checkpoints, so it is refused, naming the fields."""
+  mix two runs in one set of curves and checkpoints, so it is refused, naming the fields. So are
+  checkpoints without a readable config.json: nothing says which config they belong to. Reads
+  only: a refusal changes nothing."""
   path = os.path.join(c.workdir, "config.json")
+  put_back = "Nothing was changed; put back the run's config.json, or use a new config.workdir"
   if not os.path.exists(path):
+    checkpoints = os.path.join(c.workdir, "checkpoints")
+    if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
+      raise ValueError(f"config.workdir = {c.workdir!r} holds checkpoints ({checkpoints}) but no "
+                       f"config.json to check this config against. {put_back}")
     return
-  with open(path) as f:
-    old = _flat(json.load(f))
+  try:
+    with open(path) as f:
+      old = _flat(json.load(f))
+  except ValueError as e:
+    raise ValueError(f"config.workdir = {c.workdir!r}: {path} is not JSON ({e}). "
+                     f"{put_back}") from None
   new = _flat(json.loads(c.to_json_best_effort()))
   changed = [k for k in sorted(set(old) | set(new))
              if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS]
@@ -425,20 +481,50 @@ def _rollout_weights(state, mesh):
   return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
 
 
+LOCK_FILE = "run.lock"
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """One run per workdir: an exclusive flock on <workdir>/run.lock, held while the run lasts. The
+  kernel drops it when the process dies, even by SIGKILL, so a killed run leaves nothing stuck. A
+  second run is refused (ValueError naming the holder). flock is per host: on a shared file system
+  it holds across hosts only where that file system supports flock."""
+  f = open(os.path.join(workdir, LOCK_FILE), "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    holder = f.read().strip() or "another process"
+    f.close()
+    raise ValueError(f"config.workdir = {workdir!r} is in use by another run ({holder}; "
+                     f"{os.path.join(workdir, LOCK_FILE)} is locked): one run per workdir; wait "
+                     "for it to end or use another config.workdir") from None
+  try:
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    yield
+  finally:
+    f.close()  # releases the lock
+
+
 def train(c: ml_collections.ConfigDict) -> list:
   """Runs (or resumes) the job described by config `c`; returns the per-step metrics rows."""
   validate(c)
   init_distributed(c)
   mesh = make_mesh(c)
-  with jax.set_mesh(mesh):
-    return _train(c, mesh)
+  with jax.set_mesh(mesh), contextlib.ExitStack() as run:
+    return _train(c, mesh, run)
 
 
-def _train(c, mesh):
+def _train(c, mesh, run: contextlib.ExitStack):
+  """The run; what it holds until it ends (the workdir lock) goes on `run`."""
   lead = jax.process_index() == 0  # writes the logs, the config and the exported policy
-  check_resume(c)
+  check_resume(c)  # reads only: a changed config fails before the model loads
   task = make_task(c)  # before the model: a bad dataset fails in seconds
   cfg, params, tokenizer = load_model(c, task)
+  check_inputs(c, task, cfg, tokenizer)
   r = c.rollout
   sparse = _sparse(c)
   adaptive = _adaptive(c)  # (first table, ceiling, next_topk) or None
@@ -456,7 +542,11 @@ def _train(c, mesh):
   n_rows = n_prompts * r.group_size
   lo, hi = sharding.process_rows(rows_sh, n_rows)  # this process's rows: its prompts and rewards
 
+  # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   os.makedirs(c.workdir, exist_ok=True)
+  if lead:
+    run.enter_context(workdir_lock(c.workdir))
+    check_resume(c)  # again under the lock: a run may have written its config.json meanwhile
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, state)  # restored onto the state's shardings
   start = 0
@@ -481,8 +571,8 @@ def _train(c, mesh):
            "run, nothing rewritten (raise config.total_steps to continue)")
     return []
   if lead:
-    with open(os.path.join(c.workdir, "config.json"), "w") as f:
-      f.write(c.to_json_best_effort(indent=2))
+    metrics_log.write_atomic(os.path.join(c.workdir, "config.json"),
+                             c.to_json_best_effort(indent=2))
   logger = metrics_log.MetricsLogger(c.workdir, resume_step=start) if lead else None
   cache_len = r.max_prompt_len + r.max_new_tokens
   # One static cap on selected pages for every table the run can use (all stages, or up to the
@@ -601,16 +691,21 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
     if lead:
       export_policy(c, cfg, params, os.path.join(c.workdir, "hf"), task)
   if lead:  # time_s null: the run's time was not measured by the process that finished it
-    with open(os.path.join(c.workdir, "summary.json"), "w") as f:
-      json.dump({"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)}, f,
-                indent=2, allow_nan=False)
+    metrics_log.write_atomic(os.path.join(c.workdir, "summary.json"), json.dumps(
+        {"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)}, indent=2,
+        allow_nan=False))
 
 
-def _logged_row(workdir: str, step: int) -> dict:
-  """Step `step`'s row of metrics.jsonl (the logger's form: per-bin lists, no histograms)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return next(r for r in rows if r["step"] == step)
+def _logged_row(workdir: str, step: int) -> dict | None:
+  """Step `step`'s row of metrics.jsonl (the logger's form: per-bin lists, no histograms); None,
+  with a warning, when the file does not hold it (a write the machine lost)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  rows = [r for r in (metrics_log.read_rows(path) if os.path.exists(path) else ())
+          if r.get("step") == step]
+  if not rows:
+    _print(f"warning: {path} has no row of step {step}; summary.json's last is null")
+    return None
+  return rows[-1]
 
 
 def _print(message: str) -> None:
