@@ -144,6 +144,12 @@ def load_rows(path: str, split: str = "train"):
   for file in files:
     if file.endswith(".parquet"):
       import datasets
+      import pyarrow.parquet
+      try:  # its footer first: pyarrow's error alone names no file, and datasets logs it again
+        pyarrow.parquet.read_metadata(file)
+      except Exception as e:
+        raise ValueError(f"{file} is not a readable parquet file ({type(e).__name__}: "
+                         f"{e})") from None
       yield from datasets.load_dataset("parquet", data_files=[file], split="train")
     else:
       yield from _read_json_rows(file)

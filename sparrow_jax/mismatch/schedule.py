@@ -234,6 +234,8 @@ class KVSchedule:
     if not isinstance(d, dict) or set(d) != set(_FIELDS):
       got = sorted(d) if isinstance(d, dict) else type(d).__name__
       raise ValueError(f"KVSchedule JSON must have exactly the fields {list(_FIELDS)}, got {got}")
+    if not isinstance(d["values"], list):
+      raise ValueError(f"KVSchedule JSON 'values' must be a list of ints, got {d['values']!r}")
     return cls(**d)
 
 
