@@ -2,13 +2,17 @@
 
   python experiments/device_check.py [--out=device_check.json]   # on the accelerator, < 8 min
   python experiments/device_check.py --smoke                      # tiny sizes, any backend (CI)
+  python experiments/device_check.py --config=configs/device_check.py:smoke --config.x=y  # + overrides
 """
 import ml_collections
+
+from configs import bench_rollout
 
 
 def get_config(arg: str = ""):
   smoke = arg == "smoke"
   c = ml_collections.ConfigDict()
+  c.smoke = smoke                             # tiny sizes (configs/device_check.py:smoke)
   # (1) kernel == jnp twin, on the device (interpret mode off its hardware)
   c.kernel_context = 512 if smoke else 8192   # cache slots per row of the kernel checks
   # (2) attention only, dense vs sparse (experiments/bench_attention.py's measure)
@@ -33,4 +37,13 @@ def get_config(arg: str = ""):
   c.decode.runs = 1 if smoke else 3           # timed calls (median)
   c.decode.dense_layers = 1 if smoke else 2  # first layers kept dense in sparse decode (paper: 2)
   c.decode.tau = 0.86                         # the paper's Qwen3-1.7B budget table at this tau
+  # (4) the rollout engine on a long-tail workload (experiments/bench_rollout.py's (d)): a random
+  # Qwen3-1.7B, 32 rows of geometric lengths (mean 16K) capped at 32K, dense vs sparse tokens/s on
+  # one device: what compares with the paper's 640 / 1,416 tokens/s per GPU (Table 2, 4 H200s).
+  c.engine = bench_rollout.get_config().engine
+  c.engine.update(model="qwen3-1.7b", layers=2 if smoke else 28, dtype="bfloat16",
+                  prompts=2 if smoke else 4, group_size=2 if smoke else 8,
+                  prompt=64 if smoke else 1024, cutoff=256 if smoke else 32768,
+                  slots=4 if smoke else 32, chunk_steps=16 if smoke else 64, dense_layers=2,
+                  pool_gb=0.0 if smoke else 60.0, static_slots=2, settings=("engine",))
   return c

@@ -62,14 +62,17 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from configs import common
 import sparrow_jax as sj
+from sparrow_jax import records
 from sparrow_jax.attention import paged_cache, policy
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
-from sparrow_jax.model import qwen3
-from sparrow_jax.rollout import sampler
+from sparrow_jax.model import hf, qwen3
+from sparrow_jax.rollout import engine, sampler
 
 FULL_LAYERS = 28
+ROOT = records.ROOT
 
 
 def _median_s(calls, runs):
@@ -344,17 +347,113 @@ def bench_tunix(config):
         f"(tunix returned {b.shape[1]} tokens per row, ours {a.shape[1]})")
 
 
+# ------------------------------------------------- (d) long-tail rollouts: engine vs static batch
+
+def engine_model(c) -> sj.Qwen3Config:
+  """The bench's model: "default" is the shipped tiny default's shape (configs/common.py's hf_dir),
+  "qwen3-1.7b" the 1.7B shape truncated to `engine.layers` layers (vocab as in (b)); random
+  weights, positions enough for the prompt and the cutoff."""
+  if c.model == "default":
+    cfg = hf.load_config(os.path.join(ROOT, common.model().hf_dir))
+  elif c.model == "qwen3-1.7b":
+    cfg = model_config(c.layers, 0)
+  else:
+    raise ValueError(f"engine.model must be 'default' or 'qwen3-1.7b', got {c.model!r}")
+  return dataclasses.replace(cfg, max_position_embeddings=c.prompt + c.cutoff)
+
+
+def long_tail_lengths(rows: int, cutoff: int, seed: int) -> np.ndarray:
+  """Per-row completion lengths: geometric with mean cutoff / 2, capped at the cutoff (the
+  long-tailed lengths of RL rollouts, which the paper's 37K cutoff truncates)."""
+  return np.minimum(np.random.default_rng(seed).geometric(2.0 / cutoff, rows), cutoff)
+
+
+def bench_engine(config):
+  """The engine's settings (static batch, continuous) on the same rows and the same pool memory,
+  dense and sparse: useful tokens/s, rows in flight, occupancy. Returns the results dict."""
+  c = config.engine
+  cfg = engine_model(c)
+  dtype = jnp.dtype(c.dtype)
+  rows = c.prompts * c.group_size
+  lengths = long_tail_lengths(rows, c.cutoff, c.seed)
+  rng = np.random.default_rng(c.seed)
+  prompt_BT = np.repeat(rng.integers(1, cfg.vocab_size, (c.prompts, c.prompt)), c.group_size, 0)
+  prompt_len_B = np.full((rows,), c.prompt, np.int32)
+  params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype, std=0.02)
+  sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
+  row_pages = -(-(c.prompt + c.cutoff) // 16)
+  # the pool: pool_gb of pages, or (0) the static batch's memory, static_slots rows at full length
+  pool = (engine.pages_for_bytes(cfg, c.pool_gb * 1e9, 16, dtype, sparse.page_score)
+          if c.pool_gb else c.static_slots * row_pages + 1)
+  settings = {"static": engine.EngineConfig(num_slots=c.static_slots, num_pages=pool,
+                                            chunk_steps=c.chunk_steps, static=True),
+              "engine": engine.EngineConfig(num_slots=c.slots, num_pages=pool,
+                                            chunk_steps=c.chunk_steps)}
+  if set(c.settings) - set(settings):
+    raise ValueError(f"engine.settings takes {tuple(settings)}, got {c.settings}")
+  schedule = KVSchedule.paper("qwen3-1.7b", c.tau)
+  print(f"(d) long-tail rollouts, {jax.default_backend()} ({jax.devices()[0].device_kind}): "
+        f"{c.model} shape ({cfg.num_hidden_layers} layers, width {cfg.hidden_size}, vocab "
+        f"{cfg.vocab_size}, {c.dtype}, random weights), {c.prompts} prompts x {c.group_size} rows, "
+        f"prompt {c.prompt}, lengths geometric mean {c.cutoff // 2} capped at {c.cutoff} (total "
+        f"{lengths.sum()}, longest {lengths.max()}); pool {pool} pages of 16 = {pool * 16} tokens "
+        f"for every setting; sparse: paper tau-{c.tau} Qwen3-1.7B table, {c.dense_layers} dense "
+        f"layers", flush=True)
+  print(f"{'attention':>9} {'setting':>8} {'slots':>5} {'tok/s':>9} {'rows in flight':>14} "
+        f"{'occupancy':>9} {'preempted':>9} {'peak pages':>10} {'seconds':>8}")
+  results = dict(model=c.model, config=c.to_dict(), pool_pages=pool,
+                 total_tokens=int(lengths.sum()), runs={})
+  for attention in ("dense", "sparse"):
+    kw = dict(sparse=sparse, schedule=schedule) if attention == "sparse" else {}
+    for name in c.settings:
+      setting = settings[name]
+      run = lambda max_new: engine.run(
+          params, cfg, prompt_BT, prompt_len_B, jax.random.PRNGKey(1), max_new_tokens=max_new,
+          engine=setting, group_size=c.group_size, **kw)
+      # warm-up: the same compiled shapes (the cutoff sets the page tables' width), little decoding
+      run(np.where(np.arange(rows) == 0, c.cutoff, 1))
+      start = time.perf_counter()
+      out, stats = run(lengths)
+      seconds = time.perf_counter() - start
+      if not np.array_equal(np.asarray(out.lengths), lengths):
+        raise RuntimeError(f"{attention} {name}: rows did not run to their forced lengths")
+      tok_s = int(lengths.sum()) / seconds
+      results["runs"][f"{attention}/{name}"] = dict(
+          tokens_per_s=tok_s, rows_in_flight=stats.rows_in_flight, occupancy=stats.occupancy,
+          preemptions=stats.preemptions, peak_pages=stats.peak_pages, seconds=seconds,
+          slots=setting.num_slots, decode_steps=stats.decode_steps)
+      print(f"{attention:>9} {name:>8} {setting.num_slots:>5} {tok_s:>9.1f} "
+            f"{stats.rows_in_flight:>14.2f} {stats.occupancy:>9.2f} {stats.preemptions:>9} "
+            f"{stats.peak_pages:>10} {seconds:>8.1f}", flush=True)
+  r, results["ratios"] = results["runs"], {}
+  pairs = [("engine/static dense", "dense/engine", "dense/static", "tokens_per_s"),
+           ("engine/static sparse", "sparse/engine", "sparse/static", "tokens_per_s"),
+           ("rows in flight engine/static", "dense/engine", "dense/static", "rows_in_flight"),
+           ("sparse/dense static", "sparse/static", "dense/static", "tokens_per_s"),
+           ("sparse/dense engine", "sparse/engine", "dense/engine", "tokens_per_s")]
+  for name, a, b, key in pairs:
+    if a in r and b in r:
+      results["ratios"][name] = r[a][key] / r[b][key]
+      print(f"    {name}: {results['ratios'][name]:.2f}x")
+  if c.record:
+    records.write_record(os.path.join(ROOT, c.record), results)
+    print(f"    record: {c.record}")
+  return results
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   parts = config.parts.split(",")
-  if set(parts) - {"b", "c"}:
-    raise ValueError(f"parts takes b and/or c, got {config.parts!r}")
+  if set(parts) - {"b", "c", "d"}:
+    raise ValueError(f"parts takes b, c and/or d, got {config.parts!r}")
   if "b" in parts:
     bench_decode(config)
   if "c" in parts:
     bench_tunix(config)
+  if "d" in parts:
+    bench_engine(config)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,17 @@ JSON.
     with 32K - 64 tokens, no prefill: experiments/bench_rollout.py's filled_cache and decode_loop),
     64 greedy steps dense vs sparse (the paper's tau-0.86 table, 2 dense layers): tok/s, compile
     seconds and the compiled temp size of each.
+(4) the rollout engine (experiments/bench_rollout.py's (d)) on long-tailed rows up to 32K: dense vs
+    sparse useful tokens/s on this one device, rows in flight, occupancy.
+
+Each part runs on its own: a part that raises prints its traceback and the next part runs; the
+JSON (--out) is rewritten after every part; the summary is printed last. The exit status is
+non-zero only when a kernel differs from its twin (table (1)).
 """
 import dataclasses
 import json
 import time
+import traceback
 
 from absl import app, flags
 import jax
@@ -76,8 +83,10 @@ def check_kernels(config):
   rows = []
   for dtype in ("float32", "bfloat16"):
     args = _kernel_inputs(config.kernel_context, dtype, seed=len(rows))
-    want = np.asarray(jax.jit(reference.sparse_decode_attention, static_argnames="page_size")(
-        *args, page_size=16), np.float32)
+    # the twin at full float32 precision: at default precision a GPU runs its einsums in TF32
+    with jax.default_matmul_precision("highest"):
+      want = np.asarray(jax.jit(reference.sparse_decode_attention, static_argnames="page_size")(
+          *args, page_size=16), np.float32)
     for name, variant in _kernel_variants():
       knobs = {k: v for k, v in variant.items() if k != "fn"}
       got = np.asarray(jax.jit(lambda *a: variant["fn"](*a, page_size=16, **knobs))(*args),
@@ -192,6 +201,35 @@ def time_decode(config):
   return rows
 
 
+def _run_part(name, fn, report, out):
+  """report[name] = fn(), or the traceback if it raises; the JSON is rewritten either way."""
+  try:
+    report[name] = fn()
+  except Exception:  # a part's failure must not cost the other parts' results
+    report[name] = {"error": traceback.format_exc()}
+    print(f"\n({name}) failed:\n{report[name]['error']}", flush=True)
+  if out:
+    with open(out, "w") as f:
+      json.dump(report, f, indent=1, default=str)
+
+
+def _summary(report) -> str:
+  lines = ["| part | result |", "|---|---|"]
+  for name, value in report.items():
+    if isinstance(value, dict) and "error" in value:
+      lines.append(f"| {name} | failed: {value['error'].strip().splitlines()[-1]} |")
+    elif name == "kernels":
+      lines.append(f"| kernels | {sum(r['ok'] for r in value)}/{len(value)} equal their twin |")
+    elif name == "engine":
+      ratios = ", ".join(f"{k} {v:.2f}x" for k, v in value["ratios"].items())
+      rates = ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s" for k, v in value["runs"].items())
+      lines.append(f"| engine | {rates}{'; ' + ratios if ratios else ''} |")
+    elif name == "decode":
+      lines.append(f"| decode | sparse / dense "
+                   f"{value['sparse']['tok_s'] / value['dense']['tok_s']:.2f}x |")
+  return "\n".join(lines)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
@@ -199,19 +237,20 @@ def main(argv):
   start = time.perf_counter()
   device = jax.devices()[0]
   print(f"device_check: {device.platform} / {device.device_kind} x{jax.device_count()}, jax "
-        f"{jax.__version__}{' (smoke sizes)' if _FLAGS.smoke else ''}")
+        f"{jax.__version__}{' (smoke sizes)' if config.smoke else ''}")
   report = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                smoke=_FLAGS.smoke, kernels=check_kernels(config), attention=time_attention(config))
+                smoke=config.smoke)
+  parts = [("kernels", check_kernels), ("attention", time_attention)]
   if jax.default_backend() == "gpu":
-    report["tuning"] = time_tuning(config)
-  report["decode"] = time_decode(config)
+    parts.append(("tuning", time_tuning))
+  parts += [("decode", time_decode), ("engine", lambda c: bench_rollout.bench_engine(c))]
+  for name, fn in parts:
+    _run_part(name, lambda: fn(config), report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start
-  print(f"\ndevice_check done in {report['seconds']:.0f} s; kernels ok: "
-        f"{all(r['ok'] for r in report['kernels'])}")
-  if _FLAGS.out:
-    with open(_FLAGS.out, "w") as f:
-      json.dump(report, f, indent=1)
-  if not all(r["ok"] for r in report["kernels"]):
+  _run_part("seconds", lambda: report["seconds"], report, _FLAGS.out)
+  print(f"\ndevice_check done in {report['seconds']:.0f} s\n\n{_summary(report)}")
+  kernels = report["kernels"]
+  if isinstance(kernels, list) and not all(r["ok"] for r in kernels):
     raise SystemExit("a kernel differs from its jnp twin (table (1))")
 
 

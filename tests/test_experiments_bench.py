@@ -109,11 +109,30 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
     ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
-    ("bench_rollout", "--config.parts=d", "parts takes b and/or c, got 'd'"),
+    ("bench_rollout", "--config.parts=e", "parts takes b, c and/or d, got 'e'"),
+    ("bench_rollout", "--config.parts=d --config.engine.settings=batch", "engine.settings takes"),
 ])
 def test_bad_settings_fail_naming_the_value(script, override, message):
-  result = _run(script, override, check=False)
+  result = _run(script, *override.split(), check=False)
   assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
+  """(d) at toy size: the static batch and the engine, dense and sparse, run the same forced
+  lengths over one pool; the record carries its provenance."""
+  record = tmp_path / "engine.json"
+  out = _run("bench_rollout", "--config.parts=d", "--config.engine.prompts=2",
+             "--config.engine.group_size=4", "--config.engine.cutoff=128",
+             "--config.engine.static_slots=2", "--config.engine.slots=4",
+             "--config.engine.chunk_steps=8", f"--config.engine.record={record}").stdout
+  assert out.count(" static ") == 2 and out.count(" engine ") == 2, out
+  report = json.loads(record.read_text())
+  assert {"command", "commit", "machine", "date"} <= set(report)
+  runs = report["results"]["runs"]
+  assert {r["peak_pages"] for r in runs.values()} and all(
+      r["peak_pages"] < report["results"]["pool_pages"] for r in runs.values())
+  assert runs["dense/engine"]["rows_in_flight"] > runs["dense/static"]["rows_in_flight"]
+  assert set(report["results"]["ratios"]) >= {"engine/static dense", "sparse/dense engine"}
 
 
 def test_memory_report_compiles_each_part_without_allocating(tmp_path):
@@ -151,4 +170,24 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert all(r[n]["ms"] > 0 for r in report["attention"]["rows"]
              for n in ("dense", "whole cache", "sparse", "sparse+select"))
   assert report["decode"]["dense"]["tok_s"] > 0 and report["decode"]["sparse"]["temp_gb"] > 0
+  assert set(report["engine"]["runs"]) == {"dense/engine", "sparse/engine"}
+  assert report["engine"]["ratios"]["sparse/dense engine"] > 0
   assert "| kernel | dtype |" in result.stdout and "sparse / dense:" in result.stdout
+  assert result.stdout.rstrip().endswith("|")  # the summary table comes last
+
+
+def test_device_check_finishes_when_a_part_fails(tmp_path):
+  """A part that raises (here the engine, given a model name it does not know) prints its
+  traceback; the parts after it still run, the JSON holds every part, and the exit status stays 0
+  (only a kernel mismatch fails the check)."""
+  out = tmp_path / "device_check.json"
+  result = subprocess.run(
+      [sys.executable, "experiments/device_check.py", "--config=configs/device_check.py:smoke",
+       "--config.engine.model=bogus", "--config.attention.contexts=256", f"--out={out}"],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert "engine.model must be" in report["engine"]["error"]
+  assert report["decode"]["dense"]["tok_s"] > 0 and "seconds" in report
+  assert "| engine | failed: ValueError: engine.model must be" in result.stdout
