@@ -25,4 +25,9 @@ def get_config():
   #                                    thinking model (30B-A3B-Thinking-2507, AIME26, NVIDIA
   #                                    NeMo-Skills PR #1256) averaged 18.1K tokens
   c.page_selection = True            # count centroid reads, scoring and the top-k
+  # Engine vs static batch (roofline, one device in steady state):
+  c.pool_gb = 100.0                  # KV memory per device: an H200's 141 GB less weights and
+  #                                    working memory (the 14B's bf16 weights are 30 GB)
+  c.engine_slots = 256               # the engine's slots per device: enough that the pool, not the
+  #                                    slot count, bounds the rows in flight
   return c

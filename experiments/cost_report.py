@@ -8,7 +8,9 @@ the cutoff, without weight reads or prefill. The roofline model (`cost_model.roo
 prices the wall time of one device's batch: weights read once per decode step, page selection,
 rows stopping at different lengths, prefill. Both are printed with their relative error against
 the measured speedups (Sparrow, 4x H200, AIME24 x 8 samples, 32K cutoff), then the roofline's
-sensitivity to its two stated assumptions, the eFLOPs model per hardware, and page sizes.
+sensitivity to its two stated assumptions, the eFLOPs model per hardware, and page sizes. The
+static batch and the engine are priced side by side (`cost_model.roofline_static_rate`,
+`roofline_engine_rate`) in one pool of KV memory per device.
 """
 import numpy as np
 from absl import app, flags
@@ -106,6 +108,44 @@ def _print_absolute_rate(config):
         "lower the speedup most where steps are shortest.")
 
 
+def _print_engine(config):
+  """Static batch vs engine per model, and the paper's absolute rate beside both."""
+  kw = dict(mean_len_frac=config.mean_len_frac, n_samples=config.n_samples,
+            hardware=config.roofline_hardware, page_selection=config.page_selection)
+  print(f"\nStatic batch vs engine (rollout/engine.py), roofline on {config.roofline_hardware}, one "
+        f"device in steady state, {config.pool_gb:g} GB of KV pool, prompt {config.prompt_len}, "
+        f"cutoff {config.gen_len}, mean length {config.mean_len_frac:.2f} x cutoff: the static "
+        f"batch allocates every row at the cutoff (finished rows stop costing, the batch waits "
+        f"for its longest); the engine ({config.engine_slots} slots) refills slots and takes "
+        "pages as rows grow. Generated tokens/s per device (rows in flight).")
+  print(f"{'model':11s} {'static dense':>16s} {'static sparse':>16s} {'engine dense':>16s} "
+        f"{'engine sparse':>16s} {'engine/static':>15s} {'sparse/dense':>15s}")
+  rates = {}
+  for model in PAPER_SPEEDUP:
+    pool = config.pool_gb * 1e9 / cost_model.kv_bytes_per_token(model, config.roofline_hardware)
+    for name, schedule in (("dense", None), ("sparse", KVSchedule.paper(model, config.tau))):
+      rates[model, "static", name] = cost_model.roofline_static_rate(
+          model, schedule, config.prompt_len, config.gen_len, pool_tokens=pool, **kw)
+      rates[model, "engine", name] = cost_model.roofline_engine_rate(
+          model, schedule, config.prompt_len, config.gen_len, slots=config.engine_slots,
+          pool_tokens=pool, **kw)
+    cell = lambda s, n: f"{rates[model, s, n][0]:7.0f} ({rates[model, s, n][1]:5.1f})"
+    ratio = lambda a, b: rates[model, *a][0] / rates[model, *b][0]
+    print(f"{model:11s} {cell('static', 'dense'):>16s} {cell('static', 'sparse'):>16s} "
+          f"{cell('engine', 'dense'):>16s} {cell('engine', 'sparse'):>16s} "
+          f"{ratio(('engine', 'dense'), ('static', 'dense')):6.2f}/"
+          f"{ratio(('engine', 'sparse'), ('static', 'sparse')):.2f}x "
+          f"{ratio(('static', 'sparse'), ('static', 'dense')):6.2f}/"
+          f"{ratio(('engine', 'sparse'), ('engine', 'dense')):.2f}x")
+  model, dense_rate, sparse_rate, gpus = PAPER_RATE
+  print(f"  {model} per GPU, measured by the paper (Table 2, {gpus}x H200, AIME24 x 8, 32K): "
+        f"dense {dense_rate / gpus:.0f}, sparse {sparse_rate / gpus:.0f} tok/s; predicted static "
+        f"{rates[model, 'static', 'dense'][0]:.0f} / {rates[model, 'static', 'sparse'][0]:.0f}, "
+        f"engine {rates[model, 'engine', 'dense'][0]:.0f} / "
+        f"{rates[model, 'engine', 'sparse'][0]:.0f} (engine/static ratios read as cells above; "
+        "sparse/dense: static / engine).")
+
+
 def _print_sensitivity(config):
   means = sorted(set(MEAN_LEN_FRACS) | {config.mean_len_frac}, reverse=True)
   batches = sorted(set(BATCHES) | {config.batch_per_device})
@@ -160,6 +200,7 @@ def main(argv):
   _print_assumptions(config)
   _print_comparison(config)
   _print_absolute_rate(config)
+  _print_engine(config)
   _print_sensitivity(config)
   _print_eflops_by_hardware(config)
   _print_page_sizes(config)

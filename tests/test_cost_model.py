@@ -254,3 +254,27 @@ def test_peak_memory_by_hand():
   assert got == 2 * cost_model.param_count(cfg) + 60 * 5120 * kv_per_token
   assert cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60,
                                       mean_len_frac=0.5) < got
+
+
+def test_engine_and_static_rooflines_agree_where_the_batches_are_the_same():
+  """Every row to the cutoff and as many slots as the static batch holds rows: the engine's steady
+  state runs the same rows at the same mean position, so both rates agree; with long-tailed
+  lengths and free slots the engine holds more rows and is faster, dense and sparse."""
+  model, prompt, cutoff = "qwen3-1.7b", 1024, 8192
+  pool = 40 * (prompt + cutoff)
+  schedule = KVSchedule.paper(model, 0.86)
+  for sched in (None, schedule):
+    static, static_rows = cost_model.roofline_static_rate(model, sched, prompt, cutoff,
+                                                          pool_tokens=pool, mean_len_frac=1.0)
+    engine, engine_rows = cost_model.roofline_engine_rate(model, sched, prompt, cutoff, slots=40,
+                                                          pool_tokens=pool, mean_len_frac=1.0)
+    assert static_rows == engine_rows == 40
+    assert abs(engine / static - 1) < 0.02, (engine, static)
+    tail = dict(pool_tokens=pool, mean_len_frac=0.3)
+    static_tail, static_rows = cost_model.roofline_static_rate(model, sched, prompt, cutoff, **tail)
+    engine_tail, engine_rows = cost_model.roofline_engine_rate(model, sched, prompt, cutoff,
+                                                               slots=1000, **tail)
+    assert engine_rows > 2 * static_rows and engine_tail > static_tail
+  held = 1024 / 8 + np.sum(np.arange(1, cutoff + 1)) / cutoff  # uniform positions
+  assert cost_model.roofline_engine_rate(model, None, prompt, cutoff, slots=10**6,
+                                         pool_tokens=pool, mean_len_frac=1.0)[1] == pool / held

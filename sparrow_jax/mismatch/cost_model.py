@@ -28,6 +28,11 @@ at different lengths (the batch shrinks as they finish) and prefill. With every 
 an unbounded batch and free compute it gives the eFLOPs ratio (within 0.3%, the top-k's scores). On
 an H200 it then runs 5-12% above it: eFLOPs adds the compute (mostly 2P per token) to the memory
 term, while in a memory-bound decode step the compute hides behind the reads.
+
+`roofline_static_rate` and `roofline_engine_rate` price the two ways rollout/engine.py runs rows
+in a pool of KV memory: the static batch (every row allocated at the cutoff, a batch decoded until
+its longest row ends) and continuous batching (slots refilled as rows end, pages taken as rows
+grow), each in generated tokens per second and rows in flight.
 """
 import dataclasses
 import time
@@ -296,6 +301,57 @@ def roofline_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
   return dense / roofline_rollout_time(model, schedule, prompt_len, gen_len, **common,
                                        dense_layers=dense_layers, page_size=page_size,
                                        page_selection=page_selection, page_score=page_score)
+
+
+def kv_bytes_per_token(model, hardware="h200") -> float:
+  """Bytes of K and V one cached token takes over every layer."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  return hw.dtype_bytes * 2 * cfg.kv_width * cfg.num_hidden_layers
+
+
+def roofline_static_rate(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
+                         pool_tokens: float, mean_len_frac: float, n_samples: int = 8,
+                         hardware="h200", **sparse_kw) -> tuple[float, float]:
+  """(generated tokens/s, mean rows in flight) of one device running the static batch in a pool of
+  `pool_tokens` cached tokens: every row is allocated at prompt + cutoff, so the batch is
+  pool_tokens // (prompt_len + gen_len) rows, started together and decoded until the cutoff
+  (`roofline_rollout_time`: finished rows stop costing), one batch after another."""
+  batch = float(pool_tokens // (prompt_len + gen_len))
+  if batch < 1:
+    raise ValueError(f"a pool of {pool_tokens:.0f} tokens holds no row of {prompt_len} + "
+                     f"{gen_len} tokens")
+  alive_t = running_fraction(gen_len, mean_len_frac)
+  seconds = roofline_rollout_time(model, schedule, prompt_len, gen_len, batch_per_device=batch,
+                                  mean_len_frac=mean_len_frac, n_samples=n_samples,
+                                  hardware=hardware, **sparse_kw)
+  return float(batch * alive_t.sum() / seconds), float(batch * alive_t.mean())
+
+
+def roofline_engine_rate(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
+                         slots: int, pool_tokens: float, mean_len_frac: float, n_samples: int = 8,
+                         hardware="h200", dense_layers: int = 2, page_size: int | None = None,
+                         page_selection: bool = True, page_score: str = "mean"
+                         ) -> tuple[float, float]:
+  """(generated tokens/s, rows in flight) of one device running the engine in steady state: a
+  finished row's slot takes the next row at once, so the rows in flight are min(slots, what the
+  pool holds), each at generated position t with probability proportional to the share of rows
+  still running at t (the lengths of `running_fraction`), holding t tokens of its own and its
+  share of its group's prompt (prompt_len / n_samples). A step reads the weights once and each
+  row's KV as `_row_step_work`; each prompt is prefilled once."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  alive_t = running_fraction(gen_len, mean_len_frac)
+  w_t = alive_t / alive_t.sum()
+  t = np.arange(1, gen_len + 1)
+  held = prompt_len / n_samples + float(np.sum(w_t * t))
+  rows = min(float(slots), pool_tokens / held)
+  row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, prompt_len + t, dense_layers,
+                                            page_size, page_selection, page_score)
+  n_params = param_count(cfg)
+  flops = rows * (2 * n_params + float(np.sum(w_t * row_flops_t)))
+  nbytes = hw.dtype_bytes * n_params + rows * float(np.sum(w_t * row_bytes_t))
+  step = max(flops / hw.peak_flops, nbytes / hw.mem_bandwidth)
+  prefill_per_token = prefill_time(cfg, prompt_len, 1, hw) / (n_samples * alive_t.sum())
+  return float(1.0 / (step / rows + prefill_per_token)), float(rows)
 
 
 def peak_memory_bytes(model, prompt_len: int, gen_len: int, *, batch_per_device: float,
