@@ -40,9 +40,10 @@ def test_cost_report_prints_both_tables():
   assert "this_machine" not in out
   assert "Predicted rollout speedup" in out and "paper (4x H200)" in out
   assert "Page-size comparison on h200" in out and "page 128" in out
+  assert "Static batch vs engine" in out and "engine/static" in out
   for model in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
     rows = sum(line.startswith(model + " ") for line in out.splitlines())
-    assert rows == 4, model  # a row in each of the four tables
+    assert rows == 5, model  # a row in each of the five tables
 
 
 def test_bench_attention_prints_a_row_per_context():
