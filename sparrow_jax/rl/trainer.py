@@ -9,7 +9,8 @@ A run never loses data: every check that can run before the workdir is written d
 then `check_inputs` against the task and the model), so a config error leaves no workdir behind;
 one run holds a workdir at a time (`workdir_lock`); whole files are replaced atomically and
 metrics.jsonl is append-only; only a checkpoint that does not read as one (or fails its checksums)
-is moved aside, and any other restore error stops the run, changing nothing (sparrow_jax.checkpoint).
+is moved aside, and any other restore error stops the run, changing nothing
+(sparrow_jax.checkpoint).
 """
 import contextlib
 import dataclasses
