@@ -1,6 +1,7 @@
 """A run never loses data, and every command-line error is one line naming the field with exit
 status 2 (issue 29, items 4 and 6). Nothing here trains: checkpoints are of a toy state, and the
 trainer is stopped by the check under test before its first compilation."""
+import dataclasses
 import json
 import re
 import os
@@ -13,6 +14,7 @@ import pytest
 
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
+from sparrow_jax.data import tasks
 from sparrow_jax.rl import trainer
 
 from tests.helpers import ROOT, SMALL
@@ -105,7 +107,8 @@ def test_unreadable_config_json_stops_and_changes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"rollout__max_prompt_len": 8}, r"more than config\.rollout\.max_prompt_len = 8"),
+    ({"rollout__max_prompt_len": 8},
+     r"config\.rollout\.max_prompt_len = 8 is invalid: must hold every prompt: 4 of 4 are longer"),
     ({"seed": -1}, r"config\.seed = -1 is invalid: must be an int in \[0, 2147483647\]"),
     ({"rollout__num_top_logprobs": 10 ** 6},
      r"config\.rollout\.num_top_logprobs = 1000000 is invalid: must be <= the model's vocabulary"),
@@ -117,6 +120,23 @@ def test_step0_config_error_leaves_no_workdir(tmp_path, change, field):
   with pytest.raises(ValueError, match=field):
     trainer.train(small(work, total_steps=1, **change))
   assert not work.exists()
+
+
+def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
+  """A dataset task's prompts are all checked against max_prompt_len before anything is written,
+  not only the first step's: a long one later in the data would stop the run at its step."""
+  c = small(tmp_path / "run")
+  tokenizer = trainer.make_task(c).own_tokenizer
+  problems = [tasks.Problem(id=f"p{i}", question="q", prompt="a;b", reference="1")
+              for i in range(12)]
+  first = {p.id for p in tasks.Task("math:toy", "math", tuple(problems)).sample(4, 0)}
+  late = next(i for i, p in enumerate(problems) if p.id not in first)
+  problems[late] = dataclasses.replace(problems[late], prompt="a;b " * 100)
+  dataset = tasks.Task("math:toy", "math", tuple(problems))
+  with pytest.raises(ValueError, match=(
+      r"config\.rollout\.max_prompt_len = 64 is invalid: must hold every prompt: 1 of 12 are "
+      rf"longer, the longest \('p{late}' of task 'math:toy'\) has 100 tokens")):
+    trainer.check_inputs(c, dataset, trainer._model_config(c), tokenizer)
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):

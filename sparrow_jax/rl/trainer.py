@@ -230,12 +230,30 @@ def make_task(c):
 
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
   """The checks that need the task, the model's config and its tokenizer, run before anything is
-  written: top-k log-probs within the vocabulary, and the first step's prompts within
-  rollout.max_prompt_len (a later, longer prompt stops the run at its step, the workdir intact)."""
+  written: top-k log-probs within the vocabulary, and prompts within rollout.max_prompt_len."""
   r = c.rollout
   _require(r.num_top_logprobs <= cfg.vocab_size, "rollout.num_top_logprobs", r.num_top_logprobs,
            f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)")
-  _prompts(task.sample(r.prompts_per_step, 0), tokenizer, 1, r.max_prompt_len)
+  problems, lengths = _prompt_lengths(task, tokenizer, r.prompts_per_step)
+  longest = int(np.argmax(lengths))
+  over = sum(n > r.max_prompt_len for n in lengths)
+  _require(over == 0, "rollout.max_prompt_len", r.max_prompt_len,
+           f"must hold every prompt: {over} of {len(lengths)} are longer, the longest "
+           f"({getattr(problems[longest], 'id', longest)!r} of task {task.name!r}) has "
+           f"{lengths[longest]} tokens")
+
+
+def _prompt_lengths(task, tokenizer, first_step: int, batch: int = 1024):
+  """(problems, their prompts' token counts): every problem of a dataset task (a tokenizer pass
+  over the data, seconds for 10^5 prompts), or the first step's of a generated task (an endless
+  stream; a later, longer prompt stops the run at its step, the workdir intact)."""
+  problems = getattr(task, "problems", None)
+  if problems is None:
+    problems = task.sample(first_step, 0)
+  lengths = []
+  for i in range(0, len(problems), batch):
+    lengths += tokenizer.encode_batch([p.prompt for p in problems[i:i + batch]])[1].tolist()
+  return problems, lengths
 
 
 def load_model(c, task):
