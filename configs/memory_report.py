@@ -15,7 +15,7 @@ def get_config():
   c.schedule = "paper:{model}:0.86"  # KV schedule ({model}: each model's own); its largest budget
   #                                    sizes the sampler's page buffers (the table itself is traced)
   c.dtype = "bfloat16"               # params and KV cache dtype
-  c.parts = "train,sampler,calibrate,compile_time,calibrate_run"  # what to measure (see script)
+  c.parts = "train,sampler,calibrate,engine,compile_time,calibrate_run"  # what to measure (script)
   c.train_rows = 2                   # rows per train step: one GRPO group of 2 ...
   c.micro_batches = 2                # ... one row per backward pass (gradient accumulation)
   c.sampler_rows = 8                 # sampled rows ...
@@ -23,6 +23,11 @@ def get_config():
   c.mesh = "1,1,1"                   # data,fsdp,tensor: figures per device (fake CPU devices:
   #                                    XLA_FLAGS=--xla_force_host_platform_device_count=N)
   c.calibrate_rows = 1               # rows per calibration pass (one candidate per pass)
+  c.engine_pool_gb = 100.0           # the engine's KV pool per device (an H200's 141 GB less
+  #                                    weights and working memory)
+  c.engine_slots = 64                # the engine's slots per device
+  c.engine_chunk = 16                # decode steps per compiled chunk
+  c.engine_mean_len_frac = 0.5       # mean response length / cutoff for the rows in flight
   c.compile_time_model = "qwen3-1.7b"  # compile time of the train step at full depth ...
   c.compile_time_layers = 4          # ... against this many layers (same widths)
   c.compile_time_len = 8192          # ... at this row length

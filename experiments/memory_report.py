@@ -12,6 +12,12 @@ and of its temporaries (everything XLA allocates besides arguments and outputs) 
                  group); its cache is a temporary. Compared with the bf16 KV it must hold + params.
   calibrate      one calibration pass (the sparse teacher-forced pass of one candidate against the
                  dense hidden states) over `calibrate_rows` rows.
+  engine         the rollout engine's decode chunk (rollout/engine.py) over a pool of
+                 `engine_pool_gb` GB and `engine_slots` slots whose page tables reach `length`
+                 tokens: arguments (pool, weights, slots) and temporaries, the pool's pages, and
+                 the rows in flight the pool holds (cost_model.roofline_engine_rate, mean length
+                 `engine_mean_len_frac` x the cutoff) against the static batch's rows at full
+                 length in the same memory.
   compile_time   seconds to lower + compile the train step at full depth vs `compile_time_layers`.
   calibrate_run  a real p5 pass over one `run_len`-token row of a `run_model`-shaped model with
                  random weights on this CPU: wall time and peak RSS.
@@ -44,7 +50,9 @@ from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model import sharding
 from sparrow_jax.rl import train_step as ts
-from sparrow_jax.rollout import sampler
+from sparrow_jax.attention import page_pool
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.rollout import engine, sampler
 
 GB = 1e9
 SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's
@@ -129,6 +137,34 @@ def sampler_memory(model, length, c, dtype, mesh):
   return out
 
 
+def engine_memory(model, length, c, dtype):
+  """The engine's decode chunk compiled over a pool of engine_pool_gb GB (one device)."""
+  cfg, params, _ = _model(model, dtype)
+  pages = engine.pages_for_bytes(cfg, c.engine_pool_gb * GB, SPARSE.page_size, dtype,
+                                 SPARSE.page_score)
+  pool = jax.eval_shape(lambda: page_pool.init_pool(cfg, pages, SPARSE.page_size, dtype,
+                                                    SPARSE.page_score))
+  S, PR = c.engine_slots, -(-length // SPARSE.page_size)
+  ints = lambda *shape: SDS(shape, jnp.int32)
+  slots = dict(token=ints(S), length=ints(S), n_gen=ints(S), max_new=ints(S), row=ints(S),
+               active=SDS((S,), bool), page_table=ints(S, PR))
+  budget, table = _budget(c.schedule, model, PR * SPARSE.page_size)
+  compiled = engine._decode_chunk.lower(
+      params, None, pool, budget, SDS((2,), jnp.uint32), slots, cfg=cfg, steps=c.engine_chunk,
+      sparse=SPARSE, max_selected=sampler.max_selected_pages(table), eos_ids=(0,), pad_id=0,
+      temperature=1.0, top_p=1.0, top_k=0, num_top=ts.TOP_K).compile()
+  out = _analysis(compiled)
+  gen = length - c.prompt_len
+  static_rows = pages * SPARSE.page_size // length
+  _, rows = cost_model.roofline_engine_rate(
+      model, None, c.prompt_len, gen, slots=S, pool_tokens=pages * SPARSE.page_size,
+      mean_len_frac=c.engine_mean_len_frac)
+  out.update(pool_pages=pages, pool_gb=pages * page_pool.page_bytes(
+      cfg, SPARSE.page_size, dtype, SPARSE.page_score) / GB, static_rows=static_rows,
+             rows_in_flight=rows, total_gb=out["args_gb"] + out["temp_gb"])
+  return out
+
+
 def calibrate_memory(model, length, c, dtype):
   cfg, params, _ = _model(model, dtype)
   B, S = c.calibrate_rows, length
@@ -180,7 +216,7 @@ def main(argv):
   models = [m for m in c.models.split(",") if m]
   lengths = [int(n) for n in c.lengths.split(",") if n]
   parts = set(c.parts.split(","))
-  unknown = parts - {"train", "sampler", "calibrate", "compile_time", "calibrate_run"}
+  unknown = parts - {"train", "sampler", "calibrate", "engine", "compile_time", "calibrate_run"}
   if unknown:
     raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
   mesh = make_mesh(c.mesh)
@@ -206,6 +242,13 @@ def main(argv):
     print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate")
     _table(report, "calibrate", lambda m, n: calibrate_memory(m, n, c, dtype), models, lengths,
            (("args", "args_gb"), ("temps", "temp_gb")))
+  if "engine" in parts:
+    print(f"\nengine decode chunk ({c.engine_chunk} steps), {c.engine_slots} slots, pool "
+          f"{c.engine_pool_gb:g} GB; rows: the static batch's at full length in that pool, the "
+          f"engine's in flight at mean length {c.engine_mean_len_frac:g} x the cutoff")
+    _table(report, "engine", lambda m, n: engine_memory(m, n, c, dtype), models, lengths,
+           (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
+            ("pool GB", "pool_gb"), ("static", "static_rows"), ("engine", "rows_in_flight")))
   if "compile_time" in parts:
     m, n = c.compile_time_model, c.compile_time_len
     few = train_step(m, n, c, dtype, mesh, layers=c.compile_time_layers)["compile_s"]
