@@ -139,6 +139,21 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
     trainer.check_inputs(c, dataset, trainer._model_config(c), tokenizer)
 
 
+def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
+  """The tiny pointer-chase vocabulary reads a math prompt as mostly its unknown token: refused,
+  naming the task and the model, before anything is written."""
+  from tests.test_trainer import config
+  c = config(workdir=str(tmp_path / "run"), task__name="math:reasoning_gym:basic_arithmetic")
+  task = tasks.make_task(c.task.name, limit=8)
+  cfg, _, tokenizer = trainer.load_model(c, task)
+  with pytest.raises(ValueError, match=(
+      r"config\.task\.name = 'math:reasoning_gym:basic_arithmetic' is invalid: must be a task the "
+      r"model's tokenizer can read: \d+ of its \d+ prompt tokens are the unknown token \(id 0\) "
+      r"of config\.model\.hf_dir = 'assets/pointer_chase_tiny'")):
+    trainer.check_inputs(c, task, cfg, tokenizer)
+  trainer.check_inputs(c, trainer.make_task(config()), cfg, tokenizer)  # its own task reads
+
+
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
   """While a run holds the workdir's lock, another is refused (one line, exit 2) and writes
   nothing; once the holder is killed (SIGKILL), the kernel has released the lock."""

@@ -234,26 +234,45 @@ def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
   r = c.rollout
   _require(r.num_top_logprobs <= cfg.vocab_size, "rollout.num_top_logprobs", r.num_top_logprobs,
            f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)")
-  problems, lengths = _prompt_lengths(task, tokenizer, r.prompts_per_step)
+  unknown_id = _unknown_id(tokenizer)
+  problems, lengths, unknown = _encode_prompts(task, tokenizer, r.prompts_per_step, unknown_id)
   longest = int(np.argmax(lengths))
   over = sum(n > r.max_prompt_len for n in lengths)
   _require(over == 0, "rollout.max_prompt_len", r.max_prompt_len,
            f"must hold every prompt: {over} of {len(lengths)} are longer, the longest "
            f"({getattr(problems[longest], 'id', longest)!r} of task {task.name!r}) has "
            f"{lengths[longest]} tokens")
+  # A vocabulary made for another task (the tiny pointer-chase model on math) encodes most of the
+  # text as its unknown token: the run would train on prompts it cannot see.
+  _require(unknown <= sum(lengths) / 2, "task.name", task.name,
+           f"must be a task the model's tokenizer can read: {unknown} of its {sum(lengths)} prompt "
+           f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
+           f"{c.model.hf_dir!r}; use a model made for this task")
 
 
-def _prompt_lengths(task, tokenizer, first_step: int, batch: int = 1024):
-  """(problems, their prompts' token counts): every problem of a dataset task (a tokenizer pass
-  over the data, seconds for 10^5 prompts), or the first step's of a generated task (an endless
-  stream; a later, longer prompt stops the run at its step, the workdir intact)."""
+def _unknown_id(tokenizer):
+  """The id that text outside the vocabulary encodes to; None when there is none (a byte-level
+  BPE, as Qwen's, encodes any text)."""
+  unk = getattr(getattr(getattr(tokenizer, "tok", None), "model", None), "unk_token", None)
+  return tokenizer.tok.token_to_id(unk) if unk else None
+
+
+def _encode_prompts(task, tokenizer, first_step: int, unknown_id, batch: int = 1024):
+  """(problems, their prompts' token counts, how many of the tokens are `unknown_id`): every
+  problem of a dataset task (a tokenizer pass over the data, seconds for 10^5 prompts), or the
+  first step's of a generated task (an endless stream; a later, longer prompt stops the run at its
+  step, the workdir intact)."""
   problems = getattr(task, "problems", None)
   if problems is None:
     problems = task.sample(first_step, 0)
-  lengths = []
+  lengths, unknown = [], 0
   for i in range(0, len(problems), batch):
-    lengths += tokenizer.encode_batch([p.prompt for p in problems[i:i + batch]])[1].tolist()
-  return problems, lengths
+    tokens, lengths_B = tokenizer.encode_batch([p.prompt for p in problems[i:i + batch]])
+    lengths += lengths_B.tolist()
+    if unknown_id is not None:  # padding is the same id in some vocabularies: real tokens only
+      real = np.arange(tokens.shape[1])[None, :] < lengths_B[:, None]
+      unknown += int(np.sum((tokens == unknown_id) & real))
+  return problems, lengths, unknown
 
 
 def load_model(c, task):
