@@ -1,39 +1,61 @@
-"""A pool of KV pages shared by the running rows of a rollout (continuous batching): rows take pages
-as they grow and give them back when they end, and a GRPO group's prompt pages are shared by its
-rows. Which page belongs to whom is the host scheduler's business (rollout/engine.py); on the device
-a row is its page table (logical page -> physical page) and its length.
+"""A pool of KV pages per device, shared by the running rows of a rollout (continuous batching):
+rows take pages as they grow and give them back when they end, and a GRPO group's prompt pages
+are shared by its rows. Which page belongs to whom is the host scheduler's business
+(rollout/engine.py); on the device a row is its page table (logical page -> physical page of its
+device's pool) and its length.
 
-Layout, one array per layer (decoding runs its layers unrolled, each on its own buffer, as with the
-per-row cache, `paged_cache.split_layers`):
-  k_stored, v_stored  [K, X, Z, E]  page x of KV head k is the Z x E tile [k, x]: the kernels read
-                                    the pool as a flat page array [K * X, Z, E] (a free reshape),
-                                    page id k * X + x. Stored as `paged_cache.stored_dtype`.
-  summaries           [K, X, R, E]  each page's summary (`paged_cache.page_summaries`), what page
-                                    selection scores; recomputed whenever a token lands in the page.
-Physical page 0 is the trash page: slots that are not running write there and nothing reads it, so
-a decode step over every slot needs no scatter mask.
+Layout, one array per layer (decoding runs its layers unrolled, each on its own buffer, as with
+the per-row cache, `paged_cache.split_layers`):
+  k_stored, v_stored  [R, K, X, Z, E]  R row shards (the devices rows are split over, data x fsdp;
+                                       1 without a mesh), each with its own X pages per KV head
+                                       (KV heads split over tensor). Page x of head k of a shard is
+                                       the Z x E tile [r, k, x]: the kernels read a shard as a flat
+                                       page array [K * X, Z, E] (a free reshape), page id k * X + x.
+                                       Stored as `paged_cache.stored_dtype`.
+  summaries           [R, K, X, S, E]  each page's summary (`paged_cache.page_summaries`), what
+                                       page selection scores; recomputed whenever a token lands.
+Slots (the rows decoding together) are [R * slots] arrays split over the same devices, so every
+read and write of a slot stays on its device: `per_device` runs them under `shard_map`.
+Physical page 0 of every shard is the trash page: slots that run no row write there and nothing
+reads it, so a decode step over every slot needs no scatter mask.
 """
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sparrow_jax.attention import paged_cache
+from sparrow_jax.model import sharding
 
 TRASH_PAGE = 0
+POOL_AXES = ("batch", "kv_heads", "pages", "cache_len", "head_dim")
+SUMMARY_AXES = ("batch", "kv_heads", "pages", "summary_rows", "head_dim")
 
 
 @flax.struct.dataclass
 class PagePool:
-  k_stored: tuple              # per layer [K, X, Z, E]
+  k_stored: tuple              # per layer [R, K, X, Z, E]
   v_stored: tuple
-  summaries: tuple             # per layer [K, X, R, E]
+  summaries: tuple             # per layer [R, K, X, S, E]
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
   page_score: str = flax.struct.field(pytree_node=False, default="mean")
 
   @property
   def num_pages(self) -> int:
-    return self.k_stored[0].shape[1]
+    return self.k_stored[0].shape[2]
+
+  @property
+  def shards(self) -> int:
+    return self.k_stored[0].shape[0]
+
+
+def row_shards() -> int:
+  """Devices the rows are split over on the enclosing mesh (data x fsdp); 1 without one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else int(np.prod([mesh.shape[a] for a in sharding.BATCH]))
 
 
 def page_bytes(cfg, page_size: int, dtype, page_score: str) -> int:
@@ -45,55 +67,98 @@ def page_bytes(cfg, page_size: int, dtype, page_score: str) -> int:
 
 def init_pool(cfg, num_pages: int, page_size: int = 16, dtype=jnp.float32,
               page_score: str = "mean") -> PagePool:
-  """An empty pool of num_pages pages (page TRASH_PAGE included)."""
+  """An empty pool of num_pages pages (page TRASH_PAGE included) per row shard of the enclosing
+  mesh, created on its devices (nothing of its size on the host)."""
   paged_cache.check_page_size(page_size)
   if num_pages < 2:
     raise ValueError(f"a page pool needs at least 2 pages (one is the trash page), got {num_pages}")
   rows = paged_cache.page_score_fns(page_score).rows
-  K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+  R, K, E, L = row_shards(), cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
   stored = paged_cache.stored_dtype(dtype)
-  kv = lambda: tuple(jnp.zeros((K, num_pages, page_size, E), stored) for _ in range(L))
-  return PagePool(k_stored=kv(), v_stored=kv(),
-                  summaries=tuple(jnp.zeros((K, num_pages, rows, E), dtype) for _ in range(L)),
-                  page_size=page_size, dtype=jnp.dtype(dtype).name, page_score=page_score)
+  kv_shape, summary_shape = (R, K, num_pages, page_size, E), (R, K, num_pages, rows, E)
+
+  def zeros():
+    kv = lambda: tuple(jnp.zeros(kv_shape, stored) for _ in range(L))
+    return PagePool(k_stored=kv(), v_stored=kv(),
+                    summaries=tuple(jnp.zeros(summary_shape, dtype) for _ in range(L)),
+                    page_size=page_size, dtype=jnp.dtype(dtype).name, page_score=page_score)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return zeros()
+  on = lambda axes, shape: NamedSharding(mesh, sharding.spec(axes, shape, mesh))
+  out = jax.eval_shape(zeros).replace(
+      k_stored=(on(POOL_AXES, kv_shape),) * L, v_stored=(on(POOL_AXES, kv_shape),) * L,
+      summaries=(on(SUMMARY_AXES, summary_shape),) * L)
+  return jax.jit(zeros, out_shardings=out)()
+
+
+def per_device(fn, args, axes, out_axes):
+  """fn(*args) on each device's share (shard_map on the enclosing mesh; a plain call without one):
+  args[i] split along its logical axes axes[i] (the pool's leading R axis is 1 per device), the
+  outputs along out_axes (each (logical axes, shape)). Slots and pages never leave their device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*args)
+  in_specs = tuple(sharding.spec(a, x.shape, mesh) for a, x in zip(axes, args))
+  out_specs = tuple(sharding.spec(a, shape, mesh) for a, shape in out_axes)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
+
+
+SLOT_AXES = ("batch",)
 
 
 @flax.struct.dataclass
 class PoolLayer:
   """One layer of the pool with the slots' page tables: what `qwen3.decode_step` carries per layer
   in place of a `paged_cache.PagedKVCache` (same `append_token`, `lengths`, `constrain`)."""
-  k_stored: jax.Array          # [K, X, Z, E]
+  k_stored: jax.Array          # [R, K, X, Z, E]
   v_stored: jax.Array
-  summaries: jax.Array         # [K, X, R, E]
-  page_table: jax.Array        # [B, PR] physical page of each slot's logical page
+  summaries: jax.Array         # [R, K, X, S, E]
+  page_table: jax.Array        # [B, PR] physical page (of the slot's shard) of each logical page
   lengths: jax.Array           # [B] tokens cached per slot
   active: jax.Array            # [B] the slot runs a row (others write the trash page, read nothing)
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
   page_score: str = flax.struct.field(pytree_node=False, default="mean")
 
-  def pages(self):
-    """Keys and values as flat page arrays [K * X, Z, E] in the cache dtype (free reshapes)."""
-    flat = lambda x: paged_cache.from_stored(x.reshape(-1, *x.shape[2:]), self.dtype)
-    return flat(self.k_stored), flat(self.v_stored)
-
   def append_token(self, k_BKE, v_BKE, pos_B) -> "PoolLayer":
     """Writes one token per running slot at position pos_B and recomputes its page's summary
-    from the page's Z slots (as paged_cache.append does)."""
-    Z = self.page_size
-    page_B = jnp.where(self.active, jnp.take_along_axis(self.page_table, (pos_B // Z)[:, None],
-                                                        axis=1)[:, 0], TRASH_PAGE)
-    at = (slice(None), page_B, pos_B % Z)
-    put = lambda buf, x_BKE: buf.at[at].set(paged_cache.to_stored(
-        x_BKE.astype(self.dtype)).transpose(1, 0, 2))
-    k_stored = put(self.k_stored, k_BKE)
-    page_BKZE = paged_cache.from_stored(k_stored[:, page_B], self.dtype).transpose(1, 0, 2, 3)
-    summary_BKRE = paged_cache.page_summaries(page_BKZE, Z, self.page_score)[:, :, 0]
-    return self.replace(k_stored=k_stored, v_stored=put(self.v_stored, v_BKE),
-                        summaries=self.summaries.at[:, page_B].set(summary_BKRE.transpose(1, 0, 2, 3)))
+    from the page's Z slots (as paged_cache.append does), each on its own device."""
+    Z, dtype, score = self.page_size, self.dtype, self.page_score
+
+    def local(k_stored, v_stored, summaries, page_table, active, k_BKE, v_BKE, pos_B):
+      k_stored, v_stored, summaries = k_stored[0], v_stored[0], summaries[0]
+      page_B = jnp.where(active, jnp.take_along_axis(page_table, (pos_B // Z)[:, None],
+                                                     axis=1)[:, 0], TRASH_PAGE)
+      at = (slice(None), page_B, pos_B % Z)
+      put = lambda buf, x_BKE: buf.at[at].set(
+          paged_cache.to_stored(x_BKE.astype(dtype)).transpose(1, 0, 2))
+      k_stored = put(k_stored, k_BKE)
+      page_BKZE = paged_cache.from_stored(k_stored[:, page_B], dtype).transpose(1, 0, 2, 3)
+      summary_KBSE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0].transpose(1, 0, 2, 3)
+      return (k_stored[None], put(v_stored, v_BKE)[None],
+              summaries.at[:, page_B].set(summary_KBSE)[None])
+
+    pools = (self.k_stored, self.v_stored, self.summaries)
+    pool_axes = (POOL_AXES, POOL_AXES, SUMMARY_AXES)
+    k_stored, v_stored, summaries = per_device(
+        local, pools + (self.page_table, self.active, k_BKE, v_BKE, pos_B),
+        pool_axes + (SLOT_AXES, SLOT_AXES, ("batch", "kv_heads"), ("batch", "kv_heads"),
+                     SLOT_AXES),
+        tuple(zip(pool_axes, (x.shape for x in pools))))
+    return self.replace(k_stored=k_stored, v_stored=v_stored, summaries=summaries)
 
   def constrain(self) -> "PoolLayer":
-    return self  # one device's pool: nothing to place
+    return self  # per_device keeps every array on its shards
+
+
+def local_pages(k_stored, v_stored, dtype):
+  """One device's pool shard ([1, K, X, Z, E]) as flat page arrays [K * X, Z, E] in the cache
+  dtype (free reshapes)."""
+  flat = lambda x: paged_cache.from_stored(x.reshape(-1, *x.shape[3:]), dtype)
+  return flat(k_stored), flat(v_stored)
 
 
 def layer_views(pool: PagePool, page_table_BN, lengths_B, active_B) -> tuple:
@@ -109,22 +174,49 @@ def from_layers(pool: PagePool, layers) -> PagePool:
                       summaries=tuple(c.summaries for c in layers))
 
 
-def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, row: int, dest_P) -> PagePool:
-  """Copies row `row` of a prefilled per-row cache ([L, B, K, P * Z, E]) into pool pages dest_P
-  (physical ids; TRASH_PAGE for pages not to keep), keys, values and summaries."""
-  Z = pool.page_size
-  as_pages = lambda x: x[:, row].reshape(x.shape[0], x.shape[2], -1, Z, x.shape[-1])
-  k_LKPZE, v_LKPZE = as_pages(cache.k_stored), as_pages(cache.v_stored)
-  s_LKPRE = cache.summaries[:, row]
-  return pool.replace(
-      k_stored=tuple(p.at[:, dest_P].set(k) for p, k in zip(pool.k_stored, k_LKPZE)),
-      v_stored=tuple(p.at[:, dest_P].set(v) for p, v in zip(pool.v_stored, v_LKPZE)),
-      summaries=tuple(p.at[:, dest_P].set(s) for p, s in zip(pool.summaries, s_LKPRE)))
+def _pool_arrays(pool: PagePool):
+  """The pool's arrays, flat (keys, values, summaries per layer), with their logical axes."""
+  arrays = pool.k_stored + pool.v_stored + pool.summaries
+  L = len(pool.k_stored)
+  return arrays, (POOL_AXES,) * (2 * L) + (SUMMARY_AXES,) * L
 
 
-def copy_pages(pool: PagePool, src_N, dst_N) -> PagePool:
-  """Copies physical pages src_N onto dst_N (pairs with dst TRASH_PAGE do nothing useful)."""
-  copy = lambda x: x.at[:, dst_N].set(x[:, src_N])
-  return pool.replace(k_stored=tuple(map(copy, pool.k_stored)),
-                      v_stored=tuple(map(copy, pool.v_stored)),
-                      summaries=tuple(map(copy, pool.summaries)))
+def _from_arrays(pool: PagePool, arrays) -> PagePool:
+  L = len(pool.k_stored)
+  return pool.replace(k_stored=tuple(arrays[:L]), v_stored=tuple(arrays[L:2 * L]),
+                      summaries=tuple(arrays[2 * L:]))
+
+
+def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, dest_BP) -> PagePool:
+  """Copies every row of a prefilled per-row cache ([L, B, K, P * Z, E], its rows split over the
+  devices like the pool's shards) into its shard's pool pages dest_BP (physical ids;
+  TRASH_PAGE for pages not to keep): keys, values and summaries."""
+  Z, L = pool.page_size, len(pool.k_stored)
+  arrays, axes = _pool_arrays(pool)
+
+  def local(k_LBKSE, v_LBKSE, s_LBKPSE, dest_BP, *pools):
+    as_pages = lambda x: x.reshape(*x.shape[:3], -1, Z, x.shape[-1])  # [L, B, K, P, Z, E]
+    B, K = dest_BP.shape[0], k_LBKSE.shape[2]
+    dest = jnp.broadcast_to(dest_BP[:, None], (B, K, dest_BP.shape[1]))
+    head = jnp.broadcast_to(jnp.arange(K)[None, :, None], dest.shape)
+    new = [as_pages(k_LBKSE), as_pages(v_LBKSE), s_LBKPSE]
+    return tuple(p.at[0, head, dest].set(new[i // L][i % L]) for i, p in enumerate(pools))
+
+  cache_axes = tuple(sharding.CACHE_AXES[n] for n in ("k_stored", "v_stored", "summaries"))
+  out = per_device(local, (cache.k_stored, cache.v_stored, cache.summaries, dest_BP) + arrays,
+                   cache_axes + (("batch", "pages"),) + axes,
+                   tuple(zip(axes, (x.shape for x in arrays))))
+  return _from_arrays(pool, out)
+
+
+def copy_pages(pool: PagePool, src_RN, dst_RN) -> PagePool:
+  """Copies physical pages src_RN[r] onto dst_RN[r] in every shard r (pairs with dst TRASH_PAGE do
+  nothing useful)."""
+  arrays, axes = _pool_arrays(pool)
+
+  def local(src_N, dst_N, *pools):
+    return tuple(p.at[0, :, dst_N[0]].set(p[0, :, src_N[0]]) for p in pools)
+
+  out = per_device(local, (src_RN, dst_RN) + arrays, (("batch", "pages"),) * 2 + axes,
+                   tuple(zip(axes, (x.shape for x in arrays))))
+  return _from_arrays(pool, out)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels import sparse_decode, sparse_decode_tpu
-from sparrow_jax.attention import blockwise, reference, select
+from sparrow_jax.attention import blockwise, page_pool, reference, select
 from sparrow_jax.model import qwen3, sharding
 
 
@@ -195,11 +195,12 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
   """An `attention_fn` for qwen3.decode_step over a page pool (`page_pool.layer_views`): dense
   (sparse=None, and layers below `sparse.dense_layers`) reads every page a slot has cached; sparse
   layers read the pages `select.decode_pages` picks from the slot's pages in logical order, the
-  one rule the per-row sampler and the trainer use. Slots that are not running read nothing.
+  one rule the per-row sampler and the trainer use. Slots that run no row read nothing. Each
+  device reads its own pool shard for its own slots (`page_pool.per_device`).
 
-  Reads go through a prefix of the page tables that covers the longest running row (a lax.switch
-  over DENSE_PREFIXES eighths of the table, or all of it), so a step scores and gathers only
-  about as many pages as the longest row holds, not the table's static width."""
+  Reads go through a prefix of the page tables that covers the device's longest running row (a
+  lax.switch over DENSE_PREFIXES eighths of the table, or all of it), so a step scores and gathers
+  about as many pages as that row holds, not the table's static width."""
   impl = sparse.attention_impl if sparse is not None else impl
 
   def attention(layer, q_BKGE, pool, lengths_B):  # pool: a page_pool.PoolLayer
@@ -207,31 +208,45 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
     if not dense and pool.page_score != sparse.page_score:
       raise ValueError(f"the pool keeps {pool.page_score!r} page summaries, SparseConfig."
                        f"page_score is {sparse.page_score!r}")
-    B, K = q_BKGE.shape[:2]
-    X, Z, PR = pool.k_stored.shape[1], pool.page_size, pool.page_table.shape[1]
-    lengths_B = jnp.where(pool.active, lengths_B, 0)
-    n_pages_B = -(-lengths_B // Z)
-    k_pages, v_pages = pool.pages()
-    head_base_1K1 = (jnp.arange(K, dtype=jnp.int32) * X)[None, :, None]
+    Z, dtype = pool.page_size, pool.dtype
 
-    def read(size):
-      def fn(q_BKGE):
-        table_BKN = jnp.broadcast_to(pool.page_table[:, None, :size], (B, K, size))
-        if dense:
-          logical_BKN = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, K, size))
-          n_valid_BK = jnp.broadcast_to(n_pages_B[:, None], (B, K)).astype(jnp.int32)
-        else:
-          summary_BKNRE = pool.summaries[:, pool.page_table[:, :size]].transpose(1, 0, 2, 3, 4)
-          logical_BKN, n_valid_BK = select.decode_pages(
-              q_BKGE, summary_BKNRE, lengths_B, budget.budget_pages(lengths_B), sparse,
-              min(max_selected, size))
-          n_valid_BK = jnp.where(pool.active[:, None], n_valid_BK, 0)
-        page_BKN = jnp.take_along_axis(table_BKN, logical_BKN, axis=2) + head_base_1K1
-        return paged_decode_attention(q_BKGE, k_pages, v_pages, page_BKN, logical_BKN,
-                                      n_valid_BK, lengths_B, impl=impl)
-      return fn
+    def local(q_BKGE, k_stored, v_stored, summaries, page_table_BN, active_B, lengths_B,
+              pages_by_len):
+      B, K = q_BKGE.shape[:2]
+      X, PR = k_stored.shape[2], page_table_BN.shape[1]
+      lengths_B = jnp.where(active_B, lengths_B, 0)
+      n_pages_B = -(-lengths_B // Z)
+      k_pages, v_pages = page_pool.local_pages(k_stored, v_stored, dtype)
+      head_base_1K1 = (jnp.arange(K, dtype=jnp.int32) * X)[None, :, None]
 
-    sizes = sorted({-(-PR * i // 8) for i in DENSE_PREFIXES} | {PR})
-    bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(n_pages_B))
-    return jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [read(s) for s in sizes], q_BKGE)
+      def read(size):
+        def fn(q_BKGE):
+          table_BKN = jnp.broadcast_to(page_table_BN[:, None, :size], (B, K, size))
+          if dense:
+            logical_BKN = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, K, size))
+            n_valid_BK = jnp.broadcast_to(n_pages_B[:, None], (B, K)).astype(jnp.int32)
+          else:
+            summary_BKNSE = summaries[0][:, page_table_BN[:, :size]].transpose(1, 0, 2, 3, 4)
+            logical_BKN, n_valid_BK = select.decode_pages(
+                q_BKGE, summary_BKNSE, lengths_B, pages_by_len[lengths_B], sparse,
+                min(max_selected, size))
+            n_valid_BK = jnp.where(active_B[:, None], n_valid_BK, 0)
+          page_BKN = jnp.take_along_axis(table_BKN, logical_BKN, axis=2) + head_base_1K1
+          return paged_decode_attention(q_BKGE, k_pages, v_pages, page_BKN, logical_BKN,
+                                        n_valid_BK, lengths_B, impl=impl)
+        return fn
+
+      sizes = sorted({-(-PR * i // 8) for i in DENSE_PREFIXES} | {PR})
+      bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(n_pages_B))
+      return (jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [read(s) for s in sizes],
+                             q_BKGE),)
+
+    pages_by_len = budget.pages_by_len if budget is not None else jnp.zeros((1,), jnp.int32)
+    q_axes = ("batch", "kv_heads", "q_group", "head_dim")
+    return page_pool.per_device(
+        local, (q_BKGE, pool.k_stored, pool.v_stored, pool.summaries, pool.page_table,
+                pool.active, lengths_B, pages_by_len),
+        (q_axes, page_pool.POOL_AXES, page_pool.POOL_AXES, page_pool.SUMMARY_AXES,
+         page_pool.SLOT_AXES, page_pool.SLOT_AXES, page_pool.SLOT_AXES, ("length",)),
+        ((q_axes, q_BKGE.shape),))[0]
   return attention

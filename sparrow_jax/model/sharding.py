@@ -35,6 +35,7 @@ RULES = {
     "lora_rank": None,
     "norm": None,
     "head_dim": None,
+    "q_group": None,  # the query heads that share one KV head (G)
     "cache_len": None,
     "pages": None,
     "summary_rows": None,  # a page summary's rows (paged_cache.PAGE_SCORES)

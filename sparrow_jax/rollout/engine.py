@@ -95,24 +95,28 @@ _SAMPLING = ("temperature", "top_p", "top_k", "num_top")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",) + _SAMPLING, donate_argnames=("pool",))
-def _insert(params, lora, pool, prompt_1T, prompt_len_1, dest_P, rows_G, key, *, cfg,
+def _insert(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_BG, key, *, cfg,
             temperature, top_p, top_k, num_top):
-  """Prefills one prompt into pool pages dest_P and samples the first token of its G rows."""
-  Z, T = pool.page_size, prompt_1T.shape[1]
+  """Prefills B prompts (each device its own: rows split like the pool's shards) into their
+  shard's pool pages dest_BP and samples the first token of each prompt's G rows."""
+  Z, T = pool.page_size, prompt_BT.shape[1]
   chunk = min(-(-qwen3.PREFILL_CHUNK // Z) * Z, -(-T // Z) * Z)
-  cache = paged_cache.init_cache(cfg, 1, -(-T // chunk) * chunk, Z, pool.dtype, pool.page_score)
-  logits_1V, cache = qwen3.prefill(params, prompt_1T, prompt_len_1, cfg, cache, lora=lora)
-  dest_P = jnp.pad(dest_P, (0, cache.num_pages - dest_P.shape[0]),
-                   constant_values=page_pool.TRASH_PAGE)
-  pool = page_pool.write_pages(pool, cache, 0, dest_P)
-  keys_G = jax.vmap(lambda r: row_key(key, r, 0))(rows_G)
-  logits_GV = jnp.broadcast_to(logits_1V, (rows_G.shape[0], logits_1V.shape[-1]))
-  return (pool,) + _sample_rows(logits_GV, keys_G, temperature, top_p, top_k, num_top)
+  cache = paged_cache.init_cache(cfg, prompt_BT.shape[0], -(-T // chunk) * chunk, Z, pool.dtype,
+                                 pool.page_score)
+  logits_BV, cache = qwen3.prefill(params, prompt_BT, prompt_len_B, cfg, cache, lora=lora)
+  dest_BP = jnp.pad(dest_BP, ((0, 0), (0, cache.num_pages - dest_BP.shape[1])),
+                    constant_values=page_pool.TRASH_PAGE)
+  pool = page_pool.write_pages(pool, cache, dest_BP)
+  B, G = rows_BG.shape
+  keys_N = jax.vmap(lambda r: row_key(key, r, 0))(rows_BG.reshape(B * G))
+  logits_NV = jnp.repeat(logits_BV, G, axis=0)
+  token_N, logp_N, top = _sample_rows(logits_NV, keys_N, temperature, top_p, top_k, num_top)
+  return pool, token_N.reshape(B, G), logp_N.reshape(B, G), top
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def _copy_pages(pool, src_N, dst_N):
-  return page_pool.copy_pages(pool, src_N, dst_N)
+def _copy_pages(pool, src_RN, dst_RN):
+  return page_pool.copy_pages(pool, src_RN, dst_RN)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -171,28 +175,36 @@ class _Row:
   top: list = dataclasses.field(default_factory=list)
   pages: list = dataclasses.field(default_factory=list)   # its own pool pages, in logical order
   first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
-  slot: Optional[int] = None
+  slot: Optional[int] = None     # its slot on its group's shard while it runs
   done: bool = False
 
 
 @dataclasses.dataclass
 class _Group:
   rows: list
+  shard: Optional[int] = None   # the device whose pool holds its prompt (set at its prefill)
   shared: list = dataclasses.field(default_factory=list)  # full prompt pages, shared by the rows
   template: Optional[int] = None                           # the partial last prompt page
   unfinished: int = 0
-  inserted: bool = False
 
 
-class _Scheduler:
-  """Host-side bookkeeping of slots and pages for one `run`."""
+class _Shard:
+  """One device's slots and free pages."""
 
-  def __init__(self, engine: EngineConfig, page_size: int, rows, groups, max_pages_per_row: int):
-    self.engine, self.Z = engine, page_size
-    self.rows, self.groups = rows, groups
+  def __init__(self, engine: EngineConfig, max_pages_per_row: int):
     self.free_pages = collections.deque(range(1, engine.num_pages))
     self.slots = [None] * engine.num_slots
     self.page_table = np.zeros((engine.num_slots, max_pages_per_row), np.int32)
+
+
+class _Scheduler:
+  """Host-side bookkeeping of every shard's slots and pages for one `run`."""
+
+  def __init__(self, engine: EngineConfig, page_size: int, rows, groups, max_pages_per_row: int,
+               shards: int):
+    self.engine, self.Z = engine, page_size
+    self.rows, self.groups = rows, groups
+    self.shards = [_Shard(engine, max_pages_per_row) for _ in range(shards)]
     self.stats = EngineStats()
 
   def shared_count(self, row):
@@ -207,42 +219,49 @@ class _Scheduler:
     horizon = last if self.engine.static else min(cached + steps_ahead, last)
     return -(-horizon // self.Z) - self.shared_count(row)
 
-  def running(self):
-    return [self.rows[i] for i in self.slots if i is not None]
+  def running(self, shard=None):
+    shards = range(len(self.shards)) if shard is None else (shard,)
+    return [self.rows[i] for r in shards for i in self.shards[r].slots if i is not None]
 
-  def take_pages(self, n: int) -> list:
-    pages = [self.free_pages.popleft() for _ in range(n)]
-    used = self.engine.num_pages - 1 - len(self.free_pages)
+  def shard_of(self, row) -> int:
+    return self.groups[row.group].shard
+
+  def take_pages(self, shard: int, n: int) -> list:
+    free = self.shards[shard].free_pages
+    pages = [free.popleft() for _ in range(n)]
+    used = self.engine.num_pages - 1 - len(free)
     self.stats.peak_pages = max(self.stats.peak_pages, used)
     return pages
 
-  def give_pages(self, pages):
-    self.free_pages.extend(pages)
-    pages.clear()
-
   def place(self, row, slot):
+    shard = self.shards[self.shard_of(row)]
     row.slot = slot
-    self.slots[slot] = row.index
+    shard.slots[slot] = row.index
     table = self.groups[row.group].shared + row.pages
-    self.page_table[slot] = 0
-    self.page_table[slot, :len(table)] = table
+    shard.page_table[slot] = 0
+    shard.page_table[slot, :len(table)] = table
 
   def release(self, row):
     """The row leaves its slot and gives back its own pages; a finished group's shared pages
     go back too."""
-    if row.slot is not None:
-      self.slots[row.slot] = None
-      self.page_table[row.slot] = 0
-      row.slot = None
-    self.give_pages(row.pages)
     group = self.groups[row.group]
+    shard = self.shards[group.shard]
+    if row.slot is not None:
+      shard.slots[row.slot] = None
+      shard.page_table[row.slot] = 0
+      row.slot = None
+    shard.free_pages.extend(row.pages)
+    row.pages = []
     if row.done:
       group.unfinished -= 1
       if group.unfinished == 0:
-        self.give_pages(group.shared)
-        if group.template is not None:
-          self.free_pages.append(group.template)
-          group.template = None
+        shard.free_pages.extend(group.shared + ([group.template] if group.template else []))
+        group.shared, group.template = [], None
+
+  def reserve(self, shard: int) -> int:
+    """Pages the shard's running rows will still take over `reserve_chunks` more chunks."""
+    ahead = self.engine.chunk_steps * (1 + self.engine.reserve_chunks)
+    return sum(max(self.pages_needed(r, ahead) - len(r.pages), 0) for r in self.running(shard))
 
 
 def _check_requests(prompt_BT, prompt_len_B, max_new_B, group_size, cfg):
@@ -274,10 +293,14 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
 
   max_new_tokens: an int or one per row. group_size = n: the rows come in runs of n copies of one
   prompt (GRPO groups), each prefilled once. order: the order rows are admitted in (a permutation
-  of the rows that keeps each group's rows together; default: row order); it changes nothing in
-  the output. sparse / schedule / lora / sampling arguments as `sampler.generate`. The pool keeps
-  keys and values in `dtype` (default: the embedding's).
+  of the rows; default: row order); it changes nothing in the output. sparse / schedule / lora /
+  sampling arguments as `sampler.generate`. The pool keeps keys and values in `dtype` (default:
+  the embedding's). On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of
+  engine.num_pages pages and engine.num_slots slots, and a group runs on one device.
   Returns (sampler.Rollout with [B, max(max_new_tokens)] arrays, EngineStats)."""
+  if jax.process_count() > 1:
+    raise ValueError("engine.run schedules the rows of one process; with several processes "
+                     "rollouts run through sampler.generate")
   prompt_BT = np.asarray(prompt_BT, np.int32)
   prompt_len_B = np.asarray(prompt_len_B, np.int32)
   B, T = prompt_BT.shape
@@ -298,18 +321,19 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   dtype = dtype or params["embed"].dtype
   pool = page_pool.init_pool(cfg, engine.num_pages, Z, dtype,
                              sparse.page_score if sparse is not None else "mean")
+  R, S, C = pool.shards, engine.num_slots, engine.chunk_steps
+  per_insert = max(1, S // group_size)  # groups a device prefills per insert call
   sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                   num_top=int(num_top_logprobs))
 
-  n_groups = B // group_size
   rows = [_Row(b, b // group_size, int(prompt_len_B[b]), int(max_new_B[b])) for b in range(B)]
   groups = [_Group(list(range(g * group_size, (g + 1) * group_size)), unfinished=group_size)
-            for g in range(n_groups)]
+            for g in range(B // group_size)]
   order = list(range(B)) if order is None else [int(b) for b in order]
   if sorted(order) != list(range(B)):
     raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
-  sched = _Scheduler(engine, Z, rows, groups, max_pages_per_row)
-  for row in rows:  # a row that cannot fit alone in the pool would wait forever
+  sched = _Scheduler(engine, Z, rows, groups, max_pages_per_row, R)
+  for row in rows:  # a row that cannot fit alone in a pool would wait forever
     need = -(-(row.prompt_len + row.max_new - 1) // Z) + 1
     if need > engine.num_pages - 1:
       raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} cannot hold row {row.index} "
@@ -317,29 +341,30 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
                        f"with the trash page and a prompt template)")
   queue = collections.deque(order)
 
-  def insert(group_id):
-    """Prefill the group's prompt into new shared pages (+ a template page) and sample its rows'
-    first tokens; rows that end there are done."""
+  def insert(planned):
+    """Prefill the planned groups (up to per_insert per device) and sample their rows' first
+    tokens."""
     nonlocal pool
-    group, first = groups[group_id], rows[groups[group_id].rows[0]]
-    n_shared = sched.shared_count(first)
-    group.shared = sched.take_pages(n_shared)
-    if first.prompt_len % Z:
-      group.template = sched.take_pages(1)[0]
-    dest = group.shared + ([group.template] if group.template is not None else [])
-    dest_P = np.zeros(prompt_BT.shape[1] // Z, np.int32)
-    dest_P[:len(dest)] = dest
-    pool, token_G, logp_G, top = _insert(
-        params, lora, pool, prompt_BT[first.index:first.index + 1],
-        prompt_len_B[first.index:first.index + 1], dest_P, np.asarray(group.rows, np.int32), key,
-        cfg=cfg, **sampling)
-    token_G, logp_G = np.asarray(token_G), np.asarray(logp_G)
-    top = None if top is None else (np.asarray(top[0]), np.asarray(top[1]))
-    group.inserted = True
-    for i, b in enumerate(group.rows):
-      row = rows[b]
-      row.first = (int(token_G[i]), float(logp_G[i]), None if top is None else
-                   (top[0][i], top[1][i]))
+    n = R * per_insert
+    prompts = np.zeros((n, prompt_BT.shape[1]), np.int32)
+    lens = np.ones(n, np.int32)
+    dest = np.zeros((n, prompt_BT.shape[1] // Z), np.int32)
+    row_ids = np.zeros((n, group_size), np.int32)
+    at = {}
+    for r, group_ids in enumerate(planned):
+      for j, g in enumerate(group_ids):
+        i, group, first = r * per_insert + j, groups[g], rows[groups[g].rows[0]]
+        pages = group.shared + ([group.template] if group.template is not None else [])
+        prompts[i], lens[i], dest[i, :len(pages)] = prompt_BT[first.index], first.prompt_len, pages
+        row_ids[i], at[g] = group.rows, i
+    pool, token, logp, top = _insert(params, lora, pool, prompts, lens, dest, row_ids, key, cfg=cfg,
+                                     **sampling)
+    token, logp = np.asarray(token), np.asarray(logp)
+    top = None if top is None else tuple(np.asarray(x).reshape(n, group_size, -1) for x in top)
+    for g, i in at.items():
+      for j, b in enumerate(groups[g].rows):
+        rows[b].first = (int(token[i, j]), float(logp[i, j]),
+                         None if top is None else (top[0][i, j], top[1][i, j]))
 
   def restart(row):
     """The row back to its first token (at admission and after a preemption)."""
@@ -347,64 +372,81 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
     row.done = token in eos_ids or row.max_new == 1
 
-  def admission_need(row):
-    """Pages a (re)admitted row takes: its own for the first chunk, and its group's prompt pages
-    if the group is not prefilled yet."""
-    need = sched.pages_needed(row, engine.chunk_steps, n_gen=1)
-    if not groups[row.group].inserted:
-      need += sched.shared_count(row) + (1 if row.prompt_len % Z else 0)
-    return need
-
-  def reserve():
-    return sum(max(sched.pages_needed(r, engine.chunk_steps * (1 + engine.reserve_chunks))
-                   - len(r.pages), 0) for r in sched.running())
-
-  def admit():
-    """Fill free slots from the queue while the pool keeps the reserve; returns template copies."""
-    copies = []
-    if engine.static and sched.running():
-      return copies
-    while queue and None in sched.slots:
-      row = rows[queue[0]]
-      if len(sched.free_pages) < admission_need(row) + (0 if engine.static else reserve()):
-        break
-      queue.popleft()
-      group = groups[row.group]
-      if not group.inserted:
-        insert(row.group)
+  def admit_round() -> bool:
+    """Admits what fits from the queue: rows of prefilled groups into their device's free slots,
+    new groups (up to per_insert a device) onto the device with the most free slots, as long as
+    each device keeps its reserve. Returns whether anything was admitted."""
+    planned = [[] for _ in range(R)]
+    free_slots = [sh.slots.count(None) for sh in sched.shards]
+    busy = [bool(sched.running(r)) for r in range(R)]  # the static batch waits for an empty device
+    admitted = []
+    for b in list(queue):
+      row, group = rows[b], groups[rows[b].group]
+      new_group = group.shard is None
+      need = sched.pages_needed(row, C, n_gen=1) + (
+          sched.shared_count(row) + (1 if row.prompt_len % Z else 0) if new_group else 0)
+      fits = lambda r: (free_slots[r] > 0 and not (engine.static and busy[r])
+                        and len(sched.shards[r].free_pages)
+                        >= need + (0 if engine.static else sched.reserve(r)))
+      if new_group:
+        options = [r for r in range(R) if len(planned[r]) < per_insert and fits(r)]
+        if not options:
+          continue
+        r = max(options, key=lambda r: (free_slots[r], len(sched.shards[r].free_pages), -r))
+        group.shard = r
+        group.shared = sched.take_pages(r, sched.shared_count(row))
+        if row.prompt_len % Z:
+          group.template = sched.take_pages(r, 1)[0]
+        planned[r].append(row.group)
+      elif not fits(group.shard):
+        continue
+      r = group.shard
+      queue.remove(b)
+      row.pages = sched.take_pages(r, sched.pages_needed(row, C, n_gen=1))
+      row.slot = sched.shards[r].slots.index(None)
+      sched.shards[r].slots[row.slot] = row.index  # held; placed once its first token is known
+      free_slots[r] -= 1
+      admitted.append(row)
+    if any(planned):
+      insert(planned)
+    copies = [[] for _ in range(R)]
+    for row in admitted:
       restart(row)
       if row.done:
         sched.release(row)
         continue
-      row.pages = sched.take_pages(sched.pages_needed(row, engine.chunk_steps))
+      group = groups[row.group]
       if group.template is not None:
-        copies.append((group.template, row.pages[0]))
-      sched.place(row, sched.slots.index(None))
-    return copies
+        copies[group.shard].append((group.template, row.pages[0]))
+      sched.place(row, row.slot)
+    if any(copies):
+      nonlocal pool
+      pairs = np.full((2, R, S), page_pool.TRASH_PAGE, np.int32)
+      for r, shard_copies in enumerate(copies):
+        for j, (src, dst) in enumerate(shard_copies):
+          pairs[:, r, j] = src, dst
+      pool = _copy_pages(pool, pairs[0], pairs[1])
+    return bool(admitted)
 
   def grow():
     """Pages for every running row's next chunk; preempt the least advanced rows if short."""
-    while True:
-      short = {r.index: sched.pages_needed(r, engine.chunk_steps) - len(r.pages)
-               for r in sched.running()}
-      if sum(max(n, 0) for n in short.values()) <= len(sched.free_pages):
-        break
-      victim = min(sched.running(), key=lambda r: (len(r.tokens), -r.index))
-      sched.release(victim)
-      sched.stats.preemptions += 1
-      queue.appendleft(victim.index)
-    for r in sched.running():
-      if short[r.index] > 0:
-        r.pages += sched.take_pages(short[r.index])
-        sched.place(r, r.slot)
+    for r in range(R):
+      while True:
+        short = {x.index: sched.pages_needed(x, C) - len(x.pages) for x in sched.running(r)}
+        if sum(max(n, 0) for n in short.values()) <= len(sched.shards[r].free_pages):
+          break
+        victim = min(sched.running(r), key=lambda x: (len(x.tokens), -x.index))
+        sched.release(victim)
+        sched.stats.preemptions += 1
+        queue.appendleft(victim.index)
+      for x in sched.running(r):
+        if short[x.index] > 0:
+          x.pages += sched.take_pages(r, short[x.index])
+          sched.place(x, x.slot)
 
   while queue or sched.running():
-    copies = admit()
-    if copies:
-      pad = engine.num_slots - len(copies)
-      src, dst = (np.asarray([c[i] for c in copies] + [page_pool.TRASH_PAGE] * pad, np.int32)
-                  for i in (0, 1))
-      pool = _copy_pages(pool, src, dst)
+    while queue and admit_round():
+      pass
     if not sched.running():
       if queue:
         raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} is too small to admit "
@@ -412,36 +454,34 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       break
     grow()
     running = sched.running()
-    slots = dict(token=np.zeros(engine.num_slots, np.int32),
-                 length=np.zeros(engine.num_slots, np.int32),
-                 n_gen=np.zeros(engine.num_slots, np.int32),
-                 max_new=np.ones(engine.num_slots, np.int32),
-                 row=np.zeros(engine.num_slots, np.int32),
-                 active=np.zeros(engine.num_slots, bool), page_table=sched.page_table)
+    slots = dict(token=np.zeros(R * S, np.int32), length=np.zeros(R * S, np.int32),
+                 n_gen=np.zeros(R * S, np.int32), max_new=np.ones(R * S, np.int32),
+                 row=np.zeros(R * S, np.int32), active=np.zeros(R * S, bool),
+                 page_table=np.concatenate([sh.page_table for sh in sched.shards]))
+    at = {r.index: sched.shard_of(r) * S + r.slot for r in running}
     for r in running:
-      slots["token"][r.slot] = r.tokens[-1]
-      slots["length"][r.slot] = r.prompt_len + len(r.tokens) - 1
-      slots["n_gen"][r.slot] = len(r.tokens)
-      slots["max_new"][r.slot] = r.max_new
-      slots["row"][r.slot] = r.index
-      slots["active"][r.slot] = True
+      i = at[r.index]
+      slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
+      slots["n_gen"][i], slots["max_new"][i], slots["row"][i] = len(r.tokens), r.max_new, r.index
+      slots["active"][i] = True
     pool, after, out, steps_run = _decode_chunk(
-        params, lora, pool, budget, key, slots, cfg=cfg, steps=engine.chunk_steps, sparse=sparse,
+        params, lora, pool, budget, key, slots, cfg=cfg, steps=C, sparse=sparse,
         max_selected=max_selected, eos_ids=eos_ids, pad_id=pad_id, **sampling)
     out = jax.device_get(out)
     n_gen_after, active_after = np.asarray(after["n_gen"]), np.asarray(after["active"])
     steps_run = int(steps_run)
     sched.stats.chunks += 1
     sched.stats.decode_steps += steps_run
-    sched.stats.computed_row_steps += steps_run * engine.num_slots
+    sched.stats.computed_row_steps += steps_run * R * S
     for r in running:
-      new = int(n_gen_after[r.slot]) - len(r.tokens)
+      i = at[r.index]
+      new = int(n_gen_after[i]) - len(r.tokens)
       sched.stats.useful_row_steps += new
-      r.tokens += out["tokens"][r.slot, :new].tolist()
-      r.logprobs += out["logprobs"][r.slot, :new].tolist()
+      r.tokens += out["tokens"][i, :new].tolist()
+      r.logprobs += out["logprobs"][i, :new].tolist()
       if num_top_logprobs:
-        r.top += list(zip(out["top_lp"][r.slot, :new], out["top_id"][r.slot, :new]))
-      if not active_after[r.slot]:
+        r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
+      if not active_after[i]:
         r.done = True
         sched.release(r)
   return _rollout(rows, int(max_new_B.max()), pad_id, num_top_logprobs), sched.stats
