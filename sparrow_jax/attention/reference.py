@@ -146,6 +146,30 @@ def _paged_row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_vali
   return _softmax_av(s_GT, valid_T, v_TE)
 
 
+def _row_reader(N: int, scale):
+  """One (sequence, KV head)'s attention reading only a prefix of its N page slots that holds its
+  n_valid pages (none, a power of two, or all N: a lax.switch, so one branch runs). The valid
+  pages come first, so a prefix loses nothing: a finished row reads nothing and any other at most
+  twice its own pages, whatever the longest row beside it holds."""
+  sizes = sorted({min(1 << i, N) for i in range(max(N - 1, 1).bit_length() + 1)})
+
+  def prefix(size):
+    def read(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length):
+      return _paged_row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N[:size], logical_idx_N[:size],
+                        n_valid, length, scale)
+    return read
+
+  def nothing(q_GE, *_):
+    return jnp.zeros(q_GE.shape, jnp.float32)
+
+  def row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length):
+    branch = jnp.where((n_valid > 0) & (length > 0),
+                       jnp.searchsorted(jnp.asarray(sizes), n_valid) + 1, 0)
+    return jax.lax.switch(branch, [nothing] + [prefix(s) for s in sizes], q_GE, k_pages_XZE,
+                          v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length)
+  return row
+
+
 def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
                            n_valid_BK, lengths_B, *, scale=None):
   """Attention of one decode query per (sequence b, KV head k) over pages of a flat page array:
@@ -154,16 +178,16 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   holds each one's page number in the row, which gives its positions: a token at position >=
   lengths_B[b] is masked (the partial last page). The form a page pool is read in (the page id is
   physical, the logical id comes from the row's page table); per-row caches reach it through
-  `rows_as_pages`."""
+  `rows_as_pages`. Each row reads about its own n_valid pages (`_row_reader`)."""
   check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK,
                    lengths_B)
   B, K, G, E = q_BKGE.shape
   N = page_idx_BKN.shape[2]
   scale = default_scale(E) if scale is None else scale
+  read = _row_reader(N, scale)
   rows = (q_BKGE.reshape(B * K, G, E), page_idx_BKN.reshape(B * K, N),
           logical_idx_BKN.reshape(B * K, N), n_valid_BK.reshape(B * K), jnp.repeat(lengths_B, K))
-  out_RGE = jax.lax.map(lambda row: _paged_row(row[0], k_pages_XZE, v_pages_XZE, *row[1:], scale),
-                        rows)
+  out_RGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
