@@ -157,19 +157,6 @@ def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
   return acc_BKGE / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
 
 
-def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                            *, page_size, scale=None, num_splits=None, config=None, interpret=None):
-  """Pallas twin of reference.sparse_decode_attention (same arguments, same result): per-row
-  caches read through `paged_decode_attention` (`reference.rows_as_pages`, a free reshape)."""
-  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
-                              lengths_B, page_size)
-  k_pages, v_pages, flat_idx, logical_idx = reference.rows_as_pages(
-      k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size)
-  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
-                                lengths_B, scale=scale, num_splits=num_splits, config=config,
-                                interpret=interpret)
-
-
 def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
                            n_valid_BK, lengths_B, *, scale=None, num_splits=None, config=None,
                            interpret=None):
@@ -248,3 +235,7 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
     lengths_B.astype(jnp.int32)[:, None], q_BKGE_padded, k_pages_XZE, v_pages_XZE)
   out_BKGE = _merge_splits(m_BKXG, l_BKXG, acc_BKXGE)
   return out_BKGE[:, :, :G].astype(q_BKGE.dtype)
+
+
+# Pallas twin of reference.sparse_decode_attention (per-row caches; the same keywords as above).
+sparse_decode_attention = reference.per_row(paged_decode_attention)

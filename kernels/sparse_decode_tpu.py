@@ -149,19 +149,6 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hb
   o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
 
 
-def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                            *, page_size, scale=None, pages_per_block=None, interpret=None):
-  """Pallas TPU twin of reference.sparse_decode_attention (same arguments, same result): per-row
-  caches read through `paged_decode_attention` (`reference.rows_as_pages`, a free reshape)."""
-  reference.check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
-                              lengths_B, page_size)
-  k_pages, v_pages, flat_idx, logical_idx = reference.rows_as_pages(
-      k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size)
-  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
-                                lengths_B, scale=scale, pages_per_block=pages_per_block,
-                                interpret=interpret)
-
-
 def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
                            n_valid_BK, lengths_B, *, scale=None, pages_per_block=None,
                            interpret=None):
@@ -216,3 +203,7 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
     n_valid_BK.astype(jnp.int32).reshape(-1), lengths_B.astype(jnp.int32), q_BKGE_padded,
     k_pages_XZE, v_pages_XZE)
   return out_BKGE[:, :, :G]
+
+
+# Pallas twin of reference.sparse_decode_attention (per-row caches; the same keywords as above).
+sparse_decode_attention = reference.per_row(paged_decode_attention)

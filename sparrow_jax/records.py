@@ -26,10 +26,15 @@ def machine() -> str:
           f"({devices[0].device_kind}), Python {platform.python_version()}, jax {jax.__version__}")
 
 
+# The tree the experiment starts from: a record written at its end names the code that ran, not
+# edits made while it ran.
+_COMMIT_AT_START = _commit()
+
+
 def write_record(path: str, results: dict) -> dict:
   """Writes {command, commit, machine, date, results} to `path` (JSON) and returns it."""
   record = dict(command=" ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                commit=_commit(), machine=machine(),
+                commit=_COMMIT_AT_START, machine=machine(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 results=results)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

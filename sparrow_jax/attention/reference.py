@@ -191,12 +191,22 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
-def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                            *, page_size, scale=None):
-  """Attention of one decode query per sequence over the selected pages only (see module doc)."""
-  check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                    page_size)
-  k_pages, v_pages, flat_idx, logical_idx = rows_as_pages(k_cache_BKSE, v_cache_BKSE, page_idx_BKN,
-                                                          page_size)
-  return paged_decode_attention(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK,
-                                lengths_B, scale=scale)
+def per_row(paged_fn):
+  """The per-row-cache form of a paged attention (`paged_decode_attention`'s contract):
+  sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+  *, page_size, **paged_fn's keywords), the caches read as pages by `rows_as_pages`."""
+  def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
+                              lengths_B, *, page_size, **kwargs):
+    check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
+                      page_size)
+    k_pages, v_pages, flat_idx, logical_idx = rows_as_pages(k_cache_BKSE, v_cache_BKSE,
+                                                            page_idx_BKN, page_size)
+    return paged_fn(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK, lengths_B,
+                    **kwargs)
+  sparse_decode_attention.__doc__ = (f"{paged_fn.__module__}.{paged_fn.__name__} over per-row "
+                                     "caches (see reference.per_row).")
+  return sparse_decode_attention
+
+
+# Attention of one decode query per sequence over the selected pages of its own cache (module doc).
+sparse_decode_attention = per_row(paged_decode_attention)

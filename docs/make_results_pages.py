@@ -1,0 +1,80 @@
+"""Writes the results pages of docs/results/ from the committed results records (JSON written by the
+experiments, sparrow_jax/records.py), so no figure on a page is copied by hand.
+
+  python docs/make_results_pages.py            # rewrite the pages
+  python docs/make_results_pages.py --check    # exit 1 if a committed page differs (tests run it)
+"""
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "results")
+
+
+def _provenance(record) -> str:
+  return (f"`{record['command']}`  \n"
+          f"commit `{record['commit'][:12]}`, {record['machine']}, {record['date']}")
+
+
+def engine_page(records) -> str:
+  """docs/results/rollout_engine.md from the engine_long_tail_*.json records of bench_rollout (d)."""
+  lines = ["# Rollout engine vs static batch (measured)", "",
+           "Long-tail rollouts (`experiments/bench_rollout.py` part (d)): per-row lengths drawn from "
+           "a geometric law with mean half the cutoff, forced with per-row `max_new_tokens`, run on "
+           "the same rows and the same pool memory by the static batch (`EngineConfig(static=True)`:"
+           " every row's pages at full length, admission only into an empty batch; finished rows "
+           "stop costing) and by the engine (slots refilled between chunks, pages taken as rows "
+           "grow). tok/s counts the tokens the rollout keeps over wall time; occupancy = decoded "
+           "tokens kept / (slots x decode steps).", ""]
+  for record in records:
+    r = record["results"]
+    c = r["config"]
+    lines += [f"## {r['model']} shape, cutoff {c['cutoff']}, {c['prompts']} x {c['group_size']} "
+              f"rows", "", _provenance(record), "",
+              f"Pool: {r['pool_pages']} pages of 16 tokens for every setting; "
+              f"{r['total_tokens']} tokens in all.", "",
+              "| attention | setting | slots | tok/s | rows in flight | occupancy | preempted | "
+              "peak pages |", "|---|---|---|---|---|---|---|---|"]
+    for name, run in r["runs"].items():
+      attention, setting = name.split("/")
+      lines.append(f"| {attention} | {setting} | {run['slots']} | {run['tokens_per_s']:.1f} | "
+                   f"{run['rows_in_flight']:.2f} | {run['occupancy']:.2f} | "
+                   f"{run['preemptions']} | {run['peak_pages']} |")
+    lines += [""] + [f"- {name}: **{value:.2f}x**" for name, value in r["ratios"].items()] + [""]
+  return "\n".join(lines)
+
+
+PAGES = {"rollout_engine.md": ("engine_long_tail_*.json", engine_page)}
+
+
+def pages() -> dict:
+  out = {}
+  for page, (pattern, render) in PAGES.items():
+    paths = sorted(glob.glob(os.path.join(RESULTS, pattern)))
+    records = [json.load(open(p)) for p in paths]
+    if records:
+      out[page] = render(records)
+  return out
+
+
+def main(argv):
+  stale = []
+  for page, text in pages().items():
+    path = os.path.join(RESULTS, page)
+    if "--check" in argv:
+      if not os.path.exists(path) or open(path).read() != text:
+        stale.append(page)
+    else:
+      with open(path, "w") as f:
+        f.write(text)
+      print(f"wrote {os.path.relpath(path, ROOT)}")
+  if stale:
+    print(f"stale results pages (run python docs/make_results_pages.py): {stale}")
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
