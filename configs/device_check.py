@@ -41,9 +41,10 @@ def get_config(arg: str = ""):
   # Qwen3-1.7B, 32 rows of geometric lengths (mean 16K) capped at 32K, dense vs sparse tokens/s on
   # one device: what compares with the paper's 640 / 1,416 tokens/s per GPU (Table 2, 4 H200s).
   c.engine = bench_rollout.get_config().engine
-  c.engine.update(model="qwen3-1.7b", layers=2 if smoke else 28, dtype="bfloat16",
+  c.engine.update(model="default" if smoke else "qwen3-1.7b", layers=28, dtype="bfloat16",
                   prompts=2 if smoke else 4, group_size=2 if smoke else 8,
-                  prompt=64 if smoke else 1024, cutoff=256 if smoke else 32768,
-                  slots=4 if smoke else 32, chunk_steps=16 if smoke else 64, dense_layers=2,
+                  prompt=64 if smoke else 1024, cutoff=128 if smoke else 32768,
+                  slots=4 if smoke else 32, chunk_steps=16 if smoke else 64,
+                  dense_layers=1 if smoke else 2,
                   pool_gb=0.0 if smoke else 60.0, static_slots=2, settings=("engine",))
   return c

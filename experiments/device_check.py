@@ -203,19 +203,29 @@ def time_decode(config):
 
 def _run_part(name, fn, report, out):
   """report[name] = fn(), or the traceback if it raises; the JSON is rewritten either way."""
+  start = time.perf_counter()
   try:
     report[name] = fn()
   except Exception:  # a part's failure must not cost the other parts' results
     report[name] = {"error": traceback.format_exc()}
     print(f"\n({name}) failed:\n{report[name]['error']}", flush=True)
+  report.setdefault("part_seconds", {})[name] = time.perf_counter() - start
   if out:
     with open(out, "w") as f:
       json.dump(report, f, indent=1, default=str)
 
 
+def run_parts(parts, config, report, out):
+  """Each (name, fn) of `parts` as fn(config), isolated by `_run_part`."""
+  for name, fn in parts:
+    _run_part(name, lambda: fn(config), report, out)
+
+
 def _summary(report) -> str:
   lines = ["| part | result |", "|---|---|"]
   for name, value in report.items():
+    if name == "part_seconds":
+      lines.append("| seconds | " + ", ".join(f"{k} {v:.0f}" for k, v in value.items()) + " |")
     if isinstance(value, dict) and "error" in value:
       lines.append(f"| {name} | failed: {value['error'].strip().splitlines()[-1]} |")
     elif name == "kernels":
@@ -243,11 +253,11 @@ def main(argv):
   parts = [("kernels", check_kernels), ("attention", time_attention)]
   if jax.default_backend() == "gpu":
     parts.append(("tuning", time_tuning))
-  parts += [("decode", time_decode), ("engine", lambda c: bench_rollout.bench_engine(c))]
-  for name, fn in parts:
-    _run_part(name, lambda: fn(config), report, _FLAGS.out)
+  parts += [("decode", time_decode), ("engine", bench_rollout.bench_engine)]
+  run_parts(parts, config, report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start
   _run_part("seconds", lambda: report["seconds"], report, _FLAGS.out)
+  report["part_seconds"].pop("seconds")
   print(f"\ndevice_check done in {report['seconds']:.0f} s\n\n{_summary(report)}")
   kernels = report["kernels"]
   if isinstance(kernels, list) and not all(r["ok"] for r in kernels):
