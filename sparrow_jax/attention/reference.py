@@ -51,6 +51,10 @@ def check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_
                      f"{q_BKGE.shape}, got {k_cache_BKSE.shape} and {v_cache_BKSE.shape}")
   if S % page_size:
     raise ValueError(f"cache length S={S} must be a multiple of page_size={page_size}")
+  _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K)
+
+
+def _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K) -> None:
   if page_idx_BKN.ndim != 3 or page_idx_BKN.shape[:2] != (B, K):
     raise ValueError(f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, "
                      f"got {page_idx_BKN.shape}")
@@ -108,16 +112,10 @@ def check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx
     raise ValueError(f"k_pages/v_pages must be [X, Z, E] with E = {E}, got {k_pages_XZE.shape} and "
                      f"{v_pages_XZE.shape}")
   paged_cache.check_page_size(k_pages_XZE.shape[1])
-  if page_idx_BKN.ndim != 3 or page_idx_BKN.shape[:2] != (B, K):
-    raise ValueError(f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, "
-                     f"got {page_idx_BKN.shape}")
+  _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K)
   if logical_idx_BKN.shape != page_idx_BKN.shape:
     raise ValueError(f"logical_idx_BKN must be shaped like page_idx_BKN {page_idx_BKN.shape}, "
                      f"got {logical_idx_BKN.shape}")
-  if n_valid_BK.shape != (B, K):
-    raise ValueError(f"n_valid_BK must be [B, K] = {(B, K)}, got {n_valid_BK.shape}")
-  if lengths_B.shape != (B,):
-    raise ValueError(f"lengths_B must be [B] = {(B,)}, got {lengths_B.shape}")
 
 
 def rows_as_pages(k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size):
