@@ -210,6 +210,10 @@ def _run_part(name, fn, report, out):
     report[name] = {"error": traceback.format_exc()}
     print(f"\n({name}) failed:\n{report[name]['error']}", flush=True)
   report.setdefault("part_seconds", {})[name] = time.perf_counter() - start
+  _write(report, out)
+
+
+def _write(report, out):
   if out:
     with open(out, "w") as f:
       json.dump(report, f, indent=1, default=str)
@@ -226,7 +230,7 @@ def _summary(report) -> str:
   for name, value in report.items():
     if name == "part_seconds":
       lines.append("| seconds | " + ", ".join(f"{k} {v:.0f}" for k, v in value.items()) + " |")
-    if isinstance(value, dict) and "error" in value:
+    elif isinstance(value, dict) and "error" in value:
       lines.append(f"| {name} | failed: {value['error'].strip().splitlines()[-1]} |")
     elif name == "kernels":
       lines.append(f"| kernels | {sum(r['ok'] for r in value)}/{len(value)} equal their twin |")
@@ -256,8 +260,7 @@ def main(argv):
   parts += [("decode", time_decode), ("engine", bench_rollout.bench_engine)]
   run_parts(parts, config, report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start
-  _run_part("seconds", lambda: report["seconds"], report, _FLAGS.out)
-  report["part_seconds"].pop("seconds")
+  _write(report, _FLAGS.out)
   print(f"\ndevice_check done in {report['seconds']:.0f} s\n\n{_summary(report)}")
   kernels = report["kernels"]
   if isinstance(kernels, list) and not all(r["ok"] for r in kernels):
