@@ -147,7 +147,7 @@ def test_the_check_is_not_in_the_candidates_memory(humaneval):
   assert "def check(" in problem.reference.script
   run = sandbox.run_cases(peek, "script", [None], prefix=problem.reference.prefix,
                           script=problem.reference.script, limits=sandbox.SandboxLimits.make(**LIMITS))
-  assert run.cases[0]["stdout"] == "True False\n"
+  assert run.cases[0]["stdout"] == "True False\n", run.cases[0]
 
 
 def test_a_dying_candidate_fails_even_where_the_check_catches_everything():
@@ -211,3 +211,18 @@ def test_humaneval_canonical_solutions_all_pass(humaneval):
   grades = rewards.grade_code_batch(responses, [p.reference for p in problems], **LIMITS)
   failed = {p.id: g.reason for p, g in zip(problems, grades) if g.reward != 1.0}
   assert len(problems) == 164 and not failed, failed
+
+
+def test_the_candidates_stdout_survives_a_check_that_ends_first():
+  """Script mode: the check ends as soon as its call returns; the candidate still gets to flush."""
+  program = ("import sys, time\n"
+             "class SlowFlush:\n"
+             "  def __init__(self, out): self.out = out\n"
+             "  def write(self, text): return self.out.write(text)\n"
+             "  def flush(self): time.sleep(0.3); self.out.flush()\n"
+             "sys.stdout = SlowFlush(sys.stdout)\n"
+             "print('still here')\n"
+             "def f(): return 1\n")
+  run = sandbox.run_cases(program, "script", [None], prefix="", script="assert f() == 1\n",
+                          limits=sandbox.SandboxLimits.make(**LIMITS))
+  assert run.cases[0]["status"] == "ok" and run.cases[0]["stdout"] == "still here\n", run.cases[0]

@@ -59,6 +59,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 STDERR_KEEP = 4096   # bytes of a case's stderr sent back (for debugging only)
 SECRET_BYTES = 1 << 26   # most the check's source and token may take
+CASE_FLUSH_S = 1.0   # script mode: seconds the candidate has to flush and exit after the check ends
 PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 PLAIN_CONTAINERS = (list, tuple, set, frozenset)
 PLAIN_DEPTH = 60         # nesting of plain data; the parser refuses ~200 levels of brackets
@@ -530,7 +531,9 @@ def _run_script(job):
     os.close(fd)
   status = _wait(check, job["timeout_s"])
   _stop(check, status)
-  _stop(case, None)
+  # With the check gone the candidate reads EOF and flushes its stdout; killed at once it could lose it.
+  left_s = job["timeout_s"] - (time.monotonic() - start)
+  _stop(case, _wait(case, min(CASE_FLUSH_S, max(left_s, 0.0))))
   outcome = {**_outcome(job, status, start, case_fds[1], case_fds[2]),
              "check_stderr": _read(check_fds[2], STDERR_KEEP), "verdict": _read(check_fds[3], 256)}
   for fd in check_fds[:4] + case_fds[:3]:
