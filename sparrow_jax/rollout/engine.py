@@ -26,11 +26,12 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from sparrow_jax.attention import page_pool, paged_cache, policy
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.schedule import BudgetTable
-from sparrow_jax.model import qwen3
+from sparrow_jax.model import qwen3, sharding
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import sampler
 
@@ -284,23 +285,53 @@ def _check_requests(prompt_BT, prompt_len_B, max_new_B, group_size, cfg):
                      f"max_position_embeddings ({cfg.max_position_embeddings})")
 
 
+def _any_process(flag: bool) -> bool:
+  """Whether `flag` holds on any process: every process then takes the same branch, so that they
+  all enter the same jitted calls (a collective per call with several processes)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def _budget(schedule, sparse, max_len: int, max_selected: Optional[int]):
+  """(BudgetTable over cached lengths 0..max_len, static cap on selected pages) for a schedule, or
+  a BudgetTable built once by the caller (the trainer's, one cap for all its stages) as it is."""
+  if schedule is None:
+    raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
+  if isinstance(schedule, BudgetTable):
+    if schedule.pages_by_len.shape[0] < max_len + 1:
+      raise ValueError(f"the BudgetTable covers cached lengths up to "
+                       f"{schedule.pages_by_len.shape[0] - 1}, the rollout needs {max_len}")
+    table, budget = None, schedule
+  else:
+    table = sampler.budget_table(schedule, max_len, sparse)
+    budget = BudgetTable(jnp.asarray(table))
+  if max_selected is None:
+    max_selected = sampler.max_selected_pages(
+        sharding.to_host(budget.pages_by_len) if table is None else table)
+  return budget, max_selected
+
+
 def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens,
         engine: EngineConfig = EngineConfig(), sparse: Optional[SparseConfig] = None,
-        schedule=None, lora=None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-        eos_ids: Sequence[int] = (), pad_id: int = 0, num_top_logprobs: int = 0,
-        group_size: int = 1, order: Optional[Sequence[int]] = None, dtype=None):
-  """Samples a completion for every right-padded prompt row through the engine.
+        schedule=None, max_selected: Optional[int] = None, lora=None, temperature: float = 1.0,
+        top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), pad_id: int = 0,
+        num_top_logprobs: int = 0, group_size: int = 1, order: Optional[Sequence[int]] = None,
+        dtype=None, first_row: int = 0):
+  """Samples a completion for every right-padded prompt row (host arrays) through the engine.
 
   max_new_tokens: an int or one per row. group_size = n: the rows come in runs of n copies of one
   prompt (GRPO groups), each prefilled once. order: the order rows are admitted in (a permutation
   of the rows; default: row order); it changes nothing in the output. sparse / schedule / lora /
-  sampling arguments as `sampler.generate`. The pool keeps keys and values in `dtype` (default:
-  the embedding's). On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of
-  engine.num_pages pages and engine.num_slots slots, and a group runs on one device.
+  sampling arguments as `sampler.generate`; schedule may be a BudgetTable, used as is with
+  `max_selected` (default: its largest budget rounded up to a power of two). The pool keeps keys
+  and values in `dtype` (default: the embedding's).
+  On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of engine.num_pages pages
+  and engine.num_slots slots, and a group runs on one device. With several processes each passes
+  the rows its devices hold (`sharding.process_rows`), `first_row` the index of its first row in
+  the whole batch (the rows' keys are global), schedules them on its own devices and gets them
+  back; the processes agree only on whether any has work left before each collective call.
   Returns (sampler.Rollout with [B, max(max_new_tokens)] arrays, EngineStats)."""
-  if jax.process_count() > 1:
-    raise ValueError("engine.run schedules the rows of one process; with several processes "
-                     "rollouts run through sampler.generate")
   prompt_BT = np.asarray(prompt_BT, np.int32)
   prompt_len_B = np.asarray(prompt_len_B, np.int32)
   B, T = prompt_BT.shape
@@ -312,16 +343,21 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   Z = sparse.page_size if sparse is not None else 16
   prompt_BT = np.pad(prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages: one prefill shape
   max_pages_per_row = -(-(T + int(max_new_B.max())) // Z)
-  budget, max_selected = None, 0
-  if sparse is not None:
-    if schedule is None:
-      raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
-    table = sampler.budget_table(schedule, max_pages_per_row * Z, sparse)
-    budget, max_selected = BudgetTable(jnp.asarray(table)), sampler.max_selected_pages(table)
+  budget, max_selected = (None, 0) if sparse is None else _budget(
+      schedule, sparse, max(max_pages_per_row * Z, T + int(max_new_B.max())), max_selected)
   dtype = dtype or params["embed"].dtype
   pool = page_pool.init_pool(cfg, engine.num_pages, Z, dtype,
                              sparse.page_score if sparse is not None else "mean")
   R, S, C = pool.shards, engine.num_slots, engine.chunk_steps
+  # This process's shards of the pool: it schedules only them; arrays of every shard's slots are
+  # assembled from each process's part.
+  mesh = jax.sharding.get_mesh()
+  rows_sh = None if mesh.empty else sharding.rows(mesh)
+  r_lo, r_hi = (0, R) if rows_sh is None else sharding.process_rows(rows_sh, R)
+  R_local = r_hi - r_lo
+  to_global = lambda x: x if rows_sh is None else sharding.from_local_rows(
+      x, rows_sh, x.shape[0] // R_local * R)
+  to_local = lambda x: np.asarray(x) if rows_sh is None else sharding.local_rows(x)
   per_insert = max(1, S // group_size)  # groups a device prefills per insert call
   sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                   num_top=int(num_top_logprobs))
@@ -332,7 +368,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   order = list(range(B)) if order is None else [int(b) for b in order]
   if sorted(order) != list(range(B)):
     raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
-  sched = _Scheduler(engine, Z, rows, groups, max_pages_per_row, R)
+  sched = _Scheduler(engine, Z, rows, groups, max_pages_per_row, R_local)
   for row in rows:  # a row that cannot fit alone in a pool would wait forever
     need = -(-(row.prompt_len + row.max_new - 1) // Z) + 1
     if need > engine.num_pages - 1:
@@ -345,7 +381,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     """Prefill the planned groups (up to per_insert per device) and sample their rows' first
     tokens."""
     nonlocal pool
-    n = R * per_insert
+    n = R_local * per_insert
     prompts = np.zeros((n, prompt_BT.shape[1]), np.int32)
     lens = np.ones(n, np.int32)
     dest = np.zeros((n, prompt_BT.shape[1] // Z), np.int32)
@@ -356,11 +392,12 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
         i, group, first = r * per_insert + j, groups[g], rows[groups[g].rows[0]]
         pages = group.shared + ([group.template] if group.template is not None else [])
         prompts[i], lens[i], dest[i, :len(pages)] = prompt_BT[first.index], first.prompt_len, pages
-        row_ids[i], at[g] = group.rows, i
-    pool, token, logp, top = _insert(params, lora, pool, prompts, lens, dest, row_ids, key, cfg=cfg,
-                                     **sampling)
-    token, logp = np.asarray(token), np.asarray(logp)
-    top = None if top is None else tuple(np.asarray(x).reshape(n, group_size, -1) for x in top)
+        row_ids[i], at[g] = np.asarray(group.rows) + first_row, i
+    pool, token, logp, top = _insert(params, lora, pool, *map(to_global, (prompts, lens, dest,
+                                                                         row_ids)),
+                                     key, cfg=cfg, **sampling)
+    token, logp = to_local(token), to_local(logp)
+    top = None if top is None else tuple(to_local(x).reshape(n, group_size, -1) for x in top)
     for g, i in at.items():
       for j, b in enumerate(groups[g].rows):
         rows[b].first = (int(token[i, j]), float(logp[i, j]),
@@ -376,9 +413,10 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     """Admits what fits from the queue: rows of prefilled groups into their device's free slots,
     new groups (up to per_insert a device) onto the device with the most free slots, as long as
     each device keeps its reserve. Returns whether anything was admitted."""
-    planned = [[] for _ in range(R)]
+    nonlocal pool
+    planned = [[] for _ in range(R_local)]
     free_slots = [sh.slots.count(None) for sh in sched.shards]
-    busy = [bool(sched.running(r)) for r in range(R)]  # the static batch waits for an empty device
+    busy = [bool(sched.running(r)) for r in range(R_local)]  # the static batch waits for empty
     admitted = []
     for b in list(queue):
       row, group = rows[b], groups[rows[b].group]
@@ -389,7 +427,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
                         and len(sched.shards[r].free_pages)
                         >= need + (0 if engine.static else sched.reserve(r)))
       if new_group:
-        options = [r for r in range(R) if len(planned[r]) < per_insert and fits(r)]
+        options = [r for r in range(R_local) if len(planned[r]) < per_insert and fits(r)]
         if not options:
           continue
         r = max(options, key=lambda r: (free_slots[r], len(sched.shards[r].free_pages), -r))
@@ -407,9 +445,9 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       sched.shards[r].slots[row.slot] = row.index  # held; placed once its first token is known
       free_slots[r] -= 1
       admitted.append(row)
-    if any(planned):
+    if _any_process(any(planned)):
       insert(planned)
-    copies = [[] for _ in range(R)]
+    copies = [[] for _ in range(R_local)]
     for row in admitted:
       restart(row)
       if row.done:
@@ -419,18 +457,17 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       if group.template is not None:
         copies[group.shard].append((group.template, row.pages[0]))
       sched.place(row, row.slot)
-    if any(copies):
-      nonlocal pool
-      pairs = np.full((2, R, S), page_pool.TRASH_PAGE, np.int32)
+    if _any_process(any(copies)):
+      pairs = np.full((2, R_local, S), page_pool.TRASH_PAGE, np.int32)
       for r, shard_copies in enumerate(copies):
         for j, (src, dst) in enumerate(shard_copies):
           pairs[:, r, j] = src, dst
-      pool = _copy_pages(pool, pairs[0], pairs[1])
+      pool = _copy_pages(pool, to_global(pairs[0]), to_global(pairs[1]))
     return bool(admitted)
 
   def grow():
     """Pages for every running row's next chunk; preempt the least advanced rows if short."""
-    for r in range(R):
+    for r in range(R_local):
       while True:
         short = {x.index: sched.pages_needed(x, C) - len(x.pages) for x in sched.running(r)}
         if sum(max(n, 0) for n in short.values()) <= len(sched.shards[r].free_pages):
@@ -445,35 +482,37 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
           x.pages += sched.take_pages(r, short[x.index])
           sched.place(x, x.slot)
 
-  while queue or sched.running():
-    while queue and admit_round():
+  while True:
+    while _any_process(admit_round()):
       pass
-    if not sched.running():
-      if queue:
-        raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} is too small to admit "
-                         f"row {queue[0]} while other groups hold their prompt pages")
+    if queue and not sched.running():
+      raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} is too small to admit "
+                       f"row {queue[0]} while other groups hold their prompt pages")
+    if not _any_process(bool(sched.running())):
       break
     grow()
     running = sched.running()
-    slots = dict(token=np.zeros(R * S, np.int32), length=np.zeros(R * S, np.int32),
-                 n_gen=np.zeros(R * S, np.int32), max_new=np.ones(R * S, np.int32),
-                 row=np.zeros(R * S, np.int32), active=np.zeros(R * S, bool),
+    n = R_local * S
+    slots = dict(token=np.zeros(n, np.int32), length=np.zeros(n, np.int32),
+                 n_gen=np.zeros(n, np.int32), max_new=np.ones(n, np.int32),
+                 row=np.zeros(n, np.int32), active=np.zeros(n, bool),
                  page_table=np.concatenate([sh.page_table for sh in sched.shards]))
     at = {r.index: sched.shard_of(r) * S + r.slot for r in running}
     for r in running:
       i = at[r.index]
       slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
-      slots["n_gen"][i], slots["max_new"][i], slots["row"][i] = len(r.tokens), r.max_new, r.index
-      slots["active"][i] = True
+      slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
+      slots["row"][i], slots["active"][i] = first_row + r.index, True
     pool, after, out, steps_run = _decode_chunk(
-        params, lora, pool, budget, key, slots, cfg=cfg, steps=C, sparse=sparse,
-        max_selected=max_selected, eos_ids=eos_ids, pad_id=pad_id, **sampling)
-    out = jax.device_get(out)
-    n_gen_after, active_after = np.asarray(after["n_gen"]), np.asarray(after["active"])
-    steps_run = int(steps_run)
+        params, lora, pool, budget, key, {k: to_global(v) for k, v in slots.items()}, cfg=cfg,
+        steps=C, sparse=sparse, max_selected=max_selected, eos_ids=eos_ids, pad_id=pad_id,
+        **sampling)
+    out = {k: to_local(v) for k, v in out.items()}
+    n_gen_after, active_after = to_local(after["n_gen"]), to_local(after["active"])
+    steps_run = int(sharding.to_host(steps_run))
     sched.stats.chunks += 1
     sched.stats.decode_steps += steps_run
-    sched.stats.computed_row_steps += steps_run * R * S
+    sched.stats.computed_row_steps += steps_run * R_local * S
     for r in running:
       i = at[r.index]
       new = int(n_gen_after[i]) - len(r.tokens)
