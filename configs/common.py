@@ -74,6 +74,11 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   #                                    under tau (its pool's p4 >= tau); it fails over 0.05 (p5 < tau)
   c.adaptive_min_tokens = 200        # a bin with fewer tokens in the step holds and pools nothing:
   #                                    its p10 then rests on >= 20 tokens, not on one outlier
+  c.engine_slots = 0                 # rows each device decodes at once (0: all of its step's rows);
+  #                                    fewer slots than rows refill a finished row's slot at once
+  c.pool_gb = 0.0                    # each device's KV page pool, GB (0: room for all its rows at
+  #                                    prompt + max_new_tokens, so no row waits or is preempted)
+  c.chunk_steps = 16                 # decode steps between the engine's scheduler passes
   c.page_size = 16                   # tokens per KV page (power of two; the paper uses 16)
   c.dense_layers = 1                 # first layers kept dense (the paper: 2 of 28)
   c.attention_impl = "auto"          # auto (the GPU / TPU kernel on its platform, else xla) | xla |

@@ -6,10 +6,11 @@
 The paper's recipe (SPARROW_BRIEF): 37K-token generation cutoff, n = 8, GRPO token-mean with clip
 0.2 / 0.28 and dual clip 3, TIS (cap 2), no KL, temperature 1.0, page 16, the first 2 layers dense,
 the published tau-0.86 schedule for this model, p5 in 2K-token bins; DistillSparse off. FSDP over
-the node's 8 GPUs (params, grads and Adam states in eighths). Sized by experiments/memory_report.py:
-the sampler holds every row's full-length cache at once, 8 rows x 38K per GPU here (~36 GB of bf16
-KV at 1.7B); a larger rollout batch needs more GPUs. Checked in tests/test_real_configs.py by
-lowering its step at full size on 8 fake devices.
+the node's 8 GPUs (params, grads and Adam states in eighths). Rollouts run in the engine
+(rollout/engine.py): 256 rows a step, 32 per GPU, through 32 slots over a 60 GB page pool per GPU,
+which holds ~36 rows of a long-tailed step (mean response half the cutoff) in flight; see the
+rollout fields for why. Checked in tests/test_real_configs.py by lowering its step at full size on
+8 fake devices; the pool and decode chunk by experiments/memory_report.py --config.parts=engine.
 """
 import ml_collections
 
@@ -36,7 +37,15 @@ def get_config():
   c.rollout = common.rollout(schedule="paper:qwen3-1.7b:0.86", dense_layers=2, page_score="mean",
                              max_new_tokens=37 * 1024)  # the paper's math cutoff; its tables rank
   #                                    pages by mean key (quest: calibrate it for the model first)
-  c.rollout.prompts_per_step = 8     # distinct prompts per step (x 8 samples = 64 rollouts)
+  c.rollout.prompts_per_step = 32    # distinct prompts per step (x 8 samples = 256 rollouts, 32
+  #                                    per GPU): a GPU whose rows have all ended idles until the
+  #                                    step's longest row ends, so each gets more rows than slots
+  c.rollout.engine_slots = 32        # rows each GPU decodes at once; the pool holds ~36 at the
+  #                                    paper's long tail (cost_model.roofline_engine_rate, mean
+  #                                    response half the cutoff), so slots bind, not pages
+  c.rollout.pool_gb = 60.0           # KV page pool per GPU: ~510K tokens of 1.7B's bf16 KV; beside
+  #                                    it 3.4 GB of gathered weights, the sharded train state and
+  #                                    the decode chunk's temporaries, within an H200's 141 GB
   c.rollout.group_size = 8           # samples per prompt (n)
   c.rollout.max_prompt_len = 1024    # Polaris prompts with the chat template fit in 1K tokens
   c.rollout.num_top_logprobs = 0     # exact alpha is logged; the top-20 bound costs a vocab top-k
@@ -57,9 +66,9 @@ def get_config():
   c.rl.kl_coef = 0.0                 # no KL to the reference (none kept)
   c.rl.entropy_coef = 0.0            # no entropy bonus
   c.rl.ppo_epochs = 1                # passes over each batch
-  c.rl.num_minibatches = 4           # 4 updates of 16 rollouts per step
+  c.rl.num_minibatches = 4           # 4 updates of 64 rollouts per step
   c.rl.dapo_filter = False           # keep zero-variance groups (plain GRPO)
-  c.rl.micro_batches = 2             # 8 rows per backward pass: one 38K row per GPU
+  c.rl.micro_batches = 8             # 8 rows per backward pass: one 38K row per GPU
   c.rl.remat = "full"                # per-layer remat: what 38K-token rows need
   c.rl.logits_chunk = 512            # positions per LM-head chunk
 

@@ -8,8 +8,10 @@ compiled for this machine's backend; `compiled.memory_analysis()` gives the byte
 and of its temporaries (everything XLA allocates besides arguments and outputs) per device. Parts:
   train          the fused RL step with DistillSparse (GRPO + TIS + LoRA), `train_rows` rows of
                  `length` tokens (prompt_len of them prompt), Adam states in the params' dtype.
-  sampler        `sampler_rows` rows sampled sparsely to `length` tokens (prompt prefilled once per
-                 group); its cache is a temporary. Compared with the bf16 KV it must hold + params.
+  sampler        the rollout as the trainer runs it by default: `sampler_rows` rows sampled sparsely
+                 to `length` tokens by the engine's full batch (every row in a slot, a pool that
+                 holds them at full length, each group's prompt prefilled once into it): the decode
+                 chunk and the group prefill, against the pool (KV) + params they must hold.
   calibrate      one calibration pass (the sparse teacher-forced pass of one candidate against the
                  dense hidden states) over `calibrate_rows` rows.
   engine         the rollout engine's decode chunk (rollout/engine.py) over a pool of
@@ -28,7 +30,8 @@ Per device on a mesh (`--config.mesh=DATA,FSDP,TENSOR`, on that many fake CPU de
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_report.py \
       --config=configs/memory_report.py --config.mesh=1,8,1 --config.train_rows=8 ...
 train and sampler are then compiled as the trainer runs them: state and batch on the sharding
-rules (model/sharding.py), the sampler's weights gathered over fsdp (sharding.ROLLOUT_RULES).
+rules (model/sharding.py), the rollout's weights gathered over fsdp (sharding.ROLLOUT_RULES), each
+device prefilling and decoding only its own groups.
 """
 import dataclasses
 import json
@@ -111,29 +114,45 @@ def train_step(model, length, c, dtype, mesh, layers=None):
 
 
 def sampler_memory(model, length, c, dtype, mesh):
+  """The rollout as the trainer runs it by default (`engine.full_batch`: every row of a device in a
+  slot, a pool that holds them at full length): the group prefill into the pool (`engine._insert`)
+  and the decode chunk, compiled on the mesh with the weights gathered over fsdp."""
   cfg, params, lora = _model(model, dtype)
-  B, T = c.sampler_rows, c.prompt_len
-  budget, table = _budget(c.schedule, model, length)
-  rules = sharding.ROLLOUT_RULES  # the trainer's sampler weights: gathered over fsdp
+  rules = sharding.ROLLOUT_RULES  # the trainer's rollout weights: gathered over fsdp
   params = _on(params, sharding.param_shardings(params, mesh, rules))
   lora = _on(lora, sharding.lora_shardings(lora, mesh, rules))
-  rows = lambda x: SDS(x.shape, x.dtype, sharding=sharding.rows(mesh))
+  Z, T, G = SPARSE.page_size, c.prompt_len, c.sampler_group
   with jax.set_mesh(mesh):
-    compiled = sampler._generate.lower(
-        params, rows(SDS((B, T), jnp.int32)), rows(SDS((B,), jnp.int32)), SDS((2,), jnp.uint32),
-        budget, lora, cfg=cfg, max_new_tokens=length - T, temperature=1.0, top_p=1.0, top_k=0,
-        eos_ids=(0,), sparse=SPARSE, max_selected=sampler.max_selected_pages(table),
-        num_top_logprobs=ts.TOP_K, pad_id=0, cache_len=length, prefill_group=c.sampler_group
-    ).compile()
-  out = _analysis(compiled)
+    R = page_pool.row_shards()
+    config = engine.full_batch(c.sampler_rows // R, G, length, SPARSE)
+    pool = jax.eval_shape(lambda: page_pool.init_pool(cfg, config.num_pages, Z, dtype,
+                                                      SPARSE.page_score))
+    rows = lambda shape, dt=jnp.int32: SDS(shape, dt, sharding=sharding.rows(mesh))
+    groups = R * max(1, config.num_slots // G)  # what one insert prefills, across devices
+    insert = engine._insert.lower(
+        params, lora, pool, rows((groups, T)), rows((groups,)), rows((groups, T // Z)),
+        rows((groups, G)), SDS((2,), jnp.uint32), cfg=cfg, temperature=1.0, top_p=1.0, top_k=0,
+        num_top=ts.TOP_K).compile()
+    S, PR = R * config.num_slots, -(-length // Z)
+    slots = dict(token=rows((S,)), length=rows((S,)), n_gen=rows((S,)), max_new=rows((S,)),
+                 row=rows((S,)), active=rows((S,), bool), page_table=rows((S, PR)))
+    budget, table = _budget(c.schedule, model, PR * Z)
+    decode = engine._decode_chunk.lower(
+        params, lora, pool, budget, SDS((2,), jnp.uint32), slots, cfg=cfg, steps=c.engine_chunk,
+        sparse=SPARSE, max_selected=sampler.max_selected_pages(table), eos_ids=(0,), pad_id=0,
+        temperature=1.0, top_p=1.0, top_k=0, num_top=ts.TOP_K).compile()
+  out = _analysis(decode)
+  insert = _analysis(insert)
   per_device = lambda x: np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-  L, K, E = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-  k_cache = SDS((L, B, K, length, E), dtype, sharding=NamedSharding(
-      mesh, sharding.spec(sharding.CACHE_AXES["k_stored"], (L, B, K, length, E), mesh)))
-  kv = 2 * per_device(k_cache)
+  on_mesh = lambda axes, x: SDS(x.shape, x.dtype, sharding=NamedSharding(
+      mesh, sharding.spec(axes, x.shape, mesh)))
+  kv = (sum(per_device(on_mesh(page_pool.POOL_AXES, x)) for x in pool.k_stored + pool.v_stored)
+        + sum(per_device(on_mesh(page_pool.SUMMARY_AXES, x)) for x in pool.summaries))
   param_bytes = sum(per_device(x) for x in jax.tree_util.tree_leaves(params))
-  out.update(kv_gb=kv / GB, params_gb=param_bytes / GB,
-             ratio=(out["args_gb"] + out["temp_gb"]) * GB / (kv + param_bytes))
+  out.update(insert_args_gb=insert["args_gb"], insert_temp_gb=insert["temp_gb"], kv_gb=kv / GB,
+             params_gb=param_bytes / GB,
+             ratio=(max(out["args_gb"] + out["temp_gb"], insert["args_gb"] + insert["temp_gb"])
+                    * GB / (kv + param_bytes)))
   return out
 
 
@@ -233,11 +252,13 @@ def main(argv):
            (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
             ("compile s", "compile_s")))
   if "sampler" in parts:
-    print(f"\nsampler, {c.sampler_rows} rows, prompt {c.prompt_len}; "
-          "ratio = (args + temps) / (KV + params)")
+    print(f"\nrollout (the engine's full batch), {c.sampler_rows} rows in groups of "
+          f"{c.sampler_group}, prompt {c.prompt_len}: the decode chunk's args and temps, the group "
+          "prefill's temps, the pool (KV) and weights; ratio = the larger program's (args + temps)"
+          " / (KV + params)")
     _table(report, "sampler", lambda m, n: sampler_memory(m, n, c, dtype, mesh), models, lengths,
-           (("args", "args_gb"), ("temps", "temp_gb"), ("KV", "kv_gb"), ("params", "params_gb"),
-            ("ratio", "ratio")))
+           (("args", "args_gb"), ("temps", "temp_gb"), ("prefill", "insert_temp_gb"),
+            ("KV", "kv_gb"), ("params", "params_gb"), ("ratio", "ratio")))
   if "calibrate" in parts:
     print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate")
     _table(report, "calibrate", lambda m, n: calibrate_memory(m, n, c, dtype), models, lengths,

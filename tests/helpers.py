@@ -96,11 +96,17 @@ def rows_by_step(workdir):
   return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows}
 
 
-def assert_same_metrics(got, want, steps, atol):
+# Priced for one device of the run's own engine (its slots and pool per device): differs by mesh.
+PER_DEVICE_METRICS = ("kv/predicted_speedup",)
+
+
+def assert_same_metrics(got, want, steps, atol, skip=()):
   import numpy as np
   for step in steps:
     assert got[step].keys() == want[step].keys()
     for name, value in want[step].items():
+      if name in skip:
+        continue
       value = np.asarray(value, dtype=float)  # per-bin lists hold None for empty bins -> nan
       np.testing.assert_allclose(np.asarray(got[step][name], dtype=float), value, rtol=1e-5,
                                  atol=atol, err_msg=f"step {step} {name}")

@@ -145,11 +145,14 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
              "--config.prompt_len=128", "--config.parts=sampler,calibrate",
              "--config.schedule=fixed:16",  # no published table for 0.6B
              f"--config.out={out_file}").stdout
-  assert "sampler, 8 rows, prompt 128" in out and "calibration pass" in out
+  assert "rollout (the engine's full batch), 8 rows in groups of 8, prompt 128" in out
+  assert "calibration pass" in out
   import json
   report = json.loads(out_file.read_text())
+  # the pool: 8 rows x 32 pages of 16 tokens + a template page + the trash page, keys, values
+  # and mean-key summaries (1 row) of 28 layers x 8 KV heads x 128 dims in bfloat16
   kv = report["sampler/qwen3-0.6b/512"]["kv_gb"]
-  assert abs(kv - 2 * 28 * 8 * 8 * 512 * 128 * 2 / 1e9) < 1e-6
+  assert abs(kv - (8 * 32 + 2) * 28 * 8 * (2 * 16 + 1) * 128 * 2 / 1e9) < 1e-6
   assert report["sampler/qwen3-0.6b/512"]["ratio"] > 1.0
   bad = _run("memory_report", "--config.parts=train,speed", check=False)
   assert bad.returncode != 0 and "speed" in bad.stderr

@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("name, preset, devices, rows, q_shape", [
-    ("qwen3_1p7b_polaris", "qwen3-1.7b", 8, 64, (28, 2048, 2048)),
-    ("qwen3_14b_polaris", "qwen3-14b", 32, 64, (40, 5120, 5120)),
+    ("qwen3_1p7b_polaris", "qwen3-1.7b", 8, 256, (28, 2048, 2048)),
+    ("qwen3_14b_polaris", "qwen3-14b", 32, 512, (40, 5120, 5120)),
 ])
 def test_real_config_lowers_at_full_size(name, preset, devices, rows, q_shape):
   out = run_on_fake_devices(SCRIPT.format(name=name, preset=preset), devices=devices)

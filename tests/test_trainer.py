@@ -15,7 +15,7 @@ from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rl import trainer
-from sparrow_jax.rollout import sampler
+from sparrow_jax.rollout import engine
 
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
@@ -145,17 +145,23 @@ def test_export_policy_round_trips(tmp_path):
   assert tok.eos_ids == (task.eos_id,) and tok.pad_id == task.pad_id
 
 
+def engine_programs():
+  """Compiled programs of the engine's jitted parts (insert, decode chunk, page copy)."""
+  return tuple(f._cache_size() for f in (engine._insert, engine._decode_chunk, engine._copy_pages))
+
+
 def test_schedule_stages_switch_without_recompiling(tmp_path):
-  from sparrow_jax.rollout import sampler
   c = config(workdir=str(tmp_path / "run"), total_steps=3, model__hf_dir="", model__preset="tiny",
              rollout__schedule="0:fixed:4,2:fixed:6", rollout__page_size=8,
              rollout__dense_layers=1, task__min_hops=4, task__max_hops=8,
              rollout__max_prompt_len=64, rollout__max_new_tokens=40, stats__bin_size=16,
              rollout__group_size=4, rl__num_minibatches=1, export_hf=False)
-  compiled = sampler._generate._cache_size()
+  compiled = engine_programs()
   rows = trainer.train(c)
   assert [r["kv/schedule_stage"] for r in rows] == [0, 0, 1]
-  assert sampler._generate._cache_size() == compiled + 1  # both stages: one sampler program
+  assert len({r["response_length/mean"] for r in rows}) > 1  # the steps' lengths differ
+  # 3 steps of both stages: at most one program of each part (none when this shape ran before)
+  assert all(after - before <= 1 for before, after in zip(compiled, engine_programs()))
 
 
 def test_mesh_that_does_not_fit_the_devices_or_the_batch_names_the_field():
@@ -242,7 +248,7 @@ def adaptive_small(workdir, base, **changes):
 
 @pytest.fixture(scope="module")
 def adaptive_run(tmp_path_factory):
-  """A straight 3-step adaptive run -> (root dir, BASE path, rows, (train step, sampler) compiled
+  """A straight 3-step adaptive run -> (root dir, BASE path, rows, (train step, engine) compiled
   programs after each step)."""
   root = tmp_path_factory.mktemp("adaptive")
   base = root / "base.json"
@@ -254,7 +260,7 @@ def adaptive_run(tmp_path_factory):
 
     def run(*step_args):
       out = step(*step_args)
-      compiled.append((step._cache_size(), sampler._generate._cache_size()))
+      compiled.append((step._cache_size(), engine_programs()))
       return out
     return run
   with pytest.MonkeyPatch.context() as patch:
@@ -273,7 +279,7 @@ def test_adaptive_budgets_move_without_recompiling(adaptive_run):
   # BASE's read of the same rollouts: equal under BASE (step 1), below the raised tables after
   assert rows[0]["kv/read_fraction_start"] == rows[0]["kv/read_fraction"]
   assert all(r["kv/read_fraction_start"] < r["kv/read_fraction"] for r in rows[1:])
-  assert compiled[0] == compiled[-1], compiled  # neither the train step nor the sampler again
+  assert compiled[0] == compiled[-1], compiled  # neither the train step nor the engine again
   assert [rows_by_step(root / "straight")[s]["kv/topk_bin"] for s in (1, 2, 3)] == tables
 
 
@@ -285,3 +291,26 @@ def test_adaptive_resume_replays_the_budgets(adaptive_run):
   assert got[3]["kv/topk_bin"] == want[3]["kv/topk_bin"] != want[2]["kv/topk_bin"]
   assert got[3]["kv/floor_bin"] == want[3]["kv/floor_bin"] != [0] * 7  # the floors too
   assert_same_metrics(got, want, (1, 2, 3), atol=1e-6)
+
+
+def test_predicted_speedup_prices_the_runs_own_engine():
+  """kv/predicted_speedup is the roofline's sparse / dense tokens/s for one device running this run's
+  slots and pool: the 1.7B paper config's 32 slots at the paper's long tail read far more KV than
+  weights (~3x), while 2 slots are bound by reading the weights (little to gain)."""
+  from configs import qwen3_1p7b_polaris
+  from sparrow_jax.mismatch import cost_model
+  c = qwen3_1p7b_polaris.get_config()
+  cfg = sj.Qwen3Config.preset("qwen3-1.7b")
+  schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
+  prompt_lens, lengths = [1024] * 32, [37 * 1024 // 2] * 32
+  speedup = lambda config: trainer.predicted_speedup(
+      c, cfg, schedule, config, "h200", prompt_lens, lengths)
+  ours = trainer.engine_config(c, cfg, rows_per_device=32)
+  assert (ours.num_slots, ours.num_pages) == (32, 31706)  # 60 GB of bf16 pages
+  rate = lambda s: cost_model.roofline_engine_rate(
+      cfg, s, 1024, 37 * 1024, slots=32, pool_tokens=31706 * 16, mean_len_frac=0.5,
+      hardware="h200", dense_layers=2)[0]
+  np.testing.assert_allclose(speedup(ours), rate(schedule) / rate(None), rtol=1e-6)
+  assert speedup(ours) > 2.5
+  import dataclasses
+  assert speedup(dataclasses.replace(ours, num_slots=2)) < 0.6 * speedup(ours)

@@ -44,7 +44,7 @@ from sparrow_jax.mismatch.acceptance import (acceptance_rate, tail_stats,
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.rollout import sampler
+from sparrow_jax.rollout import engine, sampler
 
 # The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
 PAPER_CANDIDATES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893,
@@ -264,10 +264,10 @@ def _rollouts(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, schedule,
   seqs, masks, t0 = [], [], time.time()
   for i in range(0, len(idx), gen_bs):
     rows = idx[i:i + gen_bs]
-    out = sampler.generate(params, cfg, prompt_BT[rows], prompt_len_B[rows],
-                           jax.random.fold_in(key, i), max_new_tokens=max_new_tokens,
-                           temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
-                           sparse=None if schedule is None else sparse, schedule=schedule)
+    out = engine.generate(params, cfg, prompt_BT[rows], prompt_len_B[rows],
+                          jax.random.fold_in(key, i), max_new_tokens=max_new_tokens,
+                          temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
+                          sparse=None if schedule is None else sparse, schedule=schedule)
     seq_BS, gen_mask_BS = sampler.full_sequences(prompt_BT[rows], prompt_len_B[rows], out, pad_id)
     seqs.append(np.asarray(seq_BS))
     masks.append(np.asarray(gen_mask_BS))

@@ -31,6 +31,7 @@ import optax
 
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
+from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
 from sparrow_jax.data import tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
@@ -42,7 +43,7 @@ from sparrow_jax.model.hf import load_config, load_hf, save_hf
 from sparrow_jax.model import sharding
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
-from sparrow_jax.rollout import sampler
+from sparrow_jax.rollout import engine, sampler
 
 
 def _require(ok: bool, field: str, value, allowed: str):
@@ -128,6 +129,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
       ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
       ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
       ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
+      ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
+      ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
+      ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
       ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
       ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
       ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0,
@@ -215,6 +219,45 @@ def _check_model_fits(c):
   length = r.max_prompt_len + r.max_new_tokens
   _require(length <= cfg.max_position_embeddings, "rollout.max_prompt_len + max_new_tokens",
            length, f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})")
+  if r.pool_gb:
+    Z = engine.page_size(_sparse(c))
+    need = -(-(length - 1) // Z) + 2  # a row at its cap, its prompt's template page, the trash page
+    have = engine_config(c, cfg, rows_per_device=1).num_pages
+    _require(have >= need, "rollout.pool_gb", r.pool_gb,
+             f"holds {have} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
+             f"{length} tokens needs {need}")
+
+
+def predicted_speedup(c, cfg, schedule, engine_cfg: engine.EngineConfig, hardware, prompt_lens,
+                      lengths) -> float:
+  """Sparse over dense rollout tokens/s of one device of `hardware` running this run's engine
+  (its slots and pool) on this step's mean prompt and mean response length (the roofline of
+  cost_model.roofline_engine_rate: weights and KV read per decode step, each prompt prefilled
+  once)."""
+  r = c.rollout
+  rate = lambda sched: cost_model.roofline_engine_rate(
+      cfg, sched, int(np.mean(prompt_lens)), r.max_new_tokens, slots=engine_cfg.num_slots,
+      pool_tokens=engine_cfg.num_pages * r.page_size,
+      mean_len_frac=min(max(float(np.mean(lengths)) / r.max_new_tokens, 1 / r.max_new_tokens), 1.0),
+      n_samples=r.group_size, hardware=hardware, dense_layers=r.dense_layers,
+      page_size=r.page_size, page_score=r.page_score)[0]
+  return rate(schedule) / rate(None)
+
+
+def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineConfig:
+  """Each device's slots and pool from config.rollout: by default `engine.full_batch` (every row of
+  the device's step at once, no row waits or is preempted); engine_slots / pool_gb size them for
+  long-tailed lengths (more rows than slots: a finished row's slot is refilled at once)."""
+  r, sparse = c.rollout, _sparse(c)
+  config = engine.full_batch(rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens,
+                             sparse, r.chunk_steps)
+  if r.engine_slots:
+    config = dataclasses.replace(config, num_slots=r.engine_slots)
+  if r.pool_gb:
+    config = dataclasses.replace(config, num_pages=engine.pages_for_bytes(
+        cfg, r.pool_gb * 1e9, engine.page_size(sparse), jnp.dtype(c.model.dtype),
+        sparse.page_score if sparse else "mean"))
+  return config
 
 
 def make_task(c):
@@ -579,6 +622,8 @@ def _train(c, mesh, run: contextlib.ExitStack):
   n_prompts = r.prompts_per_step
   n_rows = n_prompts * r.group_size
   lo, hi = sharding.process_rows(rows_sh, n_rows)  # this process's rows: its prompts and rewards
+  engine_cfg = engine_config(c, cfg, n_rows // page_pool.row_shards())
+  hardware = cost_model.get_hardware(c.hardware)  # "this_machine" is measured once, here
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   os.makedirs(c.workdir, exist_ok=True)
@@ -640,16 +685,17 @@ def _train(c, mesh, run: contextlib.ExitStack):
         schedule = dataclasses.replace(schedule, values=loop.topk)
       budget_by_len, budget = budget_of(schedule)
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
-    prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in
-                          _prompts(problems, tokenizer, r.group_size, r.max_prompt_len))
+    local_prompts = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
+    prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in local_prompts)
     params, lora = rollout_weights(state.params, state.lora)
-    rollout = sampler.generate(
-        params, cfg, prompt, prompt_len, np.asarray(jax.random.fold_in(key, step)),
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-        eos_ids=tokenizer.eos_ids, sparse=sparse, schedule=budget, lora=lora,
-        num_top_logprobs=r.num_top_logprobs, pad_id=tokenizer.pad_id, max_selected=max_selected,
-        prefill_group=r.group_size)
-    jax.block_until_ready(rollout.tokens)
+    rollout, engine_stats = engine.run(
+        params, cfg, *local_prompts, np.asarray(jax.random.fold_in(key, step)),
+        max_new_tokens=r.max_new_tokens, engine=engine_cfg, sparse=sparse, schedule=budget,
+        max_selected=max_selected, lora=lora, temperature=r.temperature, top_p=r.top_p,
+        eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, num_top_logprobs=r.num_top_logprobs,
+        group_size=r.group_size, first_row=lo)
+    rollout = jax.tree_util.tree_map(  # this process's rows -> the global rows
+        lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, n_rows), rollout)
     del params, lora
     t_rollout = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]
@@ -666,6 +712,10 @@ def _train(c, mesh, run: contextlib.ExitStack):
     prompt_lens, lengths = sharding.to_host(prompt_len), sharding.to_host(rollout.lengths)
     metrics.update({
         "perf/rollout_tokens_per_s": int(np.sum(lengths)) / t_rollout,
+        # this process's engine (they depend on the devices, as timings do)
+        "perf/engine_occupancy": engine_stats.occupancy,
+        "perf/engine_rows_in_flight": engine_stats.rows_in_flight,
+        "perf/engine_preemptions": engine_stats.preemptions,
         "perf/train_step_s": t_train, "lr": float(lr(step)),
         "kv/read_fraction": cost_model.kv_read_fraction(budget_by_len, prompt_lens, lengths, cfg,
                                                         sparse)})
@@ -678,10 +728,8 @@ def _train(c, mesh, run: contextlib.ExitStack):
         # it moved from, paired token for token (two runs' read fractions differ by their lengths).
         metrics["kv/read_fraction_start"] = cost_model.kv_read_fraction(
             budget_of(stages[stage][1])[0], prompt_lens, lengths, cfg, sparse)
-      metrics["kv/predicted_speedup"] = cost_model.rollout_speedup(
-          cfg, schedule, int(np.mean(prompt_lens)), max(int(np.mean(lengths)), 1),
-          n_samples=r.group_size, hardware=c.hardware, dense_layers=r.dense_layers,
-          page_score=r.page_score)
+      metrics["kv/predicted_speedup"] = predicted_speedup(c, cfg, schedule, engine_cfg, hardware,
+                                                         prompt_lens, lengths)
     if lead:
       logger.write(step + 1, metrics)
     rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})

@@ -52,6 +52,13 @@ class EngineConfig:
         raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
 
 
+DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
+
+
+def page_size(sparse: Optional[SparseConfig]) -> int:
+  return DENSE_PAGE_SIZE if sparse is None else sparse.page_size
+
+
 def pages_for_bytes(cfg: Qwen3Config, pool_bytes: float, page_size: int = 16, dtype=jnp.float32,
                     page_score: str = "mean") -> int:
   """How many pages a pool of `pool_bytes` holds (keys, values and summaries of every layer)."""
@@ -323,7 +330,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   max_new_tokens: an int or one per row. group_size = n: the rows come in runs of n copies of one
   prompt (GRPO groups), each prefilled once. order: the order rows are admitted in (a permutation
   of the rows; default: row order); it changes nothing in the output. sparse / schedule / lora /
-  sampling arguments as `sampler.generate`; schedule may be a BudgetTable, used as is with
+  sampling arguments as `generate`; schedule may be a BudgetTable, used as is with
   `max_selected` (default: its largest budget rounded up to a power of two). The pool keeps keys
   and values in `dtype` (default: the embedding's).
   On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of engine.num_pages pages
@@ -340,7 +347,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   if temperature < 0 or not 0.0 < top_p <= 1.0:
     raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
   eos_ids = tuple(int(e) for e in eos_ids)
-  Z = sparse.page_size if sparse is not None else 16
+  Z = page_size(sparse)
   prompt_BT = np.pad(prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages: one prefill shape
   max_pages_per_row = -(-(T + int(max_new_B.max())) // Z)
   budget, max_selected = (None, 0) if sparse is None else _budget(
@@ -525,6 +532,55 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
         r.done = True
         sched.release(r)
   return _rollout(rows, int(max_new_B.max()), pad_id, num_top_logprobs), sched.stats
+
+
+def full_batch(rows: int, group_size: int, max_len: int, sparse: Optional[SparseConfig],
+               chunk_steps: int = EngineConfig.chunk_steps) -> EngineConfig:
+  """Slots for a device's `rows` rows at once (whole GRPO groups: a group runs on one device) and a
+  pool that holds them all at `max_len` tokens (their pages, a prompt template page per group, the
+  trash page): no row waits or is preempted, and a row stops costing once it ends."""
+  groups = max(-(-rows // group_size), 1)
+  slots = groups * group_size
+  return EngineConfig(num_slots=slots, num_pages=slots * -(-max_len // page_size(sparse))
+                      + groups + 1, chunk_steps=chunk_steps)
+
+
+def _local_rows(x, lo: int, hi: int) -> np.ndarray:
+  """This process's rows [lo, hi) of a host array or a (possibly multi-process) global array."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return sharding.local_rows(x)
+  return np.asarray(x)[lo:hi]
+
+
+def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             eos_ids: Sequence[int] = (), sparse: Optional[SparseConfig] = None, schedule=None,
+             lora=None, num_top_logprobs: int = 0, pad_id: int = 0,
+             max_selected: Optional[int] = None, prefill_group: int = 1) -> sampler.Rollout:
+  """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]])
+  through the engine, every row of a device in a slot at once and a pool that holds them all.
+
+  prefill_group = n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled once
+  per run. sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
+  `budget_pages(cached_len)`, checked by `budget_table`, or a BudgetTable used as is): block top-k
+  decoding. `lora` (a model.lora.LoRA) is applied in this actor only. Rows stop at their first EOS
+  (kept in the completion). Same key -> same output. On a mesh the prompts may be global arrays and
+  the rollout comes back as global arrays with rows over data x fsdp (each process's own)."""
+  B, T = np.shape(prompt_BT)
+  mesh = jax.sharding.get_mesh()
+  rows_sh = None if mesh.empty else sharding.rows(mesh)
+  lo, hi = (0, B) if rows_sh is None else sharding.process_rows(rows_sh, B)
+  engine = full_batch(B // page_pool.row_shards(), prefill_group, T + max_new_tokens, sparse)
+  rollout, _ = run(params, cfg, _local_rows(prompt_BT, lo, hi), _local_rows(prompt_len_B, lo, hi),
+                   key, max_new_tokens=max_new_tokens, engine=engine, sparse=sparse,
+                   schedule=schedule, max_selected=max_selected, lora=lora,
+                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                   pad_id=pad_id, num_top_logprobs=num_top_logprobs, group_size=prefill_group,
+                   first_row=lo)
+  if rows_sh is None:
+    return rollout
+  return jax.tree_util.tree_map(lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, B),
+                                rollout)
 
 
 def _rollout(rows, N: int, pad_id: int, num_top: int) -> sampler.Rollout:
