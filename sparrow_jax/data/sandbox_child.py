@@ -30,6 +30,7 @@ per case, then {"done": true}.
 import ast
 import builtins
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -41,6 +42,8 @@ import time
 import types
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -49,6 +52,9 @@ MS_BIND, MS_REC = 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}   # glibc has no wrapper
+# The kernel key syscalls (add_key, request_key, keyctl) and the seccomp audit arch, per machine.
+KEY_SYSCALLS = {"x86_64": ((248, 249, 250), 0xC000003E), "aarch64": ((217, 218, 219), 0xC00000B7)}
+KEYCTL_JOIN_SESSION_KEYRING, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 22, 2
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # What the program's root holds besides the interpreter's own directories (job["python_paths"]): the
 # shared libraries that the interpreter and its extension modules load. Missing ones are skipped;
@@ -170,6 +176,14 @@ def _mount_private(job, info):
   info["private_tmp"] = True
   info["exposed"] = _expose(root, job["python_paths"], optional=False, uid=job["uid"])
   _expose(root, SYSTEM_PATHS, optional=True, uid=None)
+  # Each exposed site-packages becomes an empty directory holding only the solution packages.
+  info["solution_packages"] = []
+  for site in job["site_packages"]:
+    if os.path.isdir(root + site):
+      _mount("tmpfs", root + site, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+      inside = [p for p in job["solution_paths"] if p.startswith(site + os.sep)]
+      info["solution_packages"] += _expose(root, inside, optional=False, uid=job["uid"])
+      _mount(None, root + site, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
   for name in DEVICES:
     os.close(os.open(f"{root}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
     _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
@@ -552,6 +566,39 @@ def _close_user_namespaces(mapped_fd):
     f.write("0")
 
 
+def _close_keyrings():
+  """A new empty session keyring (the grader's keys stay out of reach), then a seccomp filter that
+  fails add_key, request_key and keyctl with EPERM (and every x32-ABI syscall on x86_64, which would
+  reach them under other numbers). Returns whether the filter is in place (False on a machine with
+  no known syscall numbers, or where seccomp is refused: the new keyring still holds)."""
+  syscalls, arch = KEY_SYSCALLS.get(os.uname().machine, ((), None))
+  if syscalls:
+    _libc.syscall(ctypes.c_long(syscalls[2]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
+  if arch is None:
+    return False
+  ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+  allow, refuse = 0x7FFF0000, 0x00050000 | errno.EPERM
+  add_key, request_key, keyctl = syscalls
+  program = [(ld, 0, 0, 4), (jeq, 0, 5, arch),                       # another arch: allow
+             (ld, 0, 0, 0), (jge, 4, 0, 0x40000000), (jeq, 3, 0, add_key),
+             (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl),
+             (ret, 0, 0, allow), (ret, 0, 0, refuse)]
+
+  class Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+  class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+  filters = (Filter * len(program))(*[Filter(*f) for f in program])
+  try:
+    _libc_call("prctl", PR_SET_SECCOMP, SECCOMP_MODE_FILTER,
+               ctypes.byref(Program(len(program), filters)), 0, 0)
+  except OSError:
+    return False
+  return True
+
+
 def _drop_capabilities():
   """Empties every capability set (a uid change does that only from root to non-root; a caller uid
   stays 0 in its user namespace). No new privileges then keeps an execve from getting any back."""
@@ -567,6 +614,7 @@ def _harness(job, out_fd, info):
       info["preimported_only"] = True
   # No setuid binary (su, sudo, ...) may give the program back any privilege.
   _libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+  info["seccomp_keys"] = _close_keyrings()
   if job["uid"] is not None:
     os.setgroups([])
     os.setgid(job["uid"])
@@ -586,8 +634,14 @@ def _harness(job, out_fd, info):
   info["uid"] = os.getuid()
   job["audit_network"] = not info["netns"]
   _emit(out_fd, {"isolation": info})
+  sent = 0
   for i, case in enumerate(job["cases"]):
     outcome = _run_script(job) if job["mode"] == "script" else _run_case(job, case)
+    sent += sum(len(v) for v in outcome.values() if isinstance(v, str))
+    if sent > job["batch_output_bytes"]:  # a flood of output: the rest of the run is not worth it
+      _emit(out_fd, {"case": i, "status": "output_limit", "exit": None,
+                     "time_s": outcome["time_s"], "stdout": "", "stderr": ""})
+      break
     _emit(out_fd, {"case": i, **outcome})
     if outcome["status"] != "ok" and job["stop_on_failure"]:
       break
@@ -692,12 +746,13 @@ def main():
   if job["namespaces"]:
     root = os.geteuid() == 0
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | (0 if root else CLONE_NEWUSER)
+    flags = (CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+             | (0 if root else CLONE_NEWUSER))
     try:
       _libc_call("unshare", flags)
       if not root:
         _map_user(uid, gid)
-      info.update(netns=True, mountns=True, pidns=True, userns=not root)
+      info.update(netns=True, mountns=True, pidns=True, ipcns=True, utsns=True, userns=not root)
     except OSError as e:
       _emit(out_fd, {"setup_error": f"unshare({flags:#x}) refused: {e}; SandboxLimits(namespaces=False) "
                                     "runs the weaker fallback without namespaces, if that is acceptable"})
