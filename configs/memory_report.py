@@ -15,6 +15,8 @@ def get_config():
   c.schedule = "paper:{model}:0.86"  # KV schedule ({model}: each model's own); its largest budget
   #                                    sizes the sampler's page buffers (the table itself is traced)
   c.dtype = "bfloat16"               # params and KV cache dtype
+  c.layers = 0                       # 0: each model's full depth; N: its first N layers (the
+  #                                    sampler, calibrate and engine parts; a quick check)
   c.parts = "train,sampler,calibrate,engine,compile_time,calibrate_run"  # what to measure (script)
   c.train_rows = 2                   # rows per train step: one GRPO group of 2 ...
   c.micro_batches = 2                # ... one row per backward pass (gradient accumulation)

@@ -46,7 +46,34 @@ def engine_page(records) -> str:
   return "\n".join(lines)
 
 
-PAGES = {"rollout_engine.md": ("engine_long_tail_*.json", engine_page)}
+def tpu_compile_page(records) -> str:
+  """docs/results/tpu_compile_check.md from experiments/tpu_compile_check.py's record."""
+  lines = ["# TPU decode kernel: compile-only checks (measured)", "",
+           "The paged decode kernel compiled by the real XLA:TPU / Mosaic compiler for compile-only "
+           "TPU devices on a CPU host (`jax.experimental.topologies`, libtpu installed; nothing "
+           "runs). Its page ids and logical ids are scalar-prefetch operands in SMEM (1 MiB): "
+           "`default` is the kernel's budget, which runs a batch as calls over row chunks; "
+           "`unlimited` is one call for the whole batch; `dispatch` is "
+           "`policy.paged_decode_attention(impl=\"auto\")` as the engine calls it.", ""]
+  for record in records:
+    c = record["results"]["config"]
+    lines += [_provenance(record), "",
+              f"{c['kv_heads']} KV heads x {c['group']} query heads of {c['head_dim']}, pages of "
+              f"{c['page_size']} tokens, {c['context']} tokens a row (dense: every page; sparse: "
+              f"{c['sparse_pages']} pages), bf16.", "",
+              "| topology | chip | rows | case | pages | SMEM budget | calls | result |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in record["results"]["calls"]:
+      error = r["error"][:120].replace("|", "/")  # a table cell
+      result = "compiles" if r["compiled"] else f"fails: `{error}`"
+      lines.append(f"| {r['topology']} | {r['device_kind']} | {r['batch']} | {r['case']} | "
+                   f"{r['pages']} | {r['smem_budget']} | {r['calls']} | {result} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+PAGES = {"rollout_engine.md": ("engine_long_tail_*.json", engine_page),
+         "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page)}
 
 
 def pages() -> dict:

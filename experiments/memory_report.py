@@ -117,7 +117,7 @@ def sampler_memory(model, length, c, dtype, mesh):
   """The rollout as the trainer runs it by default (`engine.full_batch`: every row of a device in a
   slot, a pool that holds them at full length): the group prefill into the pool (`engine._insert`)
   and the decode chunk, compiled on the mesh with the weights gathered over fsdp."""
-  cfg, params, lora = _model(model, dtype)
+  cfg, params, lora = _model(model, dtype, c.layers or None)
   rules = sharding.ROLLOUT_RULES  # the trainer's rollout weights: gathered over fsdp
   params = _on(params, sharding.param_shardings(params, mesh, rules))
   lora = _on(lora, sharding.lora_shardings(lora, mesh, rules))
@@ -158,7 +158,7 @@ def sampler_memory(model, length, c, dtype, mesh):
 
 def engine_memory(model, length, c, dtype):
   """The engine's decode chunk compiled over a pool of engine_pool_gb GB (one device)."""
-  cfg, params, _ = _model(model, dtype)
+  cfg, params, _ = _model(model, dtype, c.layers or None)
   pages = engine.pages_for_bytes(cfg, c.engine_pool_gb * GB, SPARSE.page_size, dtype,
                                  SPARSE.page_score)
   pool = jax.eval_shape(lambda: page_pool.init_pool(cfg, pages, SPARSE.page_size, dtype,
@@ -185,7 +185,7 @@ def engine_memory(model, length, c, dtype):
 
 
 def calibrate_memory(model, length, c, dtype):
-  cfg, params, _ = _model(model, dtype)
+  cfg, params, _ = _model(model, dtype, c.layers or None)
   B, S = c.calibrate_rows, length
   tokens, valid = SDS((B, S), jnp.int32), SDS((B, S), bool)
   x_p = SDS((B, S, cfg.hidden_size), dtype)

@@ -9,8 +9,9 @@ logical id in the row, tokens at positions >= lengths_B[b] masked. An empty sele
 
 Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block at a time in an
 in-kernel loop with an online softmax (float32) and writes its [G, E] output. The page list,
-its logical ids, n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the kernel turns into
-DMA addresses. The caches stay in HBM; each block's pages are DMA'd (one copy per page) into one
+its logical ids, n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the
+kernel turns into DMA addresses. SMEM is small (1 MiB), so a batch whose lists need more than
+SMEM_PREFETCH_BYTES runs as a `lax.map` of calls over row chunks. The caches stay in HBM; each block's pages are DMA'd (one copy per page) into one
 slot of a two-slot VMEM buffer while the other slot's block is computed on (double buffering), and
 only the first ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the
 static N costs only what it reads. Both dots take the common dtype of q and the cache (bf16 stays
@@ -47,6 +48,10 @@ from sparrow_jax.attention import reference
 
 _BLOCK_TOKENS = 128  # default tokens per block: a lane-dense [G, 128] score tile
 _SUBLANES = 8        # 32-bit sublane tile; packed dtypes hold 32 // bits rows per sublane
+# Scalar-prefetch bytes one pallas_call may take: half of the 1 MiB of SMEM that v4, v5e, v5p, v6e
+# and TPU7x have (the compiler keeps its own scalars there too). A batch whose page lists need more
+# runs as several calls over row chunks (docs/results/tpu_compile_check.md).
+SMEM_PREFETCH_BYTES = 512 * 1024
 
 
 def _sublane_tile(dtype) -> int:
@@ -149,14 +154,25 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hb
   o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
 
 
+def rows_per_call(B: int, K: int, slots_per_row: int, smem_bytes: int) -> int:
+  """Rows one pallas_call takes so that its scalar-prefetch operands (page ids and logical ids,
+  K x slots_per_row each, n_valid and the length, int32) fit in smem_bytes."""
+  per_row = 4 * (K * (2 * slots_per_row + 1) + 1)
+  if per_row > smem_bytes:
+    raise ValueError(f"one row's page lists ({K} KV heads x {slots_per_row} pages, {per_row} bytes "
+                     f"of scalar prefetch) exceed the {smem_bytes} bytes of SMEM a call may take")
+  return min(B, smem_bytes // per_row)
+
+
 def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
                            n_valid_BK, lengths_B, *, scale=None, pages_per_block=None,
-                           interpret=None):
+                           interpret=None, smem_bytes=SMEM_PREFETCH_BYTES):
   """Pallas TPU twin of reference.paged_decode_attention (same arguments, same result).
 
   Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
-  most N) and interpret (pallas_call's; default: TPU interpret mode, pltpu.InterpretParams(),
-  unless the backend is a TPU).
+  most N), interpret (pallas_call's; default: TPU interpret mode, pltpu.InterpretParams(),
+  unless the backend is a TPU) and smem_bytes (the scalar prefetch one call may take; a batch
+  that needs more runs as a loop of calls over row chunks, `rows_per_call`).
   """
   reference.check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
                              n_valid_BK, lengths_B)
@@ -173,6 +189,11 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
     interpret = pltpu.InterpretParams() if jax.default_backend() != "tpu" else False
 
   slots_per_row = -(-N // pages_per_block) * pages_per_block
+  rows = rows_per_call(B, K, slots_per_row, smem_bytes)
+  # Rows past B (a last partial chunk) select nothing: zeros, sliced off.
+  chunks = -(-B // rows)
+  by_chunk = lambda x: jnp.pad(x, ((0, chunks * rows - B),) + ((0, 0),) * (x.ndim - 1)).reshape(
+      chunks, rows, *x.shape[1:])
   # Slots >= N sit past every n_valid, so the kernel masks them like the caller's padding; page 0
   # keeps their copies in bounds, as the clip does for the caller's ids.
   flat = lambda idx_BKN: jnp.pad(idx_BKN.astype(jnp.int32),
@@ -186,22 +207,32 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   qo_spec = pl.BlockSpec((None, None, Gp, E), lambda b, k, *_: (b, k, 0, 0))
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
   buf = pltpu.VMEM((2, T, E), k_pages_XZE.dtype)  # two slots: one DMA'd into, one computed on
-  out_BKGE = pl.pallas_call(
+  call = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,
-          grid=(B, K),
+          grid=(rows, K),
           in_specs=[qo_spec, hbm_spec, hbm_spec],
           out_specs=qo_spec,
           scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
       ),
-      out_shape=jax.ShapeDtypeStruct((B, K, Gp, E), q_BKGE.dtype),
+      out_shape=jax.ShapeDtypeStruct((rows, K, Gp, E), q_BKGE.dtype),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
       interpret=interpret,
       name="sparse_decode_tpu",
-  )(flat(jnp.clip(page_idx_BKN, 0, X - 1)), flat(logical_idx_BKN),
-    n_valid_BK.astype(jnp.int32).reshape(-1), lengths_B.astype(jnp.int32), q_BKGE_padded,
-    k_pages_XZE, v_pages_XZE)
+  )
+
+  def one_chunk(args):
+    page_idx, logical_idx, n_valid, lengths, q = args
+    return call(flat(jnp.clip(page_idx, 0, X - 1)), flat(logical_idx),
+                n_valid.astype(jnp.int32).reshape(-1), lengths.astype(jnp.int32), q,
+                k_pages_XZE, v_pages_XZE)
+  args = (page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B, q_BKGE_padded)
+  if chunks == 1:
+    out_BKGE = one_chunk(args)
+  else:
+    out_BKGE = jax.lax.map(one_chunk, tuple(map(by_chunk, args))).reshape(
+        chunks * rows, K, Gp, E)[:B]
   return out_BKGE[:, :, :G]
 
 

@@ -105,3 +105,20 @@ def test_the_engine_decode_attention_lowers_for_accelerators(platform):
       *[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
   module = exported.mlir_module()
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in module
+
+
+def test_tpu_kernel_splits_a_batch_whose_page_lists_overflow_smem():
+  """A batch whose scalar prefetch needs more than smem_bytes runs as calls over row chunks (here
+  2 rows a call for 5 rows: 3 calls, the last one padded) and equals the twin; the chunking follows
+  the budget of the 1 MiB SMEM for Qwen3-1.7B's dense 32K lists."""
+  B, K, N = 5, 2, 7
+  args = _pool_inputs(11, B=B, K=K, G=2, E=16, Z=8, X=60, N=N)
+  per_row = 4 * (K * (2 * N + 1) + 1)
+  assert sparse_decode_tpu.rows_per_call(B, K, N, 2 * per_row + 3) == 2
+  got = jax.jit(functools.partial(sparse_decode_tpu.paged_decode_attention,
+                                  smem_bytes=2 * per_row + 3, pages_per_block=1))(*args)
+  np.testing.assert_allclose(got, jax.jit(reference.paged_decode_attention)(*args), atol=1e-5)
+  # 8 KV heads x 2048 pages (dense at 32K): 131 KB a row, 3 rows a call in 512 KiB
+  assert sparse_decode_tpu.rows_per_call(64, 8, 2048, sparse_decode_tpu.SMEM_PREFETCH_BYTES) == 3
+  with pytest.raises(ValueError, match="exceed the 1000 bytes of SMEM"):
+    sparse_decode_tpu.rows_per_call(4, 8, 2048, 1000)

@@ -1,0 +1,83 @@
+"""The TPU decode kernel compiled for compile-only TPU devices: does every call the engine makes
+fit the chip (SMEM above all), without a TPU?
+
+  pip install "jax[tpu]==<this jax's version>"   # libtpu: the real XLA:TPU and Mosaic compilers
+  python experiments/tpu_compile_check.py --config=configs/tpu_compile_check.py \\
+      [--config.record=docs/results/tpu_compile_check.json]
+
+`jax.experimental.topologies.get_topology_desc` gives compile-only devices of a TPU topology;
+inputs placed on one of them (ShapeDtypeStructs with its sharding) make `jit(...).lower().compile()`
+run the TPU compiler here. The kernel is compiled with interpret=False at each SMEM budget (its
+default, which splits a batch into row chunks, and unlimited: one call), and the engine's dispatch
+`policy.paged_decode_attention(impl="auto")`, which picks the Mosaic kernel when lowered for TPU
+(`impl="pallas_tpu"` would pick interpret mode from this CPU backend and check nothing).
+`jax.export` is no substitute: it lowers without compiling, so an SMEM overflow passes it. For
+each topology, batch and page list (dense: every page of the context; sparse: the paper's budget):
+compiled or the compiler's error.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from ml_collections import config_flags
+
+from kernels import sparse_decode_tpu
+from sparrow_jax import records
+from sparrow_jax.attention import policy
+
+UNLIMITED = 1 << 40
+
+
+def compile_call(device, B, N, c, smem_bytes):
+  """(compiled?, the first line of the compiler's error or "", row chunks) for one decode call:
+  the kernel at SMEM budget `smem_bytes`, or the engine's dispatch (smem_bytes None)."""
+  K, G, E, Z = c.kv_heads, c.group, c.head_dim, c.page_size
+  X = B * (c.context // Z) + 1  # every row's pages and the trash page, per KV head
+  on = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+  args = (sds((B, K, G, E), jnp.bfloat16), sds((K * X, Z, E), jnp.bfloat16),
+          sds((K * X, Z, E), jnp.bfloat16), sds((B, K, N), jnp.int32), sds((B, K, N), jnp.int32),
+          sds((B, K), jnp.int32), sds((B,), jnp.int32))
+  block = max(1, min(N, 128 // Z))  # the kernel's default pages per block
+  budget = sparse_decode_tpu.SMEM_PREFETCH_BYTES if smem_bytes is None else smem_bytes
+  chunks = -(-B // sparse_decode_tpu.rows_per_call(B, K, -(-N // block) * block, budget))
+  fn = (functools.partial(policy.paged_decode_attention, impl="auto") if smem_bytes is None else
+        functools.partial(sparse_decode_tpu.paged_decode_attention, interpret=False,
+                          smem_bytes=smem_bytes))
+  try:
+    jax.jit(fn).lower(*args).compile()
+    return True, "", chunks
+  except Exception as e:  # the compiler's verdict is the measurement
+    return False, str(e).strip().splitlines()[0][:300], chunks
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  from jax.experimental import topologies
+  c = flags.FLAGS.config
+  budgets = {"default": sparse_decode_tpu.SMEM_PREFETCH_BYTES, "unlimited": UNLIMITED,
+             "dispatch": None}
+  rows = []
+  print(f"{'topology':14s} {'kind':14s} {'B':>4s} {'pages':>6s} {'smem budget':>12s} "
+        f"{'calls':>5s}  result")
+  for name in c.topologies.split(","):
+    device = topologies.get_topology_desc(name, "tpu").devices[0]
+    for B in (int(b) for b in c.batches.split(",")):
+      for case, N in (("dense", c.context // c.page_size), ("sparse", c.sparse_pages)):
+        for budget in c.smem_bytes.split(","):
+          ok, error, chunks = compile_call(device, B, N, c, budgets[budget])
+          rows.append(dict(topology=name, device_kind=device.device_kind, batch=B, case=case,
+                           pages=N, smem_budget=budget, calls=chunks, compiled=ok, error=error))
+          print(f"{name:14s} {device.device_kind:14s} {B:4d} {N:6d} {budget:>12s} {chunks:5d}  "
+                f"{'compiles' if ok else 'FAILS: ' + error[:90]}", flush=True)
+  if c.record:
+    records.write_record(c.record, {"config": c.to_dict(), "calls": rows})
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", "configs/tpu_compile_check.py", "experiment config")
+  app.run(main)
