@@ -53,12 +53,12 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.max_new_tokens = 400             # generation cutoff (a 128-hop answer is 390 tokens)
   c.temperature = 1.0                # sampling temperature (also used when re-scoring)
-  c.top_p = 1.0                      # nucleus sampling mass; must stay 1.0 in training (README)
+  c.top_p = 1.0                      # nucleus sampling mass; must stay 1.0 in training (docs/configuration.md)
   c.sparse = True                    # block top-k sparse rollouts (False = dense baseline)
   c.schedule = "assets/pointer_chase_tiny/calibration_quest/schedule.json"  # KVSchedule: JSON path,
   #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
   #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling,
-  #                                    or "adaptive:TAU:BASE" (closed loop from the table BASE; README)
+  #                                    or "adaptive:TAU:BASE" (closed loop from the table BASE; docs/closed_loop.md)
   # adaptive:TAU:BASE only (sparrow_jax.mismatch.schedule.adapt_topk moves each bin once a step):
   c.adaptive_headroom = 2.0          # ceiling of every bin's top-k: this x BASE's largest, fixed at
   #                                    start (it sizes the static page selection); 2x is the paper's
@@ -87,7 +87,7 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   #                                    paper) | quest (per-channel key max / min, an upper bound of
   #                                    q . k; twice the cached summary bytes). Calibrate per choice:
   #                                    `schedule` is quest's tau-0.86 table for the tiny model, which
-  #                                    reads 0.75 of the dense KV to mean's 0.90 (README "Page
+  #                                    reads 0.75 of the dense KV to mean's 0.90 (docs/embedded_default.md "Page
   #                                    scores"); the paper's tables are mean's
   return _select(c, fields, overrides)
 

@@ -7,7 +7,7 @@ it first slips around hop 17 on average, and a slip derails the chain: its per-s
 128-hop chains (~450 prompt tokens, responses up to 390) leaves RL room. Layer 0 (it gathers each
 table entry into its `;`) stays dense; layer 1 does the lookups under the tau-0.86 schedule calibrated
 for this model with quest page scores (assets/pointer_chase_tiny/calibration_quest/: 0.75 of the
-dense KV read, against 0.90 for the paper's mean-key scores). See README "Embedded default".
+dense KV read, against 0.90 for the paper's mean-key scores). See docs/embedded_default.md.
 
   python -m sparrow_jax.train --config=configs/default.py [--config.total_steps=50 ...]
 """
@@ -28,7 +28,7 @@ def get_config():
   c.export_hf = True                 # write the final policy as a Hugging Face dir to <workdir>/hf
 
   c.mesh = common.mesh()             # devices: all on data by default (one device: 1 x 1 x 1)
-  c.distributed = common.distributed()  # multi-host: jax.distributed (README "Many devices")
+  c.distributed = common.distributed()  # multi-host: jax.distributed (docs/many_devices.md)
 
   c.model = common.model()           # the shipped tiny model (configs/common.py has every field)
   c.task = common.task()             # 128-hop pointer chasing, the length calibrated for
@@ -55,7 +55,7 @@ def get_config():
   c.rl.kl_coef = 0.0                 # KL to the initial policy (0 = none, no reference kept)
   c.rl.entropy_coef = 0.0            # entropy bonus
   c.rl.ppo_epochs = 1                # passes over each batch
-  c.rl.num_minibatches = 4           # minibatches per pass (4 updates per rollout batch; README)
+  c.rl.num_minibatches = 4           # minibatches per pass (4 updates per rollout batch; docs/embedded_default.md)
   c.rl.dapo_filter = False           # drop zero-variance groups from the loss (DAPO dynamic sampling)
   c.rl.micro_batches = 1             # gradient accumulation: each update's rows in this many slices
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
@@ -72,7 +72,7 @@ def get_config():
   c.distill.targets = "q,k,v,o,gate,up,down"  # projections with adapters (the reference: all)
   # One LoRA update per PPO minibatch (4 a step, as the reference interleaves them): at 1e-3 the
   # exact acceptance p5 fell to 0.80-0.92 within 7 steps (0.92-0.98 with distill off), at 2.5e-4 (the
-  # total step of the former single update at 1e-3) it stayed with distill off's (README).
+  # total step of the former single update at 1e-3) it stayed with distill off's (docs/distill_sparse.md).
   c.distill.learning_rate = 2.5e-4   # Adam learning rate of the LoRA params
   # The paper pairs lambda = 1e-3 with the actor's own PPO term (weight 1) at RL learning rates of
   # ~1e-6; at this demo's rates that PPO term pulled the actor away from the policy (p5 0.875 ->
@@ -83,6 +83,6 @@ def get_config():
 
   c.stats = common.stats()           # tau and the position bin size
   c.stats.exact_acceptance = True    # log exact alpha as acceptance/* (a no-grad sparse pass
-  #                                    when distill is off or with minibatches; README)
+  #                                    when distill is off or with minibatches; docs/distill_sparse.md)
   c.stats.num_bins = 7               # bins (static shape; later positions count only overall)
   return c

@@ -1,6 +1,6 @@
 """Evaluates a policy: mean@k and pass@k on a task, dense or sparse generation. By default the
 default run's exported policy (workdir/default/hf) on 128 held-out 128-hop pointer-chasing problems
-x 2 dense samples (README "Embedded default"); model, task and rollout fields mean what they mean in
+x 2 dense samples (docs/embedded_default.md); model, task and rollout fields mean what they mean in
 the trainer (configs/common.py), so an evaluation sees exactly what training saw.
 
   python experiments/evaluate.py --config=configs/evaluate.py

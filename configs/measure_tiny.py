@@ -1,5 +1,5 @@
 """Measures the shipped tiny model on held-out pointer-chasing problems, dense and sparse: the
-figures of README "Embedded default" and assets/pointer_chase_tiny/measurements.json (2.7 min on
+figures of docs/embedded_default.md and assets/pointer_chase_tiny/measurements.json (2.7 min on
 this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
 (configs/common.py): the calibrated schedule checked here is the one the trainer uses.
 

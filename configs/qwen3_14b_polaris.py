@@ -1,6 +1,6 @@
 """Qwen3-14B, math RL on Polaris-53K with the paper's settings, on 4 nodes of 8 GPUs (32).
 
-  # one process per node, e.g. under SLURM (README "Many devices and hosts"):
+  # one process per node, e.g. under SLURM (docs/many_devices.md):
   srun --nodes=4 --ntasks-per-node=1 python -m sparrow_jax.train \\
       --config=configs/qwen3_14b_polaris.py --config.model.hf_dir=/path/to/Qwen3-14B \\
       --config.task.path=/path/to/polaris-53k.parquet

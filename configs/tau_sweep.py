@@ -1,7 +1,7 @@
 """Threshold sweep: the default RL job (configs/default.py, same seeds, same prompts) under dense
 rollouts, calibrated schedules at several tau, a fixed aggressive budget and the closed-loop
 budgets, to put stability (reward, held-out score, p5 per bin) against cost (KV read, speedup).
-README "Threshold sweep" has what each run records and the figure.
+docs/threshold_sweep.md has what each run records and the figure.
 
   python experiments/tau_sweep.py --config=configs/tau_sweep.py              # the full sweep
   python experiments/tau_sweep.py --config=configs/tau_sweep.py --config.sweep_dir=/tmp/tiny \\
@@ -36,13 +36,13 @@ def get_config():
   #                                    (experiments/calibrate_schedule.py writes it)
   # 8 pages in all (top-k 5 + the 3 always kept): a third of the smallest budget the tau-0.5 table
   # gives a generated token (21 + 3, bin 3), p5 < 1e-4 in every bin on the surface, and a held-out
-  # per-step score of 0.067 vs 0.422 dense before any training (README "Embedded default"): the
+  # per-step score of 0.067 vs 0.422 dense before any training (docs/embedded_default.md): the
   # collapse end of the front. 64 pages hold every row's whole cache (512 + 400 tokens = 57 pages):
   # the sparse run's machinery (sparse sampler, DistillSparse, TIS, exact alpha) at no sparsity,
   # the control that tells the cost of sparsity from the cost of the machinery.
   c.fixed_pages = "8,64"             # fixed budgets, one run each (pages, always-kept included)
   c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
-  #                                    target and starting table (README "Closed-loop budgets")
+  #                                    target and starting table (docs/closed_loop.md)
   c.quest_tau = 0.86                 # quest: page_score "quest" with the tau-`quest_tau` table of
   c.quest_surface = "assets/pointer_chase_tiny/calibration_quest/surface.json"  # quest's surface
   c.seeds = "0,1"                    # trainer seeds (init, rollout keys, prompt order) per setting
@@ -66,7 +66,7 @@ def get_config():
   # on the run's task and max_new_tokens, written to <workdir>/eval.json.
   c.eval = ml_collections.ConfigDict()
   c.eval.seed = 1234                 # held-out problems and sampling key (training used `seeds`)
-  c.eval.num_problems = 128          # held-out problems (README's held-out figures use 128 x 2)
+  c.eval.num_problems = 128          # held-out problems (the held-out figures in docs/ use 128 x 2)
   c.eval.samples = 2                 # samples per problem
   c.eval.batch_size = 64             # rows per generate call
   return c

@@ -1,5 +1,5 @@
 """The one-shot accelerator check: what a GPU or TPU machine runs, in under 8 minutes, to prove the
-kernels and measure them. Prints markdown tables (for the README) and, with --out, writes them as
+kernels and measure them. Prints markdown tables (for docs/kernels.md) and, with --out, writes them as
 JSON.
 
   python experiments/device_check.py [--out=device_check.json]

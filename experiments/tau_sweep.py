@@ -211,7 +211,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     with np.errstate(invalid="ignore"):  # 5% is the run's p5 >= tau
       below_tau_bin = [None if np.isnan(v) else float(v)
                        for v in below_step_bin.sum(0) / count_step_bin.sum(0)]
-  p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (README)
+  p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
   kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
   timed = rows[1:] or rows  # the first step compiles
   heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]

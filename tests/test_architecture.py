@@ -1,4 +1,4 @@
-"""The import structure the README's architecture section describes: module-level imports between
+"""The import structure docs/architecture.md describes: module-level imports between
 the library's modules form no cycle, the model knows nothing of the sparsity policy, and the kernel
 imports only its jnp twin from the library."""
 import ast

@@ -127,7 +127,7 @@ def test_distill_sparse_notebook_reads_finished_runs_without_training(tmp_path, 
 
 
 def test_distill_sparse_notebook_defaults_to_the_shipped_runs(tmp_path, monkeypatch, capsys):
-  """With no run named, the notebook reads the two runs shipped in assets/ (README
+  """With no run named, the notebook reads the two runs shipped in assets/ (docs/distill_sparse.md
   "DistillSparse") and trains nothing, whatever SPARROW_DISTILL_STEPS says."""
   from sparrow_jax.rl import trainer
   monkeypatch.setattr(trainer, "train", lambda c: pytest.fail(f"trained {c.workdir}"))

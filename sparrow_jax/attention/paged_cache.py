@@ -14,7 +14,7 @@ splits it into one single-layer cache per layer, `split_layers`):
                                    place. Everything else is stored as itself: XLA CPU copied a
                                    whole layer's cache at each decode step to read uint32 bits as
                                    float32 (the tiny default's sparse decode step: 10.6 -> 7.6 ms
-                                   without that copy and the stacked-layer slice; README).
+                                   without that copy and the stacked-layer slice; docs/decode_speed.md).
   summaries    [L, B, K, P, R, E]  what each page is scored by (`page_summaries`), R rows per page
                                    by `SparseConfig.page_score`: "mean" R = 1, the mean key (the
                                    paper's centroid); "quest" R = 2, the per-channel max and min key

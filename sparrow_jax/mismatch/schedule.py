@@ -42,7 +42,7 @@ top-k changes starts a new pool.
 Why pooled: the per-step p5 of one bin rests on a few prompts, and at the calibrated budget of the
 tiny model it falls under tau in 1-6% of steps while the budget holds; the per-step rule (undo and
 floor as here, judged on each step's p5) read the offline table's KV or more (quest: 0.764 vs
-0.755), its probes failing on one batch and its floors then locking them out (README "Threshold
+0.755), its probes failing on one batch and its floors then locking them out (docs/threshold_sweep.md, "Threshold
 sweep").
 Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a

@@ -1,0 +1,95 @@
+"""The README stays a first screen and the docs stay true: README.md is at most 200 lines, every
+relative link in README.md and docs/ resolves to a file, the README keeps the command .ci/run runs,
+and README.md and docs/*.md state what is, not how it came to be (no history phrases)."""
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+MAX_README_LINES = 200
+HISTORY_PHRASES = ("build before", "this build", "until this build", "earlier build",
+                   "the run before these changes")
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _read(path):
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def _markdown_files():
+  """README.md and every page under docs/ (the generated results pages included)."""
+  return [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+
+
+def _prose(text):
+  """The text without fenced code blocks and inline code spans, where `](` is code, not a link."""
+  text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(text):
+  """The targets of the markdown links and images in `text` that point into the repository."""
+  targets = []
+  for target in LINK.findall(_prose(text)):
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+      continue  # http(s), mailto, ...; an anchor on the same page
+    targets.append(target.split("#", 1)[0].split("?", 1)[0])
+  return targets
+
+
+def test_readme_is_a_first_screen():
+  lines = _read(README).splitlines()
+  assert len(lines) <= MAX_README_LINES, (
+      f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move detail into docs/")
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(path):
+  missing = []
+  for target in relative_links(_read(path)):
+    resolved = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    if not os.path.exists(resolved):
+      missing.append(target)
+  assert not missing, f"{os.path.relpath(path, ROOT)} links to missing files: {missing}"
+
+
+def test_docs_have_pages_and_the_readme_links_them():
+  readme_links = {os.path.normpath(os.path.join(ROOT, t)) for t in relative_links(_read(README))}
+  pages = glob.glob(os.path.join(ROOT, "docs", "*.md"))
+  assert pages
+  reachable = set(readme_links)
+  for page in pages:  # a page is linked from the README or from a page the README links
+    if page in readme_links:
+      reachable |= {os.path.normpath(os.path.join(os.path.dirname(page), t))
+                    for t in relative_links(_read(page))}
+  unlinked = sorted(os.path.relpath(p, ROOT) for p in pages if p not in reachable)
+  assert not unlinked, f"docs pages no reader can reach from README.md: {unlinked}"
+
+
+def test_no_history_phrases():
+  hits = []
+  for path in [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+    for number, line in enumerate(_read(path).splitlines(), 1):
+      for phrase in HISTORY_PHRASES:
+        if phrase in line.lower():
+          hits.append(f"{os.path.relpath(path, ROOT)}:{number}: {phrase!r}")
+  assert not hits, "history in the docs (say what is now):\n" + "\n".join(hits)
+
+
+def test_readme_keeps_the_ci_command():
+  """.ci/run runs the README's test command, character for character."""
+  ci = [line for line in _read(os.path.join(ROOT, ".ci", "run")).splitlines()
+        if "pytest" in line and not line.startswith("#")]
+  assert ci
+  assert ci[0] in _read(README).splitlines()
+
+
+def test_link_checker_sees_links():
+  """The checks above cannot pass vacuously: links, images, anchors and code are told apart."""
+  text = ("[a](docs/x.md#part) ![img](assets/y.png) [web](https://e.org) [here](#top)\n"
+          "`[code](not/a/link.md)`\n```\n[fenced](not/a/link.md)\n```\n")
+  assert relative_links(text) == ["docs/x.md", "assets/y.png"]
