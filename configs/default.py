@@ -60,8 +60,7 @@ def get_config():
   c.rl.micro_batches = 1             # gradient accumulation: each update's rows in this many slices
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
   # experiments/memory_report.py) | attention (also keep the attention's output, so the backward
-  # runs the attention and its page selection once) | dots | none. Here attention's train step
-  # took 9.25 s vs full's 9.71 s side by side; none ran 12.5 min at 4.6 GB (an earlier build).
+  # runs the attention and its page selection once; docs/architecture.md) | dots | none.
   c.rl.remat = "attention"
   c.rl.logits_chunk = 512            # positions per LM-head chunk (no [B, S, vocab] array)
 

@@ -13,8 +13,8 @@ side by side:
   dense          policy.dense_decode_attention: the fair baseline, reading each row's cached
                  tokens only, in the cache dtype (a length-aware dense kernel, as the paper's
                  FlashInfer baseline);
-  whole cache    the old baseline, reference.dense_decode_attention over the whole preallocated
-                 cache (masked by length): what the dense ratios before this build compared with;
+  whole cache    reference.dense_decode_attention over the whole preallocated cache (masked by
+                 length): a baseline that reads more than a good dense kernel does;
   sparse         policy.decode_attention over 128 given pages (random distinct pages including the
                  first and the last two); page selection not timed;
   sparse+select  select.decode_pages (centroid scores, block top-k) + sparse attention.
