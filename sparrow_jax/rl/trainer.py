@@ -623,7 +623,8 @@ def _train(c, mesh, run: contextlib.ExitStack):
   n_rows = n_prompts * r.group_size
   lo, hi = sharding.process_rows(rows_sh, n_rows)  # this process's rows: its prompts and rewards
   engine_cfg = engine_config(c, cfg, n_rows // page_pool.row_shards())
-  hardware = cost_model.get_hardware(c.hardware)  # "this_machine" is measured once, here
+  # the predicted speedup's hardware ("this_machine" is measured once, here)
+  hardware = cost_model.get_hardware(c.hardware) if sparse else None
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   os.makedirs(c.workdir, exist_ok=True)
