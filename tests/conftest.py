@@ -18,17 +18,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # of compiling them again (CI time).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sparrow_jax_jit_"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The files that take minutes, longest first: `--dist loadfile` hands files to the two workers in
-# collection order, so a long file handed out last keeps one worker busy while the other idles.
-LONG_FILES_FIRST = ("test_trainer.py", "test_experiments_bench.py", "test_mesh_runs.py",
-                    "test_train_step.py", "test_experiments.py", "test_blockwise.py",
-                    "test_tau_sweep.py", "test_distill_sparse.py", "test_engine.py",
-                    "test_sharding.py", "test_engine_mesh.py", "test_calibrate.py")
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
 
 
 @pytest.fixture
