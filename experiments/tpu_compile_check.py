@@ -41,7 +41,7 @@ def compile_call(device, B, N, c, smem_bytes):
   args = (sds((B, K, G, E), jnp.bfloat16), sds((K * X, Z, E), jnp.bfloat16),
           sds((K * X, Z, E), jnp.bfloat16), sds((B, K, N), jnp.int32), sds((B, K, N), jnp.int32),
           sds((B, K), jnp.int32), sds((B,), jnp.int32))
-  block = max(1, min(N, 128 // Z))  # the kernel's default pages per block
+  block = sparse_decode_tpu.default_pages_per_block(N, Z)
   budget = sparse_decode_tpu.SMEM_PREFETCH_BYTES if smem_bytes is None else smem_bytes
   chunks = -(-B // sparse_decode_tpu.rows_per_call(B, K, -(-N // block) * block, budget))
   fn = (functools.partial(policy.paged_decode_attention, impl="auto") if smem_bytes is None else

@@ -154,6 +154,11 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hb
   o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
 
 
+def default_pages_per_block(N: int, page_size: int) -> int:
+  """Pages per DMA / compute block unless the caller says: 128 tokens, at most the N listed."""
+  return max(1, min(N, _BLOCK_TOKENS // page_size))
+
+
 def rows_per_call(B: int, K: int, slots_per_row: int, smem_bytes: int) -> int:
   """Rows one pallas_call takes so that its scalar-prefetch operands (page ids and logical ids,
   K x slots_per_row each, n_valid and the length, int32) fit in smem_bytes."""
@@ -182,7 +187,7 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   # A Python float: the kernel bakes it in (a traced scale cannot be closed over by pallas_call).
   scale = reference.default_scale(E) if scale is None else float(scale)
   if pages_per_block is None:
-    pages_per_block = max(1, min(N, _BLOCK_TOKENS // page_size))
+    pages_per_block = default_pages_per_block(N, page_size)
   if not isinstance(pages_per_block, int) or pages_per_block < 1:
     raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
   if interpret is None:
