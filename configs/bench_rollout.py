@@ -47,6 +47,8 @@ def get_config():
   c.engine.static_slots = 8          # rows of the static batch; the pool is their full length
   c.engine.slots = 16                # the engine's slots, over the same pool
   c.engine.chunk_steps = 32          # decode steps between scheduler passes (both settings)
+  c.engine.drain_share = 0.5         # both settings decode slots x this once no more rows run
+                                     # (EngineConfig.drain_slots); 0 = off
   c.engine.dense_layers = 1          # layers kept dense in the sparse runs
   c.engine.tau = 0.86                # the paper's Qwen3-1.7B budget table at this tau
   c.engine.dtype = "float32"         # params and pool dtype: float32 | bfloat16

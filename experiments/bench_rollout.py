@@ -385,10 +385,13 @@ def bench_engine(config):
   # the pool: pool_gb of pages, or (0) the static batch's memory, static_slots rows at full length
   pool = (engine.pages_for_bytes(cfg, c.pool_gb * 1e9, 16, dtype, sparse.page_score)
           if c.pool_gb else c.static_slots * row_pages + 1)
+  drain = lambda slots: int(slots * c.drain_share)
   settings = {"static": engine.EngineConfig(num_slots=c.static_slots, num_pages=pool,
-                                            chunk_steps=c.chunk_steps, static=True),
+                                            chunk_steps=c.chunk_steps, static=True,
+                                            drain_slots=drain(c.static_slots)),
               "engine": engine.EngineConfig(num_slots=c.slots, num_pages=pool,
-                                            chunk_steps=c.chunk_steps)}
+                                            chunk_steps=c.chunk_steps,
+                                            drain_slots=drain(c.slots))}
   if set(c.settings) - set(settings):
     raise ValueError(f"engine.settings takes {tuple(settings)}, got {c.settings}")
   schedule = KVSchedule.paper("qwen3-1.7b", c.tau)

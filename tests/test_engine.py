@@ -26,8 +26,9 @@ MAX_NEW = np.asarray([40, 7, 33, 40, 1, 25])  # per row; row 4 ends at its first
 EOS = (3, 5)
 
 
-def run(slots=6, chunk=64, pages=200, order=None, sparse=True, static=False, **kw):
-  config = engine.EngineConfig(num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static)
+def run(slots=6, chunk=64, pages=200, order=None, sparse=True, static=False, drain=0, **kw):
+  config = engine.EngineConfig(num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static,
+                               drain_slots=drain)
   kw = dict(dict(max_new_tokens=MAX_NEW, eos_ids=EOS, group_size=2), **kw)
   if sparse:
     kw.update(sparse=SPARSE, schedule=SCHEDULE)
@@ -48,7 +49,8 @@ def reference_run():
 
 @pytest.mark.parametrize("placement", [dict(slots=2, chunk=1), dict(slots=5), dict(chunk=7),
                                        dict(order=[4, 5, 0, 1, 2, 3]),
-                                       dict(order=[3, 2, 5, 4, 1, 0], slots=2)])
+                                       dict(order=[3, 2, 5, 4, 1, 0], slots=2),
+                                       dict(slots=5, chunk=4, drain=2)])
 def test_rows_do_not_depend_on_placement(reference_run, placement):
   out, stats = run(**placement)
   assert_same_rows(out, reference_run[0])
@@ -107,6 +109,17 @@ def test_static_batch_same_rows_more_pages_less_occupancy(reference_run):
   assert static.useful_row_steps == continuous.useful_row_steps
   assert static.computed_row_steps > continuous.computed_row_steps  # waves wait for their longest
   assert static.peak_pages > continuous.peak_pages                   # full-length pages up front
+
+
+def test_drain_slots_decode_only_the_rows_left(reference_run):
+  """Once two rows are left the chunks decode two slots: fewer computed row-steps, same rows."""
+  out, drained = run(slots=5, chunk=4, drain=2)
+  assert_same_rows(out, reference_run[0])
+  _, full = run(slots=5, chunk=4)
+  assert drained.decode_steps == full.decode_steps
+  assert drained.computed_row_steps < full.computed_row_steps
+  with pytest.raises(ValueError, match="drain_slots .5. must be below num_slots .5."):
+    engine.EngineConfig(num_slots=5, drain_slots=5)
 
 
 def test_top_logprobs_and_no_recompilation_across_lengths():

@@ -7,7 +7,8 @@ page is kept as a template and copied into each row's first page of its own. Row
 they grow: before each chunk every running row gets the pages its next chunk can fill. Admission
 holds back the pages the running rows need for `reserve_chunks` more chunks; if the pool still runs
 dry, the row with the fewest generated tokens is preempted (its pages freed) and decoded again from
-its first token when it is readmitted.
+its first token when it is readmitted. With `drain_slots`, a rollout's last rows move to the
+first slots and chunks decode only those.
 
 Each row samples with its own key, `row_key(key, row, t)` (the run's key folded with the row's index,
 then the token's index), so its tokens and log-probs do not depend on its slot, the number of slots,
@@ -43,13 +44,20 @@ class EngineConfig:
   chunk_steps: int = 16     # decode steps per jitted chunk; the scheduler runs between chunks
   reserve_chunks: int = 2   # admission keeps back the pages running rows fill in this many chunks
   static: bool = False      # the static batch: full-length pages, admission only into an empty batch
+  # Once every device runs at most this many rows, chunks decode that many slots only (the rows
+  # moved to the first slots), so a rollout's last long rows stop paying for the empty slots
+  # beside them. 0: off. A second compiled decode program, built on first use.
+  drain_slots: int = 0
 
   def __post_init__(self):
     for name, low in (("num_slots", 1), ("num_pages", 2), ("chunk_steps", 1),
-                      ("reserve_chunks", 0)):
+                      ("reserve_chunks", 0), ("drain_slots", 0)):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
         raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+    if self.drain_slots >= self.num_slots:
+      raise ValueError(f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
+                       f"({self.num_slots}), or 0 (off)")
 
 
 DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
@@ -70,7 +78,7 @@ class EngineStats:
   decode_steps: int = 0         # decode steps run (every slot computes in each)
   chunks: int = 0
   useful_row_steps: int = 0     # decoded tokens the rollout keeps (a preempted row's are not)
-  computed_row_steps: int = 0   # slots x decode steps
+  computed_row_steps: int = 0   # slots decoded x decode steps
   preemptions: int = 0
   peak_pages: int = 0           # most pool pages in use at once
 
@@ -265,6 +273,17 @@ class _Scheduler:
       if group.unfinished == 0:
         shard.free_pages.extend(group.shared + ([group.template] if group.template else []))
         group.shared, group.template = [], None
+
+  def compact(self, width: int):
+    """Moves every shard's running rows into its first `width` slots."""
+    for shard in self.shards:
+      free = [i for i in range(width) if shard.slots[i] is None]
+      for i in range(width, len(shard.slots)):
+        if shard.slots[i] is not None:
+          row = self.rows[shard.slots[i]]
+          shard.slots[i] = None
+          shard.page_table[i] = 0
+          self.place(row, free.pop(0))
 
   def reserve(self, shard: int) -> int:
     """Pages the shard's running rows will still take over `reserve_chunks` more chunks."""
@@ -498,13 +517,18 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     if not _any_process(bool(sched.running())):
       break
     grow()
+    W = S  # slots this chunk decodes per device
+    if engine.drain_slots and not _any_process(
+        max(len(sched.running(r)) for r in range(R_local)) > engine.drain_slots):
+      W = engine.drain_slots
+      sched.compact(W)
     running = sched.running()
-    n = R_local * S
+    n = R_local * W
     slots = dict(token=np.zeros(n, np.int32), length=np.zeros(n, np.int32),
                  n_gen=np.zeros(n, np.int32), max_new=np.ones(n, np.int32),
                  row=np.zeros(n, np.int32), active=np.zeros(n, bool),
-                 page_table=np.concatenate([sh.page_table for sh in sched.shards]))
-    at = {r.index: sched.shard_of(r) * S + r.slot for r in running}
+                 page_table=np.concatenate([sh.page_table[:W] for sh in sched.shards]))
+    at = {r.index: sched.shard_of(r) * W + r.slot for r in running}
     for r in running:
       i = at[r.index]
       slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
@@ -519,7 +543,7 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     steps_run = int(sharding.to_host(steps_run))
     sched.stats.chunks += 1
     sched.stats.decode_steps += steps_run
-    sched.stats.computed_row_steps += steps_run * R_local * S
+    sched.stats.computed_row_steps += steps_run * R_local * W
     for r in running:
       i = at[r.index]
       new = int(n_gen_after[i]) - len(r.tokens)
