@@ -26,15 +26,17 @@ def engine_page(records) -> str:
            "the same rows and the same pool memory by the static batch (`EngineConfig(static=True)`:"
            " every row's pages at full length, admission only into an empty batch; finished rows "
            "stop costing) and by the engine (slots refilled between chunks, pages taken as rows "
-           "grow). tok/s counts the tokens the rollout keeps over wall time; occupancy = decoded "
-           "tokens kept / (slots x decode steps).", ""]
+           "grow). Once few rows are left, both decode only their first `drain_slots` slots "
+           "(`EngineConfig.drain_slots`, the rows moved there). tok/s counts the tokens the rollout "
+           "keeps over wall time; occupancy = decoded tokens kept / (slots decoded x decode "
+           "steps).", ""]
   for record in records:
     r = record["results"]
     c = r["config"]
     lines += [f"## {r['model']} shape, cutoff {c['cutoff']}, {c['prompts']} x {c['group_size']} "
               f"rows", "", _provenance(record), "",
               f"Pool: {r['pool_pages']} pages of 16 tokens for every setting; "
-              f"{r['total_tokens']} tokens in all.", "",
+              f"{r['total_tokens']} tokens in all; drain_slots = {c['drain_share']} x slots.", "",
               "| attention | setting | slots | tok/s | rows in flight | occupancy | preempted | "
               "peak pages |", "|---|---|---|---|---|---|---|---|"]
     for name, run in r["runs"].items():
