@@ -39,7 +39,8 @@ def get_config():
                              "page_score")  # how the rollouts are sampled and the pages scored
   c.rollout.sample_topk = 0          # sparse rollouts' top-k pages (0 = the largest candidate)
 
-  c.stats = common.stats()           # tau: the p5 target per bin; bin_size: the schedule's bins
+  c.stats = common.stats()           # tau and quantile: the tail target per bin (p5 >= 0.86);
+  #                                    bin_size: the schedule's bins
   c.stats.alpha = "exact"            # exact: sum_x min(p, q) | topk20: the paper's top-20 lower
   #                                    bound (what its tau was measured with; larger budgets)
   c.candidates = ""                  # comma list of top-k pages; "": the paper's 18 values when the

@@ -93,9 +93,12 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
 
 
 def stats(*fields, **overrides) -> ml_collections.ConfigDict:
-  """The acceptance tail: the p5 target and the position bins it is measured in."""
+  """The acceptance tail: the percentile held at tau and the position bins it is measured in."""
   c = ml_collections.ConfigDict()
-  c.tau = 0.86                       # acceptance threshold (p5 target; "fraction below tau" metric)
+  c.tau = 0.86                       # acceptance threshold (the tail's target; "fraction below
+  #                                    tau" metric)
+  c.quantile = 5.0                   # the tail percentile held at tau: 5 = p5, the paper's; a
+  #                                    calibrated schedule must have been calibrated for it
   c.bin_size = 128                   # tokens per position bin (a multiple of page_size)
   return _select(c, fields, overrides)
 

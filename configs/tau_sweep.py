@@ -28,8 +28,8 @@ def get_config():
   #                                    and resumes partial ones
   c.runs = "dense,tau,fixed,adaptive,quest,quest_adaptive"  # settings to run, in plot order: dense
   #                                    rollouts, one run per tau in `taus`, fixed:P per P in
-  #                                    `fixed_pages`, adaptive:`adaptive_tau`, quest page scores at
-  #                                    `quest_tau` from its table and from it adaptive
+  #                                    `fixed_pages`, adaptive:`adaptive_tau`, quest page scores
+  #                                    from each of `quest_tables` and from it adaptive
   c.taus = "0.3,0.5,0.7,0.86,0.94,0.99"  # p5 thresholds; each picks its table from `surface` (taus
   #                                    that pick the same table share one run, see the docstring)
   c.surface = "assets/pointer_chase_tiny/calibration/surface.json"  # p5 per candidate per bin
@@ -43,7 +43,8 @@ def get_config():
   c.fixed_pages = "8,64"             # fixed budgets, one run each (pages, always-kept included)
   c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
   #                                    target and starting table (docs/closed_loop.md)
-  c.quest_tau = 0.86                 # quest: page_score "quest" with the tau-`quest_tau` table of
+  c.quest_tables = "5:0.86"          # quest: page_score "quest" with, per QUANTILE:TAU, the table
+  #                                    holding that percentile >= TAU (p5 >= 0.86) on
   c.quest_surface = "assets/pointer_chase_tiny/calibration_quest/surface.json"  # quest's surface
   c.seeds = "0,1"                    # trainer seeds (init, rollout keys, prompt order) per setting
   c.window = 10                      # steps averaged for the first / last figures and p5 per bin

@@ -98,7 +98,8 @@ def calibrate(c):
   sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
                            attention_impl=r.attention_impl, page_score=r.page_score)
   print(f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
-        f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, tau {s.tau} "
+        f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, "
+        f"p{s.quantile:g} >= tau {s.tau} "
         f"({s.alpha} alpha, {'on' if c.on_policy else 'off'}-policy), bins of "
         f"{s.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores", flush=True)
   result = cal.calibrate(
@@ -107,7 +108,7 @@ def calibrate(c):
       bin_size=s.bin_size, sparse=sparse, sample_sparse=r.sparse,
       sample_topk=r.sample_topk or None, temperature=r.temperature, eos_ids=eos_ids,
       pad_id=pad_id, batch_size=c.batch_size, candidates_per_pass=c.candidates_per_pass,
-      alpha=s.alpha, on_policy=c.on_policy)
+      alpha=s.alpha, on_policy=c.on_policy, quantile=s.quantile)
 
   os.makedirs(c.out_dir, exist_ok=True)
   with open(os.path.join(c.out_dir, "schedule.json"), "w") as f:

@@ -204,8 +204,8 @@ def calibrate_run(c):
   gen_mask = np.arange(S)[None] >= T
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
   start = time.time()
-  p5 = calibrate.p5_surface(params, cfg, tokens, gen_mask, np.array([T]), (61,), SPARSE,
-                            bin_size=2048, num_bins=S // 2048, batch_size=1)
+  p5 = calibrate.tail_surface(params, cfg, tokens, gen_mask, np.array([T]), (61,), SPARSE,
+                              bin_size=2048, num_bins=S // 2048, batch_size=1)[5]
   return {"model": c.run_model, "tokens": S, "seconds": time.time() - start,
           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
           "rss_before_gb": rss_before, "p5_bin0": float(p5[0, 0])}

@@ -4,8 +4,9 @@ setting.
 
   python experiments/tau_sweep.py --config=configs/tau_sweep.py [--config.seeds=0 ...]
 
-configs/tau_sweep.py documents every field and a smoke run. Each tau's table is chosen from the
-shipped p5 surface (`calibrate.choose_schedule`) and written as a KVSchedule JSON to
+configs/tau_sweep.py documents every field and a smoke run. Each tau's table is chosen from a
+shipped calibration surface at its tail percentile (`calibrate.choose_schedule`: p5 unless a quest
+table names another) and written as a KVSchedule JSON to
 <sweep_dir>/schedules/, so nothing re-calibrates and every run's config.json names its table. Each
 (setting, seed) is a trainer workdir <sweep_dir>/<run>_seed<k>: a finished one (summary.json at
 total_steps, eval.json current) is skipped, a partial one resumes through the trainer's own resume.
@@ -62,15 +63,28 @@ def parse_list(text: str, field: str, kind=float) -> list:
   return values
 
 
-def tau_schedules(surface_path: str, taus) -> dict:
-  """{tau: KVSchedule} chosen from a calibration surface (surface.json) at each tau."""
+def tau_schedules(surface_path: str, taus, quantile: float) -> dict:
+  """{tau: KVSchedule} chosen from a calibration surface (surface.json) at each tau, holding the
+  `quantile`-th percentile."""
   with open(surface_path) as f:
     s = json.load(f)
-  cands = s["candidates"]
-  p5_CB = np.array([s["p5"][str(k)] for k in cands], np.float64)  # None (an empty bin) -> NaN
-  return {tau: calibrate.choose_schedule(p5_CB, cands, tau, page_size=s["page_size"],
-                                         always_kept=s["always_kept"], bin_size=s["bin_size"])
+  cands, tail_CB = calibrate.surface_tail(s, quantile, surface_path)
+  return {tau: calibrate.choose_schedule(tail_CB, cands, tau, page_size=s["page_size"],
+                                         always_kept=s["always_kept"], bin_size=s["bin_size"],
+                                         quantile=quantile)
           for tau in taus}
+
+
+def quest_tables(text: str) -> list:
+  """config.quest_tables 'Q:TAU,...' -> [(quantile, tau), ...]."""
+  try:
+    pairs = [tuple(float(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
+  except ValueError:
+    pairs = None
+  if not pairs or any(len(p) != 2 for p in pairs):
+    raise ValueError(f"config.quest_tables = {text!r}: expected comma-separated QUANTILE:TAU "
+                     "pairs, e.g. '5:0.86,1:0.86'")
+  return pairs
 
 
 def settings(c) -> list:
@@ -83,7 +97,7 @@ def settings(c) -> list:
     raise ValueError(f"config.runs = {c.runs!r}: unknown {bad}; allowed: {list(KINDS)}")
   taus = parse_list(c.taus, "taus") if "tau" in kinds else []
   needed = taus + ([c.adaptive_tau] if "adaptive" in kinds else [])
-  tables = tau_schedules(c.surface, needed) if needed else {}
+  tables = tau_schedules(c.surface, needed, c.train.stats.quantile) if needed else {}
   os.makedirs(os.path.join(c.sweep_dir, "schedules"), exist_ok=True)
 
   def write(schedule, name):
@@ -106,12 +120,13 @@ def settings(c) -> list:
       out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,
                       schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}"))
     elif kind in ("quest", "quest_adaptive"):  # quest page scores, on quest's own surface
-      table = write(tau_schedules(c.quest_surface, [c.quest_tau])[c.quest_tau],
-                    f"quest{c.quest_tau:g}")
-      name = f"{kind}{c.quest_tau:g}"
-      out.append(dict(name=name, kind=kind, tau=c.quest_tau, run=name, page_score="quest",
-                      schedule=f"adaptive:{c.quest_tau:g}:{table}" if kind == "quest_adaptive"
-                      else table))
+      for q, tau in quest_tables(c.quest_tables):
+        suffix = f"{tau:g}" + ("" if q == 5 else f"_p{q:g}")  # p5, the paper's, unmarked
+        table = write(tau_schedules(c.quest_surface, [tau], q)[tau], f"quest{suffix}")
+        name = f"{kind}{suffix}"
+        out.append(dict(name=name, kind=kind, tau=tau, quantile=q, run=name, page_score="quest",
+                        schedule=f"adaptive:{tau:g}:{table}" if kind == "quest_adaptive"
+                        else table))
     else:
       first = {}  # table -> the first tau that picked it
       for tau in taus:
@@ -129,6 +144,7 @@ def run_config(c, setting: dict, seed: int) -> ml_collections.ConfigDict:
   rc.rollout.sparse = setting["schedule"] is not None
   rc.rollout.schedule = setting["schedule"] or ""
   rc.rollout.page_score = setting.get("page_score", rc.rollout.page_score)
+  rc.stats.quantile = setting.get("quantile", rc.stats.quantile)
   if not rc.rollout.sparse:
     rc.distill.enabled = False  # DistillSparse adapts the sparse actor; dense has none
   return rc

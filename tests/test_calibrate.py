@@ -110,13 +110,16 @@ def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
   return jnp.stack(rows)
 
 
-def test_p5_surface_matches_per_candidate_computation(rows):
+def test_tail_surface_matches_per_candidate_computation(rows):
   tokens_BS, gen_mask_BS = rows
   cands = (0, 1, 3, 16)                        # 16 top-k + 3 covers all 16 pages of 61 tokens
   num_bins = 5
   # 3 rows in batches of 2 and 4 candidates in groups of 3: both get topped up.
-  p5 = cal.p5_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, PROMPT_LEN, cands, SPARSE, BIN,
-                      num_bins, batch_size=2, candidates_per_pass=3, verbose=False)
+  tails = cal.tail_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, PROMPT_LEN, cands, SPARSE, BIN,
+                           num_bins, batch_size=2, candidates_per_pass=3, verbose=False,
+                           percentiles=(1, 5))
+  p5 = tails[5]
+  assert (tails[1] <= p5 + 1e-6)[~np.isnan(p5)].all()
   assert p5.shape == (4, num_bins)
   reference = jax.jit(reference_surface, static_argnums=(2, 3))
   np.testing.assert_allclose(p5, reference(tokens_BS, gen_mask_BS, cands, num_bins), atol=1e-5)
@@ -132,8 +135,8 @@ def test_p5_surface_matches_per_candidate_computation(rows):
 def test_sparse_pass_compiles_once_across_candidates(rows):
   before = cal._sparse_alpha._cache_size()
   # batch 3 x 1 candidate per pass: a shape no other test compiles
-  cal.p5_surface(PARAMS, CFG, *rows, PROMPT_LEN, (0, 1, 2, 5, 12), SPARSE, BIN, 4, batch_size=3,
-                 verbose=False)
+  cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, (0, 1, 2, 5, 12), SPARSE, BIN, 4,
+                   batch_size=3, verbose=False)
   assert cal._sparse_alpha._cache_size() == before + 1
 
 
@@ -162,8 +165,8 @@ def test_topk_bound_from_logits_matches_numpy():
 
 def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
   cands = (0, 1, 3, 16)
-  exact, topk20 = (cal.p5_surface(PARAMS, CFG, *rows, PROMPT_LEN, cands, SPARSE, BIN, 4,
-                                  candidates_per_pass=4, alpha=a, verbose=False)
+  exact, topk20 = (cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, cands, SPARSE, BIN, 4,
+                                    candidates_per_pass=4, alpha=a, verbose=False)[5]
                    for a in ("exact", "topk20"))
   np.testing.assert_array_equal(np.isnan(topk20), np.isnan(exact))
   seen = ~np.isnan(exact)
@@ -178,7 +181,7 @@ def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
 def test_unknown_alpha_is_rejected_by_name(rows):
   message = r"alpha must be one of \['exact', 'topk20'\], got 'top20'"
   with pytest.raises(ValueError, match=message):
-    cal.p5_surface(PARAMS, CFG, *rows, PROMPT_LEN, (1,), SPARSE, BIN, 4, alpha="top20")
+    cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, (1,), SPARSE, BIN, 4, alpha="top20")
   with pytest.raises(ValueError, match=message):
     cal.calibrate(PARAMS, CFG, [[1, 2]], jax.random.PRNGKey(0), max_new_tokens=4, alpha="top20")
 
@@ -189,11 +192,12 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
   result = cal.calibrate(PARAMS, CFG, prompts, key, max_new_tokens=30, tau=0.9, candidates=cands,
                          repeats=2, bin_size=BIN, sparse=SPARSE, eos_ids=(5, 6, 7), on_policy=True)
   assert "ETA" in capsys.readouterr().out
-  num_bins = result.p5.shape[1]
-  assert result.p5.shape == result.count.shape == (3, num_bins) and result.on_policy
-  np.testing.assert_array_equal(np.isnan(result.p5), result.count == 0)
-  np.testing.assert_allclose(result.p5[-1][result.count[-1] > 0], 1.0, atol=1e-5)
-  # the middle row is p5_surface on top-k 3's own rollouts (same prompts, same keys)
+  p5 = result.tail[5]
+  num_bins = p5.shape[1]
+  assert p5.shape == result.count.shape == (3, num_bins) and result.on_policy
+  np.testing.assert_array_equal(np.isnan(p5), result.count == 0)
+  np.testing.assert_allclose(p5[-1][result.count[-1] > 0], 1.0, atol=1e-5)
+  # the middle row is tail_surface on top-k 3's own rollouts (same prompts, same keys)
   prompt_BT, prompt_len_B = cal.pad_prompts(prompts)
   prompt_BT, prompt_len_B = np.repeat(prompt_BT, 2, 0), np.repeat(prompt_len_B, 2)
   out = sj.generate(PARAMS, CFG, prompt_BT, prompt_len_B, jax.random.fold_in(key, 0),
@@ -201,9 +205,9 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
                     schedule=cal.candidate_schedule(3, SPARSE, BIN))
   tokens_BS, gen_mask_BS = sampler.full_sequences(prompt_BT, prompt_len_B, out)
   np.testing.assert_array_equal(cal.bin_counts(gen_mask_BS, 4, BIN, num_bins), result.count[1])
-  own = cal.p5_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN,
-                       num_bins, verbose=False)
-  np.testing.assert_allclose(result.p5[1], own[0], atol=1e-6)
+  own = cal.tail_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN,
+                         num_bins, verbose=False)
+  np.testing.assert_allclose(p5[1], own[5][0], atol=1e-6)
   surface = cal.surface_dict(result)
   assert surface["on_policy"] and surface["alpha"] == "exact"
   assert surface["count_bin"] == result.count.max(0).tolist()
@@ -236,7 +240,9 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   assert surface["candidates"] == [1, 2, 8]
   assert surface["alpha"] == "topk20" and surface["on_policy"] is False
   assert list(sched.values) == surface["chosen_topk"]
-  assert len(surface["count_bin"]) == len(sched.values) == len(surface["p5"]["8"])
+  assert len(surface["count_bin"]) == len(sched.values) == len(surface["tail"]["5"]["8"])
+  assert sched.quantile == surface["quantile"] == 5 and set(surface["tail"]) == {"1", "5", "10",
+                                                                                  "50"}
   assert sum(surface["count_bin"]) > 0
   assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

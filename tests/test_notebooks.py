@@ -20,7 +20,8 @@ def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
   candidates = [1, 2, 4, 8]
   surface = {"tau": 0.86, "bin_size": 2048, "page_size": 16, "always_kept": 3,
              "candidates": candidates, "count_bin": [10, 10, 10],
-             "p5": {str(c): [0.7 + 0.05 * i, 0.6 + 0.05 * i, None] for i, c in enumerate(candidates)},
+             "quantile": 5, "tail": {"5": {str(c): [0.7 + 0.05 * i, 0.6 + 0.05 * i, None]
+                                           for i, c in enumerate(candidates)}},
              "chosen_topk": [4, 8, 8]}
   (tmp_path / "surface.json").write_text(json.dumps(surface))
   monkeypatch.setenv("SPARROW_WORKDIR", str(tmp_path / "run"))

@@ -52,6 +52,10 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   c.runs = "dense,tua"
   with pytest.raises(ValueError, match=r"config.runs = 'dense,tua': unknown \['tua'\]"):
     tau_sweep.settings(c)
+  c.runs, c.quest_tables = "quest", "5:0.86,1:0.94"  # the shipped surface holds p5 only
+  with pytest.raises(ValueError, match=r"surface.json holds the percentiles \['5'\] of alpha, "
+                                       r"not 1: calibrate again"):
+    tau_sweep.settings(c)
 
 
 def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_dense_run():
@@ -111,7 +115,8 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   largest budget is also 4 pages)."""
   surface = {"tau": 0.86, "bin_size": 16, "page_size": 8, "always_kept": 3, "candidates": [0, 1],
              "count_bin": [0, 10, 10, 10, 10, 10],
-             "p5": {"0": [None, 0.9, 0.8, 0.5, 0.3, 0.2], "1": [None, 1.0, 0.99, 0.95, 0.9, 0.9]}}
+             "quantile": 5, "tail": {"5": {"0": [None, 0.9, 0.8, 0.5, 0.3, 0.2],
+                                           "1": [None, 1.0, 0.99, 0.95, 0.9, 0.9]}}}
   (tmp_path / "surface.json").write_text(json.dumps(surface))
   overrides = {f"train.{arg[len('--config.'):].split('=')[0]}": _value(arg.split("=", 1)[1])
                for arg in SMALL if "rollout.schedule" not in arg}  # a per-run field

@@ -130,8 +130,19 @@ def _sorted_quantile(sorted_N, start, count, q):
   return jnp.where(count > 0, a + (b - a) * (pos - lo), jnp.nan)
 
 
-def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix):
-  stats = {f"p{p}{suffix}": _sorted_quantile(sorted_N, start, count, p / 100) for p in PERCENTILES}
+def percentile_name(p) -> str:
+  """The statistic's name of percentile p: "p5", "p1", "p2.5"."""
+  return f"p{float(p):g}"
+
+
+def tail_percentiles(quantile) -> tuple:
+  """The percentiles logged when `quantile` is the one held at tau: PERCENTILES and it."""
+  return tuple(sorted(set(PERCENTILES) | {quantile}))
+
+
+def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix, percentiles):
+  stats = {percentile_name(p) + suffix: _sorted_quantile(sorted_N, start, count, p / 100)
+           for p in percentiles}
   stats[f"mean{suffix}"] = sum_alpha / count                  # 0 / 0 = NaN for an empty bin
   stats[f"frac_above_0999{suffix}"] = num_high / count
   if num_below is not None:
@@ -141,7 +152,7 @@ def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix):
 
 
 def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page_size=1,
-               tau=None):
+               tau=None, percentiles=PERCENTILES):
   """Masked tail statistics of alpha, overall and per position bin.
 
   positions_BT is each token's absolute position in its sequence, counting prompt + generated
@@ -152,12 +163,13 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   Tokens past the last bin count in the overall statistics only.
 
   With `tau`, also "frac_below_tau" (overall and per bin): the share of tokens with alpha < tau.
-  p5 >= tau exactly when that share is <= 5% (up to the quantile's interpolation), and unlike p5
-  it pools over steps: sum(frac_below_tau_bin * count_bin) / sum(count_bin) is the share over all
-  of them (the closed loop's test, schedule.adapt_topk).
+  The q-th percentile is >= tau exactly when that share is <= q% (up to the quantile's
+  interpolation), and unlike a percentile it pools over steps: sum(frac_below_tau_bin * count_bin)
+  / sum(count_bin) is the share over all of them (the closed loop's test, schedule.adapt_topk).
 
-  Returns a dict of jnp arrays: overall scalars "p1", "p5", "p10", "p50", "mean",
-  "frac_above_0999", "count" (int32), and the same per bin with a "_bin" suffix, shape [num_bins].
+  Returns a dict of jnp arrays: overall scalars "p1", "p5", "p10", "p50" (one per `percentiles`,
+  named by `percentile_name`), "mean", "frac_above_0999", "count" (int32), and the same per bin
+  with a "_bin" suffix, shape [num_bins].
   Percentiles use numpy's default linear interpolation. Empty bins (and an empty mask) give NaN
   percentiles, mean and fraction, and count 0. Static shapes: jit-able for any mask.
   """
@@ -169,7 +181,7 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   count = valid_N.sum(dtype=jnp.int32)
   overall = _summary(jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)), 0, count,
                      jnp.where(valid_N, alpha_N, 0.0).sum(), high_N.sum(),
-                     None if tau is None else below_N.sum(), "")
+                     None if tau is None else below_N.sum(), "", percentiles)
 
   # One sort by (bin, alpha) lays each bin out contiguously; masked/out-of-range tokens go last.
   key_N = jnp.where(valid_N & (bin_N >= 0) & (bin_N < num_bins), bin_N, num_bins)
@@ -180,7 +192,7 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   sum_b = jnp.zeros(num_bins + 1).at[key_N].add(jnp.where(in_bin_N, alpha_N, 0.0))[:num_bins]
   per_bin_sum = lambda x_N: jnp.zeros(num_bins + 1).at[key_N].add(x_N & in_bin_N)[:num_bins]
   per_bin = _summary(sorted_N, start_b, count_b, sum_b, per_bin_sum(high_N),
-                     None if tau is None else per_bin_sum(below_N), "_bin")
+                     None if tau is None else per_bin_sum(below_N), "_bin", percentiles)
   return {**overall, **per_bin}
 
 

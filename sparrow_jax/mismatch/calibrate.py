@@ -1,9 +1,13 @@
-"""Calibrating a KV-budget schedule: the cheapest per-bin budget whose p5 acceptance stays >= tau.
+"""Calibrating a KV-budget schedule: the cheapest per-bin budget whose tail acceptance (p5 by
+default) stays >= tau.
 
 Sparrow's recipe: sample rollouts on a prompt set (each prompt repeated 8x), re-score them densely
 and sparsely under a grid of candidate budgets, take the 5th percentile of the per-token acceptance
 alpha per position bin for every candidate (the "p5 surface"), and choose per bin the cheapest
 candidate whose p5 >= tau, made non-decreasing. p5 barely moves during training, so this runs once.
+The percentile is a parameter (`quantile`, 5 the paper's): the surface holds every percentile of
+`acceptance.PERCENTILES` and the quantile's (the same alphas), so one calibration can choose a table
+for any of them (`choose_schedule`), and the table records the quantile it holds.
 
 Candidates are top-k page counts in the paper's form: candidate c keeps min(c + always_kept,
 cached pages) pages at every step, and the chosen schedule is a `KVSchedule.table` of candidates.
@@ -39,9 +43,9 @@ import numpy as np
 
 from sparrow_jax.attention import policy
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.acceptance import (acceptance_rate, tail_stats,
-                                             topk_bound_from_logits)
-from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, position_bin
+from sparrow_jax.mismatch.acceptance import (acceptance_rate, percentile_name, tail_percentiles,
+                                             tail_stats, topk_bound_from_logits)
+from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import engine, sampler
@@ -49,17 +53,18 @@ from sparrow_jax.rollout import engine, sampler
 # The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
 PAPER_CANDIDATES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893,
                     1021)
-# Per-token acceptance the p5 is taken of: name -> fn(logits_p, logits_q, temperature=T).
+# Per-token acceptance the tail is taken of: name -> fn(logits_p, logits_q, temperature=T).
 ALPHAS = {"exact": acceptance_rate, "topk20": functools.partial(topk_bound_from_logits, k=20)}
 
 
 class Calibration(NamedTuple):
   schedule: KVSchedule       # the chosen table
-  p5: np.ndarray             # [num_candidates, num_bins] p5 acceptance (NaN for empty bins)
-  count: np.ndarray          # [num_candidates, num_bins] generated tokens behind each p5 (rows
+  tail: dict                 # percentile -> [num_candidates, num_bins] acceptance (NaN: empty bin)
+  count: np.ndarray          # [num_candidates, num_bins] generated tokens behind each tail (rows
                              # differ only on-policy, where each candidate samples its own)
   candidates: tuple          # top-k pages per candidate, increasing
   tau: float
+  quantile: float            # the percentile the schedule holds at tau
   bin_size: int
   alpha: str                 # a key of ALPHAS
   on_policy: bool
@@ -126,8 +131,10 @@ def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_CL,
   return jax.vmap(one)(budget_CL)
 
 
-_p5_per_bin = jax.jit(lambda alpha, mask, pos, bin_size, num_bins, page_size: tail_stats(
-    alpha, mask, pos, bin_size, num_bins, page_size)["p5_bin"], static_argnums=(3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _tails_per_bin(alpha, mask, pos, bin_size, num_bins, page_size, percentiles):
+  stats = tail_stats(alpha, mask, pos, bin_size, num_bins, page_size, percentiles=percentiles)
+  return jnp.stack([stats[percentile_name(p) + "_bin"] for p in percentiles])
 
 
 def _check_candidates(candidates):
@@ -149,11 +156,13 @@ def _check_sparse_layers(cfg, sparse):
                      f"{cfg.num_hidden_layers} layers sparse: every budget would look exact")
 
 
-def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
-               candidates: Sequence[int], sparse: SparseConfig, bin_size: int, num_bins: int,
-               batch_size: int = 8, candidates_per_pass: int = 1, temperature: float = 1.0,
-               alpha: str = "exact", verbose: bool = True) -> np.ndarray:
-  """p5 of the per-token acceptance per schedule bin for each candidate -> float [C, num_bins].
+def tail_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
+                 candidates: Sequence[int], sparse: SparseConfig, bin_size: int, num_bins: int,
+                 batch_size: int = 8, candidates_per_pass: int = 1, temperature: float = 1.0,
+                 alpha: str = "exact", verbose: bool = True,
+                 percentiles: Sequence[float] = (5,)) -> dict:
+  """Percentiles of the per-token acceptance per schedule bin for each candidate -> {percentile:
+  float [C, num_bins]}.
 
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
   gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
@@ -215,30 +224,33 @@ def p5_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
         print(f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
               f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
               flush=True)
-  return np.stack([np.asarray(_p5_per_bin(jnp.asarray(alpha_BS[:, :-1]), stat_mask_BS,
-                                          cached_len_BS, bin_size, num_bins,
-                                          sparse.page_size))
-                   for alpha_BS in alpha_CBS])
+  percentiles = tuple(percentiles)
+  tails_CQB = np.stack([np.asarray(_tails_per_bin(jnp.asarray(alpha_BS[:, :-1]), stat_mask_BS,
+                                                  cached_len_BS, bin_size, num_bins,
+                                                  sparse.page_size, percentiles))
+                        for alpha_BS in alpha_CBS])
+  return {p: tails_CQB[:, i] for i, p in enumerate(percentiles)}
 
 
-def choose_schedule(p5_CB, candidates: Sequence[int], tau: float, *, page_size: int = 16,
-                    always_kept: int = 3, bin_size: int = 2048) -> KVSchedule:
-  """Per bin the cheapest candidate with p5 >= tau (the largest if none meets it), then a running
-  maximum so the budget never shrinks with length -> `KVSchedule.table` of top-k values.
+def choose_schedule(tail_CB, candidates: Sequence[int], tau: float, *, page_size: int = 16,
+                    always_kept: int = 3, bin_size: int = 2048, quantile: float = 5) -> KVSchedule:
+  """Per bin the cheapest candidate whose tail tail_CB (the `quantile`-th percentile of alpha) is
+  >= tau (the largest if none meets it), then a running maximum so the budget never shrinks with
+  length -> `KVSchedule.table` of top-k values, recording `quantile`.
 
   A bin with no data (all NaN) takes the previous bin's value (the smallest candidate when it is
   the first): the running maximum does that by itself once an empty bin starts from the smallest.
   """
   cands = _check_candidates(candidates)
-  p5_CB = np.asarray(p5_CB, np.float64)
-  if p5_CB.ndim != 2 or p5_CB.shape[0] != len(cands):
-    raise ValueError(f"p5_CB must be [num_candidates={len(cands)}, num_bins], got "
-                     f"{p5_CB.shape}")
-  meets_CB = p5_CB >= tau                                  # NaN compares False
+  tail_CB = np.asarray(tail_CB, np.float64)
+  if tail_CB.ndim != 2 or tail_CB.shape[0] != len(cands):
+    raise ValueError(f"tail_CB must be [num_candidates={len(cands)}, num_bins], got "
+                     f"{tail_CB.shape}")
+  meets_CB = tail_CB >= tau                                # NaN compares False
   pick_B = np.where(meets_CB.any(0), meets_CB.argmax(0), len(cands) - 1)
-  pick_B = np.where(np.isnan(p5_CB).all(0), 0, pick_B)
+  pick_B = np.where(np.isnan(tail_CB).all(0), 0, pick_B)
   pick_B = np.maximum.accumulate(pick_B)
-  return KVSchedule.table([cands[i] for i in pick_B], page_size, always_kept, bin_size)
+  return KVSchedule.table([cands[i] for i in pick_B], page_size, always_kept, bin_size, quantile)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
@@ -284,17 +296,21 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
               sample_sparse: bool = True, sample_topk: Optional[int] = None,
               temperature: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
               batch_size: int = 8, generate_batch_size: int = 64, candidates_per_pass: int = 1,
-              alpha: str = "exact", on_policy: bool = False, verbose: bool = True) -> Calibration:
-  """End to end: rollouts -> p5 surface -> chosen schedule.
+              alpha: str = "exact", on_policy: bool = False, verbose: bool = True,
+              quantile: float = 5) -> Calibration:
+  """End to end: rollouts -> tail surface -> the schedule holding the `quantile`-th percentile.
 
   Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
   the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
-  densely when `sample_sparse` is False; then `p5_surface` scores those rollouts under every one of
-  `candidates` (default `default_candidates` for the longest row). With `on_policy`, each candidate
-  samples its own rollouts under its own schedule and `p5_surface` scores them for that candidate
-  alone (the sample_* options do not apply). Then `choose_schedule` at `tau`. `alpha`: "exact" or
-  "topk20" (see the module docstring).
+  densely when `sample_sparse` is False; then `tail_surface` scores those rollouts under every one
+  of `candidates` (default `default_candidates` for the longest row). With `on_policy`, each
+  candidate samples its own rollouts under its own schedule and `tail_surface` scores them for that
+  candidate alone (the sample_* options do not apply). Then `choose_schedule` at `tau` on the
+  `quantile`-th percentile (the surface keeps `acceptance.tail_percentiles(quantile)`). `alpha`:
+  "exact" or "topk20" (see the module docstring).
   """
+  if not is_quantile(quantile):
+    raise ValueError(f"quantile = {quantile!r}: must be a percentile in (0, 50), e.g. 5 (p5)")
   _check_sparse_layers(cfg, sparse)
   _check_alpha(alpha)
   if repeats < 1:
@@ -318,7 +334,8 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
     runs = [(cands, None)]
 
   max_bins = max_len // bin_size + 2
-  p5, count, t0 = [], [], time.time()
+  percentiles = tail_percentiles(quantile)
+  tails, count, t0 = [], [], time.time()
   for r, (run_cands, schedule) in enumerate(runs):
     tokens_BS, gen_mask_BS = _rollouts(
         params, cfg, prompt_BT, prompt_len_B, key, schedule, sparse, max_new_tokens=max_new_tokens,
@@ -326,66 +343,85 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
         generate_batch_size=generate_batch_size, verbose=verbose and not on_policy)
     count_B = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_bins)
     count.append(np.repeat(count_B[None], len(run_cands), 0))
-    p5.append(p5_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, run_cands, sparse,
-                         bin_size, max_bins, batch_size, candidates_per_pass, temperature, alpha,
-                         verbose and not on_policy))
+    tails.append(tail_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, run_cands,
+                              sparse, bin_size, max_bins, batch_size, candidates_per_pass,
+                              temperature, alpha, verbose and not on_policy, percentiles))
     if verbose and on_policy:
       elapsed = time.time() - t0
       print(f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
-            f"{gen_mask_BS.sum(1).mean():.0f}, p5 per non-empty bin "
-            f"{[round(float(v), 3) for v in p5[-1][0, count_B > 0]]} {elapsed:.1f}s elapsed, "
+            f"{gen_mask_BS.sum(1).mean():.0f}, {percentile_name(quantile)} per non-empty bin "
+            f"{[round(float(v), 3) for v in tails[-1][quantile][0, count_B > 0]]} "
+            f"{elapsed:.1f}s elapsed, "
             f"ETA {elapsed / (r + 1) * (len(runs) - r - 1):.1f}s", flush=True)
-  p5, count = np.concatenate(p5), np.concatenate(count)
+  count = np.concatenate(count)
 
   # Bins up to the last one holding a generated token (the table's last value holds beyond).
   used = np.nonzero(count.any(0))[0]
   num_bins = int(used.max()) + 1 if used.size else 1
-  p5, count = p5[:, :num_bins], count[:, :num_bins]
-  schedule = choose_schedule(p5, cands, tau, page_size=sparse.page_size,
-                             always_kept=sparse.always_kept, bin_size=bin_size)
-  return Calibration(schedule, p5, count, cands, float(tau), bin_size, alpha, bool(on_policy))
+  tail = {p: np.concatenate([t[p] for t in tails])[:, :num_bins] for p in percentiles}
+  schedule = choose_schedule(tail[quantile], cands, tau, page_size=sparse.page_size,
+                             always_kept=sparse.always_kept, bin_size=bin_size, quantile=quantile)
+  return Calibration(schedule, tail, count[:, :num_bins], cands, float(tau), quantile, bin_size,
+                     alpha, bool(on_policy))
 
 
 def surface_dict(result: Calibration) -> dict:
-  """JSON-ready surface: p5 per candidate per bin (null for empty bins) with the token counts.
+  """JSON-ready surface: "tail" holds, per percentile ("1", "5", ...), its value per candidate per
+  bin (null for empty bins); "quantile" is the one the schedule was chosen by; with the token
+  counts.
 
   "count_bin" is the tokens per bin, the most over candidates; on-policy, where each candidate
   scored its own rollouts, "count_bin_by_candidate" holds every candidate's counts as well.
   """
-  out = {"tau": result.tau, "alpha": result.alpha, "on_policy": result.on_policy,
+  out = {"tau": result.tau, "quantile": result.quantile, "alpha": result.alpha,
+         "on_policy": result.on_policy,
          "bin_size": result.bin_size, "page_size": result.schedule.page_size,
          "always_kept": result.schedule.always_kept, "candidates": list(result.candidates),
          "count_bin": result.count.max(0).tolist()}
   if result.on_policy:
     out["count_bin_by_candidate"] = {str(c): count_B.tolist()
                                      for c, count_B in zip(result.candidates, result.count)}
-  return {**out, "p5": {str(c): [None if np.isnan(v) else float(v) for v in p5_B]
-                        for c, p5_B in zip(result.candidates, result.p5)},
+  as_json = lambda tail_CB: {str(c): [None if np.isnan(v) else float(v) for v in tail_B]
+                             for c, tail_B in zip(result.candidates, tail_CB)}
+  return {**out, "tail": {f"{p:g}": as_json(tail_CB) for p, tail_CB in result.tail.items()},
           "chosen_topk": list(result.schedule.values)}
 
 
+def surface_tail(surface: dict, quantile: float, path: str = "the surface") -> tuple:
+  """(candidates, tail_CB) of a `surface_dict` (as read from surface.json) at `quantile`; None
+  (an empty bin) -> NaN."""
+  if f"{quantile:g}" not in surface["tail"]:
+    raise ValueError(f"{path} holds the percentiles {sorted(surface['tail'], key=float)} of "
+                     f"alpha, not {quantile:g}: calibrate again (experiments/calibrate_schedule.py "
+                     f"with --config.stats.quantile={quantile:g})")
+  tail = surface["tail"][f"{quantile:g}"]
+  cands = surface["candidates"]
+  return cands, np.array([tail[str(c)] for c in cands], np.float64)
+
+
 def plot_calibration(path: str, result: Calibration):
-  """PNG: p5 vs schedule bin for every candidate with the tau line and the chosen candidate marked
-  (top), and the chosen top-k per bin (bottom)."""
+  """PNG: the schedule's percentile vs schedule bin for every candidate with the tau line and the
+  chosen candidate marked (top), and the chosen top-k per bin (bottom)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  num_bins = result.p5.shape[1]
+  tail_CB, name = result.tail[result.quantile], percentile_name(result.quantile)
+  num_bins = tail_CB.shape[1]
   x_B = (np.arange(num_bins) + 0.5) * result.bin_size
-  fig, (ax_p5, ax_k) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+  fig, (ax_tail, ax_k) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
                                     gridspec_kw={"height_ratios": [2, 1]})
   colors = matplotlib.colormaps["viridis"](np.linspace(0, 1, len(result.candidates)))
-  for c, p5_B, color in zip(result.candidates, result.p5, colors):
-    ax_p5.plot(x_B, p5_B, marker=".", color=color, label=f"top-k {c}")
+  for c, tail_B, color in zip(result.candidates, tail_CB, colors):
+    ax_tail.plot(x_B, tail_B, marker=".", color=color, label=f"top-k {c}")
   pick_B = [result.candidates.index(v) for v in result.schedule.values]
-  ax_p5.plot(x_B, result.p5[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
-  ax_p5.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
-  ax_p5.set_ylabel("p5 acceptance rate")
-  ax_p5.set_title(f"Calibration ({result.alpha} alpha, "
-                  f"{'on' if result.on_policy else 'off'}-policy rollouts): p5 per "
+  ax_tail.plot(x_B, tail_CB[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
+  ax_tail.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
+  ax_tail.set_ylabel(f"{name} acceptance rate")
+  ax_tail.set_title(f"Calibration ({result.alpha} alpha, "
+                  f"{'on' if result.on_policy else 'off'}-policy rollouts): {name} per "
                   f"{result.bin_size}-token bin of cached length")
-  ax_p5.legend(fontsize=6, ncol=3, loc="lower left")
+  ax_tail.legend(fontsize=6, ncol=3, loc="lower left")
   ax_k.stairs(result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None,
             color="black")
   ax_k.set_ylabel(f"chosen top-k pages\n(+{result.schedule.always_kept} always kept)")

@@ -22,20 +22,22 @@ Kinds (`values` depends on the kind):
 Closed loop, beyond the paper ('adaptive:TAU:BASE', `parse_adaptive`, `adapt_topk`): the trainer
 starts from BASE's table (top-k pages per bin) and after every step moves each bin by the tokens
 decoded under that bin's budget (the train step's exact-alpha `acceptance/*_bin`, binned by
-`position_bin` like the table). The test is pooled, not per step: p5 >= tau exactly when at most
-5% of the tokens have alpha < tau, and that share adds up over steps, so each bin keeps a pool of
-the tokens it decoded since its top-k last changed and judges the budget on all of them:
+`position_bin` like the table). The loop holds the q-th percentile at tau (q = `quantile`, the
+trainer's stats.quantile; 5, the paper's p5, by default). The test is pooled, not per step: the
+q-th percentile is >= tau exactly when at most q% of the tokens have alpha < tau, and that share
+adds up over steps, so each bin keeps a pool of the tokens it decoded since its top-k last changed
+and judges the budget on all of them:
   cliff: the step's p10 < tau          -> fails at once (a tenth of a step under tau is a fall off
                                           a cliff, not noise at its edge: raise fast)
   after `window` steps in the pool:
-    share under tau > 5% (pool p5 < tau)  -> fails
+    share under tau > q% (pool pq < tau)  -> fails
     share under tau <= lower_share        -> passes: top-k * lower_factor, at least -1 page, not
                                           below the floor (slow: a probe is judged on `window`
                                           steps of tokens, not on one lucky batch)
   otherwise, or fewer than min_tokens tokens in the bin that step -> holds, and the pool grows
 A failed bin that came down to its budget goes back to the budget before (it passed: the probe is
 undone); any other is raised x raise_factor (at least +1 page) off a cliff, and by one page when
-its pool is just over the edge (a pooled share of 5-10%: the bin is at its edge, and x1.5 from
+its pool is just over the edge (a pooled share of q-2q%: the bin is at its edge, and x1.5 from
 there overshoots; on the shipped model one such raise, 15 -> 23 pages, cost a run its saving).
 Either way its floor becomes top-k + 1: it never returns to a budget that failed. A bin whose
 top-k changes starts a new pool.
@@ -52,7 +54,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -60,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _KINDS = ("fixed", "table", "linear")
-_FIELDS = ("kind", "page_size", "always_kept", "bin_size", "values")
+_FIELDS = ("kind", "page_size", "always_kept", "bin_size", "values", "quantile")
 _ADAPTIVE = "adaptive:"
 
 # Published tables, top-k pages per 2000-token bin at page size 16 (20 bins; 3 always-kept pages
@@ -114,6 +116,8 @@ class KVSchedule:
   page_size: int = 16
   always_kept: int = 3        # 1 sink (BOS) page + 2 local pages
   bin_size: int = 2048        # tokens per table bin (a multiple of page_size); unused otherwise
+  quantile: Optional[float] = None  # the tail percentile the table was calibrated to hold at tau
+  #                                   (5: p5, the paper's); None: not calibrated (fixed, hand-made)
 
   def __post_init__(self):
     object.__setattr__(self, "values", tuple(self.values))
@@ -125,6 +129,9 @@ class KVSchedule:
         raise ValueError(f"KVSchedule.{name} must be a non-negative int, got {value!r}")
     if self.page_size < 1 or self.page_size & (self.page_size - 1):
       raise ValueError(f"KVSchedule.page_size must be a power of two, got {self.page_size}")
+    if self.quantile is not None and not is_quantile(self.quantile):
+      raise ValueError(f"KVSchedule.quantile must be a percentile in (0, 50) or None, got "
+                       f"{self.quantile!r}")
     getattr(self, f"_check_{self.kind}")()
 
   def _check_fixed(self):
@@ -160,9 +167,10 @@ class KVSchedule:
 
   @classmethod
   def table(cls, topk_per_bin, page_size: int = 16, always_kept: int = 3,
-            bin_size: int = 2048) -> "KVSchedule":
-    """Paper form: per bin of `bin_size` cached tokens, top-k pages on top of the always-kept."""
-    return cls("table", tuple(topk_per_bin), page_size, always_kept, bin_size)
+            bin_size: int = 2048, quantile: Optional[float] = None) -> "KVSchedule":
+    """Paper form: per bin of `bin_size` cached tokens, top-k pages on top of the always-kept;
+    `quantile`: the tail percentile it was calibrated for."""
+    return cls("table", tuple(topk_per_bin), page_size, always_kept, bin_size, quantile)
 
   @classmethod
   def linear(cls, ratio: float, max_topk: int, page_size: int = 16,
@@ -178,7 +186,7 @@ class KVSchedule:
     if key not in _PAPER_TABLES:
       known = ", ".join(f"{m}@{t:.2f}" for m, t in sorted(_PAPER_TABLES))
       raise ValueError(f"no published schedule for model={model!r}, tau={tau}; known: {known}")
-    return cls.table(_PAPER_TABLES[key], _PAPER_PAGE_SIZE, 3, _PAPER_BIN_SIZE)
+    return cls.table(_PAPER_TABLES[key], _PAPER_PAGE_SIZE, 3, _PAPER_BIN_SIZE, quantile=5)
 
   @property
   def max_pages(self) -> int:
@@ -224,6 +232,13 @@ class KVSchedule:
       raise ValueError(f"{field} = {spec!r} has page_size {schedule.page_size} but "
                        f"config.rollout.page_size is {page_size}")
     return schedule
+
+  def check_quantile(self, quantile: float, field: str, quantile_field: str = "stats.quantile"):
+    """Refuses a table calibrated for another tail percentile than the run holds."""
+    if self.quantile is not None and self.quantile != quantile:
+      raise ValueError(f"{field} was calibrated to hold p{self.quantile:g} >= tau, but "
+                       f"{quantile_field} is {quantile:g} (p{quantile:g}): calibrate a table for "
+                       f"p{quantile:g}, or set {quantile_field} = {self.quantile:g}")
 
   def to_json(self) -> str:
     return json.dumps({name: getattr(self, name) for name in _FIELDS})
@@ -281,10 +296,6 @@ def parse_adaptive(spec: str, page_size: int, field: str = "config.rollout.sched
   return tau, base
 
 
-# The tail quantile the loop holds at tau: p5, the paper's statistic.
-LOOP_QUANTILE = 0.05
-
-
 class LoopState(NamedTuple):
   """The closed loop's per-bin state (`adapt_topk`): tuples of ints, one per table bin. Host-side
   and small: the trainer logs it and keeps it in the checkpoint meta, so a resume replays it."""
@@ -303,10 +314,11 @@ class LoopState(NamedTuple):
 
 def adapt_topk(state: LoopState, count_b, below_b, p10_b, tau: float, max_topk: int,
                raise_factor: float, lower_factor: float, window: int, lower_share: float,
-               min_tokens: int) -> LoopState:
+               min_tokens: int, quantile: float = 5) -> LoopState:
   """One step of the closed loop (module docstring): the state after the step whose exact alpha
   had, per bin, `count_b` tokens, `below_b` of them under tau and p10 `p10_b` (a NaN p10 compares
-  false) -> the state for the next step."""
+  false) -> the state for the next step. A pool fails when more than `quantile` percent of its
+  tokens are under tau."""
   topk_b, floor_b, before_b, tokens_b, pool_below_b, steps_b = (np.asarray(x, np.int64)
                                                                 for x in state)
   measured_b = np.asarray(count_b) >= min_tokens
@@ -316,7 +328,7 @@ def adapt_topk(state: LoopState, count_b, below_b, p10_b, tau: float, max_topk: 
   share_b = pool_below_b / np.maximum(tokens_b, 1)
   judged_b = steps_b >= window
   cliff_b = measured_b & (np.asarray(p10_b, np.float64) < tau)
-  failed_b = cliff_b | (judged_b & (share_b > LOOP_QUANTILE))
+  failed_b = cliff_b | (judged_b & (share_b > quantile / 100))
   passed_b = ~failed_b & judged_b & (share_b <= lower_share)
   floor_b = np.minimum(np.where(failed_b, np.maximum(floor_b, topk_b + 1), floor_b), max_topk)
   raised_b = np.where(cliff_b, np.maximum(np.ceil(topk_b * raise_factor), topk_b + 1), topk_b + 1)
@@ -361,6 +373,13 @@ def position_bin(cached_len, page_size: int, bin_size: int):
                      f"({page_size})")
   cached_pages = (jnp.asarray(cached_len, jnp.int32) + page_size - 1) // page_size
   return cached_pages // (bin_size // page_size)
+
+
+def is_quantile(quantile) -> bool:
+  """Whether `quantile` can be the tail percentile a schedule holds at tau: a number in (0, 50)
+  (5 is the paper's p5)."""
+  return (isinstance(quantile, (int, float)) and not isinstance(quantile, bool)
+          and 0 < quantile < 50)
 
 
 def _is_int(x) -> bool:

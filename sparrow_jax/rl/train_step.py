@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from sparrow_jax.attention import policy
-from sparrow_jax.mismatch import acceptance
+from sparrow_jax.mismatch import acceptance, schedule
 from sparrow_jax.model import qwen3, sharding
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
@@ -62,6 +62,7 @@ class StepConfig:
   distill_ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
   exact_acceptance: bool = True  # log exact alpha = sum_x min(p, q) (see the module docstring)
   tau: float = 0.86              # acceptance threshold (for the "fraction under tau" metric)
+  quantile: float = 5            # the tail percentile held at tau, logged beside p1/p5/p10/p50
   bin_size: int = 2048           # position bin of the tail statistics (schedule.position_bin)
   num_bins: int = 20
   page_size: int = 16            # KV page size: tokens are binned by whole pages cached
@@ -90,6 +91,7 @@ class StepConfig:
     require(self.distill_kl_coef >= 0, "distill_kl_coef", "must be >= 0")
     require(self.distill_ppo_coef >= 0, "distill_ppo_coef", "must be >= 0")
     require(0 < self.tau <= 1, "tau", "must lie in (0, 1]")
+    require(schedule.is_quantile(self.quantile), "quantile", "must be a percentile in (0, 50)")
     require(self.page_size >= 1 and not self.page_size & (self.page_size - 1), "page_size",
             "must be a power of two")
     require(self.bin_size >= self.page_size and self.bin_size % self.page_size == 0, "bin_size",
@@ -327,7 +329,7 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
   metrics = {}
   for name, alpha in families.items():
     stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size,
-                                  sc.tau)
+                                  sc.tau, acceptance.tail_percentiles(sc.quantile))
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
   return metrics

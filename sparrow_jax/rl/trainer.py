@@ -108,12 +108,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
   targets = tuple(t for t in c.distill.targets.split(",") if t)
   _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
            f"comma-separated subset of {lora_lib.TARGETS}")
+  _require(schedule_lib.is_quantile(c.stats.quantile), "stats.quantile", c.stats.quantile,
+           "must be a percentile in (0, 50), e.g. 5 (p5, the paper's) or 1 (p1)")
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
   if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
     stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
     for _, schedule in stages:
       _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
                "budget below the always-kept pages")
+      schedule.check_quantile(c.stats.quantile, f"config.rollout.schedule = {r.schedule!r}",
+                              "config.stats.quantile")
       try:
         sampler.check_geometry(schedule, _sparse(c))
       except ValueError as e:
@@ -159,7 +163,7 @@ def _validate_adaptive(c, tau, base):
            "stats bin b moves table bin b, so both must bin the same tokens")
   _require(max(base.values) >= 1, "rollout.schedule", r.schedule,
            "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0")
-  q = schedule_lib.LOOP_QUANTILE
+  q = c.stats.quantile / 100
   for field, value, ok, allowed in (
       ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
       ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
@@ -199,7 +203,7 @@ def _adaptive(c):
     return schedule_lib.adapt_topk(
         state, count_b, below_b.astype(np.int64), pad(metrics["acceptance/p10_bin"], np.nan),
         tau, ceiling.values[0], r.adaptive_raise, r.adaptive_lower, r.adaptive_window,
-        r.adaptive_lower_share, r.adaptive_min_tokens)
+        r.adaptive_lower_share, r.adaptive_min_tokens, c.stats.quantile)
   return first, ceiling, next_state
 
 
@@ -361,8 +365,9 @@ _STEP_FIELDS = {
     "dapo_filter": "rl.dapo_filter", "distill": "distill.enabled",
     "distill_kl_coef": "distill.kl_coef", "distill_ppo_coef": "distill.ppo_coef",
     "exact_acceptance": "stats.exact_acceptance", "tau": "stats.tau",
-    "bin_size": "stats.bin_size", "num_bins": "stats.num_bins", "page_size": "rollout.page_size",
-    "temperature": "rollout.temperature", "micro_batches": "rl.micro_batches",
+    "quantile": "stats.quantile", "bin_size": "stats.bin_size", "num_bins": "stats.num_bins",
+    "page_size": "rollout.page_size", "temperature": "rollout.temperature",
+    "micro_batches": "rl.micro_batches",
     "remat": "rl.remat", "logits_chunk": "rl.logits_chunk"}
 
 
