@@ -129,17 +129,22 @@ class PoolLayer:
     Z, dtype, score = self.page_size, self.dtype, self.page_score
 
     def local(k_stored, v_stored, summaries, page_table, active, k_BKE, v_BKE, pos_B):
-      k_stored, v_stored, summaries = k_stored[0], v_stored[0], summaries[0]
+      # Written through the flat page view the kernels read ([K * X, ...], `local_pages`): an
+      # update indexed on the leading axis only lets XLA keep the pool's row-major layout (a
+      # scatter with K as a window dimension made TPU relayout the whole pool around the loop).
+      shape = k_stored.shape
+      K, X = shape[1], shape[2]
+      flat = lambda x: x.reshape(K * X, *x.shape[3:])
       page_B = jnp.where(active, jnp.take_along_axis(page_table, (pos_B // Z)[:, None],
                                                      axis=1)[:, 0], TRASH_PAGE)
-      at = (slice(None), page_B, pos_B % Z)
-      put = lambda buf, x_BKE: buf.at[at].set(
-          paged_cache.to_stored(x_BKE.astype(dtype)).transpose(1, 0, 2))
-      k_stored = put(k_stored, k_BKE)
-      page_BKZE = paged_cache.from_stored(k_stored[:, page_B], dtype).transpose(1, 0, 2, 3)
-      summary_KBSE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0].transpose(1, 0, 2, 3)
-      return (k_stored[None], put(v_stored, v_BKE)[None],
-              summaries.at[:, page_B].set(summary_KBSE)[None])
+      id_BK = page_B[:, None] + (jnp.arange(K, dtype=page_B.dtype) * X)[None]
+      at = (id_BK, (pos_B % Z)[:, None])
+      put = lambda buf, x_BKE: buf.at[at].set(paged_cache.to_stored(x_BKE.astype(dtype)))
+      k_flat = put(flat(k_stored), k_BKE)
+      page_BKZE = paged_cache.from_stored(k_flat[id_BK], dtype)
+      summary_BKSE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0]
+      return (k_flat.reshape(shape), put(flat(v_stored), v_BKE).reshape(shape),
+              flat(summaries).at[id_BK].set(summary_BKSE).reshape(summaries.shape))
 
     pools = (self.k_stored, self.v_stored, self.summaries)
     pool_axes = (POOL_AXES, POOL_AXES, SUMMARY_AXES)
