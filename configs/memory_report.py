@@ -24,6 +24,9 @@ def get_config():
   c.sampler_group = 8                # ... in groups of this many samples of one prompt (one prefill)
   c.mesh = "1,1,1"                   # data,fsdp,tensor: figures per device (fake CPU devices:
   #                                    XLA_FLAGS=--xla_force_host_platform_device_count=N)
+  c.target = "cpu"                   # cpu: this machine's backend | a TPU topology such as
+  #                                    "v5p:4x4x2" (at least the mesh's chips): compile-only TPU
+  #                                    devices, parts train and sampler only (needs jax[tpu])
   c.calibrate_rows = 1               # rows per calibration pass (one candidate per pass)
   c.engine_pool_gb = 100.0           # the engine's KV pool per device (an H200's 141 GB less
   #                                    weights and working memory)
@@ -35,5 +38,6 @@ def get_config():
   c.compile_time_len = 8192          # ... at this row length
   c.run_model = "qwen3-0.6b"         # calibrate_run: a real p5 pass of this shape (random weights)
   c.run_len = 16384                  # ... over one row this long (prompt_len of it prompt)
-  c.out = ""                         # also write the figures as JSON here ("" = print only)
+  c.out = ""                         # also write the figures here, a results record (JSON with
+  #                                    the command, commit, machine and date); "" = print only
   return c

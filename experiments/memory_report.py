@@ -23,8 +23,9 @@ and of its temporaries (everything XLA allocates besides arguments and outputs) 
   compile_time   seconds to lower + compile the train step at full depth vs `compile_time_layers`.
   calibrate_run  a real p5 pass over one `run_len`-token row of a `run_model`-shaped model with
                  random weights on this CPU: wall time and peak RSS.
-The CPU backend's buffer assignment stands in for the accelerators' (same HLO, fusion differs);
-scan-over-layers and rematerialisation decide what lives at once on every backend.
+On the CPU backend (`target` cpu) float32 copies of bfloat16 weights and buffers inflate the
+figures; `--config.target=v5p:2x2x1` (a TPU topology; needs jax[tpu], docs/kernels.md) compiles
+train and sampler for compile-only TPU devices and reports the TPU compiler's buffer assignment.
 
 Per device on a mesh (`--config.mesh=DATA,FSDP,TENSOR`, on that many fake CPU devices):
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_report.py \
@@ -34,7 +35,6 @@ rules (model/sharding.py), the rollout's weights gathered over fsdp (sharding.RO
 device prefilling and decoding only its own groups.
 """
 import dataclasses
-import json
 import resource
 import time
 
@@ -47,6 +47,7 @@ import optax
 from jax.sharding import NamedSharding
 
 import sparrow_jax as sj
+from sparrow_jax import records
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
@@ -84,12 +85,22 @@ def _budget(schedule, model, length):
   return BudgetTable(SDS((length + 1,), jnp.int32)), table
 
 
-def make_mesh(spec: str):
+def make_mesh(spec: str, target: str = "cpu"):
+  """The (data, fsdp, tensor) mesh: this process's devices, or the first chips of a compile-only
+  TPU topology."""
   data, fsdp, tensor = (int(n) for n in spec.split(","))
-  if data * fsdp * tensor != jax.device_count():
-    raise ValueError(f"config.mesh = {spec!r} needs {data * fsdp * tensor} devices, this process "
+  n = data * fsdp * tensor
+  if target != "cpu":
+    from jax.experimental import topologies
+    chips = topologies.get_topology_desc(target, "tpu").devices
+    if len(chips) < n:
+      raise ValueError(f"config.mesh = {spec!r} needs {n} devices, config.target = {target!r} "
+                       f"has {len(chips)} chips")
+    return sharding.make_mesh(data, fsdp, tensor, devices=chips[:n])
+  if n != jax.device_count():
+    raise ValueError(f"config.mesh = {spec!r} needs {n} devices, this process "
                      f"has {jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
-                     f"count={data * fsdp * tensor} (fake CPU devices)")
+                     f"count={n} (fake CPU devices)")
   return sharding.make_mesh(data, fsdp, tensor)
 
 
@@ -107,9 +118,10 @@ def train_step(model, length, c, dtype, mesh, layers=None):
   batch = ts.Batch.abstract(c.train_rows, length)
   step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE,
                             ts.state_sharding(state, mesh, opt, lora_opt))
+  budget = _budget(c.schedule, model, length)[0]
   start = time.time()
   with jax.set_mesh(mesh):
-    compiled = step.lower(state, batch, _budget(c.schedule, model, length)[0]).compile()
+    compiled = step.lower(state, batch, budget).compile()
   return dict(_analysis(compiled), compile_s=time.time() - start)
 
 
@@ -122,6 +134,7 @@ def sampler_memory(model, length, c, dtype, mesh):
   params = _on(params, sharding.param_shardings(params, mesh, rules))
   lora = _on(lora, sharding.lora_shardings(lora, mesh, rules))
   Z, T, G = SPARSE.page_size, c.prompt_len, c.sampler_group
+  budget, table = _budget(c.schedule, model, -(-length // Z) * Z)  # eager: off the mesh
   with jax.set_mesh(mesh):
     R = page_pool.row_shards()
     config = engine.full_batch(c.sampler_rows // R, G, length, SPARSE)
@@ -136,7 +149,6 @@ def sampler_memory(model, length, c, dtype, mesh):
     S, PR = R * config.num_slots, -(-length // Z)
     slots = dict(token=rows((S,)), length=rows((S,)), n_gen=rows((S,)), max_new=rows((S,)),
                  row=rows((S,)), active=rows((S,), bool), page_table=rows((S, PR)))
-    budget, table = _budget(c.schedule, model, PR * Z)
     decode = engine._decode_chunk.lower(
         params, lora, pool, budget, SDS((2,), jnp.uint32), slots, cfg=cfg, steps=c.engine_chunk,
         sparse=SPARSE, max_selected=sampler.max_selected_pages(table), eos_ids=(0,), pad_id=0,
@@ -238,9 +250,13 @@ def main(argv):
   unknown = parts - {"train", "sampler", "calibrate", "engine", "compile_time", "calibrate_run"}
   if unknown:
     raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
-  mesh = make_mesh(c.mesh)
-  report = {"mesh": c.mesh}
-  print(f"backend {jax.default_backend()}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
+  if c.target != "cpu" and parts - {"train", "sampler"}:
+    raise ValueError(f"config.target = {c.target!r} compiles the parts train and sampler (on the "
+                     f"mesh); {sorted(parts - {'train', 'sampler'})} run on this machine's backend")
+  mesh = make_mesh(c.mesh, c.target)
+  report = {"mesh": c.mesh, "target": c.target}
+  backend = jax.default_backend() if c.target == "cpu" else f"compile-only TPU {c.target}"
+  print(f"backend {backend}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
         f"the mesh (data, fsdp, tensor) = ({c.mesh})", flush=True)
   if "train" in parts:
     print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)")
@@ -286,8 +302,7 @@ def main(argv):
           f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
           f"{fig['peak_rss_gb']:.2f} GB (params loaded: {fig['rss_before_gb']:.2f} GB)", flush=True)
   if c.out:
-    with open(c.out, "w") as f:
-      json.dump(report, f, indent=1)
+    records.write_record(c.out, report)
 
 
 if __name__ == "__main__":

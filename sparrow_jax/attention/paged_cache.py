@@ -51,7 +51,7 @@ def stored_dtype(dtype):
   as itself elsewhere (accelerators update bfloat16 in place, and reading bits as bfloat16 would
   cost a copy of the cache per read, as reading uint32 as float32 did on CPU)."""
   dtype = jnp.dtype(dtype)
-  return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and jax.default_backend() == "cpu" else dtype
+  return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and sharding.platform() == "cpu" else dtype
 
 
 def to_stored(x):

@@ -91,6 +91,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
 
 
+def platform() -> str:
+  """What is being compiled for: the platform of the enclosing mesh's devices (compile-only TPU
+  devices on this CPU give "tpu"), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return jax.default_backend() if device is None else device.platform
+
+
 def spec(logical_axes, shape, mesh, rules=None) -> PartitionSpec:
   """PartitionSpec for one array on `mesh` (concrete or abstract) by `rules` (default RULES); an
   axis whose size the mesh axes do not divide stays replicated."""
