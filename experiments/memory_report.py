@@ -254,7 +254,7 @@ def main(argv):
     raise ValueError(f"config.target = {c.target!r} compiles the parts train and sampler (on the "
                      f"mesh); {sorted(parts - {'train', 'sampler'})} run on this machine's backend")
   mesh = make_mesh(c.mesh, c.target)
-  report = {"mesh": c.mesh, "target": c.target}
+  report = {"config": c.to_dict()}
   backend = jax.default_backend() if c.target == "cpu" else f"compile-only TPU {c.target}"
   print(f"backend {backend}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
         f"the mesh (data, fsdp, tensor) = ({c.mesh})", flush=True)
