@@ -74,7 +74,41 @@ def tpu_compile_page(records) -> str:
   return "\n".join(lines)
 
 
+def memory_page(records) -> str:
+  """docs/results/memory_tpu.md from experiments/memory_report.py's records for a TPU target."""
+  lines = ["# Memory on TPU, from the TPU compiler (measured)", "",
+           "`experiments/memory_report.py` with `--config.target` set to a TPU topology lowers and "
+           "compiles the train step and the rollout for compile-only TPU devices on a CPU host "
+           "(libtpu's XLA:TPU compiler; nothing is allocated) and reads "
+           "`compiled.memory_analysis()`: per device, the arguments and the temporaries (all XLA "
+           "allocates besides arguments and outputs). train: the fused GRPO + TIS + DistillSparse "
+           "step, weights and Adam states sharded over fsdp. sampler: the engine's full batch, "
+           "each group's prompt prefilled into the pool (prefill temps) and the decode chunk (args "
+           "hold the pool, KV, and the weights gathered over fsdp, params).", ""]
+  for record in records:
+    c = record["results"]["config"]
+    lines += [_provenance(record), "",
+              f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
+              f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
+              f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
+              f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
+              "per device.", "",
+              "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | "
+              "params |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, fig in record["results"].items():
+      if key == "config":
+        continue
+      part, model, tokens = key.split("/")
+      cell = lambda name: f"{fig[name]:.2f}" if name in fig else "-"
+      lines.append(f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
+                   f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
+                   f"{cell('kv_gb')} | {cell('params_gb')} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
 PAGES = {"rollout_engine.md": ("engine_long_tail_*.json", engine_page),
+         "memory_tpu.md": ("memory_tpu_*.json", memory_page),
          "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page)}
 
 

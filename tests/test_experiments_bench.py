@@ -149,7 +149,9 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   assert "rollout (the engine's full batch), 8 rows in groups of 8, prompt 128" in out
   assert "calibration pass" in out
   import json
-  report = json.loads(out_file.read_text())
+  record = json.loads(out_file.read_text())
+  assert "memory_report.py" in record["command"] and record["commit"]  # a results record
+  report = record["results"]
   # the pool: 8 rows x 32 pages of 16 tokens + a template page + the trash page, keys, values
   # and mean-key summaries (1 row) of 3 layers x 8 KV heads x 128 dims in bfloat16
   kv = report["sampler/qwen3-0.6b/512"]["kv_gb"]
@@ -157,6 +159,8 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   assert report["sampler/qwen3-0.6b/512"]["ratio"] > 1.0
   bad = _run("memory_report", "--config.parts=train,speed", check=False)
   assert bad.returncode != 0 and "speed" in bad.stderr
+  tpu = _run("memory_report", "--config.parts=engine", "--config.target=v5p:2x2x1", check=False)
+  assert tpu.returncode != 0 and "compiles the parts train and sampler" in tpu.stderr
 
 
 def test_device_check_smoke_runs_every_part(tmp_path):

@@ -76,5 +76,5 @@ def test_a_table_calibrated_for_another_quantile_is_refused(tmp_path):
                                        r"\[0, 0.01\)"):
     trainer.validate(c)
   c.stats.quantile = 0
-  with pytest.raises(ValueError, match="config.stats.quantile = 0 is invalid"):
+  with pytest.raises(ValueError, match="config.stats.quantile = 0.0 is invalid"):
     trainer.validate(c)
