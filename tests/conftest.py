@@ -19,6 +19,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="sparrow_jax_jit_"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from tests.helpers import TEST_XLA_FLAGS  # noqa: E402  (jax reads XLA_FLAGS at its first use)
+
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
+
 
 @pytest.fixture
 def run_experiment():

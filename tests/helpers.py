@@ -78,14 +78,24 @@ SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollo
          "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
 
 
+# XLA flags of every test process: the CPU backend's generated code at LLVM -O0. The suite's time
+# is mostly compilation, which this makes cheaper; what the tests compare runs under one setting.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def subprocess_env(devices: int = 1) -> dict:
+  """A test's JAX subprocess: the CPU with `devices` fake devices, the repo on sys.path, and the
+  tests' XLA flags (so it shares the session's compilation cache keys)."""
+  return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+              XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}")
+
+
 def launch_small(workdir, *overrides, devices=1):
   """The SMALL training run in a subprocess (`devices` fake CPU devices), stdout+stderr piped."""
   cmd = [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
          f"--config.workdir={workdir}", *SMALL, *overrides]
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env)
+                          env=subprocess_env(devices))
 
 
 def rows_by_step(workdir):

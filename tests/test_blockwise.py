@@ -14,6 +14,8 @@ from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.model import qwen3
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 B, T, K, G, E = 2, 77, 2, 3, 16
 BLOCKS = dict(block_q=16, block_k=32)  # several query and key blocks, T not a multiple of either
 

@@ -17,6 +17,8 @@ from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.rollout import sampler
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)

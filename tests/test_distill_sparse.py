@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
@@ -28,6 +29,8 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 from tests import copy_model as cm
+
+pytestmark = pytest.mark.slow
 
 SPARSE = SparseConfig(page_size=4, dense_layers=0)  # either of the 2 layers can recall: none dense
 SCHEDULE = KVSchedule.fixed(6, page_size=4)         # sink + 2 local + 3 selected pages

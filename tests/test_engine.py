@@ -13,6 +13,8 @@ from sparrow_jax.rollout import engine, sampler
 from tests import helpers
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)

@@ -3,15 +3,18 @@ fsdp, tensor mesh: four row shards, each with its own pool and slots, KV heads s
 Pallas kernel under shard_map on this mesh: tests/test_sharding.py), and 2 processes x 2 devices
 (CPU collectives, a local coordinator), each scheduling only its own rows. A dense first layer,
 sparse ones after it."""
-import os
 import socket
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
+import pytest
 
+from tests.helpers import subprocess_env
 from tests.test_sharding import ROOT, run_on_fake_devices
+
+pytestmark = pytest.mark.slow
 
 SETUP = textwrap.dedent("""
     import jax, numpy as np
@@ -80,8 +83,7 @@ def test_engine_on_a_2x2x2_mesh_and_on_two_processes_equals_one_device(tmp_path)
   assert "OK" in run_on_fake_devices("import sys\n" + MESH.replace("sys.argv[1]", repr(str(one))))
   want = np.load(one)
   port, outs = _free_port(), [tmp_path / f"process{i}.npz" for i in range(2)]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = subprocess_env(2)
   procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(outs[i]), str(port), str(i)],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(2)]

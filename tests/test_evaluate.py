@@ -12,6 +12,8 @@ import pytest
 from configs import evaluate as evaluate_config
 from tests.helpers import write_tiny_hf_dir
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "experiments", "evaluate.py")
 CORPUS = ["What is 12 + 7 * 3 - 4? Calculate the following expression.",

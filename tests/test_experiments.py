@@ -11,6 +11,8 @@ from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch.schedule import KVSchedule
 
+pytestmark = pytest.mark.slow
+
 SHORT = {"task.min_hops": 4, "task.max_hops": 4}   # ~30-token prompts, 18-token answers
 
 

@@ -13,6 +13,8 @@ import pytest
 
 import sparrow_jax as sj
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

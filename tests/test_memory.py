@@ -5,6 +5,7 @@ top-20) of a narrow model with a wide vocabulary holds neither a [B, S, V] logit
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
@@ -12,6 +13,8 @@ from sparrow_jax.mismatch.schedule import BudgetTable
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import train_step as ts
 from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.slow
 
 CFG = tiny_config(vocab_size=32768, max_position_embeddings=16384)
 SPARSE = SparseConfig(page_size=16, dense_layers=1)

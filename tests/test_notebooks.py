@@ -7,6 +7,8 @@ import pytest
 
 from sparrow_jax.logging import MetricsLogger
 
+pytestmark = pytest.mark.slow
+
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
                         "sparrow_tail_stats.ipynb")
 

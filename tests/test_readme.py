@@ -2,6 +2,10 @@
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tests.test_sharding import run_on_fake_devices
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent("""
     import importlib, jax
     from sparrow_jax.rl import trainer

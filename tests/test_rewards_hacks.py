@@ -10,6 +10,8 @@ import pytest
 
 from sparrow_jax.data import rewards, sandbox, tasks
 
+pytestmark = pytest.mark.slow
+
 LIMITS = dict(timeout_s=5.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 CALL = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}

@@ -20,6 +20,8 @@ from sparrow_jax.rl import trainer
 from tests.helpers import ROOT, SMALL
 from tests.test_trainer import small
 
+pytestmark = pytest.mark.slow
+
 TOY = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32),
        "half": jnp.asarray(np.arange(6), jnp.bfloat16), "step": jnp.int32(7)}
 

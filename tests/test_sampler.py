@@ -15,6 +15,8 @@ from sparrow_jax.rollout import engine, sampler
 from tests import helpers
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 PROMPT_LEN = jnp.asarray([9, 21, 14])

@@ -12,6 +12,8 @@ import pytest
 from sparrow_jax.data import sandbox
 from sparrow_jax.data.rewards import code_reward, grade_code, grade_code_batch
 
+pytestmark = pytest.mark.slow
+
 LIMITS = dict(timeout_s=1.0, memory_mb=256, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"

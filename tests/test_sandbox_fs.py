@@ -12,6 +12,8 @@ import pytest
 
 from sparrow_jax.data import sandbox
 
+pytestmark = pytest.mark.slow
+
 LIMITS = dict(timeout_s=3.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SANDBOX_DIR = os.path.dirname(os.path.abspath(sandbox.__file__))

@@ -2,12 +2,15 @@
 jax starts): forward, the sampler (XLA and Pallas decode under shard_map) and three train steps on a
 2 x 2 x 2 (data, fsdp, tensor) mesh equal the same calls on a mesh of one device; one compilation;
 every state leaf where the rules put it."""
-import os
 import subprocess
 import sys
 import textwrap
 
-from tests.helpers import ROOT
+import pytest
+
+from tests.helpers import ROOT, subprocess_env
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -98,11 +101,10 @@ SCRIPT = textwrap.dedent("""
 
 def run_on_fake_devices(script, devices=8, timeout=600):
   """Runs `script` in a fresh interpreter with `devices` fake CPU devices; returns its stdout."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+  result = subprocess.run([sys.executable, "-c", script], env=subprocess_env(devices), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
   assert result.returncode == 0, result.stderr[-5000:]
+  assert "Involuntary full rematerialization" not in result.stderr  # no array gathered whole
   return result.stdout
 
 

@@ -13,7 +13,9 @@ from configs import tau_sweep as sweep_config
 from experiments import tau_sweep
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.rl import trainer
-from tests.helpers import ROOT, SMALL
+from tests.helpers import ROOT, SMALL, subprocess_env
+
+pytestmark = pytest.mark.slow
 
 SHIPPED_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration/schedule.json")
 QUEST_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest/schedule.json")
@@ -124,8 +126,7 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
       "sweep_dir": str(tmp_path / "sweep"), "surface": str(tmp_path / "surface.json"),
       "runs": "tau,fixed", "taus": "0.86", "fixed_pages": "4", "seeds": "0", "window": 1,
       "train.total_steps": 2, "eval.num_problems": 2, "eval.samples": 1, "eval.batch_size": 2})
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",  # launch_small's: same cache keys
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = subprocess_env(1)  # launch_small's: the same cache keys
   cmd = [sys.executable, "experiments/tau_sweep.py", "--config=configs/tau_sweep.py",
          *[f"--config.{k}={v}" for k, v in overrides.items()]]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

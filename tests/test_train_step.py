@@ -17,6 +17,8 @@ from sparrow_jax.rl import advantages, train_step as ts
 from sparrow_jax.rollout import sampler
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow
+
 CFG = tiny_config(num_hidden_layers=3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 SCHEDULE = KVSchedule.fixed(4, page_size=4)

@@ -19,6 +19,8 @@ from sparrow_jax.rollout import engine
 
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
+pytestmark = pytest.mark.slow
+
 
 def test_run_logs_tensorboard_curves(small_run):
   """(Resume after SIGKILL, replaying the same steps: tests/test_mesh_runs.py, on 2 processes.)"""
