@@ -12,6 +12,7 @@ mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, 2.5-3.2 m
       --config.task.min_hops=8 --config.task.max_hops=16 --config.num_prompts=4 \\
       --config.repeats=4 --config.rollout.max_new_tokens=96 --config.out_dir=/tmp/calib  # smoke
 """
+
 import ml_collections
 
 from configs import common
@@ -19,34 +20,40 @@ from configs import common
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.seed = 0                         # synthetic prompt position, random init; sampling key seed + 1
-  c.out_dir = "workdir/calibrate"    # schedule.json, surface.json and calibration.png go here
+  c.seed = 0  # synthetic prompt position, random init; sampling key seed + 1
+  c.out_dir = "workdir/calibrate"  # schedule.json, surface.json and calibration.png go here
 
-  c.model = common.model()           # the shipped tiny model, or a random preset with its own
+  c.model = common.model()  # the shipped tiny model, or a random preset with its own
   #                                    vocabulary (a smoke run)
-  c.model.init_std = 0.3             # preset init std: peaky enough attention for sparsity to matter
+  c.model.init_std = 0.3  # preset init std: peaky enough attention for sparsity to matter
 
-  c.prompts = "synthetic"            # "synthetic" (pointer chasing, task.min_hops..max_hops) or a
+  c.prompts = "synthetic"  # "synthetic" (pointer chasing, task.min_hops..max_hops) or a
   #                                    .jsonl file, a JSON list of token ids or {"prompt_ids": [...]}
   #                                    a line
   c.task = common.task("min_hops", "max_hops")  # the synthetic prompts' chain lengths
-  c.num_prompts = 16                 # distinct prompts
-  c.repeats = 8                      # samples per prompt (the paper: 8)
-  c.eos_ids = ""                     # comma list; "" = from the model dir, else the synthetic task
+  c.num_prompts = 16  # distinct prompts
+  c.repeats = 8  # samples per prompt (the paper: 8)
+  c.eos_ids = ""  # comma list; "" = from the model dir, else the synthetic task
 
-  c.rollout = common.rollout("max_new_tokens", "temperature", "sparse", "page_size",
-                             "dense_layers", "attention_impl",
-                             "page_score")  # how the rollouts are sampled and the pages scored
-  c.rollout.sample_topk = 0          # sparse rollouts' top-k pages (0 = the largest candidate)
+  c.rollout = common.rollout(
+    "max_new_tokens",
+    "temperature",
+    "sparse",
+    "page_size",
+    "dense_layers",
+    "attention_impl",
+    "page_score",
+  )  # how the rollouts are sampled and the pages scored
+  c.rollout.sample_topk = 0  # sparse rollouts' top-k pages (0 = the largest candidate)
 
-  c.stats = common.stats()           # tau and quantile: the tail target per bin (p5 >= 0.86);
+  c.stats = common.stats()  # tau and quantile: the tail target per bin (p5 >= 0.86);
   #                                    bin_size: the schedule's bins
-  c.stats.alpha = "exact"            # exact: sum_x min(p, q) | topk20: the paper's top-20 lower
+  c.stats.alpha = "exact"  # exact: sum_x min(p, q) | topk20: the paper's top-20 lower
   #                                    bound (what its tau was measured with; larger budgets)
-  c.candidates = ""                  # comma list of top-k pages; "": the paper's 18 values when the
+  c.candidates = ""  # comma list of top-k pages; "": the paper's 18 values when the
   #                                    context holds them, else ~18 geometric values up to all of it
-  c.on_policy = False                # each candidate scores rollouts sampled under its own schedule
+  c.on_policy = False  # each candidate scores rollouts sampled under its own schedule
   #                                    (one generation per candidate: slower) instead of one set
-  c.batch_size = 8                   # rows per teacher-forced pass
-  c.candidates_per_pass = 1          # candidates vmapped together (memory grows with it)
+  c.batch_size = 8  # rows per teacher-forced pass
+  c.candidates_per_pass = 1  # candidates vmapped together (memory grows with it)
   return c

@@ -11,6 +11,7 @@ dense KV read, against 0.90 for the paper's mean-key scores). See docs/embedded_
 
   python -m sparrow_jax.train --config=configs/default.py [--config.total_steps=50 ...]
 """
+
 import ml_collections
 
 from configs import common
@@ -18,70 +19,72 @@ from configs import common
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.workdir = "workdir/default"      # checkpoints, TensorBoard events, metrics.jsonl; reused = resume
-  c.seed = 0                         # params init (if random), LoRA init and rollout PRNG
-  c.total_steps = 40                 # RL steps (one rollout batch + one fused train step each)
-  c.ckpt_every = 10                  # steps between orbax checkpoints
-  c.keep_checkpoints = 2             # newest checkpoints kept
-  c.max_nonfinite_steps = 3          # abort after this many skipped (non-finite) updates in a row
-  c.hardware = "h200"                # cost-model hardware for the predicted rollout speedup metric
-  c.export_hf = True                 # write the final policy as a Hugging Face dir to <workdir>/hf
+  c.workdir = "workdir/default"  # checkpoints, TensorBoard events, metrics.jsonl; reused = resume
+  c.seed = 0  # params init (if random), LoRA init and rollout PRNG
+  c.total_steps = 40  # RL steps (one rollout batch + one fused train step each)
+  c.ckpt_every = 10  # steps between orbax checkpoints
+  c.keep_checkpoints = 2  # newest checkpoints kept
+  c.max_nonfinite_steps = 3  # abort after this many skipped (non-finite) updates in a row
+  c.hardware = "h200"  # cost-model hardware for the predicted rollout speedup metric
+  c.export_hf = True  # write the final policy as a Hugging Face dir to <workdir>/hf
 
-  c.mesh = common.mesh()             # devices: all on data by default (one device: 1 x 1 x 1)
+  c.mesh = common.mesh()  # devices: all on data by default (one device: 1 x 1 x 1)
   c.distributed = common.distributed()  # multi-host: jax.distributed (docs/many_devices.md)
 
-  c.model = common.model()           # the shipped tiny model (configs/common.py has every field)
-  c.task = common.task()             # 128-hop pointer chasing, the length calibrated for
+  c.model = common.model()  # the shipped tiny model (configs/common.py has every field)
+  c.task = common.task()  # 128-hop pointer chasing, the length calibrated for
 
-  c.rollout = common.rollout()       # lengths, temperature, sparse attention and its schedule
-  c.rollout.prompts_per_step = 4     # distinct prompts per step
-  c.rollout.group_size = 8           # samples per prompt (GRPO group, n in the paper)
-  c.rollout.max_prompt_len = 512     # prompts are right-padded to this static width
-  c.rollout.num_top_logprobs = 20    # top-k log-probs kept per step (top-k acceptance bound); 0 = off
+  c.rollout = common.rollout()  # lengths, temperature, sparse attention and its schedule
+  c.rollout.prompts_per_step = 4  # distinct prompts per step
+  c.rollout.group_size = 8  # samples per prompt (GRPO group, n in the paper)
+  c.rollout.max_prompt_len = 512  # prompts are right-padded to this static width
+  c.rollout.num_top_logprobs = 20  # top-k log-probs kept per step (top-k acceptance bound); 0 = off
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.learning_rate = 2e-4          # AdamW peak learning rate of the base params
-  c.rl.warmup_steps = 5              # linear warmup, then constant
-  c.rl.weight_decay = 0.0            # AdamW decoupled weight decay
-  c.rl.max_grad_norm = 1.0           # clip by global norm
-  c.rl.estimator = "grpo"            # grpo | dr_grpo | rloo
-  c.rl.grpo_std_ddof = 1             # group std: 1 unbiased (the reference's torch.std) | 0
-  c.rl.eps_low = 0.2                 # PPO clip below
-  c.rl.eps_high = 0.28               # PPO clip above (clip-higher, DAPO)
-  c.rl.dual_clip = 3.0               # dual-clip bound c for negative advantages (0 = off)
-  c.rl.tis_cap = 2.0                 # truncated importance sampling cap C
-  c.rl.tis_level = "token"           # token | sequence | none
-  c.rl.loss_agg = "token-mean"       # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-  c.rl.kl_coef = 0.0                 # KL to the initial policy (0 = none, no reference kept)
-  c.rl.entropy_coef = 0.0            # entropy bonus
-  c.rl.ppo_epochs = 1                # passes over each batch
-  c.rl.num_minibatches = 4           # minibatches per pass (4 updates per rollout batch; docs/embedded_default.md)
-  c.rl.dapo_filter = False           # drop zero-variance groups from the loss (DAPO dynamic sampling)
-  c.rl.micro_batches = 1             # gradient accumulation: each update's rows in this many slices
+  c.rl.learning_rate = 2e-4  # AdamW peak learning rate of the base params
+  c.rl.warmup_steps = 5  # linear warmup, then constant
+  c.rl.weight_decay = 0.0  # AdamW decoupled weight decay
+  c.rl.max_grad_norm = 1.0  # clip by global norm
+  c.rl.estimator = "grpo"  # grpo | dr_grpo | rloo
+  c.rl.grpo_std_ddof = 1  # group std: 1 unbiased (the reference's torch.std) | 0
+  c.rl.eps_low = 0.2  # PPO clip below
+  c.rl.eps_high = 0.28  # PPO clip above (clip-higher, DAPO)
+  c.rl.dual_clip = 3.0  # dual-clip bound c for negative advantages (0 = off)
+  c.rl.tis_cap = 2.0  # truncated importance sampling cap C
+  c.rl.tis_level = "token"  # token | sequence | none
+  c.rl.loss_agg = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+  c.rl.kl_coef = 0.0  # KL to the initial policy (0 = none, no reference kept)
+  c.rl.entropy_coef = 0.0  # entropy bonus
+  c.rl.ppo_epochs = 1  # passes over each batch
+  c.rl.num_minibatches = (
+    4  # minibatches per pass (4 updates per rollout batch; docs/embedded_default.md)
+  )
+  c.rl.dapo_filter = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
+  c.rl.micro_batches = 1  # gradient accumulation: each update's rows in this many slices
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
   # experiments/memory_report.py) | attention (also keep the attention's output, so the backward
   # runs the attention and its page selection once; docs/architecture.md) | dots | none.
   c.rl.remat = "attention"
-  c.rl.logits_chunk = 512            # positions per LM-head chunk (no [B, S, vocab] array)
+  c.rl.logits_chunk = 512  # positions per LM-head chunk (no [B, S, vocab] array)
 
   c.distill = ml_collections.ConfigDict()
-  c.distill.enabled = True           # DistillSparse LoRA in the sparse actor (needs rollout.sparse)
-  c.distill.rank = 8                 # LoRA rank
-  c.distill.alpha = 16.0             # LoRA alpha (scale = alpha / rank)
+  c.distill.enabled = True  # DistillSparse LoRA in the sparse actor (needs rollout.sparse)
+  c.distill.rank = 8  # LoRA rank
+  c.distill.alpha = 16.0  # LoRA alpha (scale = alpha / rank)
   c.distill.targets = "q,k,v,o,gate,up,down"  # projections with adapters (the reference: all)
   # One LoRA update per PPO minibatch (4 a step, as the reference interleaves them): at 1e-3 the
   # exact acceptance p5 fell to 0.80-0.92 within 7 steps (0.92-0.98 with distill off), at 2.5e-4 (the
   # total step of the former single update at 1e-3) it stayed with distill off's (docs/distill_sparse.md).
-  c.distill.learning_rate = 2.5e-4   # Adam learning rate of the LoRA params
+  c.distill.learning_rate = 2.5e-4  # Adam learning rate of the LoRA params
   # The paper pairs lambda = 1e-3 with the actor's own PPO term (weight 1) at RL learning rates of
   # ~1e-6; at this demo's rates that PPO term pulled the actor away from the policy (p5 0.875 ->
   # 0.587 over 60 steps of the earlier short-chain default), so the default distils only. Paper
   # setting: 1.0 / 1e-3.
-  c.distill.kl_coef = 1.0            # lambda of the k3 term to the dense log-probs
-  c.distill.ppo_coef = 0.0           # weight of the sparse actor's own PPO term
+  c.distill.kl_coef = 1.0  # lambda of the k3 term to the dense log-probs
+  c.distill.ppo_coef = 0.0  # weight of the sparse actor's own PPO term
 
-  c.stats = common.stats()           # tau and the position bin size
-  c.stats.exact_acceptance = True    # log exact alpha as acceptance/* (a no-grad sparse pass
+  c.stats = common.stats()  # tau and the position bin size
+  c.stats.exact_acceptance = True  # log exact alpha as acceptance/* (a no-grad sparse pass
   #                                    when distill is off or with minibatches; docs/distill_sparse.md)
-  c.stats.num_bins = 7               # bins (static shape; later positions count only overall)
+  c.stats.num_bins = 7  # bins (static shape; later positions count only overall)
   return c

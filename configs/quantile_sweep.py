@@ -10,6 +10,7 @@ written before the runs, and the result.
 Every table comes from the one calibration above (the same rollouts and alphas; its surface keeps
 p1, p5, p10 and p50), so the tables differ only by the percentile and tau they hold.
 """
+
 from configs import tau_sweep
 
 
@@ -20,5 +21,5 @@ def get_config():
   c.runs = "dense,quest"
   c.quest_tables = "5:0.86,1:0.86,1:0.94"  # QUANTILE:TAU per quest run
   c.quest_surface = "assets/pointer_chase_tiny/quantile_sweep/calibration/surface.json"
-  c.seeds = "2,3,4"                  # the shipped sweep used 0 and 1
+  c.seeds = "2,3,4"  # the shipped sweep used 0 and 1
   return c

@@ -16,6 +16,7 @@ candidates), so every tau in (0.49, 0.95] picks the same table (top-k 21 25 31 3
 0.5, 0.7, 0.86 and 0.94 are one run, shared (sweep.json says which); 0.99 (25 31 37 45 45) is the
 tau above that moves the budget, and 0.3 (21 21 31 31 31) the one below.
 """
+
 import ml_collections
 
 from configs import default
@@ -40,15 +41,15 @@ def get_config():
   # collapse end of the front. 64 pages hold every row's whole cache (512 + 400 tokens = 57 pages):
   # the sparse run's machinery (sparse sampler, DistillSparse, TIS, exact alpha) at no sparsity,
   # the control that tells the cost of sparsity from the cost of the machinery.
-  c.fixed_pages = "8,64"             # fixed budgets, one run each (pages, always-kept included)
-  c.adaptive_tau = 0.86              # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
+  c.fixed_pages = "8,64"  # fixed budgets, one run each (pages, always-kept included)
+  c.adaptive_tau = 0.86  # adaptive:TAU:<the tau-TAU table's JSON>: the closed loop's
   #                                    target and starting table (docs/closed_loop.md)
-  c.quest_tables = "5:0.86"          # quest: page_score "quest" with, per QUANTILE:TAU, the table
+  c.quest_tables = "5:0.86"  # quest: page_score "quest" with, per QUANTILE:TAU, the table
   #                                    holding that percentile >= TAU (p5 >= 0.86) on
   c.quest_surface = "assets/pointer_chase_tiny/calibration_quest/surface.json"  # quest's surface
-  c.seeds = "0,1"                    # trainer seeds (init, rollout keys, prompt order) per setting
-  c.window = 10                      # steps averaged for the first / last figures and p5 per bin
-  c.base = ""                        # a finished sweep.json whose other settings and runs this one
+  c.seeds = "0,1"  # trainer seeds (init, rollout keys, prompt order) per setting
+  c.window = 10  # steps averaged for the first / last figures and p5 per bin
+  c.base = ""  # a finished sweep.json whose other settings and runs this one
   #                                    keeps (a setting run here replaces its namesake), e.g. the
   #                                    shipped assets/pointer_chase_tiny/tau_sweep/sweep.json to
   #                                    re-run some settings only; "" = none
@@ -61,13 +62,15 @@ def get_config():
     del c.train[name]
   for name in ("sparse", "schedule"):
     del c.train.rollout[name]
-  c.train.rollout.page_score = "mean"  # `surface` is the mean-key centroids' (quest runs set theirs)
+  c.train.rollout.page_score = (
+    "mean"  # `surface` is the mean-key centroids' (quest runs set theirs)
+  )
 
   # Held-out score of each run's exported policy (<workdir>/hf): experiments/evaluate.py, dense,
   # on the run's task and max_new_tokens, written to <workdir>/eval.json.
   c.eval = ml_collections.ConfigDict()
-  c.eval.seed = 1234                 # held-out problems and sampling key (training used `seeds`)
-  c.eval.num_problems = 128          # held-out problems (the held-out figures in docs/ use 128 x 2)
-  c.eval.samples = 2                 # samples per problem
-  c.eval.batch_size = 64             # rows per generate call
+  c.eval.seed = 1234  # held-out problems and sampling key (training used `seeds`)
+  c.eval.num_problems = 128  # held-out problems (the held-out figures in docs/ use 128 x 2)
+  c.eval.samples = 2  # samples per problem
+  c.eval.batch_size = 64  # rows per generate call
   return c

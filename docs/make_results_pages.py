@@ -4,6 +4,7 @@ experiments, sparrow_jax/records.py), so no figure on a page is copied by hand.
   python docs/make_results_pages.py            # rewrite the pages
   python docs/make_results_pages.py --check    # exit 1 if a committed page differs (tests run it)
 """
+
 import glob
 import json
 import os
@@ -14,102 +15,138 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 
 
 def _provenance(record) -> str:
-  return (f"`{record['command']}`  \n"
-          f"commit `{record['commit'][:12]}`, {record['machine']}, {record['date']}")
+  return (
+    f"`{record['command']}`  \n"
+    f"commit `{record['commit'][:12]}`, {record['machine']}, {record['date']}"
+  )
 
 
 def engine_page(records) -> str:
   """docs/results/rollout_engine.md from the engine_long_tail_*.json records of bench_rollout (d)."""
-  lines = ["# Rollout engine vs static batch (measured)", "",
-           "Long-tail rollouts (`experiments/bench_rollout.py` part (d)): per-row lengths drawn from "
-           "a geometric law with mean half the cutoff, forced with per-row `max_new_tokens`, run on "
-           "the same rows and the same pool memory by the static batch (`EngineConfig(static=True)`:"
-           " every row's pages at full length, admission only into an empty batch; finished rows "
-           "stop costing) and by the engine (slots refilled between chunks, pages taken as rows "
-           "grow). Once few rows are left, both decode only their first `drain_slots` slots "
-           "(`EngineConfig.drain_slots`, the rows moved there). tok/s counts the tokens the rollout "
-           "keeps over wall time; occupancy = decoded tokens kept / (slots decoded x decode "
-           "steps).", ""]
+  lines = [
+    "# Rollout engine vs static batch (measured)",
+    "",
+    "Long-tail rollouts (`experiments/bench_rollout.py` part (d)): per-row lengths drawn from "
+    "a geometric law with mean half the cutoff, forced with per-row `max_new_tokens`, run on "
+    "the same rows and the same pool memory by the static batch (`EngineConfig(static=True)`:"
+    " every row's pages at full length, admission only into an empty batch; finished rows "
+    "stop costing) and by the engine (slots refilled between chunks, pages taken as rows "
+    "grow). Once few rows are left, both decode only their first `drain_slots` slots "
+    "(`EngineConfig.drain_slots`, the rows moved there). tok/s counts the tokens the rollout "
+    "keeps over wall time; occupancy = decoded tokens kept / (slots decoded x decode "
+    "steps).",
+    "",
+  ]
   for record in records:
     r = record["results"]
     c = r["config"]
-    lines += [f"## {r['model']} shape, cutoff {c['cutoff']}, {c['prompts']} x {c['group_size']} "
-              f"rows", "", _provenance(record), "",
-              f"Pool: {r['pool_pages']} pages of 16 tokens for every setting; "
-              f"{r['total_tokens']} tokens in all; drain_slots = {c['drain_share']} x slots.", "",
-              "| attention | setting | slots | tok/s | rows in flight | occupancy | preempted | "
-              "peak pages |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+      f"## {r['model']} shape, cutoff {c['cutoff']}, {c['prompts']} x {c['group_size']} rows",
+      "",
+      _provenance(record),
+      "",
+      f"Pool: {r['pool_pages']} pages of 16 tokens for every setting; "
+      f"{r['total_tokens']} tokens in all; drain_slots = {c['drain_share']} x slots.",
+      "",
+      "| attention | setting | slots | tok/s | rows in flight | occupancy | preempted | "
+      "peak pages |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
     for name, run in r["runs"].items():
       attention, setting = name.split("/")
-      lines.append(f"| {attention} | {setting} | {run['slots']} | {run['tokens_per_s']:.1f} | "
-                   f"{run['rows_in_flight']:.2f} | {run['occupancy']:.2f} | "
-                   f"{run['preemptions']} | {run['peak_pages']} |")
+      lines.append(
+        f"| {attention} | {setting} | {run['slots']} | {run['tokens_per_s']:.1f} | "
+        f"{run['rows_in_flight']:.2f} | {run['occupancy']:.2f} | "
+        f"{run['preemptions']} | {run['peak_pages']} |"
+      )
     lines += [""] + [f"- {name}: **{value:.2f}x**" for name, value in r["ratios"].items()] + [""]
   return "\n".join(lines)
 
 
 def tpu_compile_page(records) -> str:
   """docs/results/tpu_compile_check.md from experiments/tpu_compile_check.py's record."""
-  lines = ["# TPU decode kernel: compile-only checks (measured)", "",
-           "The paged decode kernel compiled by the real XLA:TPU / Mosaic compiler for compile-only "
-           "TPU devices on a CPU host (`jax.experimental.topologies`, libtpu installed; nothing "
-           "runs). Its page ids and logical ids are scalar-prefetch operands in SMEM (1 MiB): "
-           "`default` is the kernel's budget, which runs a batch as calls over row chunks; "
-           "`unlimited` is one call for the whole batch; `dispatch` is "
-           "`policy.paged_decode_attention(impl=\"auto\")` as the engine calls it.", ""]
+  lines = [
+    "# TPU decode kernel: compile-only checks (measured)",
+    "",
+    "The paged decode kernel compiled by the real XLA:TPU / Mosaic compiler for compile-only "
+    "TPU devices on a CPU host (`jax.experimental.topologies`, libtpu installed; nothing "
+    "runs). Its page ids and logical ids are scalar-prefetch operands in SMEM (1 MiB): "
+    "`default` is the kernel's budget, which runs a batch as calls over row chunks; "
+    "`unlimited` is one call for the whole batch; `dispatch` is "
+    "`policy.paged_decode_attention(impl=\"auto\")` as the engine calls it.",
+    "",
+  ]
   for record in records:
     c = record["results"]["config"]
-    lines += [_provenance(record), "",
-              f"{c['kv_heads']} KV heads x {c['group']} query heads of {c['head_dim']}, pages of "
-              f"{c['page_size']} tokens, {c['context']} tokens a row (dense: every page; sparse: "
-              f"{c['sparse_pages']} pages), bf16.", "",
-              "| topology | chip | rows | case | pages | SMEM budget | calls | result |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{c['kv_heads']} KV heads x {c['group']} query heads of {c['head_dim']}, pages of "
+      f"{c['page_size']} tokens, {c['context']} tokens a row (dense: every page; sparse: "
+      f"{c['sparse_pages']} pages), bf16.",
+      "",
+      "| topology | chip | rows | case | pages | SMEM budget | calls | result |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
     for r in record["results"]["calls"]:
       error = r["error"][:120].replace("|", "/")  # a table cell
       result = "compiles" if r["compiled"] else f"fails: `{error}`"
-      lines.append(f"| {r['topology']} | {r['device_kind']} | {r['batch']} | {r['case']} | "
-                   f"{r['pages']} | {r['smem_budget']} | {r['calls']} | {result} |")
+      lines.append(
+        f"| {r['topology']} | {r['device_kind']} | {r['batch']} | {r['case']} | "
+        f"{r['pages']} | {r['smem_budget']} | {r['calls']} | {result} |"
+      )
     lines.append("")
   return "\n".join(lines)
 
 
 def memory_page(records) -> str:
   """docs/results/memory_tpu.md from experiments/memory_report.py's records for a TPU target."""
-  lines = ["# Memory on TPU, from the TPU compiler (measured)", "",
-           "`experiments/memory_report.py` with `--config.target` set to a TPU topology lowers and "
-           "compiles the train step and the rollout for compile-only TPU devices on a CPU host "
-           "(libtpu's XLA:TPU compiler; nothing is allocated) and reads "
-           "`compiled.memory_analysis()`: per device, the arguments and the temporaries (all XLA "
-           "allocates besides arguments and outputs). train: the fused GRPO + TIS + DistillSparse "
-           "step, weights and Adam states sharded over fsdp. sampler: the engine's full batch, "
-           "each group's prompt prefilled into the pool (prefill temps) and the decode chunk (args "
-           "hold the pool, KV, and the weights gathered over fsdp, params).", ""]
+  lines = [
+    "# Memory on TPU, from the TPU compiler (measured)",
+    "",
+    "`experiments/memory_report.py` with `--config.target` set to a TPU topology lowers and "
+    "compiles the train step and the rollout for compile-only TPU devices on a CPU host "
+    "(libtpu's XLA:TPU compiler; nothing is allocated) and reads "
+    "`compiled.memory_analysis()`: per device, the arguments and the temporaries (all XLA "
+    "allocates besides arguments and outputs). train: the fused GRPO + TIS + DistillSparse "
+    "step, weights and Adam states sharded over fsdp. sampler: the engine's full batch, "
+    "each group's prompt prefilled into the pool (prefill temps) and the decode chunk (args "
+    "hold the pool, KV, and the weights gathered over fsdp, params).",
+    "",
+  ]
   for record in records:
     c = record["results"]["config"]
-    lines += [_provenance(record), "",
-              f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
-              f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
-              f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
-              f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
-              "per device.", "",
-              "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | "
-              "params |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+      _provenance(record),
+      "",
+      f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
+      f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
+      f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
+      f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
+      "per device.",
+      "",
+      "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params |",
+      "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, fig in record["results"].items():
       if key == "config":
         continue
       part, model, tokens = key.split("/")
       cell = lambda name: f"{fig[name]:.2f}" if name in fig else "-"
-      lines.append(f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
-                   f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
-                   f"{cell('kv_gb')} | {cell('params_gb')} |")
+      lines.append(
+        f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
+        f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
+        f"{cell('kv_gb')} | {cell('params_gb')} |"
+      )
     lines.append("")
   return "\n".join(lines)
 
 
-PAGES = {"rollout_engine.md": ("engine_long_tail_*.json", engine_page),
-         "memory_tpu.md": ("memory_tpu_*.json", memory_page),
-         "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page)}
+PAGES = {
+  "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
+  "memory_tpu.md": ("memory_tpu_*.json", memory_page),
+  "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
+}
 
 
 def pages() -> dict:

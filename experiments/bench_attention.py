@@ -31,6 +31,7 @@ Why a loop: a decode loop reuses its buffers, while a lone jitted call allocates
 temporaries afresh, and on this VM first-touching fresh memory costs ~1.5 us per 4 KiB page, which
 would dominate the sparse step (--config.steps=1 shows that single-call regime).
 """
+
 import os
 import statistics
 import time
@@ -62,8 +63,9 @@ def _times_ms(calls, runs):
 
 def _loops(steps, n_selected, impl):
   def dense(q, k, v, lengths):
-    body = lambda i, q: policy.dense_decode_attention(q, k, v, lengths, page_size=PAGE_SIZE,
-                                                      impl=impl)
+    body = lambda i, q: policy.dense_decode_attention(
+      q, k, v, lengths, page_size=PAGE_SIZE, impl=impl
+    )
     return jax.lax.fori_loop(0, steps, body, q)
 
   def whole_cache(q, k, v, lengths):
@@ -73,7 +75,8 @@ def _loops(steps, n_selected, impl):
   def sparse(q, k, v, page_idx, n_valid, lengths):
     P = k.shape[2] // PAGE_SIZE
     body = lambda i, q: policy.decode_attention(
-        q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE, impl=impl)
+      q, k, v, (page_idx + i) % P, n_valid, lengths, page_size=PAGE_SIZE, impl=impl
+    )
     return jax.lax.fori_loop(0, steps, body, q)
 
   def sparse_select(q, k, v, summaries, lengths):
@@ -82,8 +85,10 @@ def _loops(steps, n_selected, impl):
 
     def body(i, q):
       page_idx, n_valid = select.decode_pages(q, summaries, lengths, budget, config, n_selected)
-      return policy.decode_attention(q, k, v, page_idx, n_valid, lengths, page_size=PAGE_SIZE,
-                                     impl=impl)
+      return policy.decode_attention(
+        q, k, v, page_idx, n_valid, lengths, page_size=PAGE_SIZE, impl=impl
+      )
+
     return jax.lax.fori_loop(0, steps, body, q)
 
   return jax.jit(dense), jax.jit(whole_cache), jax.jit(sparse), jax.jit(sparse_select)
@@ -97,8 +102,10 @@ def _inputs(batch, context, n_selected, dtype, cache_tokens=None, seed=0):
   v = jax.random.normal(kv, shape, dtype)
   P = context // PAGE_SIZE
   rng = np.random.default_rng(seed)
-  rows = [np.concatenate([[0, P - 2, P - 1], 1 + rng.permutation(P - 3)[:n_selected - 3]])
-          for _ in range(batch * KV_HEADS)]
+  rows = [
+    np.concatenate([[0, P - 2, P - 1], 1 + rng.permutation(P - 3)[: n_selected - 3]])
+    for _ in range(batch * KV_HEADS)
+  ]
   page_idx = jnp.asarray(np.stack(rows).reshape(batch, KV_HEADS, n_selected), jnp.int32)
   n_valid = jnp.full((batch, KV_HEADS), n_selected, jnp.int32)
   lengths = jnp.full((batch,), context, jnp.int32)
@@ -112,19 +119,26 @@ def measure(config, context):
   dense, whole_cache, sparse, sparse_select = _loops(config.steps, n_selected, config.impl)
   dtype = jnp.dtype(config.dtype)
   cache_tokens = config.cache_tokens or max(config.contexts)
-  q, k, v, page_idx, n_valid, lengths = _inputs(config.batch, context, n_selected, dtype,
-                                                cache_tokens)
+  q, k, v, page_idx, n_valid, lengths = _inputs(
+    config.batch, context, n_selected, dtype, cache_tokens
+  )
   kv_bytes = 2 * config.batch * KV_HEADS * HEAD_DIM * dtype.itemsize  # K + V of one token
-  calls = {"dense": ((dense, (q, k, v, lengths)), context * kv_bytes),
-           "whole cache": ((whole_cache, (q, k, v, lengths)), cache_tokens * kv_bytes),
-           "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes)}
+  calls = {
+    "dense": ((dense, (q, k, v, lengths)), context * kv_bytes),
+    "whole cache": ((whole_cache, (q, k, v, lengths)), cache_tokens * kv_bytes),
+    "sparse": ((sparse, (q, k, v, page_idx, n_valid, lengths)), config.budget * kv_bytes),
+  }
   if config.select:
     summaries = paged_cache.page_summaries(k[:, :, :context], PAGE_SIZE, "mean")
-    calls["sparse+select"] = ((sparse_select, (q, k, v, summaries, lengths)),
-                              config.budget * kv_bytes + summaries.nbytes)
+    calls["sparse+select"] = (
+      (sparse_select, (q, k, v, summaries, lengths)),
+      config.budget * kv_bytes + summaries.nbytes,
+    )
   times = _times_ms([call for call, _ in calls.values()], config.runs)
-  return {name: (med / config.steps, low / config.steps, nbytes)
-          for (name, (_, nbytes)), (med, low) in zip(calls.items(), times)}
+  return {
+    name: (med / config.steps, low / config.steps, nbytes)
+    for (name, (_, nbytes)), (med, low) in zip(calls.items(), times)
+  }
 
 
 def check_config(config) -> None:
@@ -136,16 +150,23 @@ def check_config(config) -> None:
   if config.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"dtype must be float32 or bfloat16, got {config.dtype!r}")
   if config.budget % PAGE_SIZE or config.budget < 3 * PAGE_SIZE:
-    raise ValueError(f"budget must be a multiple of {PAGE_SIZE} of at least 3 pages (the first "
-                     f"and last two are always selected), got {config.budget}")
+    raise ValueError(
+      f"budget must be a multiple of {PAGE_SIZE} of at least 3 pages (the first "
+      f"and last two are always selected), got {config.budget}"
+    )
   bad = [c for c in config.contexts if c % PAGE_SIZE or c < config.budget]
   if bad:
-    raise ValueError(f"contexts must be multiples of {PAGE_SIZE} of at least budget="
-                     f"{config.budget} tokens, got {bad}")
-  if config.cache_tokens and (config.cache_tokens % PAGE_SIZE
-                              or config.cache_tokens < max(config.contexts)):
-    raise ValueError(f"cache_tokens must be 0 or a multiple of {PAGE_SIZE} holding every context "
-                     f"(>= {max(config.contexts)}), got {config.cache_tokens}")
+    raise ValueError(
+      f"contexts must be multiples of {PAGE_SIZE} of at least budget="
+      f"{config.budget} tokens, got {bad}"
+    )
+  if config.cache_tokens and (
+    config.cache_tokens % PAGE_SIZE or config.cache_tokens < max(config.contexts)
+  ):
+    raise ValueError(
+      f"cache_tokens must be 0 or a multiple of {PAGE_SIZE} holding every context "
+      f"(>= {max(config.contexts)}), got {config.cache_tokens}"
+    )
 
 
 def main(argv):
@@ -153,22 +174,30 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   check_config(config)
-  print(f"{jax.default_backend()} x{os.cpu_count()} cores, impl {config.impl}, {config.dtype}, "
-        f"batch {config.batch}, cache {config.cache_tokens or max(config.contexts)} tokens, "
-        f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
-        f"{HEAD_DIM}, budget {config.budget} tokens ({config.budget // PAGE_SIZE} pages of "
-        f"{PAGE_SIZE}); ms per decode step (median of {config.runs} calls of {config.steps} "
-        f"steps), GB/s read; 1-min load average at start {os.getloadavg()[0]:.1f}")
-  print(f"{'context':>8} {'dense':>9} {'GB/s':>7} {'whole cache':>12} {'sparse':>9} {'GB/s':>7} "
-        f"{'ratio':>7} {'min ratio':>10} {'old ratio':>10} {'sparse+select':>14} {'ratio':>7}")
+  print(
+    f"{jax.default_backend()} x{os.cpu_count()} cores, impl {config.impl}, {config.dtype}, "
+    f"batch {config.batch}, cache {config.cache_tokens or max(config.contexts)} tokens, "
+    f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
+    f"{HEAD_DIM}, budget {config.budget} tokens ({config.budget // PAGE_SIZE} pages of "
+    f"{PAGE_SIZE}); ms per decode step (median of {config.runs} calls of {config.steps} "
+    f"steps), GB/s read; 1-min load average at start {os.getloadavg()[0]:.1f}"
+  )
+  print(
+    f"{'context':>8} {'dense':>9} {'GB/s':>7} {'whole cache':>12} {'sparse':>9} {'GB/s':>7} "
+    f"{'ratio':>7} {'min ratio':>10} {'old ratio':>10} {'sparse+select':>14} {'ratio':>7}"
+  )
   for context in config.contexts:
     cells = measure(config, context)
     (dense_ms, dense_min, dense_b), (sparse_ms, sparse_min, sparse_b) = (
-        cells["dense"], cells["sparse"])
+      cells["dense"],
+      cells["sparse"],
+    )
     whole_ms = cells["whole cache"][0]
-    row = (f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {whole_ms:>12.3f} "
-           f"{sparse_ms:>9.3f} {sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
-           f"{dense_min / sparse_min:>9.1f}x {whole_ms / sparse_ms:>9.1f}x")
+    row = (
+      f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {whole_ms:>12.3f} "
+      f"{sparse_ms:>9.3f} {sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
+      f"{dense_min / sparse_min:>9.1f}x {whole_ms / sparse_ms:>9.1f}x"
+    )
     if "sparse+select" in cells:
       select_ms = cells["sparse+select"][0]
       row += f" {select_ms:>14.3f} {dense_ms / select_ms:>6.1f}x"

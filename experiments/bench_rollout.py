@@ -48,6 +48,7 @@ not a project dependency and lives in a separate venv (google-tunix 0.1.7 instal
 jax 0.10.2 and runs offline on CPU), named by `tunix.python`; (c) then reruns this script under
 that interpreter. Without it (c) prints how to make that venv.
 """
+
 import dataclasses
 import functools
 import os
@@ -91,6 +92,7 @@ def _median_s(calls, runs):
 
 # ----------------------------------------------------------------------------------- (b) decode only
 
+
 def model_config(layers: int, vocab_size: int) -> sj.Qwen3Config:
   base = sj.Qwen3Config.preset("qwen3-1.7b")
   vocab = vocab_size or round(base.vocab_size * layers / FULL_LAYERS)
@@ -121,8 +123,11 @@ def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
   return tuple(caches)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sparse", "max_selected", "steps", "context"),
-                   donate_argnames=("caches",))
+@functools.partial(
+  jax.jit,
+  static_argnames=("cfg", "sparse", "max_selected", "steps", "context"),
+  donate_argnames=("caches",),
+)
 def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, steps, context):
   """`steps` greedy decode steps from caches rewound to `context` tokens, dense (sparse=None) or
   with the sampler's sparse policy, as the sampler runs them (weights split by layer before the
@@ -132,8 +137,11 @@ def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, s
   caches = tuple(c.replace(lengths=jnp.full_like(c.lengths, context)) for c in caches)
   params, _ = qwen3.unstack_layers(params)
 
-  attention_fn = (policy.decode_attention_fn(sparse, budget, max_selected) if sparse is not None
-                  else policy.dense_decode_fn())
+  attention_fn = (
+    policy.decode_attention_fn(sparse, budget, max_selected)
+    if sparse is not None
+    else policy.dense_decode_fn()
+  )
 
   def body(i, carry):
     token_B, caches = carry
@@ -151,8 +159,9 @@ def bench_decode(config):
   if bad:
     raise ValueError(f"decode.contexts must be positive multiples of the page size 16, got {bad}")
   if not all(0 <= d <= c.layers for d in c.dense_layers):
-    raise ValueError(f"decode.dense_layers must lie in [0, decode.layers={c.layers}], got "
-                     f"{c.dense_layers}")
+    raise ValueError(
+      f"decode.dense_layers must lie in [0, decode.layers={c.layers}], got {c.dense_layers}"
+    )
   dtype = jnp.dtype(c.dtype)
   cfg = model_config(c.layers, c.vocab_size)
   schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
@@ -162,15 +171,21 @@ def bench_decode(config):
   hw = cost_model.measure_this_machine()
   hw = dataclasses.replace(hw, dtype_bytes=dtype.itemsize)
 
-  print(f"(b) decode only, {jax.default_backend()} x{os.cpu_count()} cores, {c.dtype}: Qwen3-1.7B "
-        f"shapes truncated to {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size} (shrunk from "
-        f"151936; attention cost unchanged), {n_params / 1e6:.0f}M params, random weights; batch "
-        f"{config.batch}; sparse = paper tau-0.86 Qwen3-1.7B table, page 16, the first `dense "
-        f"layers` dense; tok/s = batch x steps / median of {config.runs} calls of {c.steps} steps")
-  print(f"    this machine: {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s "
-        f"(I = {hw.intensity:.1f} FLOP/byte), KV {hw.dtype_bytes} bytes/element")
-  print(f"{'context':>8} {'budget':>7} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
-        f"{'ratio':>7} {'cost model':>11} {'+weights':>9}")
+  print(
+    f"(b) decode only, {jax.default_backend()} x{os.cpu_count()} cores, {c.dtype}: Qwen3-1.7B "
+    f"shapes truncated to {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size} (shrunk from "
+    f"151936; attention cost unchanged), {n_params / 1e6:.0f}M params, random weights; batch "
+    f"{config.batch}; sparse = paper tau-0.86 Qwen3-1.7B table, page 16, the first `dense "
+    f"layers` dense; tok/s = batch x steps / median of {config.runs} calls of {c.steps} steps"
+  )
+  print(
+    f"    this machine: {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s "
+    f"(I = {hw.intensity:.1f} FLOP/byte), KV {hw.dtype_bytes} bytes/element"
+  )
+  print(
+    f"{'context':>8} {'budget':>7} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
+    f"{'ratio':>7} {'cost model':>11} {'+weights':>9}"
+  )
   for context in c.contexts:
     caches = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
     budget_np = sampler.budget_table(schedule, caches[0].max_len, sparse_configs[0])
@@ -183,9 +198,18 @@ def bench_decode(config):
     def call(sparse):
       def run():
         token, state["caches"] = decode_loop(
-            params, token_B, state["caches"], budget, cfg=cfg, sparse=sparse,
-            max_selected=max_selected, steps=c.steps, context=context)
+          params,
+          token_B,
+          state["caches"],
+          budget,
+          cfg=cfg,
+          sparse=sparse,
+          max_selected=max_selected,
+          steps=c.steps,
+          context=context,
+        )
         jax.block_until_ready(token)
+
       return run
 
     dense_s, *sparse_s = _median_s([call(None)] + [call(sp) for sp in sparse_configs], config.runs)
@@ -196,18 +220,30 @@ def bench_decode(config):
     budget_tokens = int(budget_np[context + 1]) * 16
     for d, seconds in zip(c.dense_layers, sparse_s):
       sparse_tps = config.batch * c.steps / seconds
-      predicted = cost_model.rollout_speedup(cfg, schedule, context, c.steps, n_samples=1,
-                                             hardware=hw, dense_layers=d)
+      predicted = cost_model.rollout_speedup(
+        cfg, schedule, context, c.steps, n_samples=1, hardware=hw, dense_layers=d
+      )
       sparse1 = dense1 / predicted
       with_weights = (config.batch * dense1 + weights) / (config.batch * sparse1 + weights)
-      print(f"{context:>8} {budget_tokens:>7} {d:>12} {dense_tps:>12.2f} {sparse_tps:>13.2f} "
-            f"{sparse_tps / dense_tps:>6.2f}x {predicted:>10.2f}x {with_weights:>8.2f}x", flush=True)
+      print(
+        f"{context:>8} {budget_tokens:>7} {d:>12} {dense_tps:>12.2f} {sparse_tps:>13.2f} "
+        f"{sparse_tps / dense_tps:>6.2f}x {predicted:>10.2f}x {with_weights:>8.2f}x",
+        flush=True,
+      )
 
 
 # --------------------------------------------------------------- (c) our dense sampler vs tunix's
 
-TINY = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+TINY = dict(
+  vocab_size=8192,
+  hidden_size=512,
+  intermediate_size=1536,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=64,
+  tie_word_embeddings=True,
+)
 
 
 class _IdTokenizer:
@@ -239,9 +275,17 @@ def _tunix_model(cfg, params, nnx, tunix_qwen3):
   D, E = cfg.hidden_size, cfg.head_dim
   H, K = cfg.num_attention_heads, cfg.num_key_value_heads
   config = tunix_qwen3.ModelConfig(
-      num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=D,
-      hidden_dim=cfg.intermediate_size, num_heads=H, head_dim=E, num_kv_heads=K,
-      rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_norm_eps, use_tied_embedding=True)
+    num_layers=cfg.num_hidden_layers,
+    vocab_size=cfg.vocab_size,
+    embed_dim=D,
+    hidden_dim=cfg.intermediate_size,
+    num_heads=H,
+    head_dim=E,
+    num_kv_heads=K,
+    rope_theta=int(cfg.rope_theta),
+    norm_eps=cfg.rms_norm_eps,
+    use_tied_embedding=True,
+  )
   model = tunix_qwen3.Qwen3(config, rngs=nnx.Rngs(0))
   model.embedder.input_embedding.value = params["embed"]
   model.final_norm.w.value = params["final_norm"]
@@ -279,19 +323,29 @@ def bench_tunix(config):
   if config.tunix.python:
     # tunix lives in its own venv: rerun this script there with the same config, (c) only.
     sys.stdout.flush()
-    subprocess.run([config.tunix.python, os.path.abspath(__file__), *sys.argv[1:],
-                    "--config.parts=c", "--config.tunix.python="], check=True)
+    subprocess.run(
+      [
+        config.tunix.python,
+        os.path.abspath(__file__),
+        *sys.argv[1:],
+        "--config.parts=c",
+        "--config.tunix.python=",
+      ],
+      check=True,
+    )
     return
   try:
     from flax import nnx
     from tunix.generate import sampler as tunix_sampler
     from tunix.models.qwen3 import model as tunix_qwen3
   except ImportError as e:
-    print(f"(c) skipped: google-tunix is not importable in this Python ({sys.executable}): {e}. "
-          "It is not a project dependency; make a venv for it (python3 -m venv VENV && "
-          "VENV/bin/pip install google-tunix jax==0.10.2 flax safetensors tokenizers "
-          "ml_collections && VENV/bin/pip install --no-deps -e .) and set "
-          "--config.tunix.python=VENV/bin/python.")
+    print(
+      f"(c) skipped: google-tunix is not importable in this Python ({sys.executable}): {e}. "
+      "It is not a project dependency; make a venv for it (python3 -m venv VENV && "
+      "VENV/bin/pip install google-tunix jax==0.10.2 flax safetensors tokenizers "
+      "ml_collections && VENV/bin/pip install --no-deps -e .) and set "
+      "--config.tunix.python=VENV/bin/python."
+    )
     return
   if len(config.tunix.gen) != 2 or not 0 < config.tunix.gen[0] < config.tunix.gen[1]:
     raise ValueError(f"tunix.gen must be two lengths 0 < short < long, got {config.tunix.gen}")
@@ -305,49 +359,82 @@ def bench_tunix(config):
   texts = [" ".join(map(str, row)) for row in prompt_BT]
   tokenizer = _IdTokenizer(pad=0, eos=cfg.vocab_size)
   # Each sampler's cache holds exactly prompt + generation, as ours does (both read all of it).
-  samplers = {n: tunix_sampler.Sampler(model, tokenizer, tunix_sampler.CacheConfig(
-      cache_size=P + n, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-      head_dim=cfg.head_dim)) for n in (short, long)}
+  samplers = {
+    n: tunix_sampler.Sampler(
+      model,
+      tokenizer,
+      tunix_sampler.CacheConfig(
+        cache_size=P + n,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+      ),
+    )
+    for n in (short, long)
+  }
   outputs = {}
 
   def ours(n):
     def run():
-      outputs["ours", n] = np.asarray(sj.generate(
-          params, cfg, prompt_BT, prompt_len_B, jax.random.PRNGKey(0), max_new_tokens=n,
-          temperature=0.0).tokens)
+      outputs["ours", n] = np.asarray(
+        sj.generate(
+          params,
+          cfg,
+          prompt_BT,
+          prompt_len_B,
+          jax.random.PRNGKey(0),
+          max_new_tokens=n,
+          temperature=0.0,
+        ).tokens
+      )
+
     return run
 
   def theirs(n):
     def run():
-      out = samplers[n](texts, max_generation_steps=n, max_prompt_length=P, temperature=0.0,
-                        eos_tokens=[tokenizer.eos])
+      out = samplers[n](
+        texts,
+        max_generation_steps=n,
+        max_prompt_length=P,
+        temperature=0.0,
+        eos_tokens=[tokenizer.eos],
+      )
       outputs["tunix", n] = np.stack([np.asarray(t) for t in out.tokens])
+
     return run
 
   ours_s, ours_l, tunix_s, tunix_l = _median_s(
-      [ours(short), ours(long), theirs(short), theirs(long)], config.runs)
+    [ours(short), ours(long), theirs(short), theirs(long)], config.runs
+  )
   ours_tps = B * (long - short) / (ours_l - ours_s)
   tunix_tps = B * (long - short) / (tunix_l - tunix_s)
   a, b = outputs["ours", long], outputs["tunix", long]
-  same = int(np.sum(a[:, :b.shape[1]] == b)) if a.shape[0] == b.shape[0] else 0
-  print(f"(c) dense decode, tiny Qwen3 ({cfg.num_hidden_layers} layers, width "
-        f"{cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab "
-        f"{cfg.vocab_size}, float32, random weights shared by both), batch {B}, prompt {P}, greedy; "
-        f"decode tok/s = batch x ({long} - {short}) / (time({long}) - time({short})), medians of "
-        f"{config.runs} calls (prefill and per-call overheads cancel)")
+  same = int(np.sum(a[:, : b.shape[1]] == b)) if a.shape[0] == b.shape[0] else 0
+  print(
+    f"(c) dense decode, tiny Qwen3 ({cfg.num_hidden_layers} layers, width "
+    f"{cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab "
+    f"{cfg.vocab_size}, float32, random weights shared by both), batch {B}, prompt {P}, greedy; "
+    f"decode tok/s = batch x ({long} - {short}) / (time({long}) - time({short})), medians of "
+    f"{config.runs} calls (prefill and per-call overheads cancel)"
+  )
   print(f"{'sampler':>28} {f'{short} tok s':>9} {f'{long} tok s':>9} {'decode tok/s':>13}")
   print(f"{'sparrow_jax sj.generate':>28} {ours_s:>9.3f} {ours_l:>9.3f} {ours_tps:>13.1f}")
   print(f"{'tunix generate.Sampler':>28} {tunix_s:>9.3f} {tunix_l:>9.3f} {tunix_tps:>13.1f}")
   read_ms = weight_read_ms(params, config.runs)
   n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  print(f"    roofline: reading the {n_bytes / 1e6:.1f} MB of weights once takes {read_ms:.2f} ms "
-        f"(measured); a decode step takes {1e3 * B / ours_tps:.2f} ms here "
-        f"({B * 1e3 / ours_tps / read_ms:.2f}x the read), {1e3 * B / tunix_tps:.2f} ms in tunix")
-  print(f"    ours / tunix: {ours_tps / tunix_tps:.2f}x; same greedy tokens: {same}/{b.size} "
-        f"(tunix returned {b.shape[1]} tokens per row, ours {a.shape[1]})")
+  print(
+    f"    roofline: reading the {n_bytes / 1e6:.1f} MB of weights once takes {read_ms:.2f} ms "
+    f"(measured); a decode step takes {1e3 * B / ours_tps:.2f} ms here "
+    f"({B * 1e3 / ours_tps / read_ms:.2f}x the read), {1e3 * B / tunix_tps:.2f} ms in tunix"
+  )
+  print(
+    f"    ours / tunix: {ours_tps / tunix_tps:.2f}x; same greedy tokens: {same}/{b.size} "
+    f"(tunix returned {b.shape[1]} tokens per row, ours {a.shape[1]})"
+  )
 
 
 # ------------------------------------------------- (d) long-tail rollouts: engine vs static batch
+
 
 def engine_model(c) -> sj.Qwen3Config:
   """The bench's model: "default" is the shipped tiny default's shape (configs/common.py's hf_dir),
@@ -383,36 +470,59 @@ def bench_engine(config):
   sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
   row_pages = -(-(c.prompt + c.cutoff) // 16)
   # the pool: pool_gb of pages, or (0) the static batch's memory, static_slots rows at full length
-  pool = (engine.pages_for_bytes(cfg, c.pool_gb * 1e9, 16, dtype, sparse.page_score)
-          if c.pool_gb else c.static_slots * row_pages + 1)
+  pool = (
+    engine.pages_for_bytes(cfg, c.pool_gb * 1e9, 16, dtype, sparse.page_score)
+    if c.pool_gb
+    else c.static_slots * row_pages + 1
+  )
   drain = lambda slots: int(slots * c.drain_share)
-  settings = {"static": engine.EngineConfig(num_slots=c.static_slots, num_pages=pool,
-                                            chunk_steps=c.chunk_steps, static=True,
-                                            drain_slots=drain(c.static_slots)),
-              "engine": engine.EngineConfig(num_slots=c.slots, num_pages=pool,
-                                            chunk_steps=c.chunk_steps,
-                                            drain_slots=drain(c.slots))}
+  settings = {
+    "static": engine.EngineConfig(
+      num_slots=c.static_slots,
+      num_pages=pool,
+      chunk_steps=c.chunk_steps,
+      static=True,
+      drain_slots=drain(c.static_slots),
+    ),
+    "engine": engine.EngineConfig(
+      num_slots=c.slots, num_pages=pool, chunk_steps=c.chunk_steps, drain_slots=drain(c.slots)
+    ),
+  }
   if set(c.settings) - set(settings):
     raise ValueError(f"engine.settings takes {tuple(settings)}, got {c.settings}")
   schedule = KVSchedule.paper("qwen3-1.7b", c.tau)
-  print(f"(d) long-tail rollouts, {jax.default_backend()} ({jax.devices()[0].device_kind}): "
-        f"{c.model} shape ({cfg.num_hidden_layers} layers, width {cfg.hidden_size}, vocab "
-        f"{cfg.vocab_size}, {c.dtype}, random weights), {c.prompts} prompts x {c.group_size} rows, "
-        f"prompt {c.prompt}, lengths geometric mean {c.cutoff // 2} capped at {c.cutoff} (total "
-        f"{lengths.sum()}, longest {lengths.max()}); pool {pool} pages of 16 = {pool * 16} tokens "
-        f"for every setting; sparse: paper tau-{c.tau} Qwen3-1.7B table, {c.dense_layers} dense "
-        f"layers", flush=True)
-  print(f"{'attention':>9} {'setting':>8} {'slots':>5} {'tok/s':>9} {'rows in flight':>14} "
-        f"{'occupancy':>9} {'preempted':>9} {'peak pages':>10} {'seconds':>8}")
-  results = dict(model=c.model, config=c.to_dict(), pool_pages=pool,
-                 total_tokens=int(lengths.sum()), runs={})
+  print(
+    f"(d) long-tail rollouts, {jax.default_backend()} ({jax.devices()[0].device_kind}): "
+    f"{c.model} shape ({cfg.num_hidden_layers} layers, width {cfg.hidden_size}, vocab "
+    f"{cfg.vocab_size}, {c.dtype}, random weights), {c.prompts} prompts x {c.group_size} rows, "
+    f"prompt {c.prompt}, lengths geometric mean {c.cutoff // 2} capped at {c.cutoff} (total "
+    f"{lengths.sum()}, longest {lengths.max()}); pool {pool} pages of 16 = {pool * 16} tokens "
+    f"for every setting; sparse: paper tau-{c.tau} Qwen3-1.7B table, {c.dense_layers} dense "
+    f"layers",
+    flush=True,
+  )
+  print(
+    f"{'attention':>9} {'setting':>8} {'slots':>5} {'tok/s':>9} {'rows in flight':>14} "
+    f"{'occupancy':>9} {'preempted':>9} {'peak pages':>10} {'seconds':>8}"
+  )
+  results = dict(
+    model=c.model, config=c.to_dict(), pool_pages=pool, total_tokens=int(lengths.sum()), runs={}
+  )
   for attention in ("dense", "sparse"):
     kw = dict(sparse=sparse, schedule=schedule) if attention == "sparse" else {}
     for name in c.settings:
       setting = settings[name]
       run = lambda max_new: engine.run(
-          params, cfg, prompt_BT, prompt_len_B, jax.random.PRNGKey(1), max_new_tokens=max_new,
-          engine=setting, group_size=c.group_size, **kw)
+        params,
+        cfg,
+        prompt_BT,
+        prompt_len_B,
+        jax.random.PRNGKey(1),
+        max_new_tokens=max_new,
+        engine=setting,
+        group_size=c.group_size,
+        **kw,
+      )
       # warm-up: the same compiled shapes (the cutoff sets the page tables' width), little decoding
       run(np.where(np.arange(rows) == 0, c.cutoff, 1))
       start = time.perf_counter()
@@ -422,18 +532,29 @@ def bench_engine(config):
         raise RuntimeError(f"{attention} {name}: rows did not run to their forced lengths")
       tok_s = int(lengths.sum()) / seconds
       results["runs"][f"{attention}/{name}"] = dict(
-          tokens_per_s=tok_s, rows_in_flight=stats.rows_in_flight, occupancy=stats.occupancy,
-          preemptions=stats.preemptions, peak_pages=stats.peak_pages, seconds=seconds,
-          slots=setting.num_slots, decode_steps=stats.decode_steps)
-      print(f"{attention:>9} {name:>8} {setting.num_slots:>5} {tok_s:>9.1f} "
-            f"{stats.rows_in_flight:>14.2f} {stats.occupancy:>9.2f} {stats.preemptions:>9} "
-            f"{stats.peak_pages:>10} {seconds:>8.1f}", flush=True)
+        tokens_per_s=tok_s,
+        rows_in_flight=stats.rows_in_flight,
+        occupancy=stats.occupancy,
+        preemptions=stats.preemptions,
+        peak_pages=stats.peak_pages,
+        seconds=seconds,
+        slots=setting.num_slots,
+        decode_steps=stats.decode_steps,
+      )
+      print(
+        f"{attention:>9} {name:>8} {setting.num_slots:>5} {tok_s:>9.1f} "
+        f"{stats.rows_in_flight:>14.2f} {stats.occupancy:>9.2f} {stats.preemptions:>9} "
+        f"{stats.peak_pages:>10} {seconds:>8.1f}",
+        flush=True,
+      )
   r, results["ratios"] = results["runs"], {}
-  pairs = [("engine/static dense", "dense/engine", "dense/static", "tokens_per_s"),
-           ("engine/static sparse", "sparse/engine", "sparse/static", "tokens_per_s"),
-           ("rows in flight engine/static", "dense/engine", "dense/static", "rows_in_flight"),
-           ("sparse/dense static", "sparse/static", "dense/static", "tokens_per_s"),
-           ("sparse/dense engine", "sparse/engine", "dense/engine", "tokens_per_s")]
+  pairs = [
+    ("engine/static dense", "dense/engine", "dense/static", "tokens_per_s"),
+    ("engine/static sparse", "sparse/engine", "sparse/static", "tokens_per_s"),
+    ("rows in flight engine/static", "dense/engine", "dense/static", "rows_in_flight"),
+    ("sparse/dense static", "sparse/static", "dense/static", "tokens_per_s"),
+    ("sparse/dense engine", "sparse/engine", "dense/engine", "tokens_per_s"),
+  ]
   for name, a, b, key in pairs:
     if a in r and b in r:
       results["ratios"][name] = r[a][key] / r[b][key]

@@ -10,6 +10,7 @@ alpha (what the paper's tau was measured with); config.on_policy samples each ca
 under its own schedule instead of one set under the largest. A config.model.preset model is randomly
 initialised (std config.model.init_std): a smoke run of the pipeline, not a meaningful schedule.
 """
+
 import json
 import os
 import time
@@ -34,8 +35,10 @@ def read_prompts(path, num_prompts):
       item = json.loads(line)
       ids = item.get("prompt_ids") if isinstance(item, dict) else item
       if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{path} row {row}: expected a non-empty JSON list of token ids or "
-                         f'{{"prompt_ids": [...]}}, got {line.strip()[:80]}')
+        raise ValueError(
+          f"{path} row {row}: expected a non-empty JSON list of token ids or "
+          f'{{"prompt_ids": [...]}}, got {line.strip()[:80]}'
+        )
       prompts.append(ids)
       if len(prompts) == num_prompts:
         break
@@ -68,8 +71,10 @@ def parse_ints(text, field):
 def load_model(m, seed):
   """(cfg, params, eos_ids, pad_id) of config.model: an HF dir, or a preset initialised at random."""
   if bool(m.hf_dir) == bool(m.preset):
-    raise ValueError(f"set exactly one of config.model.hf_dir / config.model.preset; got "
-                     f"{m.hf_dir!r} / {m.preset!r}")
+    raise ValueError(
+      f"set exactly one of config.model.hf_dir / config.model.preset; got "
+      f"{m.hf_dir!r} / {m.preset!r}"
+    )
   dtype = jnp.dtype(m.dtype)
   if m.hf_dir:
     cfg, params = sj.load_hf(m.hf_dir, dtype=dtype)
@@ -95,20 +100,42 @@ def calibrate(c):
   cfg, params, eos_ids, pad_id = load_model(c.model, c.seed)
   prompts, eos_ids, pad_id = load_prompts(c, parse_ints(c.eos_ids, "eos_ids") or eos_ids, pad_id)
   r, s = c.rollout, c.stats
-  sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                           attention_impl=r.attention_impl, page_score=r.page_score)
-  print(f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
-        f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, "
-        f"p{s.quantile:g} >= tau {s.tau} "
-        f"({s.alpha} alpha, {'on' if c.on_policy else 'off'}-policy), bins of "
-        f"{s.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores", flush=True)
+  sparse = sj.SparseConfig(
+    page_size=r.page_size,
+    dense_layers=r.dense_layers,
+    attention_impl=r.attention_impl,
+    page_score=r.page_score,
+  )
+  print(
+    f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
+    f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, "
+    f"p{s.quantile:g} >= tau {s.tau} "
+    f"({s.alpha} alpha, {'on' if c.on_policy else 'off'}-policy), bins of "
+    f"{s.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores",
+    flush=True,
+  )
   result = cal.calibrate(
-      params, cfg, prompts, jax.random.PRNGKey(c.seed + 1), max_new_tokens=r.max_new_tokens,
-      tau=s.tau, candidates=parse_ints(c.candidates, "candidates") or None, repeats=c.repeats,
-      bin_size=s.bin_size, sparse=sparse, sample_sparse=r.sparse,
-      sample_topk=r.sample_topk or None, temperature=r.temperature, eos_ids=eos_ids,
-      pad_id=pad_id, batch_size=c.batch_size, candidates_per_pass=c.candidates_per_pass,
-      alpha=s.alpha, on_policy=c.on_policy, quantile=s.quantile)
+    params,
+    cfg,
+    prompts,
+    jax.random.PRNGKey(c.seed + 1),
+    max_new_tokens=r.max_new_tokens,
+    tau=s.tau,
+    candidates=parse_ints(c.candidates, "candidates") or None,
+    repeats=c.repeats,
+    bin_size=s.bin_size,
+    sparse=sparse,
+    sample_sparse=r.sparse,
+    sample_topk=r.sample_topk or None,
+    temperature=r.temperature,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+    batch_size=c.batch_size,
+    candidates_per_pass=c.candidates_per_pass,
+    alpha=s.alpha,
+    on_policy=c.on_policy,
+    quantile=s.quantile,
+  )
 
   os.makedirs(c.out_dir, exist_ok=True)
   with open(os.path.join(c.out_dir, "schedule.json"), "w") as f:
@@ -118,12 +145,18 @@ def calibrate(c):
     f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in items) + "\n}\n")
   cal.plot_calibration(os.path.join(c.out_dir, "calibration.png"), result)
   print(f"[calibrate] candidates (top-k pages): {list(result.candidates)}")
-  print(f"[calibrate] tokens per bin: {result.count.max(0).tolist()}"
-        f"{' (most over candidates)' if result.on_policy else ''}")
-  print(f"[calibrate] chosen top-k per bin: {list(result.schedule.values)} "
-        f"(+{result.schedule.always_kept} always kept)")
-  print(f"[calibrate] wrote schedule.json, surface.json, calibration.png to {c.out_dir} "
-        f"({time.time() - t0:.0f}s)")
+  print(
+    f"[calibrate] tokens per bin: {result.count.max(0).tolist()}"
+    f"{' (most over candidates)' if result.on_policy else ''}"
+  )
+  print(
+    f"[calibrate] chosen top-k per bin: {list(result.schedule.values)} "
+    f"(+{result.schedule.always_kept} always kept)"
+  )
+  print(
+    f"[calibrate] wrote schedule.json, surface.json, calibration.png to {c.out_dir} "
+    f"({time.time() - t0:.0f}s)"
+  )
   return result
 
 

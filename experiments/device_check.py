@@ -24,6 +24,7 @@ Each part runs on its own: a part that raises prints its traceback and the next 
 JSON (--out) is rewritten after every part; the summary is printed last. The exit status is
 non-zero only when a kernel differs from its twin (table (1)).
 """
+
 import dataclasses
 import json
 import time
@@ -45,20 +46,34 @@ from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
 from sparrow_jax.rollout import sampler
 
 # HBM bandwidth, GB/s, by jax's device_kind (vendor figures).
-PEAK_GBS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100": 3350,
-            "NVIDIA A100-SXM4-80GB": 2039, "TPU v4": 1228, "TPU v5 lite": 819, "TPU v5": 2765,
-            "TPU v6 lite": 1640}
-BF16_RTOL, BF16_ATOL = 2.0 ** -7, 2.0 ** -9  # one bfloat16 ulp of the output (as in the tests)
+PEAK_GBS = {
+  "NVIDIA H200": 4800,
+  "NVIDIA H100 80GB HBM3": 3350,
+  "NVIDIA H100": 3350,
+  "NVIDIA A100-SXM4-80GB": 2039,
+  "TPU v4": 1228,
+  "TPU v5 lite": 819,
+  "TPU v5": 2765,
+  "TPU v6 lite": 1640,
+}
+BF16_RTOL, BF16_ATOL = 2.0**-7, 2.0**-9  # one bfloat16 ulp of the output (as in the tests)
 _FLAGS = flags.FLAGS
 
 
 def _kernel_variants():
   """(name, kernel fn with its knob bound) for this backend's kernel(s)."""
   backend = jax.default_backend()
-  triton = [(f"triton splits={s}", dict(fn=sparse_decode.sparse_decode_attention, num_splits=s))
-            for s in (None, 1, 7)]
-  mosaic = [(f"mosaic pages/block={p}", dict(fn=sparse_decode_tpu.sparse_decode_attention,
-                                               pages_per_block=p)) for p in (None, 1, 4)]
+  triton = [
+    (f"triton splits={s}", dict(fn=sparse_decode.sparse_decode_attention, num_splits=s))
+    for s in (None, 1, 7)
+  ]
+  mosaic = [
+    (
+      f"mosaic pages/block={p}",
+      dict(fn=sparse_decode_tpu.sparse_decode_attention, pages_per_block=p),
+    )
+    for p in (None, 1, 4)
+  ]
   return {"gpu": triton, "tpu": mosaic}.get(backend, triton[:2] + mosaic[:2])
 
 
@@ -74,9 +89,14 @@ def _kernel_inputs(context, dtype, seed):
   page_idx = np.stack([[rng.permutation(P)[:N] for _ in range(K)] for _ in range(B)])
   q = rng.standard_normal((B, K, G, E))
   kc, vc = rng.standard_normal((2, B, K, P * Z, E))
-  return (jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
-          jnp.asarray(page_idx, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-          jnp.asarray(lengths, jnp.int32))
+  return (
+    jnp.asarray(q, dtype),
+    jnp.asarray(kc, dtype),
+    jnp.asarray(vc, dtype),
+    jnp.asarray(page_idx, jnp.int32),
+    jnp.asarray(n_valid, jnp.int32),
+    jnp.asarray(lengths, jnp.int32),
+  )
 
 
 def check_kernels(config):
@@ -85,23 +105,41 @@ def check_kernels(config):
     args = _kernel_inputs(config.kernel_context, dtype, seed=len(rows))
     # the twin at full float32 precision: at default precision a GPU runs its einsums in TF32
     with jax.default_matmul_precision("highest"):
-      want = np.asarray(jax.jit(reference.sparse_decode_attention, static_argnames="page_size")(
-          *args, page_size=16), np.float32)
+      want = np.asarray(
+        jax.jit(reference.sparse_decode_attention, static_argnames="page_size")(
+          *args, page_size=16
+        ),
+        np.float32,
+      )
     for name, variant in _kernel_variants():
       knobs = {k: v for k, v in variant.items() if k != "fn"}
-      got = np.asarray(jax.jit(lambda *a: variant["fn"](*a, page_size=16, **knobs))(*args),
-                       np.float32)
+      got = np.asarray(
+        jax.jit(lambda *a: variant["fn"](*a, page_size=16, **knobs))(*args), np.float32
+      )
       diff = np.abs(got - want)
-      ok = (np.all(diff <= 1e-4) if dtype == "float32"
-            else np.all(diff <= BF16_ATOL + BF16_RTOL * np.abs(want)))
+      ok = (
+        np.all(diff <= 1e-4)
+        if dtype == "float32"
+        else np.all(diff <= BF16_ATOL + BF16_RTOL * np.abs(want))
+      )
       empty_zero, finite = bool(np.all(got[0, 0] == 0.0)), bool(np.all(np.isfinite(got)))
-      rows.append(dict(kernel=name, dtype=dtype, max_abs_diff=float(diff.max()), finite=finite,
-                       empty_rows_zero=empty_zero, ok=bool(ok and empty_zero and finite)))
+      rows.append(
+        dict(
+          kernel=name,
+          dtype=dtype,
+          max_abs_diff=float(diff.max()),
+          finite=finite,
+          empty_rows_zero=empty_zero,
+          ok=bool(ok and empty_zero and finite),
+        )
+      )
   print(f"\n(1) kernel == jnp twin ({jax.default_backend()}, context {config.kernel_context})\n")
   print("| kernel | dtype | max abs diff | empty rows 0 | ok |\n|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['kernel']} | {r['dtype']} | {r['max_abs_diff']:.2e} | {r['empty_rows_zero']} | "
-          f"{r['ok']} |")
+    print(
+      f"| {r['kernel']} | {r['dtype']} | {r['max_abs_diff']:.2e} | {r['empty_rows_zero']} | "
+      f"{r['ok']} |"
+    )
   return rows
 
 
@@ -115,17 +153,25 @@ def time_attention(config):
       row[name] = dict(ms=ms, gbs=nbytes / ms / 1e6)
     rows.append(row)
   a = config.attention
-  print(f"\n(2) attention only ({jax.devices()[0].device_kind}, impl {a.impl}, {a.dtype}, batch "
-        f"{a.batch}, 8 KV heads, G 2, head dim 128, budget {a.budget} tokens; ms per step, "
-        f"achieved GB/s, % of a {peak or '?'} GB/s peak)\n")
+  print(
+    f"\n(2) attention only ({jax.devices()[0].device_kind}, impl {a.impl}, {a.dtype}, batch "
+    f"{a.batch}, 8 KV heads, G 2, head dim 128, budget {a.budget} tokens; ms per step, "
+    f"achieved GB/s, % of a {peak or '?'} GB/s peak)\n"
+  )
   names = [n for n in ("dense", "whole cache", "sparse", "sparse+select") if n in rows[0]]
-  print("| context | " + " | ".join(f"{n} ms | GB/s | % peak" for n in names)
-        + " | dense / sparse | dense / sparse+select |")
+  print(
+    "| context | "
+    + " | ".join(f"{n} ms | GB/s | % peak" for n in names)
+    + " | dense / sparse | dense / sparse+select |"
+  )
   print("|---" * (1 + 3 * len(names) + 2) + "|")
   for r in rows:
-    cells = " | ".join(f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | "
-                       f"{100 * r[n]['gbs'] / peak:.0f}" if peak else
-                       f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | " for n in names)
+    cells = " | ".join(
+      f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | {100 * r[n]['gbs'] / peak:.0f}"
+      if peak
+      else f"{r[n]['ms']:.3f} | {r[n]['gbs']:.0f} | "
+      for n in names
+    )
     ratios = " | ".join(f"{r['dense']['ms'] / r[n]['ms']:.2f}x" for n in names[2:])
     print(f"| {r['context']} | {cells} | {ratios} |")
   return dict(peak_gbs=peak, rows=rows)
@@ -138,19 +184,27 @@ def time_tuning(config):
   B, n = a.batch, a.budget // 16
   q, k, v, page_idx, n_valid, lengths = bench_attention._inputs(B, context, n, jnp.bfloat16)
   base = sparse_decode.TUNING["bfloat16"]
-  variants = [dataclasses.replace(base, block_tokens=t, use_dot=d)
-              for t in (32, 64, 128) for d in (True, False)]
+  variants = [
+    dataclasses.replace(base, block_tokens=t, use_dot=d)
+    for t in (32, 64, 128)
+    for d in (True, False)
+  ]
 
   def loop(tuning):
     step = lambda i, q: sparse_decode.sparse_decode_attention(
-        q, k, v, (page_idx + i) % (context // 16), n_valid, lengths, page_size=16, config=tuning)
+      q, k, v, (page_idx + i) % (context // 16), n_valid, lengths, page_size=16, config=tuning
+    )
     return jax.jit(lambda q: jax.lax.fori_loop(0, a.steps, step, q))
 
   times = bench_attention._times_ms([(loop(t), (q,)) for t in variants], a.runs)
-  rows = [dict(block_tokens=t.block_tokens, use_dot=t.use_dot, ms=med / a.steps)
-          for t, (med, _) in zip(variants, times)]
-  print(f"\n(2b) Triton tuning alternatives, sparse at {context}, batch {B}, bf16 "
-        f"(table now: block {base.block_tokens}, dot {base.use_dot})\n")
+  rows = [
+    dict(block_tokens=t.block_tokens, use_dot=t.use_dot, ms=med / a.steps)
+    for t, (med, _) in zip(variants, times)
+  ]
+  print(
+    f"\n(2b) Triton tuning alternatives, sparse at {context}, batch {B}, bf16 "
+    f"(table now: block {base.block_tokens}, dot {base.use_dot})\n"
+  )
   print("| block tokens | dot | ms |\n|---|---|---|")
   for r in rows:
     print(f"| {r['block_tokens']} | {r['use_dot']} | {r['ms']:.3f} |")
@@ -161,11 +215,11 @@ def time_decode(config):
   c = config.decode
   cfg = bench_rollout.model_config(c.layers, c.vocab_size)
   params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
-  caches = bench_rollout.filled_cache(cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16,
-                                      jax.random.PRNGKey(1))
+  caches = bench_rollout.filled_cache(
+    cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16, jax.random.PRNGKey(1)
+  )
   sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
-  budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), caches[0].max_len,
-                                     sparse)
+  budget_np = sampler.budget_table(KVSchedule.paper("qwen3-1.7b", c.tau), caches[0].max_len, sparse)
   max_selected = sampler.max_selected_pages(budget_np)
   budget = BudgetTable(jnp.asarray(budget_np))
   token_B = jnp.zeros((c.batch,), jnp.int32)
@@ -173,27 +227,41 @@ def time_decode(config):
   del caches
   for name, sp in (("dense", None), ("sparse", sparse)):
     start = time.perf_counter()
-    lowered = bench_rollout.decode_loop.lower(params, token_B, state["caches"], budget, cfg=cfg,
-                                              sparse=sp, max_selected=max_selected,
-                                              steps=c.steps, context=c.context)
+    lowered = bench_rollout.decode_loop.lower(
+      params,
+      token_B,
+      state["caches"],
+      budget,
+      cfg=cfg,
+      sparse=sp,
+      max_selected=max_selected,
+      steps=c.steps,
+      context=c.context,
+    )
     compiled = lowered.compile()
-    rows[name] = dict(compile_s=time.perf_counter() - start, compiled=compiled,
-                      temp_gb=compiled.memory_analysis().temp_size_in_bytes / 1e9)
+    rows[name] = dict(
+      compile_s=time.perf_counter() - start,
+      compiled=compiled,
+      temp_gb=compiled.memory_analysis().temp_size_in_bytes / 1e9,
+    )
 
   def run(name):
     def call():
       token, state["caches"] = rows[name]["compiled"](params, token_B, state["caches"], budget)
       jax.block_until_ready(token)
+
     return call
 
   seconds = bench_rollout._median_s([run("dense"), run("sparse")], c.runs)
   for name, s in zip(("dense", "sparse"), seconds):
     del rows[name]["compiled"]
     rows[name]["tok_s"] = c.batch * c.steps / s
-  print(f"\n(3) end-to-end decode: random Qwen3-1.7B ({c.layers} layers, vocab {cfg.vocab_size}, "
-        f"bf16), batch {c.batch}, {c.context} cached tokens, {c.steps} steps; sparse = paper "
-        f"tau-{c.tau} table, {c.dense_layers} dense layers, budget {int(budget_np[c.context + 1])} "
-        f"pages at the start\n")
+  print(
+    f"\n(3) end-to-end decode: random Qwen3-1.7B ({c.layers} layers, vocab {cfg.vocab_size}, "
+    f"bf16), batch {c.batch}, {c.context} cached tokens, {c.steps} steps; sparse = paper "
+    f"tau-{c.tau} table, {c.dense_layers} dense layers, budget {int(budget_np[c.context + 1])} "
+    f"pages at the start\n"
+  )
   print("| decode | tok/s | compile s | compiled temp GB |\n|---|---|---|---|")
   for name, r in rows.items():
     print(f"| {name} | {r['tok_s']:.1f} | {r['compile_s']:.1f} | {r['temp_gb']:.2f} |")
@@ -239,8 +307,9 @@ def _summary(report) -> str:
       rates = ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s" for k, v in value["runs"].items())
       lines.append(f"| engine | {rates}{'; ' + ratios if ratios else ''} |")
     elif name == "decode":
-      lines.append(f"| decode | sparse / dense "
-                   f"{value['sparse']['tok_s'] / value['dense']['tok_s']:.2f}x |")
+      lines.append(
+        f"| decode | sparse / dense {value['sparse']['tok_s'] / value['dense']['tok_s']:.2f}x |"
+      )
   return "\n".join(lines)
 
 
@@ -250,10 +319,16 @@ def main(argv):
   config = device_check_config.get_config("smoke") if _FLAGS.smoke else _FLAGS.config
   start = time.perf_counter()
   device = jax.devices()[0]
-  print(f"device_check: {device.platform} / {device.device_kind} x{jax.device_count()}, jax "
-        f"{jax.__version__}{' (smoke sizes)' if config.smoke else ''}")
-  report = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                smoke=config.smoke)
+  print(
+    f"device_check: {device.platform} / {device.device_kind} x{jax.device_count()}, jax "
+    f"{jax.__version__}{' (smoke sizes)' if config.smoke else ''}"
+  )
+  report = dict(
+    device=device.device_kind,
+    backend=jax.default_backend(),
+    jax=jax.__version__,
+    smoke=config.smoke,
+  )
   parts = [("kernels", check_kernels), ("attention", time_attention)]
   if jax.default_backend() == "gpu":
     parts.append(("tuning", time_tuning))

@@ -24,6 +24,7 @@ Results go to config.out (JSON: settings, metrics, per-problem counts, grade rea
 TensorBoard as eval/<metric> at config.step (e.g. the checkpoint's training step, to plot
 checkpoints as curves).
 """
+
 import collections
 import json
 import os
@@ -74,8 +75,10 @@ def _problems(task, num_problems: int) -> list:
   if hasattr(task, "__len__"):  # a finite eval set; the synthetic task is an endless stream
     num_problems = min(num_problems or len(task), len(task))
   if num_problems < 1:
-    raise ValueError(f"config.num_problems = {num_problems} must be >= 1 for a task without a "
-                     f"fixed size ({task.name})")
+    raise ValueError(
+      f"config.num_problems = {num_problems} must be >= 1 for a task without a "
+      f"fixed size ({task.name})"
+    )
   return task.sample(num_problems, 0)
 
 
@@ -94,60 +97,97 @@ def evaluate(c) -> dict:
   """Generates, grades and summarizes; returns the results dict (also written to c.out)."""
   r = c.rollout
   if c.samples < 1 or r.max_new_tokens < 1 or c.batch_size < 1:
-    raise ValueError(f"config.samples, config.rollout.max_new_tokens and config.batch_size must be "
-                     f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}")
+    raise ValueError(
+      f"config.samples, config.rollout.max_new_tokens and config.batch_size must be "
+      f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}"
+    )
   ks = parse_ks(c.k, c.samples)
   task = trainer.make_task(c)
   cfg, params, tokenizer = trainer.load_model(c, task)
   sparse = schedule = None
   if r.sparse:
-    sparse = sj.SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                             attention_impl=r.attention_impl, page_score=r.page_score)
+    sparse = sj.SparseConfig(
+      page_size=r.page_size,
+      dense_layers=r.dense_layers,
+      attention_impl=r.attention_impl,
+      page_score=r.page_score,
+    )
     schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
   problems = _problems(task, c.num_problems)
   n_rows = len(problems) * c.samples
   batch_size = min(c.batch_size, n_rows)
   mode = f"sparse ({r.schedule})" if sparse else "dense"
-  print(f"{task.name}: {len(problems)} problems x {c.samples} samples, {mode}, max_new_tokens "
-        f"{r.max_new_tokens}, temperature {r.temperature}, batches of {batch_size}", flush=True)
+  print(
+    f"{task.name}: {len(problems)} problems x {c.samples} samples, {mode}, max_new_tokens "
+    f"{r.max_new_tokens}, temperature {r.temperature}, batches of {batch_size}",
+    flush=True,
+  )
 
   key = jax.random.PRNGKey(c.seed)
   rewards_R, correct_R, lengths_R = np.zeros(n_rows), np.zeros(n_rows, bool), np.zeros(n_rows, int)
   reasons, t_start, generated = collections.Counter(), time.time(), 0
   for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
-      _prompt_batches(problems, c.samples, tokenizer, batch_size)):
-    rollout = sj.generate(params, cfg, prompt_BT, prompt_len_B, jax.random.fold_in(key, b),
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                          top_p=r.top_p, eos_ids=tokenizer.eos_ids, sparse=sparse,
-                          schedule=schedule, pad_id=tokenizer.pad_id)
+    _prompt_batches(problems, c.samples, tokenizer, batch_size)
+  ):
+    rollout = sj.generate(
+      params,
+      cfg,
+      prompt_BT,
+      prompt_len_B,
+      jax.random.fold_in(key, b),
+      max_new_tokens=r.max_new_tokens,
+      temperature=r.temperature,
+      top_p=r.top_p,
+      eos_ids=tokenizer.eos_ids,
+      sparse=sparse,
+      schedule=schedule,
+      pad_id=tokenizer.pad_id,
+    )
     tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-    real = take[:min(batch_size, n_rows - start)]
-    responses = [tokenizer.decode(tokens_BN[j, :lengths_B[j]]) for j in range(len(real))]
+    real = take[: min(batch_size, n_rows - start)]
+    responses = [tokenizer.decode(tokens_BN[j, : lengths_B[j]]) for j in range(len(real))]
     grades = task.grade(responses, [problems[i // c.samples] for i in real])
     rewards_R[real] = [g.reward for g in grades]
     correct_R[real] = [g.reason == "correct" for g in grades]
-    lengths_R[real] = lengths_B[:len(real)]
+    lengths_R[real] = lengths_B[: len(real)]
     reasons.update(g.reason for g in grades)
     generated += int(lengths_B.sum())
     done, elapsed = real[-1] + 1, time.time() - t_start
-    print(f"  {done}/{n_rows} samples  reward {rewards_R[:done].mean():.3f}  correct "
-          f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
-          f"ETA {elapsed / done * (n_rows - done):.0f}s", flush=True)
+    print(
+      f"  {done}/{n_rows} samples  reward {rewards_R[:done].mean():.3f}  correct "
+      f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
+      f"ETA {elapsed / done * (n_rows - done):.0f}s",
+      flush=True,
+    )
 
   shape = (len(problems), c.samples)
   metrics = summarize(rewards_R.reshape(shape), correct_R.reshape(shape), ks)
   metrics["response_length/mean"] = float(lengths_R.mean())
   metrics["truncated_fraction"] = float(np.mean(lengths_R >= r.max_new_tokens))
   results = {
-      "task": task.name, "path": c.task.path, "model_dir": c.model.hf_dir, "step": c.step,
-      "sparse": bool(sparse), "schedule": r.schedule if sparse else None,
-      "num_problems": len(problems), "samples": c.samples, "k": ks,
-      "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-      "top_p": r.top_p, "seed": c.seed, "metrics": metrics, "grade_reasons": dict(reasons),
-      "generation_s": time.time() - t_start,
-      "per_problem": [{"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
-                      for p, n, mean in zip(problems, correct_R.reshape(shape).sum(1),
-                                            rewards_R.reshape(shape).mean(1))]}
+    "task": task.name,
+    "path": c.task.path,
+    "model_dir": c.model.hf_dir,
+    "step": c.step,
+    "sparse": bool(sparse),
+    "schedule": r.schedule if sparse else None,
+    "num_problems": len(problems),
+    "samples": c.samples,
+    "k": ks,
+    "max_new_tokens": r.max_new_tokens,
+    "temperature": r.temperature,
+    "top_p": r.top_p,
+    "seed": c.seed,
+    "metrics": metrics,
+    "grade_reasons": dict(reasons),
+    "generation_s": time.time() - t_start,
+    "per_problem": [
+      {"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
+      for p, n, mean in zip(
+        problems, correct_R.reshape(shape).sum(1), rewards_R.reshape(shape).mean(1)
+      )
+    ],
+  }
   for name, value in metrics.items():
     print(f"{name:>22}  {value:.4f}")
   _write(results, c)
@@ -159,6 +199,7 @@ def _write(results, c):
   with open(c.out, "w") as f:
     json.dump(results, f, indent=2)
   from tensorboardX import SummaryWriter
+
   logdir = c.logdir or os.path.splitext(c.out)[0] + "_tb"
   with SummaryWriter(logdir) as writer:
     for name, value in results["metrics"].items():

@@ -34,6 +34,7 @@ train and sampler are then compiled as the trainer runs them: state and batch on
 rules (model/sharding.py), the rollout's weights gathered over fsdp (sharding.ROLLOUT_RULES), each
 device prefilling and decoding only its own groups.
 """
+
 import dataclasses
 import resource
 import time
@@ -74,14 +75,19 @@ def _model(name, dtype, layers=None):
 
 def _analysis(compiled):
   m = compiled.memory_analysis()
-  return {"args_gb": m.argument_size_in_bytes / GB, "temp_gb": m.temp_size_in_bytes / GB,
-          "out_gb": m.output_size_in_bytes / GB, "alias_gb": m.alias_size_in_bytes / GB}
+  return {
+    "args_gb": m.argument_size_in_bytes / GB,
+    "temp_gb": m.temp_size_in_bytes / GB,
+    "out_gb": m.output_size_in_bytes / GB,
+    "alias_gb": m.alias_size_in_bytes / GB,
+  }
 
 
 def _budget(schedule, model, length):
   spec = schedule.format(model=model)
-  table = sampler.budget_table(KVSchedule.parse(spec, SPARSE.page_size, "config.schedule"), length,
-                               SPARSE)
+  table = sampler.budget_table(
+    KVSchedule.parse(spec, SPARSE.page_size, "config.schedule"), length, SPARSE
+  )
   return BudgetTable(SDS((length + 1,), jnp.int32)), table
 
 
@@ -92,15 +98,20 @@ def make_mesh(spec: str, target: str = "cpu"):
   n = data * fsdp * tensor
   if target != "cpu":
     from jax.experimental import topologies
+
     chips = topologies.get_topology_desc(target, "tpu").devices
     if len(chips) < n:
-      raise ValueError(f"config.mesh = {spec!r} needs {n} devices, config.target = {target!r} "
-                       f"has {len(chips)} chips")
+      raise ValueError(
+        f"config.mesh = {spec!r} needs {n} devices, config.target = {target!r} "
+        f"has {len(chips)} chips"
+      )
     return sharding.make_mesh(data, fsdp, tensor, devices=chips[:n])
   if n != jax.device_count():
-    raise ValueError(f"config.mesh = {spec!r} needs {n} devices, this process "
-                     f"has {jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
-                     f"count={n} (fake CPU devices)")
+    raise ValueError(
+      f"config.mesh = {spec!r} needs {n} devices, this process "
+      f"has {jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
+      f"count={n} (fake CPU devices)"
+    )
   return sharding.make_mesh(data, fsdp, tensor)
 
 
@@ -111,13 +122,19 @@ def _on(tree, shardings):
 
 def train_step(model, length, c, dtype, mesh, layers=None):
   cfg, params, lora = _model(model, dtype, layers)
-  sc = ts.StepConfig(group_size=c.train_rows, micro_batches=c.micro_batches, bin_size=2048,
-                     num_bins=20, page_size=SPARSE.page_size)
+  sc = ts.StepConfig(
+    group_size=c.train_rows,
+    micro_batches=c.micro_batches,
+    bin_size=2048,
+    num_bins=20,
+    page_size=SPARSE.page_size,
+  )
   opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
-  state = jax.eval_shape(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
+  state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)
   batch = ts.Batch.abstract(c.train_rows, length)
-  step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE,
-                            ts.state_sharding(state, mesh, opt, lora_opt))
+  step = ts.make_train_step(
+    cfg, sc, opt, lora_opt, SPARSE, ts.state_sharding(state, mesh, opt, lora_opt)
+  )
   budget = _budget(c.schedule, model, length)[0]
   start = time.time()
   with jax.set_mesh(mesh):
@@ -138,61 +155,136 @@ def sampler_memory(model, length, c, dtype, mesh):
   with jax.set_mesh(mesh):
     R = page_pool.row_shards()
     config = engine.full_batch(c.sampler_rows // R, G, length, SPARSE)
-    pool = jax.eval_shape(lambda: page_pool.init_pool(cfg, config.num_pages, Z, dtype,
-                                                      SPARSE.page_score))
+    pool = jax.eval_shape(
+      lambda: page_pool.init_pool(cfg, config.num_pages, Z, dtype, SPARSE.page_score)
+    )
     rows = lambda shape, dt=jnp.int32: SDS(shape, dt, sharding=sharding.rows(mesh))
     groups = R * max(1, config.num_slots // G)  # what one insert prefills, across devices
     insert = engine._insert.lower(
-        params, lora, pool, rows((groups, T)), rows((groups,)), rows((groups, T // Z)),
-        rows((groups, G)), SDS((2,), jnp.uint32), cfg=cfg, temperature=1.0, top_p=1.0, top_k=0,
-        num_top=ts.TOP_K).compile()
+      params,
+      lora,
+      pool,
+      rows((groups, T)),
+      rows((groups,)),
+      rows((groups, T // Z)),
+      rows((groups, G)),
+      SDS((2,), jnp.uint32),
+      cfg=cfg,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,
+      num_top=ts.TOP_K,
+    ).compile()
     S, PR = R * config.num_slots, -(-length // Z)
-    slots = dict(token=rows((S,)), length=rows((S,)), n_gen=rows((S,)), max_new=rows((S,)),
-                 row=rows((S,)), active=rows((S,), bool), page_table=rows((S, PR)))
+    slots = dict(
+      token=rows((S,)),
+      length=rows((S,)),
+      n_gen=rows((S,)),
+      max_new=rows((S,)),
+      row=rows((S,)),
+      active=rows((S,), bool),
+      page_table=rows((S, PR)),
+    )
     decode = engine._decode_chunk.lower(
-        params, lora, pool, budget, SDS((2,), jnp.uint32), slots, cfg=cfg, steps=c.engine_chunk,
-        sparse=SPARSE, max_selected=sampler.max_selected_pages(table), eos_ids=(0,), pad_id=0,
-        temperature=1.0, top_p=1.0, top_k=0, num_top=ts.TOP_K).compile()
+      params,
+      lora,
+      pool,
+      budget,
+      SDS((2,), jnp.uint32),
+      slots,
+      cfg=cfg,
+      steps=c.engine_chunk,
+      sparse=SPARSE,
+      max_selected=sampler.max_selected_pages(table),
+      eos_ids=(0,),
+      pad_id=0,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,
+      num_top=ts.TOP_K,
+    ).compile()
   out = _analysis(decode)
   insert = _analysis(insert)
   per_device = lambda x: np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-  on_mesh = lambda axes, x: SDS(x.shape, x.dtype, sharding=NamedSharding(
-      mesh, sharding.spec(axes, x.shape, mesh)))
-  kv = (sum(per_device(on_mesh(page_pool.POOL_AXES, x)) for x in pool.k_stored + pool.v_stored)
-        + sum(per_device(on_mesh(page_pool.SUMMARY_AXES, x)) for x in pool.summaries))
+  on_mesh = lambda axes, x: SDS(
+    x.shape, x.dtype, sharding=NamedSharding(mesh, sharding.spec(axes, x.shape, mesh))
+  )
+  kv = sum(
+    per_device(on_mesh(page_pool.POOL_AXES, x)) for x in pool.k_stored + pool.v_stored
+  ) + sum(per_device(on_mesh(page_pool.SUMMARY_AXES, x)) for x in pool.summaries)
   param_bytes = sum(per_device(x) for x in jax.tree_util.tree_leaves(params))
-  out.update(insert_args_gb=insert["args_gb"], insert_temp_gb=insert["temp_gb"], kv_gb=kv / GB,
-             params_gb=param_bytes / GB,
-             ratio=(max(out["args_gb"] + out["temp_gb"], insert["args_gb"] + insert["temp_gb"])
-                    * GB / (kv + param_bytes)))
+  out.update(
+    insert_args_gb=insert["args_gb"],
+    insert_temp_gb=insert["temp_gb"],
+    kv_gb=kv / GB,
+    params_gb=param_bytes / GB,
+    ratio=(
+      max(out["args_gb"] + out["temp_gb"], insert["args_gb"] + insert["temp_gb"])
+      * GB
+      / (kv + param_bytes)
+    ),
+  )
   return out
 
 
 def engine_memory(model, length, c, dtype):
   """The engine's decode chunk compiled over a pool of engine_pool_gb GB (one device)."""
   cfg, params, _ = _model(model, dtype, c.layers or None)
-  pages = engine.pages_for_bytes(cfg, c.engine_pool_gb * GB, SPARSE.page_size, dtype,
-                                 SPARSE.page_score)
-  pool = jax.eval_shape(lambda: page_pool.init_pool(cfg, pages, SPARSE.page_size, dtype,
-                                                    SPARSE.page_score))
+  pages = engine.pages_for_bytes(
+    cfg, c.engine_pool_gb * GB, SPARSE.page_size, dtype, SPARSE.page_score
+  )
+  pool = jax.eval_shape(
+    lambda: page_pool.init_pool(cfg, pages, SPARSE.page_size, dtype, SPARSE.page_score)
+  )
   S, PR = c.engine_slots, -(-length // SPARSE.page_size)
   ints = lambda *shape: SDS(shape, jnp.int32)
-  slots = dict(token=ints(S), length=ints(S), n_gen=ints(S), max_new=ints(S), row=ints(S),
-               active=SDS((S,), bool), page_table=ints(S, PR))
+  slots = dict(
+    token=ints(S),
+    length=ints(S),
+    n_gen=ints(S),
+    max_new=ints(S),
+    row=ints(S),
+    active=SDS((S,), bool),
+    page_table=ints(S, PR),
+  )
   budget, table = _budget(c.schedule, model, PR * SPARSE.page_size)
   compiled = engine._decode_chunk.lower(
-      params, None, pool, budget, SDS((2,), jnp.uint32), slots, cfg=cfg, steps=c.engine_chunk,
-      sparse=SPARSE, max_selected=sampler.max_selected_pages(table), eos_ids=(0,), pad_id=0,
-      temperature=1.0, top_p=1.0, top_k=0, num_top=ts.TOP_K).compile()
+    params,
+    None,
+    pool,
+    budget,
+    SDS((2,), jnp.uint32),
+    slots,
+    cfg=cfg,
+    steps=c.engine_chunk,
+    sparse=SPARSE,
+    max_selected=sampler.max_selected_pages(table),
+    eos_ids=(0,),
+    pad_id=0,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    num_top=ts.TOP_K,
+  ).compile()
   out = _analysis(compiled)
   gen = length - c.prompt_len
   static_rows = pages * SPARSE.page_size // length
   _, rows = cost_model.roofline_engine_rate(
-      model, None, c.prompt_len, gen, slots=S, pool_tokens=pages * SPARSE.page_size,
-      mean_len_frac=c.engine_mean_len_frac)
-  out.update(pool_pages=pages, pool_gb=pages * page_pool.page_bytes(
-      cfg, SPARSE.page_size, dtype, SPARSE.page_score) / GB, static_rows=static_rows,
-             rows_in_flight=rows, total_gb=out["args_gb"] + out["temp_gb"])
+    model,
+    None,
+    c.prompt_len,
+    gen,
+    slots=S,
+    pool_tokens=pages * SPARSE.page_size,
+    mean_len_frac=c.engine_mean_len_frac,
+  )
+  out.update(
+    pool_pages=pages,
+    pool_gb=pages * page_pool.page_bytes(cfg, SPARSE.page_size, dtype, SPARSE.page_score) / GB,
+    static_rows=static_rows,
+    rows_in_flight=rows,
+    total_gb=out["args_gb"] + out["temp_gb"],
+  )
   return out
 
 
@@ -202,8 +294,17 @@ def calibrate_memory(model, length, c, dtype):
   tokens, valid = SDS((B, S), jnp.int32), SDS((B, S), bool)
   x_p = SDS((B, S, cfg.hidden_size), dtype)
   compiled = calibrate._sparse_alpha.lower(
-      params, tokens, valid, SDS((B,), jnp.int32), x_p, SDS((1, S + 1), jnp.int32),
-      SDS((), jnp.float32), cfg=cfg, sparse=SPARSE, alpha="exact").compile()
+    params,
+    tokens,
+    valid,
+    SDS((B,), jnp.int32),
+    x_p,
+    SDS((1, S + 1), jnp.int32),
+    SDS((), jnp.float32),
+    cfg=cfg,
+    sparse=SPARSE,
+    alpha="exact",
+  ).compile()
   return _analysis(compiled)
 
 
@@ -216,27 +317,47 @@ def calibrate_run(c):
   gen_mask = np.arange(S)[None] >= T
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
   start = time.time()
-  p5 = calibrate.tail_surface(params, cfg, tokens, gen_mask, np.array([T]), (61,), SPARSE,
-                              bin_size=2048, num_bins=S // 2048, batch_size=1)[5]
-  return {"model": c.run_model, "tokens": S, "seconds": time.time() - start,
-          "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-          "rss_before_gb": rss_before, "p5_bin0": float(p5[0, 0])}
+  p5 = calibrate.tail_surface(
+    params,
+    cfg,
+    tokens,
+    gen_mask,
+    np.array([T]),
+    (61,),
+    SPARSE,
+    bin_size=2048,
+    num_bins=S // 2048,
+    batch_size=1,
+  )[5]
+  return {
+    "model": c.run_model,
+    "tokens": S,
+    "seconds": time.time() - start,
+    "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    "rss_before_gb": rss_before,
+    "p5_bin0": float(p5[0, 0]),
+  }
 
 
 def _table(report, part, measure, models, lengths, columns):
   """Measures every (model, length), prints a row each, and keeps the figures in `report`."""
-  print(f"{'model / tokens per row':34s} " + " ".join(f"{name:>9s}" for name, _ in columns),
-        flush=True)
+  print(
+    f"{'model / tokens per row':34s} " + " ".join(f"{name:>9s}" for name, _ in columns), flush=True
+  )
   for model in models:
     for n in lengths:
       fig = measure(model, n)
       report[f"{part}/{model}/{n}"] = fig
-      print(f"{model + ' ' + str(n):34s} " + " ".join(f"{fig[k]:9.2f}" for _, k in columns),
-            flush=True)
+      print(
+        f"{model + ' ' + str(n):34s} " + " ".join(f"{fig[k]:9.2f}" for _, k in columns), flush=True
+      )
     if part == "train" and len(lengths) > 1:
       t = {n: report[f"train/{model}/{n}"]["temp_gb"] for n in lengths}
-      print(f"  temps({lengths[-1]}) / temps({lengths[0]}) = {t[lengths[-1]] / t[lengths[0]]:.2f}"
-            f" for {lengths[-1] / lengths[0]:.2f}x the tokens", flush=True)
+      print(
+        f"  temps({lengths[-1]}) / temps({lengths[0]}) = {t[lengths[-1]] / t[lengths[0]]:.2f}"
+        f" for {lengths[-1] / lengths[0]:.2f}x the tokens",
+        flush=True,
+      )
 
 
 def main(argv):
@@ -251,56 +372,118 @@ def main(argv):
   if unknown:
     raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
   if c.target != "cpu" and parts - {"train", "sampler"}:
-    raise ValueError(f"config.target = {c.target!r} compiles the parts train and sampler (on the "
-                     f"mesh); {sorted(parts - {'train', 'sampler'})} run on this machine's backend")
+    raise ValueError(
+      f"config.target = {c.target!r} compiles the parts train and sampler (on the "
+      f"mesh); {sorted(parts - {'train', 'sampler'})} run on this machine's backend"
+    )
   mesh = make_mesh(c.mesh, c.target)
   report = {"config": c.to_dict()}
   backend = jax.default_backend() if c.target == "cpu" else f"compile-only TPU {c.target}"
-  print(f"backend {backend}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
-        f"the mesh (data, fsdp, tensor) = ({c.mesh})", flush=True)
+  print(
+    f"backend {backend}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
+    f"the mesh (data, fsdp, tensor) = ({c.mesh})",
+    flush=True,
+  )
   if "train" in parts:
     print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)")
 
     def measure_train(model, n):
       fig = train_step(model, n, c, dtype, mesh)
       return dict(fig, total_gb=fig["args_gb"] + fig["temp_gb"])
-    _table(report, "train", measure_train, models, lengths,
-           (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
-            ("compile s", "compile_s")))
+
+    _table(
+      report,
+      "train",
+      measure_train,
+      models,
+      lengths,
+      (
+        ("args", "args_gb"),
+        ("temps", "temp_gb"),
+        ("args+tmp", "total_gb"),
+        ("compile s", "compile_s"),
+      ),
+    )
   if "sampler" in parts:
-    print(f"\nrollout (the engine's full batch), {c.sampler_rows} rows in groups of "
-          f"{c.sampler_group}, prompt {c.prompt_len}: the decode chunk's args and temps, the group "
-          "prefill's temps, the pool (KV) and weights; ratio = the larger program's (args + temps)"
-          " / (KV + params)")
-    _table(report, "sampler", lambda m, n: sampler_memory(m, n, c, dtype, mesh), models, lengths,
-           (("args", "args_gb"), ("temps", "temp_gb"), ("prefill", "insert_temp_gb"),
-            ("KV", "kv_gb"), ("params", "params_gb"), ("ratio", "ratio")))
+    print(
+      f"\nrollout (the engine's full batch), {c.sampler_rows} rows in groups of "
+      f"{c.sampler_group}, prompt {c.prompt_len}: the decode chunk's args and temps, the group "
+      "prefill's temps, the pool (KV) and weights; ratio = the larger program's (args + temps)"
+      " / (KV + params)"
+    )
+    _table(
+      report,
+      "sampler",
+      lambda m, n: sampler_memory(m, n, c, dtype, mesh),
+      models,
+      lengths,
+      (
+        ("args", "args_gb"),
+        ("temps", "temp_gb"),
+        ("prefill", "insert_temp_gb"),
+        ("KV", "kv_gb"),
+        ("params", "params_gb"),
+        ("ratio", "ratio"),
+      ),
+    )
   if "calibrate" in parts:
     print(f"\ncalibration pass, {c.calibrate_rows} row(s), one candidate")
-    _table(report, "calibrate", lambda m, n: calibrate_memory(m, n, c, dtype), models, lengths,
-           (("args", "args_gb"), ("temps", "temp_gb")))
+    _table(
+      report,
+      "calibrate",
+      lambda m, n: calibrate_memory(m, n, c, dtype),
+      models,
+      lengths,
+      (("args", "args_gb"), ("temps", "temp_gb")),
+    )
   if "engine" in parts:
-    print(f"\nengine decode chunk ({c.engine_chunk} steps), {c.engine_slots} slots, pool "
-          f"{c.engine_pool_gb:g} GB; rows: the static batch's at full length in that pool, the "
-          f"engine's in flight at mean length {c.engine_mean_len_frac:g} x the cutoff")
-    _table(report, "engine", lambda m, n: engine_memory(m, n, c, dtype), models, lengths,
-           (("args", "args_gb"), ("temps", "temp_gb"), ("args+tmp", "total_gb"),
-            ("pool GB", "pool_gb"), ("static", "static_rows"), ("engine", "rows_in_flight")))
+    print(
+      f"\nengine decode chunk ({c.engine_chunk} steps), {c.engine_slots} slots, pool "
+      f"{c.engine_pool_gb:g} GB; rows: the static batch's at full length in that pool, the "
+      f"engine's in flight at mean length {c.engine_mean_len_frac:g} x the cutoff"
+    )
+    _table(
+      report,
+      "engine",
+      lambda m, n: engine_memory(m, n, c, dtype),
+      models,
+      lengths,
+      (
+        ("args", "args_gb"),
+        ("temps", "temp_gb"),
+        ("args+tmp", "total_gb"),
+        ("pool GB", "pool_gb"),
+        ("static", "static_rows"),
+        ("engine", "rows_in_flight"),
+      ),
+    )
   if "compile_time" in parts:
     m, n = c.compile_time_model, c.compile_time_len
     few = train_step(m, n, c, dtype, mesh, layers=c.compile_time_layers)["compile_s"]
     full = train_step(m, n, c, dtype, mesh)["compile_s"]
-    report["compile_time"] = {"model": m, "tokens": n, "layers": c.compile_time_layers,
-                              "few_s": few, "full_s": full, "ratio": full / few}
-    print(f"\ncompile time of the train step, {m} at {n} tokens: {c.compile_time_layers} layers "
-          f"{few:.1f}s, all {sj.Qwen3Config.preset(m).num_hidden_layers} {full:.1f}s "
-          f"(ratio {full / few:.2f})", flush=True)
+    report["compile_time"] = {
+      "model": m,
+      "tokens": n,
+      "layers": c.compile_time_layers,
+      "few_s": few,
+      "full_s": full,
+      "ratio": full / few,
+    }
+    print(
+      f"\ncompile time of the train step, {m} at {n} tokens: {c.compile_time_layers} layers "
+      f"{few:.1f}s, all {sj.Qwen3Config.preset(m).num_hidden_layers} {full:.1f}s "
+      f"(ratio {full / few:.2f})",
+      flush=True,
+    )
   if "calibrate_run" in parts:
     fig = calibrate_run(c)
     report["calibrate_run"] = fig
-    print(f"\ncalibration run, {fig['model']}-shaped (random float32 weights), one "
-          f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
-          f"{fig['peak_rss_gb']:.2f} GB (params loaded: {fig['rss_before_gb']:.2f} GB)", flush=True)
+    print(
+      f"\ncalibration run, {fig['model']}-shaped (random float32 weights), one "
+      f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
+      f"{fig['peak_rss_gb']:.2f} GB (params loaded: {fig['rss_before_gb']:.2f} GB)",
+      flush=True,
+    )
   if c.out:
     records.write_record(c.out, report)
 

@@ -18,6 +18,7 @@ a pure function of (config.seed, s), so a resumed run sees the same batches. Met
 config.export_dir receives the final model (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json) and pretrain_log.json, e.g. assets/pointer_chase_tiny.
 """
+
 import json
 import os
 import time
@@ -60,9 +61,16 @@ def pack_batch(levels, seed: int, step: int, level: int, scale: int = 1):
   task = synthetic.PointerChase(min_hops=min_hops, max_hops=max_hops)
   rows *= scale
   rng = np.random.default_rng([seed, step])
-  out = {name: np.zeros((rows, row_len), dt) for name, dt in (
-      ("tokens", np.int32), ("segments", np.int32), ("positions", np.int32),
-      ("weights", np.float32), ("lookups", np.float32))}
+  out = {
+    name: np.zeros((rows, row_len), dt)
+    for name, dt in (
+      ("tokens", np.int32),
+      ("segments", np.int32),
+      ("positions", np.int32),
+      ("weights", np.float32),
+      ("lookups", np.float32),
+    )
+  }
   problem = task.sample(1, rng)[0]
   for r in range(rows):
     used, seg = 0, 0
@@ -76,7 +84,7 @@ def pack_batch(levels, seed: int, step: int, level: int, scale: int = 1):
       out["segments"][r, span] = seg
       out["positions"][r, span] = np.arange(len(ids))
       # Position t predicts token t + 1: response tokens are at offsets n_prompt .. len(ids) - 1.
-      out["weights"][r, used + n_prompt - 1:used + len(ids) - 1] = 1.0
+      out["weights"][r, used + n_prompt - 1 : used + len(ids) - 1] = 1.0
       lookup_offsets = n_prompt + 3 * np.arange(problem.num_steps) + 1
       out["lookups"][r, used + lookup_offsets - 1] = 1.0
       used += len(ids)
@@ -93,63 +101,95 @@ def loss_fn(params, batch, cfg):
   def attention_fn(layer, q, k, v, mask_BT):  # packed documents: causal within each document
     return reference.dense_attention(q, k, v, causal_TT & same_BTS)
 
-  logits_BTV = sj.forward(params, batch["tokens"], cfg, positions_BT=batch["positions"],
-                          mask_BT=seg_BT > 0, attention_fn=attention_fn)
+  logits_BTV = sj.forward(
+    params,
+    batch["tokens"],
+    cfg,
+    positions_BT=batch["positions"],
+    mask_BT=seg_BT > 0,
+    attention_fn=attention_fn,
+  )
   targets_BT = jnp.roll(batch["tokens"], -1, axis=1)
   logp_BT = sj.token_logprobs(logits_BTV, targets_BT)
   w_BT = batch["weights"]
   loss = -jnp.sum(logp_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
   right_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
   lk_BT = batch["lookups"]
-  metrics = {"loss": loss,
-             "token_acc": jnp.sum(right_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0),
-             "lookup_acc": jnp.sum(right_BT * lk_BT) / jnp.maximum(jnp.sum(lk_BT), 1.0),
-             "lookup_nll": -jnp.sum(logp_BT * lk_BT) / jnp.maximum(jnp.sum(lk_BT), 1.0)}
+  metrics = {
+    "loss": loss,
+    "token_acc": jnp.sum(right_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0),
+    "lookup_acc": jnp.sum(right_BT * lk_BT) / jnp.maximum(jnp.sum(lk_BT), 1.0),
+    "lookup_nll": -jnp.sum(logp_BT * lk_BT) / jnp.maximum(jnp.sum(lk_BT), 1.0),
+  }
   return loss, metrics
 
 
 def make_optimizer(c):
   lr, steps = c.learning_rate, c.total_steps
   decay_start = int(steps * (1 - c.decay_frac))
-  schedule = optax.join_schedules([
+  schedule = optax.join_schedules(
+    [
       optax.linear_schedule(0.0, lr, c.warmup_steps),
       optax.constant_schedule(lr),
-      optax.linear_schedule(lr, lr * 0.1, max(steps - decay_start, 1))],
-      [c.warmup_steps, decay_start])
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01)), schedule
+      optax.linear_schedule(lr, lr * 0.1, max(steps - decay_start, 1)),
+    ],
+    [c.warmup_steps, decay_start],
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=0.01)
+  ), schedule
 
 
 def export(directory, cfg, params):
   """A Hugging Face model dir that sj.load_hf, load_tokenizer and transformers load."""
   eos = synthetic.SPECIAL_TOKENS.index(synthetic.IM_END)
   pad = synthetic.SPECIAL_TOKENS.index(synthetic.EOT)
-  sj.save_hf(directory, cfg, params, generation_config={
-      "eos_token_id": [eos], "pad_token_id": pad, "do_sample": True, "temperature": 1.0,
-      "max_new_tokens": synthetic.PointerChase().max_response_len})
+  sj.save_hf(
+    directory,
+    cfg,
+    params,
+    generation_config={
+      "eos_token_id": [eos],
+      "pad_token_id": pad,
+      "do_sample": True,
+      "temperature": 1.0,
+      "max_new_tokens": synthetic.PointerChase().max_response_len,
+    },
+  )
   synthetic.save_tokenizer(directory)
 
 
 def pretrain(c):
   """Runs (or resumes) the pretraining described by config `c`; returns the loop state."""
   if not c.levels or c.promote_window < 1 or c.log_every < 1:
-    raise ValueError(f"config.levels must be non-empty and config.promote_window / log_every >= 1; "
-                     f"got {c.levels}, {c.promote_window}, {c.log_every}")
+    raise ValueError(
+      f"config.levels must be non-empty and config.promote_window / log_every >= 1; "
+      f"got {c.levels}, {c.promote_window}, {c.log_every}"
+    )
   cfg = model_config(c)
   params = sj.init_params(cfg, jax.random.PRNGKey(c.seed))
   optimizer, schedule = make_optimizer(c)
   opt_state = optimizer.init(params)
   # level_acc: lookup accuracy of the last promote_window current-level steps, checkpointed so a
   # resumed run promotes at the same step.
-  state = {"step": 0, "elapsed_s": 0.0, "level": 0, "level_acc": [], "promotions": [],
-           "history": []}
+  state = {
+    "step": 0,
+    "elapsed_s": 0.0,
+    "level": 0,
+    "level_acc": [],
+    "promotions": [],
+    "history": [],
+  }
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   restored = checkpoint.restore_latest(mgr, {"params": params, "opt_state": opt_state})
   if restored is not None:
     saved, state = restored
     params, opt_state = saved["params"], saved["opt_state"]
-    print(f"resumed at step {state['step']}, level {state['level']} "
-          f"({state['elapsed_s'] / 60:.1f} min trained)", flush=True)
+    print(
+      f"resumed at step {state['step']}, level {state['level']} "
+      f"({state['elapsed_s'] / 60:.1f} min trained)",
+      flush=True,
+    )
   print(f"params {cost_model.param_count(cfg):,}  cfg {cfg}", flush=True)
 
   @jax.jit
@@ -166,34 +206,55 @@ def pretrain(c):
     step, level = state["step"], state["level"]
     trained = step_level(step, level)
     params, opt_state, metrics = train_step(
-        params, opt_state, pack_batch(levels, c.seed, step, trained, c.batch_scale))
+      params, opt_state, pack_batch(levels, c.seed, step, trained, c.batch_scale)
+    )
     state["step"] = step = step + 1
     window.append(metrics)
     if trained == level:
-      pending.append(metrics["lookup_acc"])   # read back at the log step, not every step
+      pending.append(metrics["lookup_acc"])  # read back at the log step, not every step
     if step % c.log_every == 0 or step == c.total_steps:
       now = time.time()
       state["elapsed_s"] += now - t_last
       mean = {k: float(np.mean([float(m[k]) for m in window])) for k in window[0]}
-      state["level_acc"] = (state["level_acc"] + [float(x) for x in pending])[-c.promote_window:]
+      state["level_acc"] = (state["level_acc"] + [float(x) for x in pending])[-c.promote_window :]
       mean["level_lookup_acc"] = float(np.mean(state["level_acc"]))
       window, pending, t_last = [], [], now
-      logger.write(step, {**{f"pretrain/{k}": v for k, v in mean.items()},
-                          "pretrain/level": level, "pretrain/lr": float(schedule(step))})
-      state["history"].append({"step": step, "minutes": round(state["elapsed_s"] / 60, 2),
-                               "level": level, **{k: round(v, 4) for k, v in mean.items()}})
-      print(f"step {step:6d}  {state['elapsed_s'] / 60:6.1f} min  level {level} "
-            f"(hops {levels[level][0]}-{levels[level][1]})  loss {mean['loss']:.4f}  "
-            f"lookup_acc {mean['lookup_acc']:.3f}  level_lookup_acc "
-            f"{mean['level_lookup_acc']:.3f}  gnorm {mean['grad_norm']:.2f}", flush=True)
-      if (level + 1 < len(levels) and len(state["level_acc"]) == c.promote_window
-          and mean["level_lookup_acc"] >= c.promote_acc):
+      logger.write(
+        step,
+        {
+          **{f"pretrain/{k}": v for k, v in mean.items()},
+          "pretrain/level": level,
+          "pretrain/lr": float(schedule(step)),
+        },
+      )
+      state["history"].append(
+        {
+          "step": step,
+          "minutes": round(state["elapsed_s"] / 60, 2),
+          "level": level,
+          **{k: round(v, 4) for k, v in mean.items()},
+        }
+      )
+      print(
+        f"step {step:6d}  {state['elapsed_s'] / 60:6.1f} min  level {level} "
+        f"(hops {levels[level][0]}-{levels[level][1]})  loss {mean['loss']:.4f}  "
+        f"lookup_acc {mean['lookup_acc']:.3f}  level_lookup_acc "
+        f"{mean['level_lookup_acc']:.3f}  gnorm {mean['grad_norm']:.2f}",
+        flush=True,
+      )
+      if (
+        level + 1 < len(levels)
+        and len(state["level_acc"]) == c.promote_window
+        and mean["level_lookup_acc"] >= c.promote_acc
+      ):
         state["level"] = level + 1
-        state["promotions"].append({"step": step, "level": level + 1,
-                                    "minutes": round(state["elapsed_s"] / 60, 2)})
+        state["promotions"].append(
+          {"step": step, "level": level + 1, "minutes": round(state["elapsed_s"] / 60, 2)}
+        )
         state["level_acc"] = []
-        print(f"-> level {level + 1} (hops {levels[level + 1][0]}-{levels[level + 1][1]})",
-              flush=True)
+        print(
+          f"-> level {level + 1} (hops {levels[level + 1][0]}-{levels[level + 1][1]})", flush=True
+        )
       if c.snapshot_every and step % c.snapshot_every == 0:
         export(os.path.join(c.workdir, "snapshots", f"step_{step}"), cfg, params)
       if now - t_ckpt > c.ckpt_minutes * 60 or step == c.total_steps:
@@ -206,9 +267,16 @@ def pretrain(c):
     export(c.export_dir, cfg, params)
     history = state["history"]
     with open(os.path.join(c.export_dir, "pretrain_log.json"), "w") as f:
-      json.dump({"config": c.to_dict(), "train_minutes": round(state["elapsed_s"] / 60, 1),
-                 "promotions": state["promotions"],
-                 "history": history[::max(len(history) // 100, 1)] + history[-1:]}, f, indent=1)
+      json.dump(
+        {
+          "config": c.to_dict(),
+          "train_minutes": round(state["elapsed_s"] / 60, 1),
+          "promotions": state["promotions"],
+          "history": history[:: max(len(history) // 100, 1)] + history[-1:],
+        },
+        f,
+        indent=1,
+      )
     print(f"exported to {c.export_dir}", flush=True)
   return state
 

@@ -25,6 +25,7 @@ ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof
 seed) of each over seeds. Then tau_sweep.png and a printed table. With `base`, a finished sweep's
 other settings and runs are kept beside the ones run here (re-running a few settings only).
 """
+
 import json
 import os
 import time
@@ -47,17 +48,33 @@ from sparrow_jax.rl import trainer
 
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
-FIELDS = ("reward_first", "reward_last", "heldout_score", "heldout_accuracy", "length_first",
-          "length_last", "p5", "p5_bin", "under_tau_bin", "below_tau_bin", "p1", "kv_read",
-          "kv_read_start", "predicted_speedup", "rollout_tokens_per_s", "measured_speedup")
+FIELDS = (
+  "reward_first",
+  "reward_last",
+  "heldout_score",
+  "heldout_accuracy",
+  "length_first",
+  "length_last",
+  "p5",
+  "p5_bin",
+  "under_tau_bin",
+  "below_tau_bin",
+  "p1",
+  "kv_read",
+  "kv_read_start",
+  "predicted_speedup",
+  "rollout_tokens_per_s",
+  "measured_speedup",
+)
 
 
 def parse_list(text: str, field: str, kind=float) -> list:
   try:
     values = [kind(x) for x in str(text).split(",") if x.strip()]
   except ValueError:
-    raise ValueError(f"config.{field} = {text!r}: expected comma-separated "
-                     f"{kind.__name__}s") from None
+    raise ValueError(
+      f"config.{field} = {text!r}: expected comma-separated {kind.__name__}s"
+    ) from None
   if not values:
     raise ValueError(f"config.{field} is empty")
   return values
@@ -69,10 +86,18 @@ def tau_schedules(surface_path: str, taus, quantile: float) -> dict:
   with open(surface_path) as f:
     s = json.load(f)
   cands, tail_CB = calibrate.surface_tail(s, quantile, surface_path)
-  return {tau: calibrate.choose_schedule(tail_CB, cands, tau, page_size=s["page_size"],
-                                         always_kept=s["always_kept"], bin_size=s["bin_size"],
-                                         quantile=quantile)
-          for tau in taus}
+  return {
+    tau: calibrate.choose_schedule(
+      tail_CB,
+      cands,
+      tau,
+      page_size=s["page_size"],
+      always_kept=s["always_kept"],
+      bin_size=s["bin_size"],
+      quantile=quantile,
+    )
+    for tau in taus
+  }
 
 
 def quest_tables(text: str) -> list:
@@ -82,8 +107,10 @@ def quest_tables(text: str) -> list:
   except ValueError:
     pairs = None
   if not pairs or any(len(p) != 2 for p in pairs):
-    raise ValueError(f"config.quest_tables = {text!r}: expected comma-separated QUANTILE:TAU "
-                     "pairs, e.g. '5:0.86,1:0.86'")
+    raise ValueError(
+      f"config.quest_tables = {text!r}: expected comma-separated QUANTILE:TAU "
+      "pairs, e.g. '5:0.86,1:0.86'"
+    )
   return pairs
 
 
@@ -113,26 +140,49 @@ def settings(c) -> list:
       out.append(dict(name="dense", kind=kind, tau=None, schedule=None, run="dense"))
     elif kind == "fixed":
       for pages in parse_list(c.fixed_pages, "fixed_pages", int):
-        out.append(dict(name=f"fixed{pages}", kind=kind, tau=None, schedule=f"fixed:{pages}",
-                        run=f"fixed{pages}"))
+        out.append(
+          dict(
+            name=f"fixed{pages}",
+            kind=kind,
+            tau=None,
+            schedule=f"fixed:{pages}",
+            run=f"fixed{pages}",
+          )
+        )
     elif kind == "adaptive":
       name = f"adaptive{c.adaptive_tau:g}"
-      out.append(dict(name=name, kind=kind, tau=c.adaptive_tau, run=name,
-                      schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}"))
+      out.append(
+        dict(
+          name=name,
+          kind=kind,
+          tau=c.adaptive_tau,
+          run=name,
+          schedule=f"adaptive:{c.adaptive_tau:g}:{paths[c.adaptive_tau]}",
+        )
+      )
     elif kind in ("quest", "quest_adaptive"):  # quest page scores, on quest's own surface
       for q, tau in quest_tables(c.quest_tables):
         suffix = f"{tau:g}" + ("" if q == 5 else f"_p{q:g}")  # p5, the paper's, unmarked
         table = write(tau_schedules(c.quest_surface, [tau], q)[tau], f"quest{suffix}")
         name = f"{kind}{suffix}"
-        out.append(dict(name=name, kind=kind, tau=tau, quantile=q, run=name, page_score="quest",
-                        schedule=f"adaptive:{tau:g}:{table}" if kind == "quest_adaptive"
-                        else table))
+        out.append(
+          dict(
+            name=name,
+            kind=kind,
+            tau=tau,
+            quantile=q,
+            run=name,
+            page_score="quest",
+            schedule=f"adaptive:{tau:g}:{table}" if kind == "quest_adaptive" else table,
+          )
+        )
     else:
       first = {}  # table -> the first tau that picked it
       for tau in taus:
         twin = first.setdefault(tables[tau].values, tau)
-        out.append(dict(name=f"tau{tau:g}", kind=kind, tau=tau, schedule=paths[twin],
-                        run=f"tau{twin:g}"))
+        out.append(
+          dict(name=f"tau{tau:g}", kind=kind, tau=tau, schedule=paths[twin], run=f"tau{twin:g}")
+        )
   return out
 
 
@@ -182,8 +232,13 @@ def trained(rc) -> bool:
 def evaluated(ec) -> bool:
   """eval.json exists and was made with these settings, at this step."""
   done = _read_json(ec.out)
-  want = {"step": ec.step, "num_problems": ec.num_problems, "samples": ec.samples,
-          "seed": ec.seed, "max_new_tokens": ec.rollout.max_new_tokens}
+  want = {
+    "step": ec.step,
+    "num_problems": ec.num_problems,
+    "samples": ec.samples,
+    "seed": ec.seed,
+    "max_new_tokens": ec.rollout.max_new_tokens,
+  }
   return done is not None and all(done[k] == v for k, v in want.items())
 
 
@@ -195,8 +250,9 @@ def train_and_evaluate(c, rc) -> None:
   ec = eval_config(c, rc)
   if not evaluated(ec):
     if not os.path.isdir(ec.model.hf_dir):
-      raise FileNotFoundError(f"{rc.workdir} has no hf/ export to evaluate: config.train.export_hf "
-                              "must be True")
+      raise FileNotFoundError(
+        f"{rc.workdir} has no hf/ export to evaluate: config.train.export_hf must be True"
+      )
     evaluate.evaluate(ec)
 
 
@@ -225,29 +281,35 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     count_step_bin = series(rows, "acceptance/count_bin")  # bin, pooled over all steps: at most
     below_step_bin = np.nan_to_num(series(rows, "acceptance/frac_below_tau_bin")) * count_step_bin
     with np.errstate(invalid="ignore"):  # 5% is the run's p5 >= tau
-      below_tau_bin = [None if np.isnan(v) else float(v)
-                       for v in below_step_bin.sum(0) / count_step_bin.sum(0)]
-  p1 = series(rows, "acceptance/p1")  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
+      below_tau_bin = [
+        None if np.isnan(v) else float(v) for v in below_step_bin.sum(0) / count_step_bin.sum(0)
+      ]
+  p1 = series(
+    rows, "acceptance/p1"
+  )  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
   kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
   timed = rows[1:] or rows  # the first step compiles
   heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
   return {
-      "workdir": workdir, "steps": len(rows),
-      "reward_curve": series(rows, "reward/mean").tolist(),
-      "reward_first": float(np.mean(series(first, "reward/mean"))),
-      "reward_last": float(np.mean(series(last, "reward/mean"))),
-      "heldout_score": heldout["mean@1"], "heldout_accuracy": heldout["pass@1"],
-      "length_first": float(np.mean(series(first, "response_length/mean"))),
-      "length_last": float(np.mean(series(last, "response_length/mean"))),
-      "p5": float(np.mean(series(last, "acceptance/p5"))),
-      "p1": float(np.nanmean(p1)) if np.isfinite(p1).any() else None,  # mean over all steps
-      "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
-      "under_tau_bin": [None if np.isnan(v) else float(v) for v in under_tau_bin],
-      "below_tau_bin": below_tau_bin,
-      "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
-      "kv_read_start": float(np.mean(kv_start)) if np.isfinite(kv_start).all() else None,
-      "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
-      "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s")))}
+    "workdir": workdir,
+    "steps": len(rows),
+    "reward_curve": series(rows, "reward/mean").tolist(),
+    "reward_first": float(np.mean(series(first, "reward/mean"))),
+    "reward_last": float(np.mean(series(last, "reward/mean"))),
+    "heldout_score": heldout["mean@1"],
+    "heldout_accuracy": heldout["pass@1"],
+    "length_first": float(np.mean(series(first, "response_length/mean"))),
+    "length_last": float(np.mean(series(last, "response_length/mean"))),
+    "p5": float(np.mean(series(last, "acceptance/p5"))),
+    "p1": float(np.nanmean(p1)) if np.isfinite(p1).any() else None,  # mean over all steps
+    "p5_bin": [None if np.isnan(v) else float(v) for v in p5_bin],
+    "under_tau_bin": [None if np.isnan(v) else float(v) for v in under_tau_bin],
+    "below_tau_bin": below_tau_bin,
+    "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
+    "kv_read_start": float(np.mean(kv_start)) if np.isfinite(kv_start).all() else None,
+    "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
+    "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s"))),
+  }
 
 
 def _mean_std(values):
@@ -273,42 +335,52 @@ def summarize(sweep_settings, runs, seeds) -> dict:
     for seed in seeds:
       run = runs[f"{setting['run']}_seed{seed}"]
       dense = runs.get(f"dense_seed{seed}")
-      run["measured_speedup"] = (run["rollout_tokens_per_s"] / dense["rollout_tokens_per_s"]
-                                 if dense else None)
+      run["measured_speedup"] = (
+        run["rollout_tokens_per_s"] / dense["rollout_tokens_per_s"] if dense else None
+      )
   out = {}
   for setting in sweep_settings:
     rows = [runs[f"{setting['run']}_seed{seed}"] for seed in seeds]
-    out[setting["name"]] = {**setting, "seeds": list(seeds),
-                            **{f: _mean_std([r.get(f) for r in rows]) for f in FIELDS}}
+    out[setting["name"]] = {
+      **setting,
+      "seeds": list(seeds),
+      **{f: _mean_std([r.get(f) for r in rows]) for f in FIELDS},
+    }
   return out
 
 
 def print_table(summary) -> None:
   fmt = lambda d, p=3: "-" if d["mean"] is None else f"{d['mean']:.{p}f}+-{d['std']:.{p}f}"
   w = max(map(len, summary), default=0) + 2  # the setting column
-  head = (f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
-          f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}"
-          f"{'max below':>10}{'p1':>7}"
-          f"{'KV read':>9}{'start':>7}{'pred x':>8}{'tok/s':>8}{'meas x':>8}")
+  head = (
+    f"{'setting':<{w}}{'reward first->last':>26}{'held-out':>14}{'accuracy':>14}"
+    f"{'length first->last':>20}{'p5':>14}{'min p5 bin':>11}{'under tau':>10}"
+    f"{'max below':>10}{'p1':>7}"
+    f"{'KV read':>9}{'start':>7}{'pred x':>8}{'tok/s':>8}{'meas x':>8}"
+  )
   print(head)
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
     under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
     # figures a base sweep's older settings may not have recorded: "-"
-    meas, p1, start, below = ((s.get(f) or {}).get("mean") for f in (
-        "measured_speedup", "p1", "kv_read_start", "below_tau_bin"))
+    meas, p1, start, below = (
+      (s.get(f) or {}).get("mean")
+      for f in ("measured_speedup", "p1", "kv_read_start", "below_tau_bin")
+    )
     below = [v for v in below or [] if v is not None]  # pooled: at most 5% is p5 >= tau
-    print(f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
-          f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
-          f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
-          f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
-          f"{f'{min(under):.0%}-{max(under):.0%}' if under else '-':>10}"
-          f"{f'{max(below):.1%}' if below else '-':>10}"
-          f"{'-' if p1 is None else f'{p1:.3f}':>7}"
-          f"{s['kv_read']['mean']:>9.3f}{'-' if start is None else f'{start:.3f}':>7}"
-          f"{s['predicted_speedup']['mean']:>8.2f}"
-          f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
-          f"{'-' if meas is None else f'{meas:.2f}':>8}")
+    print(
+      f"{name:<{w}}{fmt(s['reward_first']) + ' -> ' + fmt(s['reward_last']):>26}"
+      f"{fmt(s['heldout_score']):>14}{fmt(s['heldout_accuracy']):>14}"
+      f"{s['length_first']['mean']:>11.0f} -> {s['length_last']['mean']:<5.0f}"
+      f"{fmt(s['p5']):>14}{min(bins) if bins else float('nan'):>11.3f}"
+      f"{f'{min(under):.0%}-{max(under):.0%}' if under else '-':>10}"
+      f"{f'{max(below):.1%}' if below else '-':>10}"
+      f"{'-' if p1 is None else f'{p1:.3f}':>7}"
+      f"{s['kv_read']['mean']:>9.3f}{'-' if start is None else f'{start:.3f}':>7}"
+      f"{s['predicted_speedup']['mean']:>8.2f}"
+      f"{s['rollout_tokens_per_s']['mean']:>8.0f}"
+      f"{'-' if meas is None else f'{meas:.2f}':>8}"
+    )
 
 
 def plot(sweep: dict, path: str) -> None:
@@ -316,6 +388,7 @@ def plot(sweep: dict, path: str) -> None:
   speedups per setting, and held-out score against KV read (the Pareto front); error bars are the
   std over seeds."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -324,11 +397,13 @@ def plot(sweep: dict, path: str) -> None:
   x = np.arange(len(names))
   mean = lambda f: np.array([s[n][f]["mean"] for n in names], np.float64)  # None -> NaN
   std = lambda f: np.nan_to_num(np.array([s[n][f]["std"] for n in names], np.float64))
-  bars = lambda ax, dx, f, fmt, label: ax.errorbar(x + dx, mean(f), std(f), fmt=fmt, capsize=3,
-                                                   label=label)
+  bars = lambda ax, dx, f, fmt, label: ax.errorbar(
+    x + dx, mean(f), std(f), fmt=fmt, capsize=3, label=label
+  )
   fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
-  bars(axes[0], -0.1, "reward_last", "o",
-       f"training reward (last {sweep['config']['window']} steps)")
+  bars(
+    axes[0], -0.1, "reward_last", "o", f"training reward (last {sweep['config']['window']} steps)"
+  )
   bars(axes[0], 0.0, "heldout_score", "s", "held-out score (dense)")
   bars(axes[0], 0.1, "heldout_accuracy", "^", "held-out exact accuracy")
   axes[0].set(title="stability: reward and held-out score", ylabel="score")
@@ -347,12 +422,16 @@ def plot(sweep: dict, path: str) -> None:
   for ax in axes[:3]:
     ax.set_xticks(x, names, rotation=30, ha="right")
     ax.legend(fontsize=7)
-  axes[3].errorbar(mean("kv_read"), mean("heldout_score"), std("heldout_score"), std("kv_read"),
-                   fmt="o", capsize=3)
+  axes[3].errorbar(
+    mean("kv_read"), mean("heldout_score"), std("heldout_score"), std("kv_read"), fmt="o", capsize=3
+  )
   for n, kv, score in zip(names, mean("kv_read"), mean("heldout_score")):
     axes[3].annotate(n, (kv, score), fontsize=7, xytext=(3, 3), textcoords="offset points")
-  axes[3].set(title="held-out score vs KV read (Pareto front)", xlabel="KV pages read / dense",
-              ylabel="held-out score")
+  axes[3].set(
+    title="held-out score vs KV read (Pareto front)",
+    xlabel="KV pages read / dense",
+    ylabel="held-out score",
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -372,11 +451,12 @@ def sweep(c) -> dict:
   for setting in sweep_settings:
     for seed in seeds:
       runs.setdefault(f"{setting['run']}_seed{seed}", run_config(c, setting, seed))
-  todo = [name for name, rc in runs.items()
-          if not (trained(rc) and evaluated(eval_config(c, rc)))]
-  print(f"[tau_sweep] {len(sweep_settings)} settings x {len(seeds)} seeds = {len(runs)} runs "
-        f"(shared tables run once), {len(runs) - len(todo)} done already, in {c.sweep_dir}",
-        flush=True)
+  todo = [name for name, rc in runs.items() if not (trained(rc) and evaluated(eval_config(c, rc)))]
+  print(
+    f"[tau_sweep] {len(sweep_settings)} settings x {len(seeds)} seeds = {len(runs)} runs "
+    f"(shared tables run once), {len(runs) - len(todo)} done already, in {c.sweep_dir}",
+    flush=True,
+  )
   t_start, times = time.time(), []
   for i, (name, rc) in enumerate(runs.items()):
     if name not in todo:
@@ -384,8 +464,11 @@ def sweep(c) -> dict:
       continue
     left = len(todo) - len(times)
     eta = f"{np.mean(times) * left:.0f}s" if times else "--"
-    print(f"[tau_sweep] run {i + 1}/{len(runs)} {name} ({rc.rollout.schedule or 'dense'}): "
-          f"{time.time() - t_start:.0f}s elapsed, ETA {eta} ({left} runs left)", flush=True)
+    print(
+      f"[tau_sweep] run {i + 1}/{len(runs)} {name} ({rc.rollout.schedule or 'dense'}): "
+      f"{time.time() - t_start:.0f}s elapsed, ETA {eta} ({left} runs left)",
+      flush=True,
+    )
     t0 = time.time()
     train_and_evaluate(c, rc)
     times.append(time.time() - t0)
@@ -394,14 +477,19 @@ def sweep(c) -> dict:
   records = {**base["runs"], **records}  # a run made here replaces the base's of the same name
   merged = {**base["settings"], **summarize(sweep_settings, records, seeds)}
   order = lambda n: (KINDS.index(merged[n]["kind"]), merged[n]["tau"] or 0, len(n), n)  # plot order
-  out = {"config": json.loads(c.to_json_best_effort()),
-         "settings": {name: merged[name] for name in sorted(merged, key=order)}, "runs": records}
+  out = {
+    "config": json.loads(c.to_json_best_effort()),
+    "settings": {name: merged[name] for name in sorted(merged, key=order)},
+    "runs": records,
+  }
   with open(os.path.join(c.sweep_dir, "sweep.json"), "w") as f:
     json.dump(out, f, indent=1, allow_nan=False)
   plot(out, os.path.join(c.sweep_dir, "tau_sweep.png"))
   print_table(out["settings"])
-  print(f"[tau_sweep] wrote {c.sweep_dir}/sweep.json and tau_sweep.png "
-        f"({time.time() - t_start:.0f}s)", flush=True)
+  print(
+    f"[tau_sweep] wrote {c.sweep_dir}/sweep.json and tau_sweep.png ({time.time() - t_start:.0f}s)",
+    flush=True,
+  )
   return out
 
 

@@ -15,6 +15,7 @@ default, which splits a batch into row chunks, and unlimited: one call), and the
 each topology, batch and page list (dense: every page of the context; sparse: the paper's budget):
 compiled or the compiler's error.
 """
+
 import functools
 
 import jax
@@ -38,15 +39,25 @@ def compile_call(device, B, N, c, smem_bytes):
   X = B * (c.context // Z) + 1  # every row's pages and the trash page, per KV head
   on = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
-  args = (sds((B, K, G, E), jnp.bfloat16), sds((K * X, Z, E), jnp.bfloat16),
-          sds((K * X, Z, E), jnp.bfloat16), sds((B, K, N), jnp.int32), sds((B, K, N), jnp.int32),
-          sds((B, K), jnp.int32), sds((B,), jnp.int32))
+  args = (
+    sds((B, K, G, E), jnp.bfloat16),
+    sds((K * X, Z, E), jnp.bfloat16),
+    sds((K * X, Z, E), jnp.bfloat16),
+    sds((B, K, N), jnp.int32),
+    sds((B, K, N), jnp.int32),
+    sds((B, K), jnp.int32),
+    sds((B,), jnp.int32),
+  )
   block = sparse_decode_tpu.default_pages_per_block(N, Z)
   budget = sparse_decode_tpu.SMEM_PREFETCH_BYTES if smem_bytes is None else smem_bytes
   chunks = -(-B // sparse_decode_tpu.rows_per_call(B, K, -(-N // block) * block, budget))
-  fn = (functools.partial(policy.paged_decode_attention, impl="auto") if smem_bytes is None else
-        functools.partial(sparse_decode_tpu.paged_decode_attention, interpret=False,
-                          smem_bytes=smem_bytes))
+  fn = (
+    functools.partial(policy.paged_decode_attention, impl="auto")
+    if smem_bytes is None
+    else functools.partial(
+      sparse_decode_tpu.paged_decode_attention, interpret=False, smem_bytes=smem_bytes
+    )
+  )
   try:
     jax.jit(fn).lower(*args).compile()
     return True, "", chunks
@@ -58,22 +69,42 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   from jax.experimental import topologies
+
   c = flags.FLAGS.config
-  budgets = {"default": sparse_decode_tpu.SMEM_PREFETCH_BYTES, "unlimited": UNLIMITED,
-             "dispatch": None}
+  budgets = {
+    "default": sparse_decode_tpu.SMEM_PREFETCH_BYTES,
+    "unlimited": UNLIMITED,
+    "dispatch": None,
+  }
   rows = []
-  print(f"{'topology':14s} {'kind':14s} {'B':>4s} {'pages':>6s} {'smem budget':>12s} "
-        f"{'calls':>5s}  result")
+  print(
+    f"{'topology':14s} {'kind':14s} {'B':>4s} {'pages':>6s} {'smem budget':>12s} "
+    f"{'calls':>5s}  result"
+  )
   for name in c.topologies.split(","):
     device = topologies.get_topology_desc(name, "tpu").devices[0]
     for B in (int(b) for b in c.batches.split(",")):
       for case, N in (("dense", c.context // c.page_size), ("sparse", c.sparse_pages)):
         for budget in c.smem_bytes.split(","):
           ok, error, chunks = compile_call(device, B, N, c, budgets[budget])
-          rows.append(dict(topology=name, device_kind=device.device_kind, batch=B, case=case,
-                           pages=N, smem_budget=budget, calls=chunks, compiled=ok, error=error))
-          print(f"{name:14s} {device.device_kind:14s} {B:4d} {N:6d} {budget:>12s} {chunks:5d}  "
-                f"{'compiles' if ok else 'FAILS: ' + error[:90]}", flush=True)
+          rows.append(
+            dict(
+              topology=name,
+              device_kind=device.device_kind,
+              batch=B,
+              case=case,
+              pages=N,
+              smem_budget=budget,
+              calls=chunks,
+              compiled=ok,
+              error=error,
+            )
+          )
+          print(
+            f"{name:14s} {device.device_kind:14s} {B:4d} {N:6d} {budget:>12s} {chunks:5d}  "
+            f"{'compiles' if ok else 'FAILS: ' + error[:90]}",
+            flush=True,
+          )
   if c.record:
     records.write_record(c.record, {"config": c.to_dict(), "calls": rows})
 

@@ -36,6 +36,7 @@ scalar prefetch ("scalar prefetch not implemented in the Triton backend"), so th
 ordinary input block and pages are fetched by indexing the cache ref with the loaded page ids (a
 gather load). Its float32 dots default to TF32 (Precision.DEFAULT); HIGHEST makes them IEEE.
 """
+
 import dataclasses
 import functools
 
@@ -52,8 +53,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  block_tokens: int     # tokens loaded per inner step (whole pages)
-  use_dot: bool         # tl.dot with G padded to 16 rows, else a CUDA-core multiply-reduce
+  block_tokens: int  # tokens loaded per inner step (whole pages)
+  use_dot: bool  # tl.dot with G padded to 16 rows, else a CUDA-core multiply-reduce
   num_warps: int
   num_stages: int
   target_programs: int  # default splits aim at about this many programs per call
@@ -64,10 +65,8 @@ class Tuning:
 # (block 32/64/128, dot vs reduce) so this table can be set from measurements. 264 programs = two
 # waves on an H100/H200's 132 SMs.
 TUNING = {
-    "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=2,
-                       target_programs=264),
-    "float32": Tuning(block_tokens=32, use_dot=False, num_warps=4, num_stages=2,
-                      target_programs=264),
+  "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=2, target_programs=264),
+  "float32": Tuning(block_tokens=32, use_dot=False, num_warps=4, num_stages=2, target_programs=264),
 }
 
 
@@ -104,8 +103,24 @@ def _weighted_values(p_GT, v_TE, use_dot):
   return jnp.sum(p_GT[:, :, None] * v_TE[None].astype(jnp.float32), axis=1)
 
 
-def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, length_ref, q_ref, k_ref, v_ref, m_ref,
-            l_ref, acc_ref, *, scale, page_size, pages_per_block, blocks_per_split, use_dot):
+def _kernel(
+  page_idx_ref,
+  logical_idx_ref,
+  n_valid_ref,
+  length_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  m_ref,
+  l_ref,
+  acc_ref,
+  *,
+  scale,
+  page_size,
+  pages_per_block,
+  blocks_per_split,
+  use_dot,
+):
   """One (b, k, split): online softmax over this split's blocks of selected pages."""
   split = pl.program_id(2)
   n_valid = n_valid_ref[0]
@@ -115,8 +130,9 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, length_ref, q_ref, k_ref
   T = pages_per_block * page_size
   first_slot = split * (blocks_per_split * pages_per_block)
   remaining = jnp.maximum(n_valid - first_slot, 0)
-  n_blocks = jnp.minimum(jax.lax.div(remaining + pages_per_block - 1, pages_per_block),
-                         blocks_per_split)
+  n_blocks = jnp.minimum(
+    jax.lax.div(remaining + pages_per_block - 1, pages_per_block), blocks_per_split
+  )
 
   def body(j, carry):
     m_G, l_G, acc_GE = carry
@@ -138,8 +154,11 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, length_ref, q_ref, k_ref
     acc_GE = acc_GE * corr_G[:, None] + _weighted_values(p_GT, v_TE, use_dot)
     return m_new_G, l_G, acc_GE
 
-  init = (jnp.full((G,), -jnp.inf, jnp.float32), jnp.zeros((G,), jnp.float32),
-          jnp.zeros((G, E), jnp.float32))
+  init = (
+    jnp.full((G,), -jnp.inf, jnp.float32),
+    jnp.zeros((G,), jnp.float32),
+    jnp.zeros((G, E), jnp.float32),
+  )
   m_G, l_G, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
   m_ref[...] = m_G
   l_ref[...] = l_G
@@ -157,9 +176,20 @@ def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
   return acc_BKGE / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
 
 
-def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                           n_valid_BK, lengths_B, *, scale=None, num_splits=None, config=None,
-                           interpret=None):
+def paged_decode_attention(
+  q_BKGE,
+  k_pages_XZE,
+  v_pages_XZE,
+  page_idx_BKN,
+  logical_idx_BKN,
+  n_valid_BK,
+  lengths_B,
+  *,
+  scale=None,
+  num_splits=None,
+  config=None,
+  interpret=None,
+):
   """Pallas twin of reference.paged_decode_attention (same arguments, same result): page ids are
   physical ids into the flat page array (a page pool), logical ids give the positions to mask.
 
@@ -167,8 +197,9 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   target_programs), config (a Tuning; default `tuning(cache dtype, G)`) and interpret (default:
   True unless the backend is a GPU).
   """
-  reference.check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                             n_valid_BK, lengths_B)
+  reference.check_paged_args(
+    q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
+  )
   B, K, G, E = q_BKGE.shape
   X, page_size, _ = k_pages_XZE.shape
   N = page_idx_BKN.shape[2]
@@ -190,49 +221,63 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   per_split = blocks_per_split * pages_per_block
   # Padding slots sit at index >= N >= n_valid, so the kernel masks them like the caller's padding;
   # their page id 0 keeps the gather in bounds, as the clip does for the caller's ids.
-  split = lambda idx_BKN: jnp.pad(idx_BKN.astype(jnp.int32), (
-      (0, 0), (0, 0), (0, num_splits * per_split - N))).reshape(B, K, num_splits, per_split)
+  split = lambda idx_BKN: jnp.pad(
+    idx_BKN.astype(jnp.int32), ((0, 0), (0, 0), (0, num_splits * per_split - N))
+  ).reshape(B, K, num_splits, per_split)
   page_idx_BKXN = split(jnp.clip(page_idx_BKN, 0, X - 1))
   logical_idx_BKXN = split(logical_idx_BKN)
   Gp = max(_MIN_DOT, _next_pow2(G)) if config.use_dot else _next_pow2(G)
   # q meets the cache in the cache's dtype (the Triton dot takes one element type).
   q_BKGE_padded = jnp.pad(q_BKGE.astype(k_pages_XZE.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
-  kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
-                             pages_per_block=pages_per_block, blocks_per_split=blocks_per_split,
-                             use_dot=config.use_dot)
+  kernel = functools.partial(
+    _kernel,
+    scale=scale,
+    page_size=page_size,
+    pages_per_block=pages_per_block,
+    blocks_per_split=blocks_per_split,
+    use_dot=config.use_dot,
+  )
   # Every program sees the whole page array and gathers its pages by id (no per-row block).
   pages_spec = pl.BlockSpec((X, page_size, E), lambda b, k, s: (0, 0, 0))
   ids_spec = pl.BlockSpec((None, None, None, per_split), lambda b, k, s: (b, k, s, 0))
   m_BKXG, l_BKXG, acc_BKXGE = pl.pallas_call(
-      kernel,
-      grid=(B, K, num_splits),
-      in_specs=[
-          ids_spec,
-          ids_spec,
-          pl.BlockSpec((None, None, 1), lambda b, k, s: (b, k, 0)),
-          pl.BlockSpec((None, 1), lambda b, k, s: (b, 0)),
-          pl.BlockSpec((None, None, Gp, E), lambda b, k, s: (b, k, 0, 0)),
-          pages_spec,
-          pages_spec,
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
-          pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
-          pl.BlockSpec((None, None, None, Gp, E), lambda b, k, s: (b, k, s, 0, 0)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
-          jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
-      ],
-      # Selects the Triton lowering on GPU (default would be Mosaic GPU); ignored in interpret mode.
-      compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
-                                              num_stages=config.num_stages),
-      interpret=interpret,
-      name="sparse_decode",
-  )(page_idx_BKXN, logical_idx_BKXN, n_valid_BK.astype(jnp.int32)[..., None],
-    lengths_B.astype(jnp.int32)[:, None], q_BKGE_padded, k_pages_XZE, v_pages_XZE)
+    kernel,
+    grid=(B, K, num_splits),
+    in_specs=[
+      ids_spec,
+      ids_spec,
+      pl.BlockSpec((None, None, 1), lambda b, k, s: (b, k, 0)),
+      pl.BlockSpec((None, 1), lambda b, k, s: (b, 0)),
+      pl.BlockSpec((None, None, Gp, E), lambda b, k, s: (b, k, 0, 0)),
+      pages_spec,
+      pages_spec,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+      pl.BlockSpec((None, None, None, Gp, E), lambda b, k, s: (b, k, s, 0, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
+    ],
+    # Selects the Triton lowering on GPU (default would be Mosaic GPU); ignored in interpret mode.
+    compiler_params=pltriton.CompilerParams(
+      num_warps=config.num_warps, num_stages=config.num_stages
+    ),
+    interpret=interpret,
+    name="sparse_decode",
+  )(
+    page_idx_BKXN,
+    logical_idx_BKXN,
+    n_valid_BK.astype(jnp.int32)[..., None],
+    lengths_B.astype(jnp.int32)[:, None],
+    q_BKGE_padded,
+    k_pages_XZE,
+    v_pages_XZE,
+  )
   out_BKGE = _merge_splits(m_BKXG, l_BKXG, acc_BKXGE)
   return out_BKGE[:, :, :G].astype(q_BKGE.dtype)
 

@@ -37,6 +37,7 @@ copy into the slot being computed on as wrong values (or a semaphore hang, as on
 generic `interpret=True` also runs the kernel, but completes each copy when it starts, so it
 passes a kernel that forgets to wait.
 """
+
 import functools
 
 import jax
@@ -47,7 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from sparrow_jax.attention import reference
 
 _BLOCK_TOKENS = 128  # default tokens per block: a lane-dense [G, 128] score tile
-_SUBLANES = 8        # 32-bit sublane tile; packed dtypes hold 32 // bits rows per sublane
+_SUBLANES = 8  # 32-bit sublane tile; packed dtypes hold 32 // bits rows per sublane
 # Scalar-prefetch bytes one pallas_call may take: half of the 1 MiB of SMEM that v4, v5e, v5p, v6e
 # and TPU7x have (the compiler keeps its own scalars there too). A batch whose page lists need more
 # runs as several calls over row chunks (docs/results/tpu_compile_check.md).
@@ -58,8 +59,9 @@ def _sublane_tile(dtype) -> int:
   return _SUBLANES * 4 // jnp.dtype(dtype).itemsize
 
 
-def _page_copies(j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size,
-                 pages_per_block):
+def _page_copies(
+  j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size, pages_per_block
+):
   """The DMA descriptors of block j's pages of one (b, k) into buffer slot `slot`."""
   copies = []
   for i in range(pages_per_block):
@@ -88,8 +90,12 @@ def _softmax_step(carry, q_GE, k_TE, v_TE, valid_1T, scale):
   m_G1, l_G1, acc_GE = carry
   # float32 operands: ask for full-precision passes rather than Mosaic's default.
   precision = jax.lax.Precision.HIGHEST if q_GE.dtype == jnp.float32 else None
-  s_GT = jax.lax.dot_general(q_GE, k_TE, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * scale
+  s_GT = (
+    jax.lax.dot_general(
+      q_GE, k_TE, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+    * scale
+  )
   s_GT = jnp.where(valid_1T, s_GT, -jnp.inf)
   m_new_G1 = jnp.maximum(m_G1, jnp.max(s_GT, axis=1, keepdims=True))
   # All-masked so far: keep exp() at 0 instead of exp(-inf - -inf) = NaN.
@@ -97,14 +103,31 @@ def _softmax_step(carry, q_GE, k_TE, v_TE, valid_1T, scale):
   corr_G1 = jnp.exp(m_G1 - m_safe_G1)
   p_GT = jnp.exp(s_GT - m_safe_G1)
   l_G1 = l_G1 * corr_G1 + jnp.sum(p_GT, axis=1, keepdims=True)
-  pv_GE = jnp.dot(p_GT.astype(q_GE.dtype), v_TE, precision=precision,
-                  preferred_element_type=jnp.float32)
+  pv_GE = jnp.dot(
+    p_GT.astype(q_GE.dtype), v_TE, precision=precision, preferred_element_type=jnp.float32
+  )
   return m_new_G1, l_G1, acc_GE * corr_G1 + pv_GE
 
 
-def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hbm_ref, v_hbm_ref,
-            o_ref, k_buf_ref, v_buf_ref, k_sem_ref, v_sem_ref, *, scale, page_size,
-            pages_per_block, slots_per_row):
+def _kernel(
+  page_idx_ref,
+  logical_idx_ref,
+  n_valid_ref,
+  lengths_ref,
+  q_ref,
+  k_hbm_ref,
+  v_hbm_ref,
+  o_ref,
+  k_buf_ref,
+  v_buf_ref,
+  k_sem_ref,
+  v_sem_ref,
+  *,
+  scale,
+  page_size,
+  pages_per_block,
+  slots_per_row,
+):
   """One (b, k): double-buffered DMA of the selected pages, online softmax over the blocks."""
   b, k = pl.program_id(0), pl.program_id(1)
   bk = b * pl.num_programs(1) + k
@@ -113,12 +136,18 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hb
   length = lengths_ref[b]
   # A row with nothing cached copies nothing (n_valid alone would still fetch its pages).
   n_blocks = jnp.where(length > 0, jax.lax.div(n_valid + pages_per_block - 1, pages_per_block), 0)
-  copies = functools.partial(_page_copies, page_idx_ref=page_idx_ref, row=row,
-                             page_size=page_size, pages_per_block=pages_per_block)
+  copies = functools.partial(
+    _page_copies,
+    page_idx_ref=page_idx_ref,
+    row=row,
+    page_size=page_size,
+    pages_per_block=pages_per_block,
+  )
 
   def start(j, slot):
-    for copy in (copies(j, slot, hbm_ref=k_hbm_ref, buf_ref=k_buf_ref, sem_ref=k_sem_ref)
-                 + copies(j, slot, hbm_ref=v_hbm_ref, buf_ref=v_buf_ref, sem_ref=v_sem_ref)):
+    for copy in copies(j, slot, hbm_ref=k_hbm_ref, buf_ref=k_buf_ref, sem_ref=k_sem_ref) + copies(
+      j, slot, hbm_ref=v_hbm_ref, buf_ref=v_buf_ref, sem_ref=v_sem_ref
+    ):
       copy.start()
 
   def wait(j, slot, hbm_ref, buf_ref, sem_ref):
@@ -136,20 +165,36 @@ def _kernel(page_idx_ref, logical_idx_ref, n_valid_ref, lengths_ref, q_ref, k_hb
 
   def body(j, carry):
     slot = j % 2
+
     # The other slot's block was consumed last iteration: refill it while this one computes.
     @pl.when(j + 1 < n_blocks)
     def _():
       start(j + 1, 1 - slot)
 
-    valid_1T = _block_mask(logical_idx_ref, row + j * pages_per_block, row + n_valid, length,
-                           page_size=page_size, pages_per_block=pages_per_block)
+    valid_1T = _block_mask(
+      logical_idx_ref,
+      row + j * pages_per_block,
+      row + n_valid,
+      length,
+      page_size=page_size,
+      pages_per_block=pages_per_block,
+    )
     wait(j, slot, k_hbm_ref, k_buf_ref, k_sem_ref)
     wait(j, slot, v_hbm_ref, v_buf_ref, v_sem_ref)
-    return _softmax_step(carry, q_GE, k_buf_ref[slot].astype(dot_dtype),
-                         v_buf_ref[slot].astype(dot_dtype), valid_1T, scale)
+    return _softmax_step(
+      carry,
+      q_GE,
+      k_buf_ref[slot].astype(dot_dtype),
+      v_buf_ref[slot].astype(dot_dtype),
+      valid_1T,
+      scale,
+    )
 
-  init = (jnp.full((G, 1), -jnp.inf, jnp.float32), jnp.zeros((G, 1), jnp.float32),
-          jnp.zeros((G, E), jnp.float32))
+  init = (
+    jnp.full((G, 1), -jnp.inf, jnp.float32),
+    jnp.zeros((G, 1), jnp.float32),
+    jnp.zeros((G, E), jnp.float32),
+  )
   _, l_G1, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
   o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
 
@@ -164,14 +209,27 @@ def rows_per_call(B: int, K: int, slots_per_row: int, smem_bytes: int) -> int:
   K x slots_per_row each, n_valid and the length, int32) fit in smem_bytes."""
   per_row = 4 * (K * (2 * slots_per_row + 1) + 1)
   if per_row > smem_bytes:
-    raise ValueError(f"one row's page lists ({K} KV heads x {slots_per_row} pages, {per_row} bytes "
-                     f"of scalar prefetch) exceed the {smem_bytes} bytes of SMEM a call may take")
+    raise ValueError(
+      f"one row's page lists ({K} KV heads x {slots_per_row} pages, {per_row} bytes "
+      f"of scalar prefetch) exceed the {smem_bytes} bytes of SMEM a call may take"
+    )
   return min(B, smem_bytes // per_row)
 
 
-def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                           n_valid_BK, lengths_B, *, scale=None, pages_per_block=None,
-                           interpret=None, smem_bytes=SMEM_PREFETCH_BYTES):
+def paged_decode_attention(
+  q_BKGE,
+  k_pages_XZE,
+  v_pages_XZE,
+  page_idx_BKN,
+  logical_idx_BKN,
+  n_valid_BK,
+  lengths_B,
+  *,
+  scale=None,
+  pages_per_block=None,
+  interpret=None,
+  smem_bytes=SMEM_PREFETCH_BYTES,
+):
   """Pallas TPU twin of reference.paged_decode_attention (same arguments, same result).
 
   Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
@@ -179,8 +237,9 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   unless the backend is a TPU) and smem_bytes (the scalar prefetch one call may take; a batch
   that needs more runs as a loop of calls over row chunks, `rows_per_call`).
   """
-  reference.check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                             n_valid_BK, lengths_B)
+  reference.check_paged_args(
+    q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
+  )
   B, K, G, E = q_BKGE.shape
   X, page_size, _ = k_pages_XZE.shape
   N = page_idx_BKN.shape[2]
@@ -198,46 +257,61 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   # Rows past B (a last partial chunk) select nothing: zeros, sliced off.
   chunks = -(-B // rows)
   by_chunk = lambda x: jnp.pad(x, ((0, chunks * rows - B),) + ((0, 0),) * (x.ndim - 1)).reshape(
-      chunks, rows, *x.shape[1:])
+    chunks, rows, *x.shape[1:]
+  )
   # Slots >= N sit past every n_valid, so the kernel masks them like the caller's padding; page 0
   # keeps their copies in bounds, as the clip does for the caller's ids.
-  flat = lambda idx_BKN: jnp.pad(idx_BKN.astype(jnp.int32),
-                                 ((0, 0), (0, 0), (0, slots_per_row - N))).reshape(-1)
+  flat = lambda idx_BKN: jnp.pad(
+    idx_BKN.astype(jnp.int32), ((0, 0), (0, 0), (0, slots_per_row - N))
+  ).reshape(-1)
   Gp = -(-G // _sublane_tile(q_BKGE.dtype)) * _sublane_tile(q_BKGE.dtype)
   q_BKGE_padded = jnp.pad(q_BKGE, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   T = pages_per_block * page_size
 
-  kernel = functools.partial(_kernel, scale=scale, page_size=page_size,
-                             pages_per_block=pages_per_block, slots_per_row=slots_per_row)
+  kernel = functools.partial(
+    _kernel,
+    scale=scale,
+    page_size=page_size,
+    pages_per_block=pages_per_block,
+    slots_per_row=slots_per_row,
+  )
   qo_spec = pl.BlockSpec((None, None, Gp, E), lambda b, k, *_: (b, k, 0, 0))
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
   buf = pltpu.VMEM((2, T, E), k_pages_XZE.dtype)  # two slots: one DMA'd into, one computed on
   call = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4,
-          grid=(rows, K),
-          in_specs=[qo_spec, hbm_spec, hbm_spec],
-          out_specs=qo_spec,
-          scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
-      ),
-      out_shape=jax.ShapeDtypeStruct((rows, K, Gp, E), q_BKGE.dtype),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-      interpret=interpret,
-      name="sparse_decode_tpu",
+    kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=4,
+      grid=(rows, K),
+      in_specs=[qo_spec, hbm_spec, hbm_spec],
+      out_specs=qo_spec,
+      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
+    ),
+    out_shape=jax.ShapeDtypeStruct((rows, K, Gp, E), q_BKGE.dtype),
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+    interpret=interpret,
+    name="sparse_decode_tpu",
   )
 
   def one_chunk(args):
     page_idx, logical_idx, n_valid, lengths, q = args
-    return call(flat(jnp.clip(page_idx, 0, X - 1)), flat(logical_idx),
-                n_valid.astype(jnp.int32).reshape(-1), lengths.astype(jnp.int32), q,
-                k_pages_XZE, v_pages_XZE)
+    return call(
+      flat(jnp.clip(page_idx, 0, X - 1)),
+      flat(logical_idx),
+      n_valid.astype(jnp.int32).reshape(-1),
+      lengths.astype(jnp.int32),
+      q,
+      k_pages_XZE,
+      v_pages_XZE,
+    )
+
   args = (page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B, q_BKGE_padded)
   if chunks == 1:
     out_BKGE = one_chunk(args)
   else:
-    out_BKGE = jax.lax.map(one_chunk, tuple(map(by_chunk, args))).reshape(
-        chunks * rows, K, Gp, E)[:B]
+    out_BKGE = jax.lax.map(one_chunk, tuple(map(by_chunk, args))).reshape(chunks * rows, K, Gp, E)[
+      :B
+    ]
   return out_BKGE[:, :, :G]
 
 

@@ -1,4 +1,5 @@
 """sparrow_jax: sparse-attention rollouts for long-context RL of Qwen3 models, in JAX."""
+
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
 from sparrow_jax.mismatch.schedule import KVSchedule
@@ -8,3 +9,18 @@ from sparrow_jax.attention.policy import forward
 from sparrow_jax.model.qwen3 import init_params, token_logprobs
 from sparrow_jax.rollout.engine import generate
 from sparrow_jax.rollout.sampler import Rollout
+
+__all__ = [
+  "KVSchedule",
+  "Qwen3Config",
+  "Rollout",
+  "SparseConfig",
+  "acceptance_rate",
+  "forward",
+  "generate",
+  "init_params",
+  "load_hf",
+  "save_hf",
+  "tail_stats",
+  "token_logprobs",
+]

@@ -7,6 +7,7 @@ an uninterrupted run would have done.
 Each checkpoint's meta carries a checksum of every array of the state (`checksums`), verified on
 restore: a byte flipped on disk reads back as a corrupt checkpoint, not as silently wrong weights.
 """
+
 import os
 
 import jax
@@ -23,16 +24,17 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   # Handlers named up front, so a fresh manager can read a checkpoint's metadata (its tree of
   # shapes and dtypes) before restoring it.
   return ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, "checkpoints")),
-      options=ocp.CheckpointManagerOptions(max_to_keep=keep),
-      item_handlers={"state": ocp.StandardCheckpointHandler(),
-                     "meta": ocp.JsonCheckpointHandler()})
+    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    options=ocp.CheckpointManagerOptions(max_to_keep=keep),
+    item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+  )
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
   meta = {**meta, CHECKSUMS: checksums(state)}
-  mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                         meta=ocp.args.JsonSave(meta)))
+  mgr.save(
+    step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+  )
 
 
 def _leaf_checksum(x):
@@ -59,8 +61,10 @@ _checksum_tree = jax.jit(lambda tree: jax.tree_util.tree_map(_leaf_checksum, tre
 def checksums(state) -> dict:
   """{leaf path: 16 hex digits} of every array of `state` (any sharding; computed on device)."""
   sums = _checksum_tree(state)
-  return {jax.tree_util.keystr(path): "".join(f"{int(v):08x}" for v in sharding.to_host(s))
-          for path, s in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  return {
+    jax.tree_util.keystr(path): "".join(f"{int(v):08x}" for v in sharding.to_host(s))
+    for path, s in jax.tree_util.tree_flatten_with_path(sums)[0]
+  }
 
 
 class _Unreadable(Exception):
@@ -72,17 +76,22 @@ def _shapes(tree, serialize: bool) -> dict:
   state, keyed the way orbax stores a tree (nested dicts of field names), so the two compare."""
   if serialize:
     tree = ocp.tree.serialize_tree(tree, keep_empty_nodes=True)
-  return {"/".join(map(str, k)): (tuple(v.shape), str(v.dtype))
-          for k, v in ocp.tree.to_flat_dict(tree).items() if hasattr(v, "shape")}
+  return {
+    "/".join(map(str, k)): (tuple(v.shape), str(v.dtype))
+    for k, v in ocp.tree.to_flat_dict(tree).items()
+    if hasattr(v, "shape")
+  }
 
 
 def state_difference(saved: dict, wanted: dict) -> str:
   """'' when the two `_shapes` maps agree, else the first differences in words."""
   diffs = [f"{k} only in the checkpoint" for k in sorted(set(saved) - set(wanted))]
   diffs += [f"{k} only in this config's state" for k in sorted(set(wanted) - set(saved))]
-  diffs += [f"{k} is {saved[k][0]} {saved[k][1]} in the checkpoint, {wanted[k][0]} "
-            f"{wanted[k][1]} here" for k in sorted(set(saved) & set(wanted))
-            if saved[k] != wanted[k]]
+  diffs += [
+    f"{k} is {saved[k][0]} {saved[k][1]} in the checkpoint, {wanted[k][0]} {wanted[k][1]} here"
+    for k in sorted(set(saved) & set(wanted))
+    if saved[k] != wanted[k]
+  ]
   return "; ".join(diffs[:3]) + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
 
 
@@ -98,12 +107,17 @@ def _restore(mgr, step, abstract, path):
   difference = state_difference(saved, _shapes(abstract, serialize=True))
   if difference:
     raise ValueError(
-        f"checkpoint {path} holds another train state than this config's ({difference}): it was "
-        "written by another config or code version. Nothing was changed; resume with that run's "
-        "config or use a new config.workdir")
+      f"checkpoint {path} holds another train state than this config's ({difference}): it was "
+      "written by another config or code version. Nothing was changed; resume with that run's "
+      "config or use a new config.workdir"
+    )
   try:
-    restored = mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    restored = mgr.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+      ),
+    )
   except (MemoryError, PermissionError):
     raise
   except Exception as e:  # damaged array data or meta JSON
@@ -119,12 +133,12 @@ def _restore(mgr, step, abstract, path):
 
 def restore_latest(mgr: ocp.CheckpointManager, like_state):
   """(state, meta) of the newest readable checkpoint, or None when there is none; arrays come back
-on the shardings of `like_state`'s (any mesh: a run may resume on another one).
+  on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
-  Only a checkpoint whose files fail to read as a checkpoint, or fail their checksums, is moved
-  aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later save
-  at that step must not collide with it, and nothing is deleted. A checkpoint that reads but holds
-  another state (a changed config) raises ValueError and changes nothing on disk.
+    Only a checkpoint whose files fail to read as a checkpoint, or fail their checksums, is moved
+    aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later save
+    at that step must not collide with it, and nothing is deleted. A checkpoint that reads but holds
+    another state (a changed config) raises ValueError and changes nothing on disk.
   """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
   for step in sorted(mgr.all_steps(), reverse=True):
@@ -136,6 +150,9 @@ on the shardings of `like_state`'s (any mesh: a run may resume on another one).
         os.replace(path, f"{path}.corrupt")
       multihost_utils.sync_global_devices(f"moved aside checkpoint {step}")
       mgr.reload()
-      print(f"warning: checkpoint {path} is unreadable ({str(e)[:200]}); moved to "
-            f"{path}.corrupt, trying the previous one", flush=True)
+      print(
+        f"warning: checkpoint {path} is unreadable ({str(e)[:200]}); moved to "
+        f"{path}.corrupt, trying the previous one",
+        flush=True,
+      )
   return None

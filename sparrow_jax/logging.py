@@ -3,6 +3,7 @@
 Nothing a kill can tear: metrics.jsonl is only appended to (a torn last line, a write the kill cut,
 is dropped when the run resumes), and whole files are replaced atomically (`write_atomic`).
 """
+
 import json
 import os
 
@@ -22,8 +23,9 @@ class MetricsLogger:
     if os.path.exists(path):
       kept = [row for row in read_rows(path) if row["step"] <= resume_step]
       write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
-    self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                                purge_step=resume_step + 1 if resume_step else None)
+    self.writer = SummaryWriter(
+      os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+    )
     self.jsonl = open(path, "a")
 
   def write(self, step: int, metrics: dict) -> None:
@@ -52,9 +54,16 @@ class MetricsLogger:
     limits = np.linspace(0, 1, n + 1)[1:]
     centers = limits - 0.5 / n
     self.writer.add_histogram_raw(
-        name, min=0.0, max=1.0, num=int(counts.sum()), sum=float((counts * centers).sum()),
-        sum_squares=float((counts * centers ** 2).sum()), bucket_limits=limits.tolist(),
-        bucket_counts=counts.tolist(), global_step=step)
+      name,
+      min=0.0,
+      max=1.0,
+      num=int(counts.sum()),
+      sum=float((counts * centers).sum()),
+      sum_squares=float((counts * centers**2).sum()),
+      bucket_limits=limits.tolist(),
+      bucket_counts=counts.tolist(),
+      global_step=step,
+    )
 
   def close(self) -> None:
     self.writer.close()
@@ -73,9 +82,11 @@ def read_rows(path: str) -> list:
     try:
       rows.append(json.loads(line))
     except ValueError:
-      if any(rest.strip() for rest in lines[i + 1:]):
-        raise ValueError(f"{path} line {i + 1} is not JSON ({line[:80]!r}); only a torn last line "
-                         "is repaired: fix or remove that line to resume") from None
+      if any(rest.strip() for rest in lines[i + 1 :]):
+        raise ValueError(
+          f"{path} line {i + 1} is not JSON ({line[:80]!r}); only a torn last line "
+          "is repaired: fix or remove that line to resume"
+        ) from None
   return rows
 
 

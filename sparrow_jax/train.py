@@ -5,6 +5,7 @@ of range, a bad file or dataset, a workdir in use), or a code sandbox that canno
 the job with one line naming it on stderr and exit status 2; `--verbose` (or SPARROW_VERBOSE=1)
 shows the traceback instead.
 """
+
 import os
 import re
 import sys
@@ -17,8 +18,11 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "show tracebacks of configuration
 
 
 def _verbose(argv=()) -> bool:
-  return bool(os.environ.get("SPARROW_VERBOSE")) or "--verbose" in argv or (
-      flags.FLAGS.is_parsed() and _VERBOSE.value)
+  return (
+    bool(os.environ.get("SPARROW_VERBOSE"))
+    or "--verbose" in argv
+    or (flags.FLAGS.is_parsed() and _VERBOSE.value)
+  )
 
 
 def _fail(message: str) -> None:
@@ -54,6 +58,7 @@ def _parse_flags(argv):
 def main(argv):
   del argv
   from sparrow_jax.rl import trainer  # here: a bad flag fails before jax and orbax import
+
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
   try:
     trainer.train(_CONFIG.value)

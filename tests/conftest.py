@@ -5,6 +5,7 @@ short single-device training run that the resume and the mesh tests compare agai
 No sys.path edit: tests/ is a package (tests/__init__.py), so pytest's default "prepend" import
 mode puts its parent, the repo root, on sys.path, and `configs`, `experiments` and `tests.helpers`
 import from there (`sparrow_jax` and `kernels` are installed by `pip install -e .`)."""
+
 import os
 import subprocess
 import sys
@@ -29,13 +30,21 @@ def run_experiment():
   """run(script, config, overrides) runs `python experiments/<script>.py
   --config=configs/<config>.py --config.<key>=<value> ...` in a subprocess from the repo root on
   the CPU and returns its stdout; a non-zero exit fails the test with the output's tail."""
+
   def run(script, config, overrides, timeout=300):
     cmd = [sys.executable, f"experiments/{script}.py", f"--config=configs/{config}.py"]
     cmd += [f"--config.{key}={value}" for key, value in overrides.items()]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    proc = subprocess.run(
+      cmd,
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
   return run
 
 
@@ -44,6 +53,7 @@ def small_run(tmp_path_factory):
   """The workdir of a finished 4-step SMALL run on one device."""
   workdir = tmp_path_factory.mktemp("small_run")
   from tests.helpers import launch_small
+
   proc = launch_small(workdir)
   out = proc.communicate(timeout=600)[0]
   assert proc.returncode == 0, out[-3000:]

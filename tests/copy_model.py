@@ -8,6 +8,7 @@ small page budget sometimes drops. The q/k RMSNorm weights stay frozen at 1 whil
 bounds attention logits by sqrt(head_dim) = 2: attention stays soft, as in real LMs where many pages
 carry some mass, so sparse attention perturbs the output smoothly instead of only by missed pages.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,9 +27,16 @@ COMPLETION_LEN = 2 * NUM_KEYS + 1
 SEQ_LEN = PROMPT_LEN + COMPLETION_LEN
 
 CONFIG = sj.Qwen3Config(
-    vocab_size=PAIR0 + NUM_KEYS * NUM_VALUES, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-    rope_theta=1e4, max_position_embeddings=128)
+  vocab_size=PAIR0 + NUM_KEYS * NUM_VALUES,
+  hidden_size=64,
+  intermediate_size=128,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=4,
+  rope_theta=1e4,
+  max_position_embeddings=128,
+)
 
 
 def sample(rng: np.random.RandomState, batch: int):
@@ -38,12 +46,14 @@ def sample(rng: np.random.RandomState, batch: int):
   prompt_len, length = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
   for b in range(batch):
     values = rng.randint(0, NUM_VALUES, NUM_KEYS)
-    body = np.array([FILL] * rng.randint(MIN_FILL, MAX_FILL + 1)
-                    + [PAIR0 + a * NUM_VALUES + v for a, v in enumerate(values)])
+    body = np.array(
+      [FILL] * rng.randint(MIN_FILL, MAX_FILL + 1)
+      + [PAIR0 + a * NUM_VALUES + v for a, v in enumerate(values)]
+    )
     body = body[rng.permutation(len(body))]
     completion = np.stack([KEY0 + np.arange(NUM_KEYS), VALUE0 + values], 1).reshape(-1)
     row = np.concatenate([[BOS], body, [SEP], completion, [EOS]])
-    tokens[b, :len(row)] = row
+    tokens[b, : len(row)] = row
     prompt_len[b], length[b] = len(body) + 2, len(row)
   return tokens, prompt_len, length
 

@@ -1,4 +1,5 @@
 """Shared test helpers: tiny configs and a transformers twin of our params."""
+
 import os
 import subprocess
 import sys
@@ -14,8 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**overrides):
-  base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+  base = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+  )
   base.update(overrides)
   return sj.Qwen3Config(**base)
 
@@ -24,6 +33,7 @@ def hf_model(cfg, params):
   """transformers' Qwen3ForCausalLM (torch, float32) loaded from our save_hf output."""
   import torch
   import transformers
+
   path = tempfile.mkdtemp()
   sj.save_hf(path, cfg, jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), params))
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -31,6 +41,7 @@ def hf_model(cfg, params):
 
 def hf_logits(model, tokens_BT, mask_BT=None, positions_BT=None):
   import torch
+
   kwargs = {}
   if mask_BT is not None:
     kwargs["attention_mask"] = torch.tensor(np.asarray(mask_BT, np.int64))
@@ -48,34 +59,57 @@ def write_tiny_hf_dir(directory, num_hidden_layers=3, corpus=()):
 
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, trainers
+
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                 "<|im_end|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  text = ["user assistant system", "Please reason step by step, and put your final answer within "
-          "\\boxed{}.", "What is 12 + 7 - 3 * 4? 0 1 2 3 4 5 6 7 8 9"] + list(corpus)
+  trainer = trainers.BpeTrainer(
+    vocab_size=400,
+    special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
+  text = [
+    "user assistant system",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "What is 12 + 7 - 3 * 4? 0 1 2 3 4 5 6 7 8 9",
+  ] + list(corpus)
   tok.train_from_iterator(text, trainer)
   tok.add_tokens(["<think>", "</think>"])
   os.makedirs(directory, exist_ok=True)
   tok.save(os.path.join(directory, "tokenizer.json"))
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
     json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)
-  cfg = tiny_config(vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                    num_hidden_layers=num_hidden_layers, max_position_embeddings=1024)
-  sj.save_hf(str(directory), cfg, sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2),
-             generation_config={"eos_token_id": tok.token_to_id("<|im_end|>")})
+  cfg = tiny_config(
+    vocab_size=tok.get_vocab_size(with_added_tokens=True),
+    num_hidden_layers=num_hidden_layers,
+    max_position_embeddings=1024,
+  )
+  sj.save_hf(
+    str(directory),
+    cfg,
+    sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2),
+    generation_config={"eos_token_id": tok.token_to_id("<|im_end|>")},
+  )
   return cfg
 
 
 # The default config cut down to seconds a step (random tiny preset, short chains and rollouts).
-SMALL = ["--config.model.hf_dir=", "--config.model.preset=tiny", "--config.rollout.schedule=fixed:4",
-         "--config.rollout.page_size=8", "--config.rollout.dense_layers=1",
-         "--config.task.min_hops=4", "--config.task.max_hops=8", "--config.rollout.max_prompt_len=64",
-         "--config.rollout.max_new_tokens=40", "--config.stats.bin_size=16",
-         "--config.rollout.group_size=4", "--config.total_steps=4", "--config.ckpt_every=2",
-         "--config.rl.num_minibatches=2"]  # 2 updates a step compile in half the time of 4
+SMALL = [
+  "--config.model.hf_dir=",
+  "--config.model.preset=tiny",
+  "--config.rollout.schedule=fixed:4",
+  "--config.rollout.page_size=8",
+  "--config.rollout.dense_layers=1",
+  "--config.task.min_hops=4",
+  "--config.task.max_hops=8",
+  "--config.rollout.max_prompt_len=64",
+  "--config.rollout.max_new_tokens=40",
+  "--config.stats.bin_size=16",
+  "--config.rollout.group_size=4",
+  "--config.total_steps=4",
+  "--config.ckpt_every=2",
+  "--config.rl.num_minibatches=2",
+]  # 2 updates a step compile in half the time of 4
 
 
 # XLA flags of every test process: the CPU backend's generated code at LLVM -O0. The suite's time
@@ -86,21 +120,39 @@ TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 def subprocess_env(devices: int = 1) -> dict:
   """A test's JAX subprocess: the CPU with `devices` fake devices, the repo on sys.path, and the
   tests' XLA flags (so it shares the session's compilation cache keys)."""
-  return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}")
+  return dict(
+    os.environ,
+    PYTHONPATH=ROOT,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}",
+  )
 
 
 def launch_small(workdir, *overrides, devices=1):
   """The SMALL training run in a subprocess (`devices` fake CPU devices), stdout+stderr piped."""
-  cmd = [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
-         f"--config.workdir={workdir}", *SMALL, *overrides]
-  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=subprocess_env(devices))
+  cmd = [
+    sys.executable,
+    "-m",
+    "sparrow_jax.train",
+    "--config=configs/default.py",
+    f"--config.workdir={workdir}",
+    *SMALL,
+    *overrides,
+  ]
+  return subprocess.Popen(
+    cmd,
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=subprocess_env(devices),
+  )
 
 
 def rows_by_step(workdir):
   """Last logged metrics row of each step, timings dropped."""
   import json
+
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   return {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows}
@@ -112,14 +164,20 @@ PER_DEVICE_METRICS = ("kv/predicted_speedup",)
 
 def assert_same_metrics(got, want, steps, atol, skip=()):
   import numpy as np
+
   for step in steps:
     assert got[step].keys() == want[step].keys()
     for name, value in want[step].items():
       if name in skip:
         continue
       value = np.asarray(value, dtype=float)  # per-bin lists hold None for empty bins -> nan
-      np.testing.assert_allclose(np.asarray(got[step][name], dtype=float), value, rtol=1e-5,
-                                 atol=atol, err_msg=f"step {step} {name}")
+      np.testing.assert_allclose(
+        np.asarray(got[step][name], dtype=float),
+        value,
+        rtol=1e-5,
+        atol=atol,
+        err_msg=f"step {step} {name}",
+      )
 
 
 def rescored_logprobs(params, cfg, prompt, prompt_len, out, **forward_kwargs):
@@ -127,12 +185,14 @@ def rescored_logprobs(params, cfg, prompt, prompt_len, out, **forward_kwargs):
   forward_kwargs sparse/schedule/prompt_len_B) and the mask of real completion tokens."""
   from sparrow_jax.model import qwen3
   from sparrow_jax.rollout import sampler
+
   prompt_len = jnp.asarray(prompt_len)
   seq_BS, _ = sampler.full_sequences(prompt, prompt_len, out)
   logits = sj.forward(params, seq_BS, cfg, mask_BT=seq_BS != -1, **forward_kwargs)
   logp_BS = jnp.pad(qwen3.token_logprobs(logits[:, :-1], seq_BS[:, 1:]), ((0, 0), (1, 0)))
   # completion token j of row b sits at position prompt_len[b] + j
-  idx = jnp.minimum(prompt_len[:, None] + jnp.arange(out.tokens.shape[1])[None],
-                    seq_BS.shape[1] - 1)
+  idx = jnp.minimum(
+    prompt_len[:, None] + jnp.arange(out.tokens.shape[1])[None], seq_BS.shape[1] - 1
+  )
   valid = jnp.arange(out.tokens.shape[1])[None] < out.lengths[:, None]
   return jnp.take_along_axis(logp_BS, idx, 1), valid

@@ -1,4 +1,5 @@
 """Acceptance rates and tail statistics against independent numpy computations."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,16 +41,18 @@ def test_alpha_is_one_iff_distributions_equal():
 
 def test_alpha_is_symmetric():
   p, q = _pair(seed=3)
-  np.testing.assert_allclose(acceptance.acceptance_rate(p, q), acceptance.acceptance_rate(q, p),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    acceptance.acceptance_rate(p, q), acceptance.acceptance_rate(q, p), atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 299, 300, 4096])
 def test_chunked_equals_unchunked(chunk_size):
   p, q = _pair(seed=5)  # V = 300: not a multiple of most chunk sizes
   whole = acceptance.acceptance_rate(p, q, chunk_size=300)
-  np.testing.assert_allclose(acceptance.acceptance_rate(p, q, chunk_size=chunk_size), whole,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    acceptance.acceptance_rate(p, q, chunk_size=chunk_size), whole, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -71,12 +74,14 @@ def test_bad_inputs_raise():
 def test_jit_and_bf16_inputs():
   p, q = _pair(seed=9)
   eager = acceptance.acceptance_rate(p, q, chunk_size=64)
-  jitted = jax.jit(acceptance.acceptance_rate, static_argnames="chunk_size")(p, q, 1.0,
-                                                                            chunk_size=64)
+  jitted = jax.jit(acceptance.acceptance_rate, static_argnames="chunk_size")(
+    p, q, 1.0, chunk_size=64
+  )
   np.testing.assert_allclose(jitted, eager, atol=1e-6)
   p16, q16 = jnp.asarray(p, jnp.bfloat16), jnp.asarray(q, jnp.bfloat16)
-  expected = np.minimum(_softmax(np.asarray(p16, np.float32)),
-                        _softmax(np.asarray(q16, np.float32))).sum(-1)
+  expected = np.minimum(
+    _softmax(np.asarray(p16, np.float32)), _softmax(np.asarray(q16, np.float32))
+  ).sum(-1)
   np.testing.assert_allclose(acceptance.acceptance_rate(p16, q16), expected, atol=2e-6)
 
 
@@ -123,25 +128,32 @@ def _tail_inputs(seed=0):
 
 def _np_summary(values, tau=0.86):
   if values.size == 0:
-    return {k: np.nan for k in ("p1", "p5", "p10", "p50", "mean", "frac_above_0999",
-                                "frac_below_tau")} | {"count": 0}
+    return {
+      k: np.nan for k in ("p1", "p5", "p10", "p50", "mean", "frac_above_0999", "frac_below_tau")
+    } | {"count": 0}
   out = {f"p{p}": np.percentile(values, p) for p in (1, 5, 10, 50)}
-  return out | {"mean": values.mean(), "frac_above_0999": (values > 0.999).mean(),
-                "frac_below_tau": (values < tau).mean(), "count": values.size}
+  return out | {
+    "mean": values.mean(),
+    "frac_above_0999": (values > 0.999).mean(),
+    "frac_below_tau": (values < tau).mean(),
+    "count": values.size,
+  }
 
 
 def test_tail_stats_match_numpy_overall_and_per_bin_under_jit():
   alpha, mask, positions = _tail_inputs()
   num_bins, bin_size = 12, 64  # positions reach 949: bins 0..11 cover 768, the rest is overall only
   stats = jax.jit(acceptance.tail_stats, static_argnames=("bin_size", "num_bins"))(
-      alpha, mask, positions, bin_size=bin_size, num_bins=num_bins, tau=0.86)
+    alpha, mask, positions, bin_size=bin_size, num_bins=num_bins, tau=0.86
+  )
   for key, value in _np_summary(alpha[mask].astype(np.float64)).items():
     np.testing.assert_allclose(stats[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
   for b in range(num_bins):
     in_bin = mask & (positions // bin_size == b)
     for key, value in _np_summary(alpha[in_bin].astype(np.float64)).items():
-      np.testing.assert_allclose(stats[f"{key}_bin"][b], value, rtol=1e-5, atol=1e-6,
-                                 err_msg=f"{key}_bin[{b}]")
+      np.testing.assert_allclose(
+        stats[f"{key}_bin"][b], value, rtol=1e-5, atol=1e-6, err_msg=f"{key}_bin[{b}]"
+      )
   assert stats["p5_bin"].shape == (num_bins,)
   assert 0 < float(stats["frac_below_tau"]) < 1  # the threshold cuts the sample, not above it
   assert "frac_below_tau" not in acceptance.tail_stats(alpha, mask, positions)  # only with tau
@@ -178,8 +190,9 @@ def test_sampled_estimator_p5_is_biased_low_where_exact_is_not():
   logp = lambda logits: jnp.take_along_axis(jax.nn.log_softmax(logits), x[..., None], -1)[..., 0]
   mask, pos = jnp.ones((1, n), bool), jnp.zeros((1, n), jnp.int32)
   exact = acceptance.tail_stats(acceptance.acceptance_rate(logits_p, logits_q), mask, pos)
-  sampled = acceptance.tail_stats(acceptance.sampled_acceptance(logp(logits_p), logp(logits_q)),
-                                  mask, pos)
+  sampled = acceptance.tail_stats(
+    acceptance.sampled_acceptance(logp(logits_p), logp(logits_q)), mask, pos
+  )
   np.testing.assert_allclose(exact["p5"], 0.91, atol=1e-5)
   np.testing.assert_allclose(sampled["mean"], 0.91, atol=0.01)
   np.testing.assert_allclose(sampled["p5"], 0.1, atol=1e-5)

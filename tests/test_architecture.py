@@ -1,6 +1,7 @@
 """The import structure docs/architecture.md describes: module-level imports between
 the library's modules form no cycle, the model knows nothing of the sparsity policy, and the kernel
 imports only its jnp twin from the library."""
+
 import ast
 import os
 
@@ -16,8 +17,9 @@ def _modules():
       for name in files:
         if name.endswith(".py"):
           rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
-          out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(
-              folder, name)
+          out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(
+            folder, name
+          )
   return out
 
 
@@ -36,7 +38,9 @@ def import_graph():
         names = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
         # `from package import module` depends on the module, `from module import name` on it
-        subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+        subs = [
+          f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules
+        ]
         names = subs or [node.module]
       deps |= {n for n in names if n in modules and n != module}
     graph[module] = deps - {m for m in deps if module.startswith(m + ".")}  # not own package
@@ -55,8 +59,11 @@ def _reachable(graph, start):
 
 def test_no_import_cycles():
   graph = import_graph()
-  cycles = sorted(m for m in graph if m in _reachable(graph, m) and m not in PACKAGES
-                  and not m.endswith("__init__"))
+  cycles = sorted(
+    m
+    for m in graph
+    if m in _reachable(graph, m) and m not in PACKAGES and not m.endswith("__init__")
+  )
   # The package __init__ re-exports the public API; every other module must not reach itself.
   assert not [m for m in cycles if m != "sparrow_jax"], cycles
 
@@ -64,7 +71,10 @@ def test_no_import_cycles():
 def test_model_knows_qwen3_only_and_kernel_imports_its_twin_only():
   graph = import_graph()
   model_deps = _reachable(graph, "sparrow_jax.model.qwen3")
-  assert not {d for d in model_deps if d.startswith("kernels") or d.endswith(
-      ("attention.select", "attention.policy"))}, model_deps
+  assert not {
+    d
+    for d in model_deps
+    if d.startswith("kernels") or d.endswith(("attention.select", "attention.policy"))
+  }, model_deps
   assert graph["kernels.sparse_decode"] <= {"sparrow_jax.attention.reference"}
   assert graph["kernels.sparse_decode_tpu"] <= {"sparrow_jax.attention.reference"}

@@ -1,6 +1,7 @@
 """Schedule calibration: the choice rule on planted surfaces, the p5 surface against a per-candidate
 computation, one compilation across candidates, the top-20 bound against exact alpha, on-policy
 calibration, and the CLI end to end."""
+
 import json
 
 import jax
@@ -24,7 +25,8 @@ PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 PROMPT_LEN = np.asarray([9, 21, 14])
 PROMPT = np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)) * (
-    np.arange(21)[None] < PROMPT_LEN[:, None])
+  np.arange(21)[None] < PROMPT_LEN[:, None]
+)
 BIN = 16
 
 
@@ -48,8 +50,8 @@ def test_choose_schedule_recovers_planted_surface():
   bins = np.arange(20)
   # p5 rises with budget and falls with position, so the cheapest budget meeting tau grows.
   p5_CB = 1 - 0.4 * (bins[None] + 1) / (np.asarray(cands)[:, None] / 5 + bins[None] + 1)
-  p5_CB[:, [6, 7]] = np.nan                      # empty bins inherit the previous choice
-  p5_CB[:, 19] = 0.5                             # nothing meets tau: the largest
+  p5_CB[:, [6, 7]] = np.nan  # empty bins inherit the previous choice
+  p5_CB[:, 19] = 0.5  # nothing meets tau: the largest
   tau = 0.86
   sched = cal.choose_schedule(p5_CB, cands, tau, bin_size=2000)
   expected = brute_force_choice(p5_CB, cands, tau)
@@ -58,7 +60,7 @@ def test_choose_schedule_recovers_planted_surface():
   assert list(sched.values) == sorted(sched.values)
   assert sched.values[6] == sched.values[7] == sched.values[5]
   assert sched.values[19] == cands[-1]
-  for b in range(20):                             # cheapest: one candidate less would fail tau
+  for b in range(20):  # cheapest: one candidate less would fail tau
     if not np.isnan(p5_CB[0, b]) and b < 19:
       i = cands.index(sched.values[b])
       assert p5_CB[i, b] >= tau
@@ -68,10 +70,9 @@ def test_choose_schedule_recovers_planted_surface():
 def test_choose_schedule_monotone_and_leading_empty_bins():
   cands = (1, 2, 4, 8)
   nan = np.nan
-  p5_CB = np.array([[nan, 0.5, 0.95, 0.5],
-                    [nan, 0.7, 0.97, 0.9],
-                    [nan, 0.9, 0.99, 0.95],
-                    [nan, 1.0, 1.00, 1.0]])
+  p5_CB = np.array(
+    [[nan, 0.5, 0.95, 0.5], [nan, 0.7, 0.97, 0.9], [nan, 0.9, 0.99, 0.95], [nan, 1.0, 1.00, 1.0]]
+  )
   # raw per-bin choice: -, 4, 1, 2 -> leading empty bin takes the smallest, then running maximum
   assert cal.choose_schedule(p5_CB, cands, 0.88, page_size=4, bin_size=16).values == (1, 4, 4, 4)
   assert cal.choose_schedule(p5_CB, cands, 0.6, page_size=4, bin_size=16).values == (1, 2, 2, 2)
@@ -100,13 +101,19 @@ def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
   S = tokens_BS.shape[1]
   valid_BS = (jnp.arange(S)[None] < PROMPT_LEN[:, None]) | gen_mask_BS
   dense = sj.forward(PARAMS, tokens_BS, CFG, mask_BT=valid_BS)
-  cached_len_S = np.arange(1, S)     # token j was sampled at a step with j cached tokens
+  cached_len_S = np.arange(1, S)  # token j was sampled at a step with j cached tokens
   pos_BS = np.broadcast_to(-(-cached_len_S // 4) * 4, (3, S - 1))
   rows = []
   for c in cands:
-    sparse = sj.forward(PARAMS, tokens_BS, CFG, mask_BT=valid_BS, sparse=SPARSE,
-                        schedule=KVSchedule.table((c,), page_size=4, bin_size=BIN),
-                        prompt_len_B=jnp.asarray(PROMPT_LEN))
+    sparse = sj.forward(
+      PARAMS,
+      tokens_BS,
+      CFG,
+      mask_BT=valid_BS,
+      sparse=SPARSE,
+      schedule=KVSchedule.table((c,), page_size=4, bin_size=BIN),
+      prompt_len_B=jnp.asarray(PROMPT_LEN),
+    )
     alpha_BS = acceptance_rate(dense, sparse)[:, :-1]
     rows.append(tail_stats(alpha_BS, gen_mask_BS[:, 1:], pos_BS, BIN, num_bins)["p5_bin"])
   return jnp.stack(rows)
@@ -114,12 +121,24 @@ def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
 
 def test_tail_surface_matches_per_candidate_computation(rows):
   tokens_BS, gen_mask_BS = rows
-  cands = (0, 1, 3, 16)                        # 16 top-k + 3 covers all 16 pages of 61 tokens
+  cands = (0, 1, 3, 16)  # 16 top-k + 3 covers all 16 pages of 61 tokens
   num_bins = 5
   # 3 rows in batches of 2 and 4 candidates in groups of 3: both get topped up.
-  tails = cal.tail_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, PROMPT_LEN, cands, SPARSE, BIN,
-                           num_bins, batch_size=2, candidates_per_pass=3, verbose=False,
-                           percentiles=(1, 5))
+  tails = cal.tail_surface(
+    PARAMS,
+    CFG,
+    tokens_BS,
+    gen_mask_BS,
+    PROMPT_LEN,
+    cands,
+    SPARSE,
+    BIN,
+    num_bins,
+    batch_size=2,
+    candidates_per_pass=3,
+    verbose=False,
+    percentiles=(1, 5),
+  )
   p5 = tails[5]
   assert (tails[1] <= p5 + 1e-6)[~np.isnan(p5)].all()
   assert p5.shape == (4, num_bins)
@@ -127,56 +146,78 @@ def test_tail_surface_matches_per_candidate_computation(rows):
   np.testing.assert_allclose(p5, reference(tokens_BS, gen_mask_BS, cands, num_bins), atol=1e-5)
   count = cal.bin_counts(gen_mask_BS, 4, BIN, num_bins)
   assert count.sum() == gen_mask_BS[:, 1:].sum() and (count[:4] > 0).all() and count[4] == 0
-  np.testing.assert_allclose(p5[-1, :4], 1.0, atol=1e-5)   # whole context: sparse == dense
-  assert np.isnan(p5[:, 4]).all()                           # no token reaches the last bin
+  np.testing.assert_allclose(p5[-1, :4], 1.0, atol=1e-5)  # whole context: sparse == dense
+  assert np.isnan(p5[:, 4]).all()  # no token reaches the last bin
   mean_C = np.nanmean(p5, axis=1)
   assert (np.diff(mean_C) >= -1e-6).all(), mean_C
-  assert mean_C[0] < 0.999                                  # the small budgets do bind
+  assert mean_C[0] < 0.999  # the small budgets do bind
 
 
 def test_sparse_pass_compiles_once_across_candidates(rows):
   before = cal._sparse_alpha._cache_size()
   # batch 3 x 1 candidate per pass: a shape no other test compiles
-  cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, (0, 1, 2, 5, 12), SPARSE, BIN, 4,
-                   batch_size=3, verbose=False)
+  cal.tail_surface(
+    PARAMS, CFG, *rows, PROMPT_LEN, (0, 1, 2, 5, 12), SPARSE, BIN, 4, batch_size=3, verbose=False
+  )
   assert cal._sparse_alpha._cache_size() == before + 1
 
 
 def test_topk_bound_from_logits_matches_numpy():
   rng = np.random.RandomState(5)
   p = rng.randn(2, 3, 30) * 2
-  q = p + rng.randn(2, 3, 30)        # related, so the top-5 sets overlap, but not fully
+  q = p + rng.randn(2, 3, 30)  # related, so the top-5 sets overlap, but not fully
   temperature, k = 0.7, 5
+
   def logp_top(x):
     logp = x / temperature - np.log(np.exp(x / temperature).sum(-1, keepdims=True))
     return logp, np.argsort(-logp, -1)[..., :k]
+
   (lp, ip), (lq, iq) = logp_top(p), logp_top(q)
   expected = np.zeros((2, 3))
   for b, t in np.ndindex(2, 3):
     for x in set(ip[b, t]) & set(iq[b, t]):
       expected[b, t] += np.exp(min(lp[b, t, x], lq[b, t, x]))
   assert (expected > 0).all()
-  got = topk_bound_from_logits(jnp.asarray(p), jnp.asarray(q), k=k, temperature=temperature,
-                               chunk_size=8)   # several vocabulary chunks, the last one shifted
+  got = topk_bound_from_logits(
+    jnp.asarray(p), jnp.asarray(q), k=k, temperature=temperature, chunk_size=8
+  )  # several vocabulary chunks, the last one shifted
   np.testing.assert_allclose(got, expected, atol=1e-6)
-  np.testing.assert_allclose(topk_bound_from_logits(p, q, k=30, temperature=temperature),
-                             acceptance_rate(p, q, temperature), atol=1e-6)  # whole vocabulary
+  np.testing.assert_allclose(
+    topk_bound_from_logits(p, q, k=30, temperature=temperature),
+    acceptance_rate(p, q, temperature),
+    atol=1e-6,
+  )  # whole vocabulary
   with pytest.raises(ValueError, match="k must be in \\[1, 30\\].*got 31"):
     topk_bound_from_logits(p, q, k=31)
 
 
 def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
   cands = (0, 1, 3, 16)
-  exact, topk20 = (cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, cands, SPARSE, BIN, 4,
-                                    candidates_per_pass=4, alpha=a, verbose=False)[5]
-                   for a in ("exact", "topk20"))
+  exact, topk20 = (
+    cal.tail_surface(
+      PARAMS,
+      CFG,
+      *rows,
+      PROMPT_LEN,
+      cands,
+      SPARSE,
+      BIN,
+      4,
+      candidates_per_pass=4,
+      alpha=a,
+      verbose=False,
+    )[5]
+    for a in ("exact", "topk20")
+  )
   np.testing.assert_array_equal(np.isnan(topk20), np.isnan(exact))
   seen = ~np.isnan(exact)
   assert (topk20[seen] <= exact[seen] + 1e-6).all()
-  assert (topk20[seen] < exact[seen] - 1e-3).any()      # vocab 97 > 20: the bound drops mass
+  assert (topk20[seen] < exact[seen] - 1e-3).any()  # vocab 97 > 20: the bound drops mass
   for tau in (0.3, 0.5, 0.7, 0.9):
-    pick = [cal.choose_schedule(p5, cands, tau, page_size=4, bin_size=BIN).values
-            for p5 in (exact, topk20)]
+    pick = [
+      cal.choose_schedule(p5, cands, tau, page_size=4, bin_size=BIN).values
+      for p5 in (exact, topk20)
+    ]
     assert all(t >= e for e, t in zip(*pick)), (tau, pick)
 
 
@@ -189,10 +230,22 @@ def test_unknown_alpha_is_rejected_by_name(rows):
 
 
 def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
-  prompts = [PROMPT[0, :PROMPT_LEN[0]].tolist(), PROMPT[1, :PROMPT_LEN[1]].tolist()]
-  key, cands = jax.random.PRNGKey(7), (1, 3, 12)   # 12 + 3 pages cover 21 + 30 tokens: dense
-  result = cal.calibrate(PARAMS, CFG, prompts, key, max_new_tokens=30, tau=0.9, candidates=cands,
-                         repeats=2, bin_size=BIN, sparse=SPARSE, eos_ids=(5, 6, 7), on_policy=True)
+  prompts = [PROMPT[0, : PROMPT_LEN[0]].tolist(), PROMPT[1, : PROMPT_LEN[1]].tolist()]
+  key, cands = jax.random.PRNGKey(7), (1, 3, 12)  # 12 + 3 pages cover 21 + 30 tokens: dense
+  result = cal.calibrate(
+    PARAMS,
+    CFG,
+    prompts,
+    key,
+    max_new_tokens=30,
+    tau=0.9,
+    candidates=cands,
+    repeats=2,
+    bin_size=BIN,
+    sparse=SPARSE,
+    eos_ids=(5, 6, 7),
+    on_policy=True,
+  )
   assert "ETA" in capsys.readouterr().out
   p5 = result.tail[5]
   num_bins = p5.shape[1]
@@ -202,13 +255,22 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
   # the middle row is tail_surface on top-k 3's own rollouts (same prompts, same keys)
   prompt_BT, prompt_len_B = cal.pad_prompts(prompts)
   prompt_BT, prompt_len_B = np.repeat(prompt_BT, 2, 0), np.repeat(prompt_len_B, 2)
-  out = sj.generate(PARAMS, CFG, prompt_BT, prompt_len_B, jax.random.fold_in(key, 0),
-                    max_new_tokens=30, eos_ids=(5, 6, 7), sparse=SPARSE,
-                    schedule=cal.candidate_schedule(3, SPARSE, BIN))
+  out = sj.generate(
+    PARAMS,
+    CFG,
+    prompt_BT,
+    prompt_len_B,
+    jax.random.fold_in(key, 0),
+    max_new_tokens=30,
+    eos_ids=(5, 6, 7),
+    sparse=SPARSE,
+    schedule=cal.candidate_schedule(3, SPARSE, BIN),
+  )
   tokens_BS, gen_mask_BS = sampler.full_sequences(prompt_BT, prompt_len_B, out)
   np.testing.assert_array_equal(cal.bin_counts(gen_mask_BS, 4, BIN, num_bins), result.count[1])
-  own = cal.tail_surface(PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN,
-                         num_bins, verbose=False)
+  own = cal.tail_surface(
+    PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN, num_bins, verbose=False
+  )
   np.testing.assert_allclose(p5[1], own[5][0], atol=1e-6)
   surface = cal.surface_dict(result)
   assert surface["on_policy"] and surface["alpha"] == "exact"
@@ -230,11 +292,25 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("\n".join(json.dumps(rng.randint(1, 256, n).tolist()) for n in (12, 20)))
   out = tmp_path / "out"
-  stdout = run_experiment("calibrate_schedule", "calibrate", {
-      "model.hf_dir": "", "model.preset": "tiny-untied", "prompts": prompts, "num_prompts": 2,
-      "repeats": 2, "rollout.max_new_tokens": 24, "rollout.page_size": 4, "stats.bin_size": 16,
-      "rollout.dense_layers": 1, "candidates": "1,2,8", "stats.tau": 0.9, "stats.alpha": "topk20",
-      "out_dir": out})
+  stdout = run_experiment(
+    "calibrate_schedule",
+    "calibrate",
+    {
+      "model.hf_dir": "",
+      "model.preset": "tiny-untied",
+      "prompts": prompts,
+      "num_prompts": 2,
+      "repeats": 2,
+      "rollout.max_new_tokens": 24,
+      "rollout.page_size": 4,
+      "stats.bin_size": 16,
+      "rollout.dense_layers": 1,
+      "candidates": "1,2,8",
+      "stats.tau": 0.9,
+      "stats.alpha": "topk20",
+      "out_dir": out,
+    },
+  )
   assert "ETA" in stdout
   sched = KVSchedule.from_json((out / "schedule.json").read_text())
   surface = json.loads((out / "surface.json").read_text())
@@ -243,8 +319,12 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   assert surface["alpha"] == "topk20" and surface["on_policy"] is False
   assert list(sched.values) == surface["chosen_topk"]
   assert len(surface["count_bin"]) == len(sched.values) == len(surface["tail"]["5"]["8"])
-  assert sched.quantile == surface["quantile"] == 5 and set(surface["tail"]) == {"1", "5", "10",
-                                                                                  "50"}
+  assert sched.quantile == surface["quantile"] == 5 and set(surface["tail"]) == {
+    "1",
+    "5",
+    "10",
+    "50",
+  }
   assert sum(surface["count_bin"]) > 0
   assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,5 @@
 """Presets and config validation."""
+
 import pytest
 
 import sparrow_jax as sj
@@ -11,6 +12,7 @@ def test_preset_parameter_count_matches_transformers(name):
   """Each preset's parameter count equals transformers' Qwen3ForCausalLM on the meta device."""
   import torch
   import transformers
+
   cfg = sj.Qwen3Config.preset(name)
   with torch.device("meta"):
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg.to_hf_dict()))
@@ -20,8 +22,13 @@ def test_preset_parameter_count_matches_transformers(name):
 
 
 def test_published_sizes():
-  counts = {name: sum(__import__("math").prod(s) for _, s, _ in hf_tensor_specs(
-      sj.Qwen3Config.preset(name)).values()) for name in ("qwen3-0.6b", "qwen3-8b")}
+  counts = {
+    name: sum(
+      __import__("math").prod(s)
+      for _, s, _ in hf_tensor_specs(sj.Qwen3Config.preset(name)).values()
+    )
+    for name in ("qwen3-0.6b", "qwen3-8b")
+  }
   assert 0.55e9 < counts["qwen3-0.6b"] < 0.65e9
   assert 8.0e9 < counts["qwen3-8b"] < 8.4e9
 

@@ -1,4 +1,5 @@
 """eFLOPs cost model: hand-computed cases, the paper's closed form, monotonicity, speedups."""
+
 import numpy as np
 import pytest
 
@@ -13,14 +14,20 @@ TOY_HW = cost_model.Hardware("toy", peak_flops=10.0, mem_bandwidth=5.0, dtype_by
 def test_param_count_by_hand_and_against_model_cards():
   # tiny: D=64, F=128, 2 layers, 4 query heads, 2 KV heads, head_dim 16, vocab 256, tied.
   attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 2 * 16  # q, k, v, o, q/k norms
-  layer = attention + 3 * 64 * 128 + 2 * 64                   # + MLP + 2 RMSNorms
+  layer = attention + 3 * 64 * 128 + 2 * 64  # + MLP + 2 RMSNorms
   assert cost_model.param_count("tiny") == 256 * 64 + 2 * layer + 64
   untied = Qwen3Config.preset("tiny-untied")
   assert cost_model.param_count(untied) > cost_model.param_count(
-      Qwen3Config(**{**untied.__dict__, "tie_word_embeddings": True}))
+    Qwen3Config(**{**untied.__dict__, "tie_word_embeddings": True})
+  )
   # Qwen3 model cards: non-embedding parameters 0.44B, 1.4B, 3.6B, 6.95B, 13.2B.
-  for name, non_embedding in [("qwen3-0.6b", 0.44e9), ("qwen3-1.7b", 1.4e9),
-                              ("qwen3-4b", 3.6e9), ("qwen3-8b", 6.95e9), ("qwen3-14b", 13.2e9)]:
+  for name, non_embedding in [
+    ("qwen3-0.6b", 0.44e9),
+    ("qwen3-1.7b", 1.4e9),
+    ("qwen3-4b", 3.6e9),
+    ("qwen3-8b", 6.95e9),
+    ("qwen3-14b", 13.2e9),
+  ]:
     cfg = Qwen3Config.preset(name)
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert cost_model.param_count(name) - embeddings == pytest.approx(non_embedding, rel=0.02)
@@ -41,13 +48,21 @@ def test_sparse_cost_by_hand():
   # S = 4, 5 -> cached pages 2, 3 -> budget 2 pages = 4 tokens; 1 complete prompt page is shared.
   schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
   p, r, n = 90496, 2, 2
-  compute = (n * (2 * p + 2 * r * (64 * 4 + 64 * 4) + 64 * 2)
-             + n * (2 * p + 2 * r * (64 * 5 + 64 * 4) + 64 * 3))
-  elems = (64 * (3 + n * 1) + n * 64 * 4 + 32 * (1 + n * (2 - 1))
-           + 64 * (3 + n * 2) + n * 64 * 4 + 32 * (1 + n * (3 - 1)))
+  compute = n * (2 * p + 2 * r * (64 * 4 + 64 * 4) + 64 * 2) + n * (
+    2 * p + 2 * r * (64 * 5 + 64 * 4) + 64 * 3
+  )
+  elems = (
+    64 * (3 + n * 1)
+    + n * 64 * 4
+    + 32 * (1 + n * (2 - 1))
+    + 64 * (3 + n * 2)
+    + n * 64 * 4
+    + 32 * (1 + n * (3 - 1))
+  )
   expected = compute + 2 * (2 * elems)
-  got = cost_model.sparse_rollout_cost("tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW,
-                                       dense_layers=1)
+  got = cost_model.sparse_rollout_cost(
+    "tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW, dense_layers=1
+  )
   assert got == expected
 
 
@@ -62,13 +77,17 @@ def test_dense_sum_matches_paper_closed_form():
 
 
 def test_more_budget_never_costs_less():
-  costs = [cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.fixed(pages), 512, 4096)
-           for pages in (3, 8, 32, 128, 288, 400)]
+  costs = [
+    cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.fixed(pages), 512, 4096)
+    for pages in (3, 8, 32, 128, 288, 400)
+  ]
   assert all(a < b for a, b in zip(costs[:-1], costs[1:-1]))
   assert costs[-2] == costs[-1]  # 4608 tokens = 288 pages: any larger budget is already capped
   taus = [0.75, 0.80, 0.83, 0.86, 0.88, 0.90, 0.92, 0.94]
-  paper = [cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.paper("qwen3-1.7b", tau),
-                                          1024, 32768) for tau in taus]
+  paper = [
+    cost_model.sparse_rollout_cost("qwen3-1.7b", KVSchedule.paper("qwen3-1.7b", tau), 1024, 32768)
+    for tau in taus
+  ]
   assert all(a < b for a, b in zip(paper, paper[1:]))
 
 
@@ -77,15 +96,17 @@ def test_budget_covering_context_costs_at_least_dense(n_samples, dense_layers):
   everything = KVSchedule.fixed(10**6)
   for hardware in ("h200", "tpu_v5e", TOY_HW):
     dense = cost_model.dense_rollout_cost("qwen3-4b", 700, 3000, n_samples, hardware)
-    sparse = cost_model.sparse_rollout_cost("qwen3-4b", everything, 700, 3000, n_samples,
-                                            hardware, dense_layers=dense_layers)
+    sparse = cost_model.sparse_rollout_cost(
+      "qwen3-4b", everything, 700, 3000, n_samples, hardware, dense_layers=dense_layers
+    )
     assert sparse >= dense
 
 
 def test_all_dense_layers_is_no_speedup():
   cfg = Qwen3Config.preset("qwen3-1.7b")
-  speedup = cost_model.rollout_speedup(cfg, KVSchedule.fixed(4), 100, 500,
-                                       dense_layers=cfg.num_hidden_layers)
+  speedup = cost_model.rollout_speedup(
+    cfg, KVSchedule.fixed(4), 100, 500, dense_layers=cfg.num_hidden_layers
+  )
   assert speedup == pytest.approx(1.0, rel=1e-12)
 
 
@@ -95,8 +116,9 @@ def test_paper_schedules_speed_up_long_rollouts(model):
   for hardware in cost_model.HARDWARE:
     assert cost_model.rollout_speedup(model, schedule, 1024, 32768, hardware=hardware) > 1.0
   # Short rollouts barely reach the budget: less to gain than at 32K.
-  assert (cost_model.rollout_speedup(model, schedule, 1024, 4096)
-          < cost_model.rollout_speedup(model, schedule, 1024, 32768))
+  assert cost_model.rollout_speedup(model, schedule, 1024, 4096) < cost_model.rollout_speedup(
+    model, schedule, 1024, 32768
+  )
 
 
 def test_page_size_comparison_only_moves_scoring():
@@ -106,7 +128,7 @@ def test_page_size_comparison_only_moves_scoring():
   assert by_size[16] == cost_model.rollout_speedup("qwen3-1.7b", schedule, 1024, 32768)
   values = [by_size[z] for z in (16, 32, 64, 128)]
   assert all(a < b for a, b in zip(values, values[1:]))  # fewer centroids to read
-  assert values[-1] / values[0] < 1.2                      # scoring is a small share
+  assert values[-1] / values[0] < 1.2  # scoring is a small share
 
 
 def test_hardware_table_and_errors():
@@ -138,9 +160,9 @@ def test_running_fraction_mean_cut_and_errors():
   for mean in (0.3, 0.5, 0.9):
     alive = cost_model.running_fraction(32768, mean)
     assert alive.shape == (32768,) and alive[0] == 1.0
-    assert np.all(np.diff(alive) < 0)                            # rows only ever stop
+    assert np.all(np.diff(alive) < 0)  # rows only ever stop
     assert alive.sum() / 32768 == pytest.approx(mean, rel=1e-9)  # mean length as stated
-    assert 0 < alive[-1] < 1                                     # some rows reach the cutoff
+    assert 0 < alive[-1] < 1  # some rows reach the cutoff
   assert cost_model.running_fraction(32768, 0.5)[-1] == pytest.approx(0.203, abs=1e-3)
   np.testing.assert_array_equal(cost_model.running_fraction(100, 1.0), np.ones(100))
   for bad in (0.0, 0.5 / 100, 1.5):
@@ -153,30 +175,40 @@ def test_roofline_dense_time_by_hand():
   # to the cutoff, 2-byte elements, 10 FLOP/s, 5 bytes/s.
   p, r, d = 90496, 2, 128
   prefill = max((2 * p * 3 + 2 * r * d * 3 * 4 / 2) / 10, 2 * (p + d * 3) / 5)  # compute-bound
+
   def time(rows):  # `rows` samples of one prompt
-    return prefill + sum(max(rows * (2 * p + 2 * r * d * s) / 10, (2 * p + rows * 2 * d * s) / 5)
-                         for s in (4, 5))
+    return prefill + sum(
+      max(rows * (2 * p + 2 * r * d * s) / 10, (2 * p + rows * 2 * d * s) / 5) for s in (4, 5)
+    )
+
   one, three = time(1), time(3)
   assert one == pytest.approx((4 * p + 2 * d * 9) / 5 + prefill)  # memory-bound: 1 row, weights
   assert three == pytest.approx(3 * (4 * p + 2 * r * d * 9) / 10 + prefill)  # compute-bound
   for rows, want in ((1, one), (3, three)):
-    got = cost_model.roofline_rollout_time("tiny", None, 3, 2, batch_per_device=rows,
-                                           mean_len_frac=1.0, n_samples=rows, hardware=TOY_HW)
+    got = cost_model.roofline_rollout_time(
+      "tiny", None, 3, 2, batch_per_device=rows, mean_len_frac=1.0, n_samples=rows, hardware=TOY_HW
+    )
     assert got == pytest.approx(want, rel=1e-12)
 
 
 def test_quest_scores_two_summaries_a_page():
   # The same schedule as above: quest adds one more centroid's reads and FLOPs per scored page.
   schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
-  p, r, n = 90496, 2, 2
-  cost = lambda score: cost_model.sparse_rollout_cost("tiny", schedule, 3, 2, n_samples=2,
-                                                      hardware=TOY_HW, dense_layers=1,
-                                                      page_score=score)
+  n = 2
+  cost = lambda score: cost_model.sparse_rollout_cost(
+    "tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW, dense_layers=1, page_score=score
+  )
   scoring = n * 64 * 2 + n * 64 * 3 + 2 * 2 * (32 * (1 + n * 1) + 32 * (1 + n * 2))
   assert cost("quest") - cost("mean") == scoring
   roofline = lambda score: cost_model.roofline_speedup(
-      "qwen3-8b", KVSchedule.paper("qwen3-8b", 0.86), 1024, 32768, batch_per_device=60,
-      mean_len_frac=0.5, page_score=score)
+    "qwen3-8b",
+    KVSchedule.paper("qwen3-8b", 0.86),
+    1024,
+    32768,
+    batch_per_device=60,
+    mean_len_frac=0.5,
+    page_score=score,
+  )
   assert roofline("quest") < roofline("mean")
   with pytest.raises(ValueError, match="page_score must be one of"):
     cost("max")
@@ -194,9 +226,17 @@ def test_roofline_sparse_row_by_hand():
     memory = 2 * p + 2 * kv + (2 * 16 + 8) * (2 * 2)  # bf16 centroids + fp32 score write/read
     steps += max(flops / 10, memory / 5)
   prefill = cost_model.prefill_time("tiny", 3, 1, TOY_HW)
-  got = cost_model.roofline_rollout_time("tiny", schedule, 3, 2, batch_per_device=1,
-                                         mean_len_frac=1.0, n_samples=1, hardware=TOY_HW,
-                                         dense_layers=1)
+  got = cost_model.roofline_rollout_time(
+    "tiny",
+    schedule,
+    3,
+    2,
+    batch_per_device=1,
+    mean_len_frac=1.0,
+    n_samples=1,
+    hardware=TOY_HW,
+    dense_layers=1,
+  )
   assert got == pytest.approx(steps + prefill, rel=1e-12)
 
 
@@ -210,8 +250,9 @@ def test_roofline_reduces_to_eflops_model(model):
   free_compute = cost_model.Hardware("free", peak_flops=1e30, mem_bandwidth=4.8e12)
   schedule = KVSchedule.paper(model, 0.86)
   eflops = cost_model.rollout_speedup(model, schedule, 0, 32768, hardware=free_compute)
-  roofline = cost_model.roofline_speedup(model, schedule, 0, 32768, batch_per_device=1e15,
-                                         mean_len_frac=1.0, hardware=free_compute)
+  roofline = cost_model.roofline_speedup(
+    model, schedule, 0, 32768, batch_per_device=1e15, mean_len_frac=1.0, hardware=free_compute
+  )
   assert roofline == pytest.approx(eflops, rel=0.006)
 
 
@@ -230,19 +271,24 @@ def test_roofline_speedup_moves_the_right_way(model):
   assert all(a < b for a, b in zip(by_batch, by_batch[1:]))
   # Reading centroids and running the top-k costs time that dense attention does not spend.
   assert _paper_speedup(model, page_selection=False) > _paper_speedup(model)
-  assert 1.0 < _paper_speedup(model) < cost_model.rollout_speedup(
-      model, KVSchedule.paper(model, 0.86), 1024, 32768)
+  assert (
+    1.0
+    < _paper_speedup(model)
+    < cost_model.rollout_speedup(model, KVSchedule.paper(model, 0.86), 1024, 32768)
+  )
 
 
 def test_roofline_without_sparsity_is_no_speedup():
   cfg = Qwen3Config.preset("qwen3-1.7b")
   kw = dict(batch_per_device=60, mean_len_frac=0.5)
-  all_dense = cost_model.roofline_speedup(cfg, KVSchedule.fixed(4), 100, 500,
-                                          dense_layers=cfg.num_hidden_layers, **kw)
+  all_dense = cost_model.roofline_speedup(
+    cfg, KVSchedule.fixed(4), 100, 500, dense_layers=cfg.num_hidden_layers, **kw
+  )
   assert all_dense == pytest.approx(1.0, rel=1e-12)
   everything = KVSchedule.fixed(10**6)
-  assert cost_model.roofline_speedup(cfg, everything, 100, 500, page_selection=False,
-                                     **kw) == pytest.approx(1.0, rel=1e-12)
+  assert cost_model.roofline_speedup(
+    cfg, everything, 100, 500, page_selection=False, **kw
+  ) == pytest.approx(1.0, rel=1e-12)
   assert cost_model.roofline_speedup(cfg, everything, 100, 500, **kw) < 1.0
 
 
@@ -252,8 +298,7 @@ def test_peak_memory_by_hand():
   kv_per_token = 2 * cfg.kv_width * cfg.num_hidden_layers * 2
   got = cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60, mean_len_frac=1.0)
   assert got == 2 * cost_model.param_count(cfg) + 60 * 5120 * kv_per_token
-  assert cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60,
-                                      mean_len_frac=0.5) < got
+  assert cost_model.peak_memory_bytes(cfg, 1024, 4096, batch_per_device=60, mean_len_frac=0.5) < got
 
 
 def test_engine_and_static_rooflines_agree_where_the_batches_are_the_same():
@@ -264,17 +309,24 @@ def test_engine_and_static_rooflines_agree_where_the_batches_are_the_same():
   pool = 40 * (prompt + cutoff)
   schedule = KVSchedule.paper(model, 0.86)
   for sched in (None, schedule):
-    static, static_rows = cost_model.roofline_static_rate(model, sched, prompt, cutoff,
-                                                          pool_tokens=pool, mean_len_frac=1.0)
-    engine, engine_rows = cost_model.roofline_engine_rate(model, sched, prompt, cutoff, slots=40,
-                                                          pool_tokens=pool, mean_len_frac=1.0)
+    static, static_rows = cost_model.roofline_static_rate(
+      model, sched, prompt, cutoff, pool_tokens=pool, mean_len_frac=1.0
+    )
+    engine, engine_rows = cost_model.roofline_engine_rate(
+      model, sched, prompt, cutoff, slots=40, pool_tokens=pool, mean_len_frac=1.0
+    )
     assert static_rows == engine_rows == 40
     assert abs(engine / static - 1) < 0.02, (engine, static)
     tail = dict(pool_tokens=pool, mean_len_frac=0.3)
     static_tail, static_rows = cost_model.roofline_static_rate(model, sched, prompt, cutoff, **tail)
-    engine_tail, engine_rows = cost_model.roofline_engine_rate(model, sched, prompt, cutoff,
-                                                               slots=1000, **tail)
+    engine_tail, engine_rows = cost_model.roofline_engine_rate(
+      model, sched, prompt, cutoff, slots=1000, **tail
+    )
     assert engine_rows > 2 * static_rows and engine_tail > static_tail
   held = 1024 / 8 + np.sum(np.arange(1, cutoff + 1)) / cutoff  # uniform positions
-  assert cost_model.roofline_engine_rate(model, None, prompt, cutoff, slots=10**6,
-                                         pool_tokens=pool, mean_len_frac=1.0)[1] == pool / held
+  assert (
+    cost_model.roofline_engine_rate(
+      model, None, prompt, cutoff, slots=10**6, pool_tokens=pool, mean_len_frac=1.0
+    )[1]
+    == pool / held
+  )

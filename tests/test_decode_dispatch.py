@@ -1,6 +1,7 @@
 """Decode attention dispatch (attention/policy.py): the length-aware dense baseline equals the
 whole-cache reference and never reads past the longest row; "auto" picks each platform's kernel when
 lowered for that platform, whatever machine traces it."""
+
 import functools
 
 import jax
@@ -33,8 +34,9 @@ def test_dense_decode_equals_the_whole_cache_reference(impl, dtype):
   if dtype == "float32":
     np.testing.assert_allclose(got, want, atol=1e-5)
   else:
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=BF16_RTOL, atol=BF16_ATOL)
+    np.testing.assert_allclose(
+      np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=BF16_RTOL, atol=BF16_ATOL
+    )
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_tpu"])
@@ -53,11 +55,14 @@ def _module(fn, platform, dtype, *shapes):
   args = [jax.ShapeDtypeStruct(s, jnp.int32 if len(s) < 4 else dtype) for s in shapes]
   checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON[1:])]
   return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
-      *args).mlir_module()
+    *args
+  ).mlir_module()
 
 
-@pytest.mark.parametrize("platform,has,lacks", [("cuda", TRITON, MOSAIC), ("tpu", MOSAIC, TRITON),
-                                                ("cpu", None, (TRITON, MOSAIC))])
+@pytest.mark.parametrize(
+  "platform,has,lacks",
+  [("cuda", TRITON, MOSAIC), ("tpu", MOSAIC, TRITON), ("cpu", None, (TRITON, MOSAIC))],
+)
 def test_auto_picks_the_kernel_of_the_platform_it_is_lowered_for(platform, has, lacks):
   """Traced here on a CPU, exported for each platform: CUDA gets the Triton kernel, TPU the Mosaic
   kernel, CPU the XLA path; for sparse and dense decode alike."""
@@ -65,9 +70,11 @@ def test_auto_picks_the_kernel_of_the_platform_it_is_lowered_for(platform, has, 
   q, cache, idx, n, lengths = (B, K, G, E), (B, K, P * Z, E), (B, K, N), (B, K), (B,)
   sparse = functools.partial(policy.decode_attention, page_size=Z, impl="auto")
   dense = functools.partial(policy.dense_decode_attention, page_size=Z, impl="auto")
-  for module in (_module(sparse, platform, jnp.bfloat16, q, cache, cache, idx, n, lengths),
-                 _module(dense, platform, jnp.bfloat16, q, cache, cache, lengths)):
+  for module in (
+    _module(sparse, platform, jnp.bfloat16, q, cache, cache, idx, n, lengths),
+    _module(dense, platform, jnp.bfloat16, q, cache, cache, lengths),
+  ):
     if has:
       assert has in module
-    for name in (lacks if isinstance(lacks, tuple) else (lacks,)):
+    for name in lacks if isinstance(lacks, tuple) else (lacks,):
       assert name not in module

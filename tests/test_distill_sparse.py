@@ -15,6 +15,7 @@ after 60), mean 0.908 -> 0.933; 30 steps keep the test short. Pretraining is cha
 of its learning rate gives another model and another starting p5), and some pretrain seeds leave a
 tail an adapter trained through the kept pages cannot undo: the seed is part of the test.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,7 @@ from tests import copy_model as cm
 pytestmark = pytest.mark.slow
 
 SPARSE = SparseConfig(page_size=4, dense_layers=0)  # either of the 2 layers can recall: none dense
-SCHEDULE = KVSchedule.fixed(6, page_size=4)         # sink + 2 local + 3 selected pages
+SCHEDULE = KVSchedule.fixed(6, page_size=4)  # sink + 2 local + 3 selected pages
 GROUP, PROMPTS_PER_STEP, STEPS = 4, 16, 30
 MARGIN = 0.1
 
@@ -43,8 +44,16 @@ def held_out_alpha(params, lora, tokens, prompt_len, length):
   (what the sparse sampler computes at each step of those completions); callers mask the prompt."""
   valid = jnp.arange(cm.SEQ_LEN)[None] < length[:, None]
   dense = sj.forward(params, tokens, cm.CONFIG, mask_BT=valid)
-  sparse = sj.forward(params, tokens, cm.CONFIG, mask_BT=valid, lora=lora, sparse=SPARSE,
-                      schedule=SCHEDULE, prompt_len_B=prompt_len)
+  sparse = sj.forward(
+    params,
+    tokens,
+    cm.CONFIG,
+    mask_BT=valid,
+    lora=lora,
+    sparse=SPARSE,
+    schedule=SCHEDULE,
+    prompt_len_B=prompt_len,
+  )
   return acceptance.acceptance_rate(dense[:, :-1], sparse[:, :-1])
 
 
@@ -52,12 +61,21 @@ def rollout_batch(state, rng, key):
   """Sparse + LoRA rollouts of fresh prompts, GROUP samples each, all rewards equal."""
   tokens, prompt_len, _ = cm.sample(rng, PROMPTS_PER_STEP)
   prompt_len = np.repeat(prompt_len, GROUP)
-  prompt = np.repeat(tokens[:, :cm.PROMPT_LEN], GROUP, 0)
+  prompt = np.repeat(tokens[:, : cm.PROMPT_LEN], GROUP, 0)
   prompt = jnp.asarray(prompt * (np.arange(cm.PROMPT_LEN)[None] < prompt_len[:, None]))
   prompt_len = jnp.asarray(prompt_len)
-  out = sj.generate(state.params, cm.CONFIG, prompt, prompt_len, key,
-                    max_new_tokens=cm.COMPLETION_LEN, eos_ids=(cm.EOS,), sparse=SPARSE,
-                    schedule=SCHEDULE, lora=state.lora)
+  out = sj.generate(
+    state.params,
+    cm.CONFIG,
+    prompt,
+    prompt_len,
+    key,
+    max_new_tokens=cm.COMPLETION_LEN,
+    eos_ids=(cm.EOS,),
+    sparse=SPARSE,
+    schedule=SCHEDULE,
+    lora=state.lora,
+  )
   return ts.batch_from_rollout(prompt, prompt_len, out, np.zeros(GROUP * PROMPTS_PER_STEP))
 
 
@@ -89,8 +107,10 @@ def distill(pretrain_seed=0, seed=0):
 def test_distill_sparse_raises_held_out_p5():
   before, after = distill()
   p5_before, p5_after = np.percentile(before, 5), np.percentile(after, 5)
-  print(f"held-out p5 {p5_before:.3f} -> {p5_after:.3f}, mean {before.mean():.3f} -> "
-        f"{after.mean():.3f} ({before.size} tokens)")
+  print(
+    f"held-out p5 {p5_before:.3f} -> {p5_after:.3f}, mean {before.mean():.3f} -> "
+    f"{after.mean():.3f} ({before.size} tokens)"
+  )
   assert p5_before < 0.8  # the budget really is small: there is a tail to raise
   assert p5_after > p5_before + MARGIN
   assert after.mean() > before.mean() - 0.01  # the tail was not bought with the bulk

@@ -1,6 +1,7 @@
 """The README stays a first screen and the docs stay true: README.md is at most 200 lines, every
 relative link in README.md and docs/ resolves to a file, the README keeps the command .ci/run runs,
 and README.md and docs/*.md state what is, not how it came to be (no history phrases)."""
+
 import glob
 import os
 import re
@@ -10,8 +11,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 MAX_README_LINES = 200
-HISTORY_PHRASES = ("build before", "this build", "until this build", "earlier build",
-                   "the run before these changes")
+HISTORY_PHRASES = (
+  "build before",
+  "this build",
+  "until this build",
+  "earlier build",
+  "the run before these changes",
+)
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
@@ -44,7 +50,8 @@ def relative_links(text):
 def test_readme_is_a_first_screen():
   lines = _read(README).splitlines()
   assert len(lines) <= MAX_README_LINES, (
-      f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move detail into docs/")
+    f"README.md has {len(lines)} lines (at most {MAX_README_LINES}): move detail into docs/"
+  )
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: os.path.relpath(p, ROOT))
@@ -64,8 +71,10 @@ def test_docs_have_pages_and_the_readme_links_them():
   reachable = set(readme_links)
   for page in pages:  # a page is linked from the README or from a page the README links
     if page in readme_links:
-      reachable |= {os.path.normpath(os.path.join(os.path.dirname(page), t))
-                    for t in relative_links(_read(page))}
+      reachable |= {
+        os.path.normpath(os.path.join(os.path.dirname(page), t))
+        for t in relative_links(_read(page))
+      }
   unlinked = sorted(os.path.relpath(p, ROOT) for p in pages if p not in reachable)
   assert not unlinked, f"docs pages no reader can reach from README.md: {unlinked}"
 
@@ -73,8 +82,11 @@ def test_docs_have_pages_and_the_readme_links_them():
 def test_no_history_phrases():
   """Docs, code, configs and experiments say what is now, not what an earlier version did."""
   hits = []
-  code = [p for d in ("sparrow_jax", "kernels", "configs", "experiments")
-          for p in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)]
+  code = [
+    p
+    for d in ("sparrow_jax", "kernels", "configs", "experiments")
+    for p in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
+  ]
   for path in [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + sorted(code):
     for number, line in enumerate(_read(path).splitlines(), 1):
       for phrase in HISTORY_PHRASES:
@@ -85,14 +97,19 @@ def test_no_history_phrases():
 
 def test_readme_keeps_the_ci_command():
   """.ci/run runs the README's test command, character for character."""
-  ci = [line for line in _read(os.path.join(ROOT, ".ci", "run")).splitlines()
-        if "pytest" in line and not line.startswith("#")]
+  ci = [
+    line
+    for line in _read(os.path.join(ROOT, ".ci", "run")).splitlines()
+    if "pytest" in line and not line.startswith("#")
+  ]
   assert ci
   assert ci[0] in _read(README).splitlines()
 
 
 def test_link_checker_sees_links():
   """The checks above cannot pass vacuously: links, images, anchors and code are told apart."""
-  text = ("[a](docs/x.md#part) ![img](assets/y.png) [web](https://e.org) [here](#top)\n"
-          "`[code](not/a/link.md)`\n```\n[fenced](not/a/link.md)\n```\n")
+  text = (
+    "[a](docs/x.md#part) ![img](assets/y.png) [web](https://e.org) [here](#top)\n"
+    "`[code](not/a/link.md)`\n```\n[fenced](not/a/link.md)\n```\n"
+  )
   assert relative_links(text) == ["docs/x.md", "assets/y.png"]

@@ -1,6 +1,7 @@
 """The rollout engine: its rows agree with the teacher-forced forward (greedy tokens are its argmax,
 sampled log-probs its log-probs; dense and sparse), whatever the slots, chunk length, admission order
 or pool size."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,19 +24,22 @@ SCHEDULE = KVSchedule.fixed(4, page_size=4)  # binding: rows reach 15+ pages
 GROUP_LEN = np.asarray([9, 20, 13])
 PROMPT_LEN = np.repeat(GROUP_LEN, 2)
 PROMPT = np.repeat(np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)), 2, axis=0) * (
-    np.arange(21)[None] < PROMPT_LEN[:, None])
+  np.arange(21)[None] < PROMPT_LEN[:, None]
+)
 MAX_NEW = np.asarray([40, 7, 33, 40, 1, 25])  # per row; row 4 ends at its first token
 EOS = (3, 5)
 
 
 def run(slots=6, chunk=64, pages=200, order=None, sparse=True, static=False, drain=0, **kw):
-  config = engine.EngineConfig(num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static,
-                               drain_slots=drain)
+  config = engine.EngineConfig(
+    num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static, drain_slots=drain
+  )
   kw = dict(dict(max_new_tokens=MAX_NEW, eos_ids=EOS, group_size=2), **kw)
   if sparse:
     kw.update(sparse=SPARSE, schedule=SCHEDULE)
-  return engine.run(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), engine=config,
-                    order=order, **kw)
+  return engine.run(
+    PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), engine=config, order=order, **kw
+  )
 
 
 def assert_same_rows(a, b):
@@ -49,10 +53,17 @@ def reference_run():
   return run()
 
 
-@pytest.mark.parametrize("placement", [dict(slots=2, chunk=1), dict(slots=5), dict(chunk=7),
-                                       dict(order=[4, 5, 0, 1, 2, 3]),
-                                       dict(order=[3, 2, 5, 4, 1, 0], slots=2),
-                                       dict(slots=5, chunk=4, drain=2)])
+@pytest.mark.parametrize(
+  "placement",
+  [
+    dict(slots=2, chunk=1),
+    dict(slots=5),
+    dict(chunk=7),
+    dict(order=[4, 5, 0, 1, 2, 3]),
+    dict(order=[3, 2, 5, 4, 1, 0], slots=2),
+    dict(slots=5, chunk=4, drain=2),
+  ],
+)
 def test_rows_do_not_depend_on_placement(reference_run, placement):
   out, stats = run(**placement)
   assert_same_rows(out, reference_run[0])
@@ -64,7 +75,7 @@ def test_rows_end_at_eos_or_their_own_max_new_tokens(reference_run):
   tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   assert lengths[4] == 1 and (lengths <= MAX_NEW).all()
   for row, n, cap in zip(tokens, lengths, MAX_NEW):
-    assert not set(row[:n - 1].tolist()) & set(EOS)
+    assert not set(row[: n - 1].tolist()) & set(EOS)
     assert n == cap or row[n - 1] in EOS
     assert (row[n:] == 0).all()
   assert (lengths > 10).sum() >= 2  # the sampled rows are long enough to exercise paging
@@ -87,7 +98,9 @@ def test_greedy_rows_are_the_teacher_forced_argmax(sparse):
   over the pages the engine's selection reads)."""
   out, _ = run(slots=3, chunk=7, sparse=sparse, temperature=0.0, max_new_tokens=40, eos_ids=())
   seq_BS, _ = sampler.full_sequences(PROMPT, PROMPT_LEN, out)
-  kw = dict(sparse=SPARSE, schedule=SCHEDULE, prompt_len_B=jnp.asarray(PROMPT_LEN)) if sparse else {}
+  kw = (
+    dict(sparse=SPARSE, schedule=SCHEDULE, prompt_len_B=jnp.asarray(PROMPT_LEN)) if sparse else {}
+  )
   logits = sj.forward(PARAMS, seq_BS, CFG, mask_BT=seq_BS != -1, **kw)
   before_token = PROMPT_LEN[:, None] - 1 + np.arange(40)[None]  # the position predicting token j
   argmax = np.take_along_axis(np.asarray(jnp.argmax(logits, -1)), before_token, 1)
@@ -110,7 +123,7 @@ def test_static_batch_same_rows_more_pages_less_occupancy(reference_run):
   _, continuous = run(slots=4, chunk=4)
   assert static.useful_row_steps == continuous.useful_row_steps
   assert static.computed_row_steps > continuous.computed_row_steps  # waves wait for their longest
-  assert static.peak_pages > continuous.peak_pages                   # full-length pages up front
+  assert static.peak_pages > continuous.peak_pages  # full-length pages up front
 
 
 def test_drain_slots_decode_only_the_rows_left(reference_run):
@@ -142,7 +155,8 @@ def test_bad_requests_rejected():
   with pytest.raises(ValueError, match="EngineConfig.num_slots"):
     engine.EngineConfig(num_slots=0)
   with pytest.raises(ValueError, match="not runs of 3 identical"):
-    engine.run(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(0), max_new_tokens=3,
-               group_size=3)
+    engine.run(
+      PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(0), max_new_tokens=3, group_size=3
+    )
   with pytest.raises(ValueError, match="permutation"):
     run(order=[0, 1, 2])

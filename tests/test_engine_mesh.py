@@ -3,6 +3,7 @@ fsdp, tensor mesh: four row shards, each with its own pool and slots, KV heads s
 Pallas kernel under shard_map on this mesh: tests/test_sharding.py), and 2 processes x 2 devices
 (CPU collectives, a local coordinator), each scheduling only its own rows. A dense first layer,
 sparse ones after it."""
+
 import socket
 import subprocess
 import sys
@@ -60,16 +61,20 @@ MESH = SETUP + textwrap.dedent("""
     print("OK")
 """)
 
-PROCESS = textwrap.dedent("""
+PROCESS = (
+  textwrap.dedent("""
     import sys, jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{sys.argv[2]}", 2, int(sys.argv[3]))
-""") + SETUP + textwrap.dedent("""
+""")
+  + SETUP
+  + textwrap.dedent("""
     mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2)
     lo, hi = sharding.process_rows(sharding.rows(mesh), len(lens))
     tokens, logprobs, _ = run(mesh, slice(lo, hi))
     np.savez(sys.argv[1], lo=lo, tokens=tokens, logprobs=logprobs)
 """)
+)
 
 
 def _free_port():
@@ -84,16 +89,25 @@ def test_engine_on_a_2x2x2_mesh_and_on_two_processes_equals_one_device(tmp_path)
   want = np.load(one)
   port, outs = _free_port(), [tmp_path / f"process{i}.npz" for i in range(2)]
   env = subprocess_env(2)
-  procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(outs[i]), str(port), str(i)],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", PROCESS, str(outs[i]), str(port), str(i)],
+      env=env,
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-3000:]
   parts = sorted((np.load(o) for o in outs), key=lambda part: int(part["lo"]))
   assert [int(p["lo"]) for p in parts] == [0, 6]  # each process had its own rows
   N = want["tokens"].shape[1]  # each process's width is its own rows' longest max_new_tokens
-  joined = lambda name: np.concatenate([np.pad(p[name], ((0, 0), (0, N - p[name].shape[1])))
-                                        for p in parts])
+  joined = lambda name: np.concatenate(
+    [np.pad(p[name], ((0, 0), (0, N - p[name].shape[1]))) for p in parts]
+  )
   np.testing.assert_array_equal(joined("tokens"), want["tokens"])
   np.testing.assert_allclose(joined("logprobs"), want["logprobs"], atol=1e-5)

@@ -1,5 +1,6 @@
 """experiments/evaluate.py: the unbiased pass@k estimator, and the script end to end on an offline
 reasoning-gym math task with a tiny random Qwen3 and a small BPE tokenizer built here."""
+
 import importlib.util
 import itertools
 import json
@@ -16,9 +17,12 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "experiments", "evaluate.py")
-CORPUS = ["What is 12 + 7 * 3 - 4? Calculate the following expression.",
-          "Please reason step by step, and put your final answer within \\boxed{}.",
-          "user assistant <think> </think> the answer is \\boxed{25}", "0 1 2 3 4 5 6 7 8 9 + - * / ="]
+CORPUS = [
+  "What is 12 + 7 * 3 - 4? Calculate the following expression.",
+  "Please reason step by step, and put your final answer within \\boxed{}.",
+  "user assistant <think> </think> the answer is \\boxed{25}",
+  "0 1 2 3 4 5 6 7 8 9 + - * / =",
+]
 
 
 def _load_evaluate():
@@ -31,12 +35,18 @@ def _load_evaluate():
 evaluate = _load_evaluate()
 
 
-@pytest.mark.parametrize("n, c, k, want", [
-    (10, 0, 1, 0.0), (10, 10, 5, 1.0), (10, 3, 1, 0.3), (5, 1, 5, 1.0),
-    (4, 1, 2, 0.5),            # 1 - C(3,2)/C(4,2) = 1 - 3/6
+@pytest.mark.parametrize(
+  "n, c, k, want",
+  [
+    (10, 0, 1, 0.0),
+    (10, 10, 5, 1.0),
+    (10, 3, 1, 0.3),
+    (5, 1, 5, 1.0),
+    (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
     (10, 2, 3, 1 - 56 / 120),  # 1 - C(8,3)/C(10,3)
     (16, 4, 4, 1 - 495 / 1820),
-])
+  ],
+)
 def test_pass_at_k_hand_computed(n, c, k, want):
   assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)
 
@@ -51,7 +61,8 @@ def test_pass_at_k_matches_brute_force_over_subsets():
         want = sum(any(s) for s in subsets) / len(subsets)
         assert evaluate.pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
   assert evaluate.pass_at_k(200, 3, 100) == pytest.approx(
-      1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
+    1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9
+  )
 
 
 def test_summarize_and_bad_k():
@@ -75,14 +86,28 @@ def _tiny_model_dir(directory):
 def test_evaluate_end_to_end_on_reasoning_gym(tmp_path, run_experiment):
   model_dir = _tiny_model_dir(tmp_path / "model")
   out = tmp_path / "eval" / "results.json"
-  stdout = run_experiment("evaluate", "evaluate", {
-      "model.hf_dir": model_dir, "task.name": "math:reasoning_gym:basic_arithmetic",
-      "num_problems": 3, "samples": 4, "k": "1,2,4", "rollout.max_new_tokens": 12,
-      "batch_size": 8, "out": out, "seed": 0, "rollout.sparse": True,
-      "rollout.schedule": "fixed:4", "rollout.page_size": 8, "rollout.dense_layers": 1})
+  stdout = run_experiment(
+    "evaluate",
+    "evaluate",
+    {
+      "model.hf_dir": model_dir,
+      "task.name": "math:reasoning_gym:basic_arithmetic",
+      "num_problems": 3,
+      "samples": 4,
+      "k": "1,2,4",
+      "rollout.max_new_tokens": 12,
+      "batch_size": 8,
+      "out": out,
+      "seed": 0,
+      "rollout.sparse": True,
+      "rollout.schedule": "fixed:4",
+      "rollout.page_size": 8,
+      "rollout.dense_layers": 1,
+    },
+  )
   for k in (1, 2, 4):
     assert f"mean@{k}" in stdout and f"pass@{k}" in stdout
-  assert "12/12 samples" in stdout   # progress over two batches (8 + 4 rows)
+  assert "12/12 samples" in stdout  # progress over two batches (8 + 4 rows)
 
   results = json.loads(out.read_text())
   assert results["task"] == "math:reasoning_gym:basic_arithmetic" and results["sparse"]
@@ -97,8 +122,10 @@ def test_evaluate_end_to_end_on_reasoning_gym(tmp_path, run_experiment):
   assert 0 < metrics["response_length/mean"] <= 12
   # The per-problem counts reproduce the summary.
   n_correct = [p["correct"] for p in results["per_problem"]]
-  assert metrics["pass@2"] == pytest.approx(np.mean([evaluate.pass_at_k(4, c, 2) for c in n_correct]))
-  assert os.listdir(tmp_path / "eval" / "results_tb")   # TensorBoard event file
+  assert metrics["pass@2"] == pytest.approx(
+    np.mean([evaluate.pass_at_k(4, c, 2) for c in n_correct])
+  )
+  assert os.listdir(tmp_path / "eval" / "results_tb")  # TensorBoard event file
 
 
 def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
@@ -106,6 +133,7 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
   right (and leaves the others unanswered), the per-problem counts and pass@k / mean@k follow."""
   from sparrow_jax.data.tokenizer import load_tokenizer
   from sparrow_jax.rollout.sampler import Rollout
+
   model_dir = _tiny_model_dir(tmp_path / "model")
   tok = load_tokenizer(str(model_dir))
   c = evaluate_config.get_config()

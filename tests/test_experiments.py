@@ -1,6 +1,7 @@
 """Every experiment is a config file: the experiment configs share the trainer's fields, and each
 script runs end to end from its config with small overrides (subprocess, CPU, the shipped model
 or a tiny random one), writing sane outputs."""
+
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ from sparrow_jax.mismatch.schedule import KVSchedule
 
 pytestmark = pytest.mark.slow
 
-SHORT = {"task.min_hops": 4, "task.max_hops": 4}   # ~30-token prompts, 18-token answers
+SHORT = {"task.min_hops": 4, "task.max_hops": 4}  # ~30-token prompts, 18-token answers
 
 
 @pytest.mark.parametrize("module", [calibrate, evaluate, measure_tiny])
@@ -31,15 +32,27 @@ def test_configs_share_the_trainers_fields(module):
 
 def test_pretrain_config_builds_the_shipped_architecture():
   from experiments import pretrain_tiny as script
+
   shipped, _ = sj.load_hf("assets/pointer_chase_tiny")
   assert script.model_config(pretrain_tiny.get_config()) == shipped
 
 
 def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
-  stdout = run_experiment("calibrate_schedule", "calibrate", {
-      **SHORT, "num_prompts": 2, "repeats": 2, "rollout.max_new_tokens": 16,
-      "rollout.page_size": 4, "stats.bin_size": 16, "candidates": "1,4", "on_policy": True,
-      "out_dir": tmp_path})
+  stdout = run_experiment(
+    "calibrate_schedule",
+    "calibrate",
+    {
+      **SHORT,
+      "num_prompts": 2,
+      "repeats": 2,
+      "rollout.max_new_tokens": 16,
+      "rollout.page_size": 4,
+      "stats.bin_size": 16,
+      "candidates": "1,4",
+      "on_policy": True,
+      "out_dir": tmp_path,
+    },
+  )
   assert "on-policy top-k 4 (2/2)" in stdout and "chosen top-k per bin" in stdout
   schedule = KVSchedule.from_json((tmp_path / "schedule.json").read_text())
   surface = json.loads((tmp_path / "surface.json").read_text())
@@ -50,23 +63,44 @@ def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
 
 def test_evaluate_shipped_model_sparse_under_the_calibrated_schedule(tmp_path, run_experiment):
   out = tmp_path / "eval.json"
-  stdout = run_experiment("evaluate", "evaluate", {
-      **SHORT, "model.hf_dir": "assets/pointer_chase_tiny", "num_problems": 3, "k": "1,2",
-      "rollout.max_new_tokens": 24, "batch_size": 4, "rollout.sparse": True, "out": out})
+  stdout = run_experiment(
+    "evaluate",
+    "evaluate",
+    {
+      **SHORT,
+      "model.hf_dir": "assets/pointer_chase_tiny",
+      "num_problems": 3,
+      "k": "1,2",
+      "rollout.max_new_tokens": 24,
+      "batch_size": 4,
+      "rollout.sparse": True,
+      "out": out,
+    },
+  )
   assert "6/6 samples" in stdout and "calibration_quest/schedule.json" in stdout
   results = json.loads(out.read_text())
   assert results["sparse"] and results["seed"] == 1234 and len(results["per_problem"]) == 3
   assert results["schedule"] == default.get_config().rollout.schedule
   m = results["metrics"]
-  assert 0 < m["mean@1"] <= 1 and m["pass@1"] <= m["pass@2"]   # the model follows short chains
+  assert 0 < m["mean@1"] <= 1 and m["pass@1"] <= m["pass@2"]  # the model follows short chains
   assert (tmp_path / "eval_tb").is_dir()
 
 
 def test_measure_tiny_shipped_model(tmp_path, run_experiment):
   out = tmp_path / "measurements.json"
-  stdout = run_experiment("measure_tiny", "measure_tiny", {
-      **SHORT, "num_problems": 4, "num_accept": 2, "budgets": "3,4", "small_budget": 3,
-      "batch_size": 4, "out": out})
+  stdout = run_experiment(
+    "measure_tiny",
+    "measure_tiny",
+    {
+      **SHORT,
+      "num_problems": 4,
+      "num_accept": 2,
+      "budgets": "3,4",
+      "small_budget": 3,
+      "batch_size": 4,
+      "out": out,
+    },
+  )
   assert "calibrated assets/pointer_chase_tiny/calibration_quest/schedule.json" in stdout
   results = json.loads(out.read_text())
   assert results["n"] == 4 and results["held_out_seed"] == 1234 and results["hops"] == 4
@@ -85,8 +119,9 @@ def test_pretrain_tiny_exports_and_resumes(tmp_path, run_experiment):
   small = {"workdir": workdir, "log_every": 2, "levels": "((1,2,64,4),)"}
   stdout = run_experiment("pretrain_tiny", "pretrain_tiny", {**small, "total_steps": 4})
   assert "step      4" in stdout and (workdir / "hf" / "model.safetensors").exists()
-  stdout = run_experiment("pretrain_tiny", "pretrain_tiny", {
-      **small, "total_steps": 6, "export_dir": export})
+  stdout = run_experiment(
+    "pretrain_tiny", "pretrain_tiny", {**small, "total_steps": 6, "export_dir": export}
+  )
   assert "resumed at step 4" in stdout and f"exported to {export}" in stdout
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [2, 4, 6]

@@ -1,6 +1,7 @@
 """experiments/bench_attention.py, bench_rollout.py and cost_report.py end to end: each script run
 as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
 ratio lines are printed and that bad settings fail naming the value."""
+
 import importlib.util
 import json
 import os
@@ -19,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(script):
-  spec = importlib.util.spec_from_file_location(script, os.path.join(ROOT, "experiments",
-                                                                     f"{script}.py"))
+  spec = importlib.util.spec_from_file_location(
+    script, os.path.join(ROOT, "experiments", f"{script}.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -29,8 +31,14 @@ def _load(script):
 def _run(script, *overrides, check=True):
   """Runs experiments/<script>.py --config=configs/<script>.py with overrides; returns the result."""
   cmd = [sys.executable, f"experiments/{script}.py", f"--config=configs/{script}.py", *overrides]
-  result = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    cmd,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   if check:
     assert result.returncode == 0, result.stderr[-3000:]
   return result
@@ -49,15 +57,20 @@ def test_cost_report_prints_both_tables():
 
 
 def test_bench_attention_prints_a_row_per_context():
-  out = _run("bench_attention", "--config.contexts=256,512", "--config.budget=64",
-             "--config.steps=2", "--config.runs=1").stdout
+  out = _run(
+    "bench_attention",
+    "--config.contexts=256,512",
+    "--config.budget=64",
+    "--config.steps=2",
+    "--config.runs=1",
+  ).stdout
   assert "budget 64 tokens (4 pages of 16)" in out and "median of 1 calls of 2 steps" in out
   assert "impl auto" in out and "batch 4" in out and "cache 512 tokens" in out
   lines = out.splitlines()
   header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "dense"])
   assert "min ratio" in lines[header] and "old ratio" in lines[header]
   assert "sparse+select" in lines[header]
-  rows = [line.split() for line in lines[header + 1:]]
+  rows = [line.split() for line in lines[header + 1 :]]
   assert [r[0] for r in rows] == ["256", "512"]
   assert all(len(r) == 11 and r[6].endswith("x") and r[10].endswith("x") for r in rows), rows
   assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows  # GB/s
@@ -78,19 +91,26 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
     assert np.all(k[:, :, 32:] == 0) and np.all(v[:, :, 32:] == 0)
     assert np.all(centroids[:, :, 2:] == 0)
     assert 0.9 < k[:, :, :32].std() < 1.1 and 0.9 < v[:, :, :32].std() < 1.1
-    np.testing.assert_allclose(centroids[:, :, :2], k[:, :, :32].reshape(
-        2, -1, 2, 16, cfg.head_dim).mean(axis=3), atol=1e-6)
+    np.testing.assert_allclose(
+      centroids[:, :, :2], k[:, :, :32].reshape(2, -1, 2, 16, cfg.head_dim).mean(axis=3), atol=1e-6
+    )
 
 
 def test_bench_rollout_decode_prints_a_row_per_dense_layers():
-  out = _run("bench_rollout", "--config.decode.layers=1", "--config.decode.dense_layers=1,0",
-             "--config.decode.contexts=256", "--config.decode.steps=2", "--config.batch=1",
-             "--config.runs=1").stdout
+  out = _run(
+    "bench_rollout",
+    "--config.decode.layers=1",
+    "--config.decode.dense_layers=1,0",
+    "--config.decode.contexts=256",
+    "--config.decode.steps=2",
+    "--config.batch=1",
+    "--config.runs=1",
+  ).stdout
   assert "(b) decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
   lines = out.splitlines()
   header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "budget"])
   assert "cost model" in lines[header] and "+weights" in lines[header]
-  rows = [line.split() for line in lines[header + 1:]]
+  rows = [line.split() for line in lines[header + 1 :]]
   assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
   assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
 
@@ -98,14 +118,25 @@ def test_bench_rollout_decode_prints_a_row_per_dense_layers():
 def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
   """(c) with tunix.python set reruns the script there, (c) only; in an interpreter without
   google-tunix it says how to make one (with tunix it runs the tiny comparison instead)."""
-  out = _run("bench_rollout", "--config.parts=c", f"--config.tunix.python={sys.executable}",
-             "--config.tunix.prompt=8", "--config.tunix.gen=2,4", "--config.batch=1",
-             "--config.runs=1").stdout
-  assert ("(c) skipped" in out and "--config.tunix.python=VENV/bin/python" in out
-          or "ours / tunix:" in out), out
+  out = _run(
+    "bench_rollout",
+    "--config.parts=c",
+    f"--config.tunix.python={sys.executable}",
+    "--config.tunix.prompt=8",
+    "--config.tunix.gen=2,4",
+    "--config.batch=1",
+    "--config.runs=1",
+  ).stdout
+  assert (
+    "(c) skipped" in out
+    and "--config.tunix.python=VENV/bin/python" in out
+    or "ours / tunix:" in out
+  ), out
 
 
-@pytest.mark.parametrize("script, override, message", [
+@pytest.mark.parametrize(
+  "script, override, message",
+  [
     ("bench_attention", "--config.budget=40", "budget must be a multiple of 16"),
     ("bench_attention", "--config.impl=triton", "impl must be one of"),
     ("bench_attention", "--config.cache_tokens=1000", "got 1000"),
@@ -114,7 +145,8 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
     ("bench_rollout", "--config.parts=e", "parts takes b, c and/or d, got 'e'"),
     ("bench_rollout", "--config.parts=d --config.engine.settings=batch", "engine.settings takes"),
-])
+  ],
+)
 def test_bad_settings_fail_naming_the_value(script, override, message):
   result = _run(script, *override.split(), check=False)
   assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
@@ -125,16 +157,24 @@ def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
   lengths over one pool; the record carries its provenance."""
   record = tmp_path / "engine.json"
   # equal slot counts: both settings share compiled shapes; they differ in scheduling alone
-  out = _run("bench_rollout", "--config.parts=d", "--config.engine.prompts=2",
-             "--config.engine.group_size=4", "--config.engine.cutoff=96",
-             "--config.engine.static_slots=4", "--config.engine.slots=4",
-             "--config.engine.chunk_steps=8", f"--config.engine.record={record}").stdout
+  out = _run(
+    "bench_rollout",
+    "--config.parts=d",
+    "--config.engine.prompts=2",
+    "--config.engine.group_size=4",
+    "--config.engine.cutoff=96",
+    "--config.engine.static_slots=4",
+    "--config.engine.slots=4",
+    "--config.engine.chunk_steps=8",
+    f"--config.engine.record={record}",
+  ).stdout
   assert out.count(" static ") == 2 and out.count(" engine ") == 2, out
   report = json.loads(record.read_text())
   assert {"command", "commit", "machine", "date"} <= set(report)
   runs = report["results"]["runs"]
   assert {r["peak_pages"] for r in runs.values()} and all(
-      r["peak_pages"] < report["results"]["pool_pages"] for r in runs.values())
+    r["peak_pages"] < report["results"]["pool_pages"] for r in runs.values()
+  )
   assert runs["dense/engine"]["rows_in_flight"] > runs["dense/static"]["rows_in_flight"]
   assert set(report["results"]["ratios"]) >= {"engine/static dense", "sparse/dense engine"}
 
@@ -144,13 +184,20 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   script is for, the test checks the parts and figures), 512-token rows: every table prints and the
   JSON holds the rollout's pool."""
   out_file = tmp_path / "memory.json"
-  out = _run("memory_report", "--config.models=qwen3-0.6b", "--config.lengths=512",
-             "--config.prompt_len=128", "--config.parts=sampler,calibrate", "--config.layers=3",
-             "--config.schedule=fixed:16",  # no published table for 0.6B
-             f"--config.out={out_file}").stdout
+  out = _run(
+    "memory_report",
+    "--config.models=qwen3-0.6b",
+    "--config.lengths=512",
+    "--config.prompt_len=128",
+    "--config.parts=sampler,calibrate",
+    "--config.layers=3",
+    "--config.schedule=fixed:16",  # no published table for 0.6B
+    f"--config.out={out_file}",
+  ).stdout
   assert "rollout (the engine's full batch), 8 rows in groups of 8, prompt 128" in out
   assert "calibration pass" in out
   import json
+
   record = json.loads(out_file.read_text())
   assert "memory_report.py" in record["command"] and record["commit"]  # a results record
   report = record["results"]
@@ -169,9 +216,14 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
   matches its twin, and the attention and decode tables are measured."""
   out = tmp_path / "device_check.json"
-  result = subprocess.run([sys.executable, "experiments/device_check.py", "--smoke", f"--out={out}"],
-                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                          text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, "experiments/device_check.py", "--smoke", f"--out={out}"],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["smoke"] and report["backend"] == "cpu"
@@ -179,8 +231,11 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert kernels == {(k, d) for k in ("triton", "mosaic") for d in ("float32", "bfloat16")}
   assert all(r["ok"] and r["max_abs_diff"] < 1e-2 for r in report["kernels"]), report["kernels"]
   assert [r["context"] for r in report["attention"]["rows"]] == [256, 512]
-  assert all(r[n]["ms"] > 0 for r in report["attention"]["rows"]
-             for n in ("dense", "whole cache", "sparse", "sparse+select"))
+  assert all(
+    r[n]["ms"] > 0
+    for r in report["attention"]["rows"]
+    for n in ("dense", "whole cache", "sparse", "sparse+select")
+  )
   assert report["decode"]["dense"]["tok_s"] > 0 and report["decode"]["sparse"]["temp_gb"] > 0
   assert set(report["engine"]["runs"]) == {"dense/engine", "sparse/engine"}
   assert report["engine"]["ratios"]["sparse/dense engine"] > 0
@@ -199,16 +254,24 @@ def test_device_check_finishes_when_a_part_fails(tmp_path, capsys, monkeypatch):
   def broken(config):
     raise ValueError("engine.model must be 'default' or 'qwen3-1.7b', got 'bogus'")
 
-  device_check.run_parts([("kernels", lambda c: [dict(ok=True)]), ("engine", broken),
-                          ("decode", lambda c: {"dense": {"tok_s": 2.0}, "sparse": {"tok_s": 3.0}})],
-                         None, report, str(out))
+  device_check.run_parts(
+    [
+      ("kernels", lambda c: [dict(ok=True)]),
+      ("engine", broken),
+      ("decode", lambda c: {"dense": {"tok_s": 2.0}, "sparse": {"tok_s": 3.0}}),
+    ],
+    None,
+    report,
+    str(out),
+  )
   written = json.loads(out.read_text())
   assert "engine.model must be" in written["engine"]["error"]
   assert written["decode"]["sparse"]["tok_s"] == 3.0 and set(written["part_seconds"]) == {
-      "kernels", "engine", "decode"}
+    "kernels",
+    "engine",
+    "decode",
+  }
   assert "Traceback" in capsys.readouterr().out
   summary = device_check._summary(report)
   assert "| engine | failed: ValueError: engine.model must be" in summary
   assert "| kernels | 1/1 equal their twin |" in summary and "sparse / dense 1.50x" in summary
-
-

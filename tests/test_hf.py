@@ -1,4 +1,5 @@
 """Hugging Face checkpoint I/O: round trips through transformers, sharding, bad input."""
+
 import json
 
 import jax
@@ -16,8 +17,9 @@ def test_save_load_roundtrip_through_transformers(tmp_path):
   params = sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2)
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 20))
   model = hf_model(cfg, params)  # our save_hf -> transformers
-  np.testing.assert_allclose(hf_logits(model, tokens), sj.forward(params, jnp.asarray(tokens), cfg),
-                             atol=1e-4)
+  np.testing.assert_allclose(
+    hf_logits(model, tokens), sj.forward(params, jnp.asarray(tokens), cfg), atol=1e-4
+  )
   model.save_pretrained(tmp_path / "hf")  # transformers' own writer -> our loader
   cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
   assert cfg2 == cfg
@@ -38,10 +40,16 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
 def test_config_reads_transformers_4_and_5_formats():
   v5 = tiny_config(rope_theta=12345.0).to_hf_dict()
   v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
-  assert sj.Qwen3Config.from_hf_dict(v4) == sj.Qwen3Config.from_hf_dict(v5) == tiny_config(
-      rope_theta=12345.0)
+  assert (
+    sj.Qwen3Config.from_hf_dict(v4)
+    == sj.Qwen3Config.from_hf_dict(v5)
+    == tiny_config(rope_theta=12345.0)
+  )
   v4_yarn = dict(v4, rope_scaling={"type": "yarn", "factor": 4.0})
-  assert sj.Qwen3Config.from_hf_dict(v4_yarn).rope_scaling_dict == {"rope_type": "yarn", "factor": 4.0}
+  assert sj.Qwen3Config.from_hf_dict(v4_yarn).rope_scaling_dict == {
+    "rope_type": "yarn",
+    "factor": 4.0,
+  }
 
 
 def test_missing_config(tmp_path):

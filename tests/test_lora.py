@@ -1,4 +1,5 @@
 """LoRA: a fresh adapter is a no-op; merging folds it into the weights exactly; unmerge undoes it."""
+
 import jax
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ def test_fresh_adapter_is_identity_and_merge_matches():
   assert float(np.abs(adapted - base).max()) > 1e-3
   merged = lora_lib.merge(PARAMS, lora)
   np.testing.assert_allclose(sj.forward(merged, TOKENS, CFG), adapted, atol=1e-5)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
-                         lora_lib.unmerge(merged, lora), PARAMS)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), lora_lib.unmerge(merged, lora), PARAMS
+  )
 
 
 def test_bad_lora_config():

@@ -2,6 +2,7 @@
 top-20) of a narrow model with a wide vocabulary holds neither a [B, S, V] logits array nor a
 [T, S] score matrix, and its temporaries grow at most linearly. Read from XLA's buffer assignment
 (compile only, nothing allocated), as experiments/memory_report.py does at full scale."""
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -25,7 +26,7 @@ def train_step_temp_bytes(S, B=2):
   params = jax.eval_shape(lambda: sj.init_params(CFG, jax.random.PRNGKey(0)))
   lora = jax.eval_shape(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
   opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-3)
-  state = jax.eval_shape(lambda p, l: ts.init_state(p, opt, l, lora_opt), params, lora)
+  state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)
   batch = ts.Batch.abstract(B, S)
   sc = ts.StepConfig(group_size=B, page_size=16, bin_size=1024, num_bins=8)
   step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
@@ -36,8 +37,8 @@ def train_step_temp_bytes(S, B=2):
 def test_train_step_memory_is_linear_in_length():
   B, S = 2, 8192
   small, large = train_step_temp_bytes(S // 2), train_step_temp_bytes(S)
-  logits_bytes = B * S * CFG.vocab_size * 4                     # one [B, S, V] float32 array
-  scores_bytes = B * CFG.num_attention_heads * S * S * 4         # one layer's [B, H, T, S] scores
+  logits_bytes = B * S * CFG.vocab_size * 4  # one [B, S, V] float32 array
+  scores_bytes = B * CFG.num_attention_heads * S * S * 4  # one layer's [B, H, T, S] scores
   # Measured: 558 MB at 4K, 563 MB at 8K (mostly the LM head's [B, 512, V] chunks).
   assert large < min(logits_bytes, scores_bytes) / 2, (large, logits_bytes, scores_bytes)
   assert large / small < 2.3, (small, large)

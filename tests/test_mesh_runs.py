@@ -2,6 +2,7 @@
 (CPU collectives, a local coordinator), killed with SIGKILL mid-run, that resume from their sharded
 checkpoint and replay exactly the steps an uninterrupted run takes. (The sampler and train step on
 a 2 x 2 x 2 mesh against one device: tests/test_sharding.py.)"""
+
 import signal
 import socket
 import time
@@ -24,11 +25,19 @@ def _free_port():
 
 def _two_processes(workdir):
   port = _free_port()
-  return [launch_small(workdir, "--config.distributed.enabled=True",
-                       f"--config.distributed.coordinator=localhost:{port}",
-                       "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-                       "--config.mesh.data=2", "--config.mesh.tensor=2", devices=2)
-          for i in range(2)]
+  return [
+    launch_small(
+      workdir,
+      "--config.distributed.enabled=True",
+      f"--config.distributed.coordinator=localhost:{port}",
+      "--config.distributed.num_processes=2",
+      f"--config.distributed.process_id={i}",
+      "--config.mesh.data=2",
+      "--config.mesh.tensor=2",
+      devices=2,
+    )
+    for i in range(2)
+  ]
 
 
 def test_two_processes_match_one_device_and_resume_after_sigkill(small_run, tmp_path):

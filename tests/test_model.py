@@ -1,4 +1,5 @@
 """Parity of the JAX Qwen3 with transformers, and incremental decoding against forward."""
+
 import dataclasses
 import jax
 import jax.numpy as jnp
@@ -11,13 +12,15 @@ from sparrow_jax.model import qwen3
 from tests.helpers import hf_logits, hf_model, tiny_config
 
 CONFIGS = {
-    "tied_gqa2": tiny_config(),
-    "untied_gqa1": tiny_config(tie_word_embeddings=False, num_key_value_heads=4),
-    "gqa4_theta": tiny_config(num_attention_heads=8, num_key_value_heads=2, rope_theta=5000.0,
-                              num_hidden_layers=3),
-    "linear_rope": tiny_config(rope_scaling=(("factor", 2.0), ("rope_type", "linear"))),
-    "yarn_rope": tiny_config(rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 64),
-                                           ("rope_type", "yarn"))),
+  "tied_gqa2": tiny_config(),
+  "untied_gqa1": tiny_config(tie_word_embeddings=False, num_key_value_heads=4),
+  "gqa4_theta": tiny_config(
+    num_attention_heads=8, num_key_value_heads=2, rope_theta=5000.0, num_hidden_layers=3
+  ),
+  "linear_rope": tiny_config(rope_scaling=(("factor", 2.0), ("rope_type", "linear"))),
+  "yarn_rope": tiny_config(
+    rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 64), ("rope_type", "yarn"))
+  ),
 }
 
 
@@ -47,7 +50,7 @@ def test_padded_ragged_batch_matches_transformers():
   rng = np.random.RandomState(1)
   tokens = rng.randint(0, cfg.vocab_size, (3, 24))
   mask = np.ones((3, 24), bool)
-  mask[0, :7] = False   # left padding
+  mask[0, :7] = False  # left padding
   mask[1, 15:] = False  # right padding
   positions = np.asarray(qwen3.default_positions(jnp.asarray(mask)))
   ref = hf_logits(hf_model(cfg, params), tokens, mask, positions)
@@ -116,28 +119,39 @@ def test_decode_loop_reads_weights_and_cache_in_place(sparse):
   from sparrow_jax.attention import policy
   from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
   from sparrow_jax.rollout import sampler
+
   cfg = dataclasses.replace(tiny_config(), num_hidden_layers=3, max_position_embeddings=512)
   params = sj.init_params(cfg, jax.random.PRNGKey(0))
   B, S = 4, 512
   caches = paged_cache.split_layers(paged_cache.init_cache(cfg, B, S, page_size=16))
   cfg_sparse = sj.SparseConfig(page_size=16, dense_layers=1)
   table = sampler.budget_table(KVSchedule.fixed(8), S, cfg_sparse)
-  attention_fn = (policy.decode_attention_fn(cfg_sparse, BudgetTable(jnp.asarray(table)), 8)
-                  if sparse else policy.dense_decode_fn())
+  attention_fn = (
+    policy.decode_attention_fn(cfg_sparse, BudgetTable(jnp.asarray(table)), 8)
+    if sparse
+    else policy.dense_decode_fn()
+  )
 
   def loop(params, caches):
     params, _ = qwen3.unstack_layers(params)
+
     def step(i, carry):
-      logits_BV, caches = qwen3.decode_step(params, carry[0], cfg, carry[1],
-                                            attention_fn=attention_fn)
+      logits_BV, caches = qwen3.decode_step(
+        params, carry[0], cfg, carry[1], attention_fn=attention_fn
+      )
       return jnp.argmax(logits_BV, -1).astype(jnp.int32), caches
+
     return jax.lax.fori_loop(0, 8, step, (jnp.zeros((B,), jnp.int32), caches))
 
   hlo = jax.jit(loop).lower(params, caches).compile().as_text()
   cache_shape = f"[{B},{cfg.num_key_value_heads},{S},{cfg.head_dim}]"
   weight_shape = f"[{cfg.hidden_size},{cfg.intermediate_size}]"
   loop_bodies = [c for c in hlo.split("\n\n") if "region" in c.split("\n")[0]]
-  made = [line.strip()[:120] for c in loop_bodies for line in c.split("\n")
-          if "fusion(" in line and any(shape in line.split("=")[1].split(" ")[1]
-                                       for shape in (cache_shape, weight_shape))]
+  made = [
+    line.strip()[:120]
+    for c in loop_bodies
+    for line in c.split("\n")
+    if "fusion(" in line
+    and any(shape in line.split("=")[1].split(" ")[1] for shape in (cache_shape, weight_shape))
+  ]
   assert not made, made

@@ -1,4 +1,5 @@
 """The notebooks run headless: every code cell executes on a small run and calibration surface."""
+
 import json
 import os
 
@@ -9,22 +10,40 @@ from sparrow_jax.logging import MetricsLogger
 
 pytestmark = pytest.mark.slow
 
-NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
-                        "sparrow_tail_stats.ipynb")
+NOTEBOOK = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  "notebooks",
+  "sparrow_tail_stats.ipynb",
+)
 
 
 def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
   logger = MetricsLogger(str(tmp_path / "run"), resume_step=0)
   for step in range(1, 4):
-    logger.write(step, {"reward/mean": 0.1 * step, "acceptance/mean": 0.97, "acceptance/p5": 0.8,
-                        "acceptance/p5_bin": np.array([np.nan, 0.9, 0.8 - 0.01 * step])})
+    logger.write(
+      step,
+      {
+        "reward/mean": 0.1 * step,
+        "acceptance/mean": 0.97,
+        "acceptance/p5": 0.8,
+        "acceptance/p5_bin": np.array([np.nan, 0.9, 0.8 - 0.01 * step]),
+      },
+    )
   logger.close()
   candidates = [1, 2, 4, 8]
-  surface = {"tau": 0.86, "bin_size": 2048, "page_size": 16, "always_kept": 3,
-             "candidates": candidates, "count_bin": [10, 10, 10],
-             "quantile": 5, "tail": {"5": {str(c): [0.7 + 0.05 * i, 0.6 + 0.05 * i, None]
-                                           for i, c in enumerate(candidates)}},
-             "chosen_topk": [4, 8, 8]}
+  surface = {
+    "tau": 0.86,
+    "bin_size": 2048,
+    "page_size": 16,
+    "always_kept": 3,
+    "candidates": candidates,
+    "count_bin": [10, 10, 10],
+    "quantile": 5,
+    "tail": {
+      "5": {str(c): [0.7 + 0.05 * i, 0.6 + 0.05 * i, None] for i, c in enumerate(candidates)}
+    },
+    "chosen_topk": [4, 8, 8],
+  }
   (tmp_path / "surface.json").write_text(json.dumps(surface))
   monkeypatch.setenv("SPARROW_WORKDIR", str(tmp_path / "run"))
   monkeypatch.setenv("SPARROW_SURFACE", str(tmp_path / "surface.json"))
@@ -75,10 +94,18 @@ def _fake_run(workdir, p5_by_step):
   """A finished trainer workdir: metrics.jsonl rows with what the notebooks read, summary.json."""
   logger = MetricsLogger(str(workdir), resume_step=0)
   for step, p5 in enumerate(p5_by_step, 1):
-    logger.write(step, {"reward/mean": 0.1 * step, "response_length/mean": 300.0 + step,
-                        "acceptance/p5": p5, "acceptance/p5_bin": np.array([np.nan, p5, p5 - 0.1]),
-                        "kv/read_fraction": 0.8, "kv/predicted_speedup": 0.7,
-                        "perf/rollout_tokens_per_s": 1000.0 + step})
+    logger.write(
+      step,
+      {
+        "reward/mean": 0.1 * step,
+        "response_length/mean": 300.0 + step,
+        "acceptance/p5": p5,
+        "acceptance/p5_bin": np.array([np.nan, p5, p5 - 0.1]),
+        "kv/read_fraction": 0.8,
+        "kv/predicted_speedup": 0.7,
+        "perf/rollout_tokens_per_s": 1000.0 + step,
+      },
+    )
   logger.close()
   (workdir / "summary.json").write_text(json.dumps({"steps": len(p5_by_step)}))
 
@@ -86,6 +113,7 @@ def _fake_run(workdir, p5_by_step):
 def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys):
   from configs import tau_sweep as sweep_config
   from experiments import tau_sweep
+
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path / "sweep")
   settings = tau_sweep.settings(c)  # every kind, from the shipped surface
@@ -97,8 +125,11 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
         _fake_run(workdir, [0.9 - 0.01 * i, 0.95, 0.9 + 0.01 * seed])
         (workdir / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
       runs[workdir.name] = tau_sweep.run_record(str(workdir), c.window, 0.86)
-  sweep = {"config": json.loads(c.to_json_best_effort()),
-           "settings": tau_sweep.summarize(settings, runs, [0, 1]), "runs": runs}
+  sweep = {
+    "config": json.loads(c.to_json_best_effort()),
+    "settings": tau_sweep.summarize(settings, runs, [0, 1]),
+    "runs": runs,
+  }
   (tmp_path / "sweep" / "sweep.json").write_text(json.dumps(sweep))
   monkeypatch.setenv("SPARROW_SWEEP_DIR", str(tmp_path / "sweep"))
   monkeypatch.setenv("SPARROW_OUT", str(tmp_path / "out"))
@@ -111,9 +142,11 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
     assert (tmp_path / "out" / name).stat().st_size > 1000
 
 
-def test_distill_sparse_notebook_reads_finished_runs_without_training(tmp_path, monkeypatch,
-                                                                      capsys):
+def test_distill_sparse_notebook_reads_finished_runs_without_training(
+  tmp_path, monkeypatch, capsys
+):
   from sparrow_jax.rl import trainer
+
   _fake_run(tmp_path / "on", [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85])
   _fake_run(tmp_path / "off", [0.5, 0.5, 0.4, 0.5, 0.5, 0.5, 0.6, 0.5])
   monkeypatch.setattr(trainer, "train", lambda c: pytest.fail(f"trained {c.workdir}"))
@@ -133,6 +166,7 @@ def test_distill_sparse_notebook_defaults_to_the_shipped_runs(tmp_path, monkeypa
   """With no run named, the notebook reads the two runs shipped in assets/ (docs/distill_sparse.md
   "DistillSparse") and trains nothing, whatever SPARROW_DISTILL_STEPS says."""
   from sparrow_jax.rl import trainer
+
   monkeypatch.setattr(trainer, "train", lambda c: pytest.fail(f"trained {c.workdir}"))
   for name in ("ON", "OFF"):
     monkeypatch.delenv(f"SPARROW_DISTILL_{name}", raising=False)

@@ -1,6 +1,7 @@
 """Both Pallas kernels read a page pool through page tables (physical page ids, logical ids for
 the positions) exactly as their jnp twin does: rows whose pages are scattered over a shared pool,
 shared prompt pages, a partial last page, padding and empty rows."""
+
 import functools
 
 import jax
@@ -23,7 +24,7 @@ def _pool_inputs(seed, B, K, G, E, Z, X, N, dtype=jnp.float32):
   tables, at = [], 0
   for b in range(B):
     n = -(-lengths[b] // Z)
-    table = physical[at:at + n].copy()
+    table = physical[at : at + n].copy()
     at += n
     if b == 1:
       table[:2] = tables[0][:2]
@@ -41,9 +42,15 @@ def _pool_inputs(seed, B, K, G, E, Z, X, N, dtype=jnp.float32):
       page_idx[b, k, n:] = rng.integers(0, K * X, N - n)  # padding: any valid id
   q = rng.standard_normal((B, K, G, E))
   k_pages, v_pages = rng.standard_normal((2, K * X, Z, E))
-  return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
-          jnp.asarray(page_idx), jnp.asarray(logical), jnp.asarray(n_valid),
-          jnp.asarray(lengths, jnp.int32))
+  return (
+    jnp.asarray(q, dtype),
+    jnp.asarray(k_pages, dtype),
+    jnp.asarray(v_pages, dtype),
+    jnp.asarray(page_idx),
+    jnp.asarray(logical),
+    jnp.asarray(n_valid),
+    jnp.asarray(lengths, jnp.int32),
+  )
 
 
 def _naive(q, k_pages, v_pages, page_idx, logical, n_valid, lengths):
@@ -67,8 +74,8 @@ def _naive(q, k_pages, v_pages, page_idx, logical, n_valid, lengths):
 
 
 KERNELS = {
-    "pallas": functools.partial(sparse_decode.paged_decode_attention, interpret=True),
-    "pallas_tpu": sparse_decode_tpu.paged_decode_attention,
+  "pallas": functools.partial(sparse_decode.paged_decode_attention, interpret=True),
+  "pallas_tpu": sparse_decode_tpu.paged_decode_attention,
 }
 
 
@@ -95,14 +102,22 @@ def test_the_engine_decode_attention_lowers_for_accelerators(platform):
   """policy.paged_decode_attention with impl auto exports for CUDA and TPU from this CPU: the
   Pallas kernel of each platform in the module (Qwen3 head shapes, a pool of 4K pages)."""
   B, K, G, E, Z, X, N = 4, 8, 2, 128, 16, 4096, 64
-  shapes = [((B, K, G, E), jnp.bfloat16), ((K * X, Z, E), jnp.bfloat16),
-            ((K * X, Z, E), jnp.bfloat16), ((B, K, N), jnp.int32), ((B, K, N), jnp.int32),
-            ((B, K), jnp.int32), ((B,), jnp.int32)]
+  shapes = [
+    ((B, K, G, E), jnp.bfloat16),
+    ((K * X, Z, E), jnp.bfloat16),
+    ((K * X, Z, E), jnp.bfloat16),
+    ((B, K, N), jnp.int32),
+    ((B, K, N), jnp.int32),
+    ((B, K), jnp.int32),
+    ((B,), jnp.int32),
+  ]
   # Triton IR has no cross-version guarantee, so jax.export asks to accept it by name
   disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  exported = jax.export.export(jax.jit(policy.paged_decode_attention), platforms=[platform],
-                               disabled_checks=disabled if platform == "cuda" else ())(
-      *[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+  exported = jax.export.export(
+    jax.jit(policy.paged_decode_attention),
+    platforms=[platform],
+    disabled_checks=disabled if platform == "cuda" else (),
+  )(*[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
   module = exported.mlir_module()
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in module
 
@@ -115,8 +130,11 @@ def test_tpu_kernel_splits_a_batch_whose_page_lists_overflow_smem():
   args = _pool_inputs(11, B=B, K=K, G=2, E=16, Z=8, X=60, N=N)
   per_row = 4 * (K * (2 * N + 1) + 1)
   assert sparse_decode_tpu.rows_per_call(B, K, N, 2 * per_row + 3) == 2
-  got = jax.jit(functools.partial(sparse_decode_tpu.paged_decode_attention,
-                                  smem_bytes=2 * per_row + 3, pages_per_block=1))(*args)
+  got = jax.jit(
+    functools.partial(
+      sparse_decode_tpu.paged_decode_attention, smem_bytes=2 * per_row + 3, pages_per_block=1
+    )
+  )(*args)
   np.testing.assert_allclose(got, jax.jit(reference.paged_decode_attention)(*args), atol=1e-5)
   # 8 KV heads x 2048 pages (dense at 32K): 131 KB a row, 3 rows a call in 512 KiB
   assert sparse_decode_tpu.rows_per_call(64, 8, 2048, sparse_decode_tpu.SMEM_PREFETCH_BYTES) == 3

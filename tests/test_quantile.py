@@ -1,6 +1,7 @@
 """The tail percentile held at tau is a parameter (stats.quantile, 5 the paper's): it reaches the
 logged tail stats, calibration's choice, the closed loop's pooled test, and a table calibrated for
 one percentile is refused under another."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,16 +18,26 @@ ALPHA_BT = np.where(np.arange(100) < 3, 0.5, 0.99)[None].astype(np.float32)
 
 
 def test_logged_stats_hold_the_quantile():
-  stats = acceptance.tail_stats(ALPHA_BT, np.ones_like(ALPHA_BT, bool), np.arange(100)[None],
-                                bin_size=128, num_bins=1, tau=0.86,
-                                percentiles=acceptance.tail_percentiles(2.5))
+  stats = acceptance.tail_stats(
+    ALPHA_BT,
+    np.ones_like(ALPHA_BT, bool),
+    np.arange(100)[None],
+    bin_size=128,
+    num_bins=1,
+    tau=0.86,
+    percentiles=acceptance.tail_percentiles(2.5),
+  )
   assert float(stats["p1"]) == pytest.approx(0.5) and float(stats["p5"]) == pytest.approx(0.99)
   assert float(stats["p2.5_bin"][0]) == pytest.approx(np.percentile(ALPHA_BT, 2.5))
   assert float(stats["frac_below_tau_bin"][0]) == pytest.approx(0.03)
   step = train_step.StepConfig(quantile=2.5, bin_size=128, num_bins=1)
-  batch = train_step.Batch(tokens=jnp.zeros((1, 100), jnp.int32),
-                           gen_mask=jnp.ones((1, 100), bool), prompt_len=jnp.ones((1,), jnp.int32),
-                           logp_rollout=jnp.zeros((1, 100)), rewards=jnp.zeros((1,)))
+  batch = train_step.Batch(
+    tokens=jnp.zeros((1, 100), jnp.int32),
+    gen_mask=jnp.ones((1, 100), bool),
+    prompt_len=jnp.ones((1,), jnp.int32),
+    logp_rollout=jnp.zeros((1, 100)),
+    rewards=jnp.zeros((1,)),
+  )
   metrics = train_step._acceptance_metrics(batch, jnp.zeros((1, 100)), None, ALPHA_BT, step)
   assert float(metrics["acceptance/p2.5_bin"][0]) == pytest.approx(float(stats["p2.5_bin"][0]))
   with pytest.raises(ValueError, match="StepConfig.quantile = 50"):
@@ -40,8 +51,10 @@ def test_p1_and_p5_choose_different_tables():
   p5 = calibrate.choose_schedule(tail[5], (1, 2), 0.86, page_size=4, bin_size=8)
   p1 = calibrate.choose_schedule(tail[1], (1, 2), 0.86, page_size=4, bin_size=8, quantile=1)
   assert (p5.values, p5.quantile) == ((1,), 5) and (p1.values, p1.quantile) == ((2,), 1)
-  surface = {"candidates": [1, 2], "tail": {f"{q}": {str(c): list(t[i]) for i, c in
-                                                     enumerate((1, 2))} for q, t in tail.items()}}
+  surface = {
+    "candidates": [1, 2],
+    "tail": {f"{q}": {str(c): list(t[i]) for i, c in enumerate((1, 2))} for q, t in tail.items()},
+  }
   np.testing.assert_array_equal(calibrate.surface_tail(surface, 1)[1], tail[1])
   with pytest.raises(ValueError, match=r"percentiles \['1', '5'\] of alpha, not 10"):
     calibrate.surface_tail(surface, 10)
@@ -50,8 +63,15 @@ def test_p1_and_p5_choose_different_tables():
 
 def test_closed_loop_pools_against_the_quantile():
   """3% of a bin's tokens under tau: a p5 loop lowers the budget, a p1 loop raises it."""
-  rule = dict(tau=0.86, max_topk=40, raise_factor=1.5, lower_factor=0.9, window=1,
-              lower_share=0.005, min_tokens=10)
+  rule = dict(
+    tau=0.86,
+    max_topk=40,
+    raise_factor=1.5,
+    lower_factor=0.9,
+    window=1,
+    lower_share=0.005,
+    min_tokens=10,
+  )
   start = schedule_lib.LoopState.start((20,))
   held = schedule_lib.adapt_topk(start, [1000], [30], [0.99], **rule, quantile=5)
   raised = schedule_lib.adapt_topk(start, [1000], [30], [0.99], **rule, quantile=1)
@@ -65,15 +85,21 @@ def test_a_table_calibrated_for_another_quantile_is_refused(tmp_path):
   c = default.get_config()
   c.workdir = str(tmp_path / "run")
   c.rollout.schedule = str(path)
-  with pytest.raises(ValueError, match=r"calibrated to hold p1 >= tau, but config.stats.quantile "
-                                       r"is 5"):
+  with pytest.raises(
+    ValueError,
+    match=r"calibrated to hold p1 >= tau, but config.stats.quantile "
+    r"is 5",
+  ):
     trainer.validate(c)
   c.stats.quantile = 1
   trainer.validate(c)
   c.rollout.schedule = f"adaptive:0.86:{path}"
   c.rollout.adaptive_lower_share = 0.02
-  with pytest.raises(ValueError, match="adaptive_lower_share = 0.02 is invalid: must be in "
-                                       r"\[0, 0.01\)"):
+  with pytest.raises(
+    ValueError,
+    match="adaptive_lower_share = 0.02 is invalid: must be in "
+    r"\[0, 0.01\)",
+  ):
     trainer.validate(c)
   c.stats.quantile = 0
   with pytest.raises(ValueError, match="config.stats.quantile = 0.0 is invalid"):

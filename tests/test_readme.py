@@ -1,4 +1,5 @@
 """The README's Python snippet runs verbatim (on the shipped tiny model)."""
+
 import os
 import re
 
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_readme_python_snippet_runs(monkeypatch, capsys):
   with open(os.path.join(ROOT, "README.md")) as f:
     readme = f.read()
-  section = readme[readme.index("## Using it from Python"):]
+  section = readme[readme.index("## Using it from Python") :]
   snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   monkeypatch.chdir(ROOT)
   exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 (our own README)

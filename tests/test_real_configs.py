@@ -1,5 +1,6 @@
 """The real-run configs build, shard and trace at full size on their device counts (fake CPU
 devices, nothing allocated or run): Qwen3-1.7B x 38K-token rows on 8, Qwen3-14B on 32."""
+
 import textwrap
 
 import pytest
@@ -21,10 +22,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("name, preset, devices, rows, q_shape", [
+@pytest.mark.parametrize(
+  "name, preset, devices, rows, q_shape",
+  [
     ("qwen3_1p7b_polaris", "qwen3-1.7b", 8, 256, (28, 2048, 2048)),
     ("qwen3_14b_polaris", "qwen3-14b", 32, 512, (40, 5120, 5120)),
-])
+  ],
+)
 def test_real_config_lowers_at_full_size(name, preset, devices, rows, q_shape):
   out = run_on_fake_devices(SCRIPT.format(name=name, preset=preset), devices=devices)
   assert f"q {q_shape} P(None, 'fsdp', None)" in out  # FSDP over the model width
@@ -38,6 +42,7 @@ def test_real_config_has_every_trainer_field(name):
 
   from configs import default
   from sparrow_jax.rl import trainer
+
   fields = lambda c: set(trainer._flat(json.loads(c.to_json_best_effort())))
   c = importlib.import_module(f"configs.{name}").get_config()
   assert fields(c) == fields(default.get_config())

@@ -1,5 +1,6 @@
 """The results pages of docs/results/ are what docs/make_results_pages.py makes of the committed
 records, and every record names its command, commit, machine and date."""
+
 import glob
 import json
 import os
@@ -10,8 +11,13 @@ from tests.helpers import ROOT
 
 
 def test_results_pages_regenerate_from_the_records():
-  result = subprocess.run([sys.executable, "docs/make_results_pages.py", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+  result = subprocess.run(
+    [sys.executable, "docs/make_results_pages.py", "--check"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -1,4 +1,5 @@
 """Advantages and losses against hand-worked cases."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,17 +10,22 @@ from sparrow_jax.rl import advantages, losses
 
 def test_grpo_drgrpo_rloo_by_hand():
   r = jnp.asarray([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
-  np.testing.assert_allclose(advantages.advantages(r, 4, "grpo", std_ddof=0),
-                             [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
+  np.testing.assert_allclose(
+    advantages.advantages(r, 4, "grpo", std_ddof=0), [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5
+  )
   # the default, as the reference's torch.std: the unbiased std sqrt(1/3) of [1, 0, 0, 1]
-  np.testing.assert_allclose(advantages.advantages(r, 4, "grpo"),
-                             np.asarray([1, -1, -1, 1, 0, 0, 0, 0]) * 0.5 / np.sqrt(1 / 3),
-                             atol=1e-5)
-  np.testing.assert_allclose(advantages.advantages(r, 4, "dr_grpo"),
-                             [.5, -.5, -.5, .5, 0, 0, 0, 0], atol=1e-6)
+  np.testing.assert_allclose(
+    advantages.advantages(r, 4, "grpo"),
+    np.asarray([1, -1, -1, 1, 0, 0, 0, 0]) * 0.5 / np.sqrt(1 / 3),
+    atol=1e-5,
+  )
+  np.testing.assert_allclose(
+    advantages.advantages(r, 4, "dr_grpo"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0], atol=1e-6
+  )
   # rloo: r_i - mean of the other three, e.g. 1 - (0 + 0 + 1) / 3 = 2/3
-  np.testing.assert_allclose(advantages.advantages(r, 4, "rloo")[:4], [2 / 3, -2 / 3, -2 / 3, 2 / 3],
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    advantages.advantages(r, 4, "rloo")[:4], [2 / 3, -2 / 3, -2 / 3, 2 / 3], atol=1e-6
+  )
   np.testing.assert_array_equal(advantages.informative_groups(r, 4), [True, False])
   with pytest.raises(ValueError, match="group_size"):
     advantages.advantages(r, 3)
@@ -53,10 +59,12 @@ def test_tis_weight_token_and_sequence():
   old = jnp.log(jnp.asarray([[0.5, 0.9, 0.2]]))
   rollout = jnp.log(jnp.asarray([[0.25, 0.9, 0.8]]))
   mask = jnp.asarray([[True, True, True]])
-  np.testing.assert_allclose(losses.tis_weight(old, rollout, mask, 1.5, "token"), [[1.5, 1, 0.25]],
-                             rtol=1e-5)
-  np.testing.assert_allclose(losses.tis_weight(old, rollout, mask, 5.0, "sequence"),
-                             [[0.5, 0.5, 0.5]], rtol=1e-5)  # 2 * 1 * 0.25
+  np.testing.assert_allclose(
+    losses.tis_weight(old, rollout, mask, 1.5, "token"), [[1.5, 1, 0.25]], rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    losses.tis_weight(old, rollout, mask, 5.0, "sequence"), [[0.5, 0.5, 0.5]], rtol=1e-5
+  )  # 2 * 1 * 0.25
   grad = jax.grad(lambda o: losses.tis_weight(o, rollout, mask, 5.0).sum())(old)
   np.testing.assert_array_equal(grad, 0)
   with pytest.raises(ValueError, match="TIS level"):
@@ -69,7 +77,8 @@ def test_aggregation_modes():
   assert float(losses.aggregate(loss, mask, "token-mean")) == pytest.approx(10 / 4)
   assert float(losses.aggregate(loss, mask, "seq-mean-token-mean")) == pytest.approx((2 + 4) / 2)
   assert float(losses.aggregate(loss, mask, "seq-mean-token-sum-norm", 3)) == pytest.approx(
-      (6 / 3 + 4 / 3) / 2)
+    (6 / 3 + 4 / 3) / 2
+  )
   with pytest.raises(ValueError, match="token-mean"):
     losses.aggregate(loss, mask, "sum")
 
@@ -92,8 +101,8 @@ def test_k3_is_capped_like_verl_low_var_kl():
 
 
 def test_ppo_ratio_overflow_gives_finite_gradients():
-  logp_old = jnp.asarray([[-200.0, 0.0]])     # a token the old policy all but ruled out
-  logp = jnp.asarray([[-1.0, 0.0]])           # exp(199) overflows float32 without the clamp
+  logp_old = jnp.asarray([[-200.0, 0.0]])  # a token the old policy all but ruled out
+  logp = jnp.asarray([[-1.0, 0.0]])  # exp(199) overflows float32 without the clamp
   loss = lambda lp: losses.ppo_token_loss(lp, logp_old, jnp.asarray([-1.0]), 0.2, 0.28)[0].sum()
   value, grad = jax.value_and_grad(loss)(logp)
   assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()

@@ -1,6 +1,7 @@
 """A run never loses data, and every command-line error is one line naming the field with exit
 status 2 (issue 29, items 4 and 6). Nothing here trains: checkpoints are of a toy state, and the
 trainer is stopped by the check under test before its first compilation."""
+
 import dataclasses
 import json
 import re
@@ -22,8 +23,11 @@ from tests.test_trainer import small
 
 pytestmark = pytest.mark.slow
 
-TOY = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32),
-       "half": jnp.asarray(np.arange(6), jnp.bfloat16), "step": jnp.int32(7)}
+TOY = {
+  "w": jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32),
+  "half": jnp.asarray(np.arange(6), jnp.bfloat16),
+  "step": jnp.int32(7),
+}
 
 
 def toy_checkpoints(workdir, steps=(1, 2)):
@@ -49,8 +53,12 @@ def test_flipped_byte_in_array_data_is_a_corrupt_checkpoint(tmp_path):
   """One flipped bit in the newest checkpoint's array data fails its checksum: that checkpoint is
   moved aside and the previous one restores, bit-exact."""
   directory = toy_checkpoints(tmp_path)
-  data = [os.path.join(root, f) for root, _, fs in os.walk(directory / "2" / "state")
-          for f in fs if os.sep + "d" + os.sep in os.path.join(root, f)]
+  data = [
+    os.path.join(root, f)
+    for root, _, fs in os.walk(directory / "2" / "state")
+    for f in fs
+    if os.sep + "d" + os.sep in os.path.join(root, f)
+  ]
   biggest = max(data, key=os.path.getsize)  # the arrays' chunks
   raw = bytearray(open(biggest, "rb").read())
   raw[len(raw) // 2] ^= 0x10
@@ -72,11 +80,15 @@ def test_emptied_checkpoint_is_moved_aside(tmp_path):
   assert meta == {"step": 1} and sorted(os.listdir(directory)) == ["1", "2.corrupt"]
 
 
-@pytest.mark.parametrize("like, words", [
+@pytest.mark.parametrize(
+  "like, words",
+  [
     ({**TOY, "ref": jnp.zeros(3)}, "ref only in this config's state"),
     ({"w": TOY["w"], "step": TOY["step"]}, "half only in the checkpoint"),
     ({**TOY, "w": jnp.zeros((16, 32))}, r"w is \(16, 64\) float32 in the checkpoint, \(16, 32\)"),
-], ids=["extra_leaf", "missing_leaf", "other_shape"])
+  ],
+  ids=["extra_leaf", "missing_leaf", "other_shape"],
+)
 def test_checkpoint_of_another_state_stops_and_changes_nothing(tmp_path, like, words):
   """A good checkpoint that does not fit this config's state (a changed flag) is not corrupt:
   the restore stops, naming the difference, and no checkpoint is moved or touched."""
@@ -108,13 +120,21 @@ def test_unreadable_config_json_stops_and_changes_nothing(tmp_path):
   assert files_of(work) == before
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"rollout__max_prompt_len": 8},
-     r"config\.rollout\.max_prompt_len = 8 is invalid: must hold every prompt: 4 of 4 are longer"),
+@pytest.mark.parametrize(
+  "change, field",
+  [
+    (
+      {"rollout__max_prompt_len": 8},
+      r"config\.rollout\.max_prompt_len = 8 is invalid: must hold every prompt: 4 of 4 are longer",
+    ),
     ({"seed": -1}, r"config\.seed = -1 is invalid: must be an int in \[0, 2147483647\]"),
-    ({"rollout__num_top_logprobs": 10 ** 6},
-     r"config\.rollout\.num_top_logprobs = 1000000 is invalid: must be <= the model's vocabulary"),
-], ids=["prompt_too_long", "seed_negative", "top_logprobs_over_vocab"])
+    (
+      {"rollout__num_top_logprobs": 10**6},
+      r"config\.rollout\.num_top_logprobs = 1000000 is invalid: must be <= the model's vocabulary",
+    ),
+  ],
+  ids=["prompt_too_long", "seed_negative", "top_logprobs_over_vocab"],
+)
 def test_step0_config_error_leaves_no_workdir(tmp_path, change, field):
   """Checks that need the data or the vocabulary run before the workdir is made, so the corrected
   command is not refused as "another config"."""
@@ -129,15 +149,20 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
   not only the first step's: a long one later in the data would stop the run at its step."""
   c = small(tmp_path / "run")
   tokenizer = trainer.make_task(c).own_tokenizer
-  problems = [tasks.Problem(id=f"p{i}", question="q", prompt="a;b", reference="1")
-              for i in range(12)]
+  problems = [
+    tasks.Problem(id=f"p{i}", question="q", prompt="a;b", reference="1") for i in range(12)
+  ]
   first = {p.id for p in tasks.Task("math:toy", "math", tuple(problems)).sample(4, 0)}
   late = next(i for i, p in enumerate(problems) if p.id not in first)
   problems[late] = dataclasses.replace(problems[late], prompt="a;b " * 100)
   dataset = tasks.Task("math:toy", "math", tuple(problems))
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(
+    ValueError,
+    match=(
       r"config\.rollout\.max_prompt_len = 64 is invalid: must hold every prompt: 1 of 12 are "
-      rf"longer, the longest \('p{late}' of task 'math:toy'\) has 100 tokens")):
+      rf"longer, the longest \('p{late}' of task 'math:toy'\) has 100 tokens"
+    ),
+  ):
     trainer.check_inputs(c, dataset, trainer._model_config(c), tokenizer)
 
 
@@ -145,13 +170,18 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
   """The tiny pointer-chase vocabulary reads a math prompt as mostly its unknown token: refused,
   naming the task and the model, before anything is written."""
   from tests.test_trainer import config
+
   c = config(workdir=str(tmp_path / "run"), task__name="math:reasoning_gym:basic_arithmetic")
   task = tasks.make_task(c.task.name, limit=8)
   cfg, _, tokenizer = trainer.load_model(c, task)
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(
+    ValueError,
+    match=(
       r"config\.task\.name = 'math:reasoning_gym:basic_arithmetic' is invalid: must be a task the "
       r"model's tokenizer can read: \d+ of its \d+ prompt tokens are the unknown token \(id 0\) "
-      r"of config\.model\.hf_dir = 'assets/pointer_chase_tiny'")):
+      r"of config\.model\.hf_dir = 'assets/pointer_chase_tiny'"
+    ),
+  ):
     trainer.check_inputs(c, task, cfg, tokenizer)
   trainer.check_inputs(c, trainer.make_task(config()), cfg, tokenizer)  # its own task reads
 
@@ -162,9 +192,17 @@ def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
   work = tmp_path / "run"
   work.mkdir()
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import fcntl, sys, time\n"
-       "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
-       "time.sleep(600)", str(work / trainer.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      "-c",
+      "import fcntl, sys, time\n"
+      "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
+      "time.sleep(600)",
+      str(work / trainer.LOCK_FILE),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert holder.stdout.readline().strip() == "held"
     out = run_cli(work, [])
@@ -219,8 +257,11 @@ def test_summary_without_the_last_row_is_written_not_a_traceback(tmp_path):
   metrics_file(work, ROWS)
   assert trainer._logged_row(str(work), 3) is None
   trainer._finish(small(work, total_steps=3), None, None, None, None, times=None)
-  assert json.loads((work / "summary.json").read_text()) == {"steps": 3, "time_s": None,
-                                                             "last": None}
+  assert json.loads((work / "summary.json").read_text()) == {
+    "steps": 3,
+    "time_s": None,
+    "last": None,
+  }
 
 
 def test_summary_and_config_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
@@ -230,13 +271,15 @@ def test_summary_and_config_are_replaced_whole_or_not_at_all(tmp_path, monkeypat
   work.mkdir()
   (work / "summary.json").write_text("old")
   with pytest.raises(TypeError):
-    trainer._finish(small(work, total_steps=3), None, None, None, {"step": 3, "x": object()},
-                    times=None)
+    trainer._finish(
+      small(work, total_steps=3), None, None, None, {"step": 3, "x": object()}, times=None
+    )
   assert os.listdir(work) == ["summary.json"] and (work / "summary.json").read_text() == "old"
   (work / "config.json").write_text("old")
 
   def fail(fd):
     raise OSError("disk full")
+
   monkeypatch.setattr(os, "fsync", fail)
   with pytest.raises(OSError, match="disk full"):
     metrics_log.write_atomic(str(work / "config.json"), "new")
@@ -247,41 +290,75 @@ def test_summary_and_config_are_replaced_whole_or_not_at_all(tmp_path, monkeypat
 def run_cli(work, args):
   """`python -m sparrow_jax.train` on the SMALL config with `args` in a subprocess (CPU)."""
   return subprocess.run(
-      [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
-       f"--config.workdir={work}", *SMALL, *args], cwd=ROOT, capture_output=True, text=True,
-      timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    [
+      sys.executable,
+      "-m",
+      "sparrow_jax.train",
+      "--config=configs/default.py",
+      f"--config.workdir={work}",
+      *SMALL,
+      *args,
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
 
 
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory):
   """{'null_values': a KVSchedule JSON with "values": null, 'not_parquet': text named .parquet}."""
   root = tmp_path_factory.mktemp("bad_files")
-  schedule = json.loads(open(os.path.join(
-      ROOT, "assets/pointer_chase_tiny/calibration_quest/schedule.json")).read())
+  schedule = json.loads(
+    open(os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest/schedule.json")).read()
+  )
   (root / "null_values.json").write_text(json.dumps({**schedule, "values": None}))
   (root / "not_parquet.parquet").write_text("problem,answer\n1+1,2\n")
   return {"null_values": root / "null_values.json", "not_parquet": root / "not_parquet.parquet"}
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--config.nonexistent=1"], r"config\.nonexistent is not a field of configs/default\.py"),
     (["--config.rl.foo=1"], r"config\.rl\.foo is not a field of configs/default\.py"),
     (["--config.total_steps=abc"], r"config\.total_steps = 'abc' is invalid: invalid literal"),
-    ([f"--config.seed={2 ** 70}"], rf"config\.seed = {2 ** 70} is invalid: must be an int in"),
+    ([f"--config.seed={2**70}"], rf"config\.seed = {2**70} is invalid: must be an int in"),
     (["--config.seed=-1"], r"config\.seed = -1 is invalid"),
-    (["--config.rl.learning_rate=inf"], r"config\.rl\.learning_rate = inf is invalid: must be a "
-                                        "finite number"),
+    (
+      ["--config.rl.learning_rate=inf"],
+      r"config\.rl\.learning_rate = inf is invalid: must be a "
+      "finite number",
+    ),
     (["--config.rl.entropy_coef=nan"], r"config\.rl\.entropy_coef = nan is invalid"),
     (["--config.rollout.temperature=inf"], r"config\.rollout\.temperature = inf is invalid"),
-    (["--config.rollout.schedule={null_values}"],
-     r"config\.rollout\.schedule = '.*null_values\.json': KVSchedule JSON 'values' must be a list"),
-    (["--config.task.name=math:polaris", "--config.task.path={not_parquet}"],
-     r"config\.task\.path = '.*not_parquet\.parquet' is invalid: .*not_parquet\.parquet is not a "
-     "readable parquet file"),
+    (
+      ["--config.rollout.schedule={null_values}"],
+      r"config\.rollout\.schedule = '.*null_values\.json': KVSchedule JSON 'values' must be a list",
+    ),
+    (
+      ["--config.task.name=math:polaris", "--config.task.path={not_parquet}"],
+      r"config\.task\.path = '.*not_parquet\.parquet' is invalid: .*not_parquet\.parquet is not a "
+      "readable parquet file",
+    ),
     (["--config.workdir="], r"config\.workdir = '' is invalid: must be a directory path"),
-], ids=["unknown_field", "unknown_nested_field", "wrong_type", "seed_2**70", "seed_-1",
-        "learning_rate_inf", "entropy_coef_nan", "temperature_inf", "schedule_values_null",
-        "not_parquet", "workdir_empty"])
+  ],
+  ids=[
+    "unknown_field",
+    "unknown_nested_field",
+    "wrong_type",
+    "seed_2**70",
+    "seed_-1",
+    "learning_rate_inf",
+    "entropy_coef_nan",
+    "temperature_inf",
+    "schedule_values_null",
+    "not_parquet",
+    "workdir_empty",
+  ],
+)
 def test_cli_error_is_one_line_naming_the_field_exit_2(tmp_path, bad_files, args, message):
   work = tmp_path / "run"
   out = run_cli(work, [a.format(**bad_files) for a in args])

@@ -3,6 +3,7 @@
 Every attack runs twice: with the namespaces (network/mount/pid/user), and with `namespaces=False`, the
 explicit fallback for where unshare is refused (tests/test_sandbox_fs.py: the file system).
 """
+
 import os
 import signal
 import socket
@@ -48,9 +49,13 @@ def test_correct_solutions_get_1():
   assert code_reward(fenced(ADD_PROGRAM), ADD, **LIMITS) == 1.0
   call = {"fn_name": "add", "inputs": [[1, 2], [[1], [2]]], "outputs": [[3], [[1, 2]]]}
   assert code_reward(fenced("def add(a, b):\n  return a + b"), call, **LIMITS) == 1.0
-  assert code_reward(fenced("class Solution:\n  def add(self, a, b):\n    return a + b"), call) == 1.0
+  assert (
+    code_reward(fenced("class Solution:\n  def add(self, a, b):\n    return a + b"), call) == 1.0
+  )
   script = {"prefix": "import math\n", "script": "assert hypot_(3, 4) == 5\n"}
-  assert code_reward(fenced("def hypot_(a, b):\n  return math.hypot(a, b)"), script, **LIMITS) == 1.0
+  assert (
+    code_reward(fenced("def hypot_(a, b):\n  return math.hypot(a, b)"), script, **LIMITS) == 1.0
+  )
 
 
 def test_wrong_answers_partial_credit_and_missing_code():
@@ -88,8 +93,10 @@ def test_cpu_time_limit_kills_before_the_wall_clock(namespaces):
 def test_fork_bomb_is_capped_and_cleaned_up(namespaces):
   bomb = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
   assert code_reward(fenced(bomb), ADD, namespaces=namespaces, **LIMITS) == 0.0
-  counter = ("import os, sys, time\nn = 0\nwhile True:\n  try:\n    pid = os.fork()\n"
-             "  except OSError:\n    print(n)\n    sys.exit(0)\n  if pid == 0:\n    time.sleep(60)\n  n += 1")
+  counter = (
+    "import os, sys, time\nn = 0\nwhile True:\n  try:\n    pid = os.fork()\n"
+    "  except OSError:\n    print(n)\n    sys.exit(0)\n  if pid == 0:\n    time.sleep(60)\n  n += 1"
+  )
   run = stdio_run(counter, namespaces=namespaces)
   assert run.isolation.get("nproc") is not None, run.isolation  # root or user namespaces (CI: root)
   assert int(run.cases[0]["stdout"]) < LIMITS["nproc"]
@@ -98,15 +105,23 @@ def test_fork_bomb_is_capped_and_cleaned_up(namespaces):
 
 def test_memory_hog_gets_memory_error(namespaces):
   hog = "x = bytearray(1 << 30)\nprint(len(x))"
-  assert code_reward(fenced(hog), {"inputs": [""], "outputs": [str(1 << 30)]},
-                     namespaces=namespaces, **LIMITS) == 0.0
+  assert (
+    code_reward(
+      fenced(hog), {"inputs": [""], "outputs": [str(1 << 30)]}, namespaces=namespaces, **LIMITS
+    )
+    == 0.0
+  )
   assert "MemoryError" in stdio_run(hog, namespaces=namespaces).cases[0]["stderr"]
 
 
 def test_a_gigabyte_of_output_is_cut_at_the_file_size_limit(namespaces):
   flood = "import sys\nblock = 'x' * (1 << 20)\nfor _ in range(1024):\n  sys.stdout.write(block)"
-  assert code_reward(fenced(flood), {"inputs": [""], "outputs": ["x" * (1 << 30)]},
-                     namespaces=namespaces, **LIMITS) == 0.0
+  assert (
+    code_reward(
+      fenced(flood), {"inputs": [""], "outputs": ["x" * (1 << 30)]}, namespaces=namespaces, **LIMITS
+    )
+    == 0.0
+  )
   case = stdio_run(flood, namespaces=namespaces).cases[0]
   assert case["status"] == "error" and len(case["stdout"]) <= LIMITS["output_bytes"]
 
@@ -117,11 +132,17 @@ def test_network_socket_cannot_reach_the_host(namespaces):
   server.listen()
   server.setblocking(False)
   port = server.getsockname()[1]
-  program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
-             "print('connected')")
+  program = (
+    f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+    "print('connected')"
+  )
   try:
-    assert code_reward(fenced(program), {"inputs": [""], "outputs": ["connected"]},
-                       namespaces=namespaces, **LIMITS) == 0.0
+    assert (
+      code_reward(
+        fenced(program), {"inputs": [""], "outputs": ["connected"]}, namespaces=namespaces, **LIMITS
+      )
+      == 0.0
+    )
     with pytest.raises(BlockingIOError):
       server.accept()
   finally:
@@ -131,11 +152,17 @@ def test_network_socket_cannot_reach_the_host(namespaces):
 def test_files_outside_the_work_dir_survive(namespaces, tmp_path):
   sentinel = tmp_path / "sentinel.txt"
   sentinel.write_text("keep")
-  os.chmod(tmp_path, 0o755)   # reachable, not writable, for others: the uid drop is what protects it
-  program = (f"import os\nopen({str(sentinel)!r}, 'a').write('pwned')\nos.remove({str(sentinel)!r})\n"
-             "print('done')")
-  assert code_reward(fenced(program), {"inputs": [""], "outputs": ["done"]},
-                     namespaces=namespaces, **LIMITS) == 0.0
+  os.chmod(tmp_path, 0o755)  # reachable, not writable, for others: the uid drop is what protects it
+  program = (
+    f"import os\nopen({str(sentinel)!r}, 'a').write('pwned')\nos.remove({str(sentinel)!r})\n"
+    "print('done')"
+  )
+  assert (
+    code_reward(
+      fenced(program), {"inputs": [""], "outputs": ["done"]}, namespaces=namespaces, **LIMITS
+    )
+    == 0.0
+  )
   assert sentinel.read_text() == "keep"
 
 
@@ -153,24 +180,41 @@ def test_disk_writes_are_capped(namespaces):
 
 def test_parent_environment_is_invisible(namespaces, monkeypatch):
   monkeypatch.setenv("SPARROW_TEST_SECRET", "s3cret-value")
-  program = ("import os\nfound = os.environ.get('SPARROW_TEST_SECRET', '')\n"
-             "for pid in os.listdir('/proc'):\n  try:\n"
-             "    if b's3cret-value' in open(f'/proc/{pid}/environ', 'rb').read():\n"
-             "      found = 's3cret-value'\n  except OSError:\n    pass\nprint(found)")
-  assert code_reward(fenced(program), {"inputs": [""], "outputs": ["s3cret-value"]},
-                     namespaces=namespaces, **LIMITS) == 0.0
+  program = (
+    "import os\nfound = os.environ.get('SPARROW_TEST_SECRET', '')\n"
+    "for pid in os.listdir('/proc'):\n  try:\n"
+    "    if b's3cret-value' in open(f'/proc/{pid}/environ', 'rb').read():\n"
+    "      found = 's3cret-value'\n  except OSError:\n    pass\nprint(found)"
+  )
+  assert (
+    code_reward(
+      fenced(program),
+      {"inputs": [""], "outputs": ["s3cret-value"]},
+      namespaces=namespaces,
+      **LIMITS,
+    )
+    == 0.0
+  )
   assert "s3cret" not in stdio_run(program, namespaces=namespaces).cases[0]["stdout"]
 
 
 def test_killing_the_parent_fails_and_the_trainer_survives(namespaces):
   me = os.getpid()
-  program = ("import os, signal\nfor pid in (os.getppid(), %d):\n  try:\n    os.kill(pid, signal.SIGKILL)\n"
-             "  except OSError:\n    pass\n" % me)
-  if os.geteuid() == 0 or namespaces:  # kill(-1) is only harmless where the uid drop or a pid ns holds
+  program = (
+    "import os, signal\nfor pid in (os.getppid(), %d):\n  try:\n    os.kill(pid, signal.SIGKILL)\n"
+    "  except OSError:\n    pass\n" % me
+  )
+  if (
+    os.geteuid() == 0 or namespaces
+  ):  # kill(-1) is only harmless where the uid drop or a pid ns holds
     program += "try:\n  os.kill(-1, signal.SIGKILL)\nexcept OSError:\n  pass\n"
   program += "print('still here')"
-  assert code_reward(fenced(program), {"inputs": [""], "outputs": ["never"]},
-                     namespaces=namespaces, **LIMITS) == 0.0
+  assert (
+    code_reward(
+      fenced(program), {"inputs": [""], "outputs": ["never"]}, namespaces=namespaces, **LIMITS
+    )
+    == 0.0
+  )
   assert os.getpid() == me
   assert code_reward(fenced(ADD_PROGRAM), ADD, namespaces=namespaces, **LIMITS) == 1.0
 

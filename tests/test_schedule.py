@@ -1,4 +1,5 @@
 """KVSchedule: published tables, budget semantics, jit/vmap, JSON, validation."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,19 +10,81 @@ from sparrow_jax.mismatch.schedule import KVSchedule
 
 # The tau-0.86 tables (and 1.7B at 0.80) as printed in the project brief.
 BRIEF_TABLES = {
-    ("qwen3-1.7b", 0.86): [29, 61, 93, 93, 125, 157, 189, 221, 221] + [253] * 11,
-    ("qwen3-4b", 0.86): [29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381, 381,
-                         381, 381, 509, 509],
-    ("qwen3-8b", 0.86): [29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317,
-                         317, 317, 385, 445, 445],
-    ("qwen3-14b", 0.86): [29, 45, 77, 125, 253, 381, 381, 381, 381, 381, 381, 381, 381, 381, 381,
-                          509, 637, 637, 893, 893],
-    ("qwen3-1.7b", 0.80): [29, 45, 61, 77, 93, 93, 125, 125, 125] + [157] * 11,
+  ("qwen3-1.7b", 0.86): [29, 61, 93, 93, 125, 157, 189, 221, 221] + [253] * 11,
+  ("qwen3-4b", 0.86): [
+    29,
+    45,
+    61,
+    77,
+    93,
+    125,
+    157,
+    221,
+    253,
+    253,
+    317,
+    317,
+    317,
+    317,
+    381,
+    381,
+    381,
+    381,
+    509,
+    509,
+  ],
+  ("qwen3-8b", 0.86): [
+    29,
+    45,
+    61,
+    77,
+    125,
+    157,
+    189,
+    253,
+    253,
+    253,
+    253,
+    317,
+    317,
+    317,
+    317,
+    317,
+    317,
+    385,
+    445,
+    445,
+  ],
+  ("qwen3-14b", 0.86): [
+    29,
+    45,
+    77,
+    125,
+    253,
+    381,
+    381,
+    381,
+    381,
+    381,
+    381,
+    381,
+    381,
+    381,
+    381,
+    509,
+    637,
+    637,
+    893,
+    893,
+  ],
+  ("qwen3-1.7b", 0.80): [29, 45, 61, 77, 93, 93, 125, 125, 125] + [157] * 11,
 }
-TAUS = {"qwen3-1.7b": [0.75, 0.80, 0.83, 0.86, 0.88, 0.90, 0.92, 0.94],
-        "qwen3-4b": [0.75, 0.80, 0.86, 0.88, 0.90, 0.92],
-        "qwen3-8b": [0.75, 0.80, 0.86, 0.87, 0.92],
-        "qwen3-14b": [0.86]}
+TAUS = {
+  "qwen3-1.7b": [0.75, 0.80, 0.83, 0.86, 0.88, 0.90, 0.92, 0.94],
+  "qwen3-4b": [0.75, 0.80, 0.86, 0.88, 0.90, 0.92],
+  "qwen3-8b": [0.75, 0.80, 0.86, 0.87, 0.92],
+  "qwen3-14b": [0.86],
+}
 
 
 def _budget(schedule, cached_len):
@@ -32,12 +95,15 @@ def test_paper_1p7b_tau086_examples():
   s = KVSchedule.paper("qwen3-1.7b", tau=0.86)
   assert (s.page_size, s.always_kept, s.bin_size, s.max_pages) == (16, 3, 2000, 256)
   # 29 top-k + 3 always-kept = 32 pages in the first bin, capped at the cached pages.
-  np.testing.assert_array_equal(_budget(s, [1, 16, 17, 80, 496, 497, 512, 1000, 1984]),
-                                [1, 1, 2, 5, 31, 32, 32, 32, 32])
+  np.testing.assert_array_equal(
+    _budget(s, [1, 16, 17, 80, 496, 497, 512, 1000, 1984]), [1, 1, 2, 5, 31, 32, 32, 32, 32]
+  )
   # Bins are whole pages, as in the reference planner: 125 pages = 2000 tokens per bin.
   np.testing.assert_array_equal(_budget(s, [1985, 2000, 2047, 4000]), [64, 64, 64, 96])
-  np.testing.assert_array_equal(_budget(s, [17984, 17985, 18000, 18432, 32768, 40000, 10**6]),
-                                [224, 256, 256, 256, 256, 256, 256])
+  np.testing.assert_array_equal(
+    _budget(s, [17984, 17985, 18000, 18432, 32768, 40000, 10**6]),
+    [224, 256, 256, 256, 256, 256, 256],
+  )
 
 
 @pytest.mark.parametrize("key", sorted(BRIEF_TABLES))
@@ -57,9 +123,13 @@ def test_all_published_taus_load_and_grow_with_tau(model):
     assert all(a <= b for a, b in zip(low, high))
 
 
-KINDS = [KVSchedule.paper("qwen3-4b", 0.86), KVSchedule.fixed(40), KVSchedule.fixed(3),
-         KVSchedule.linear(0.1, 200), KVSchedule.table([0, 5, 9], page_size=32, always_kept=0,
-                                                        bin_size=256)]
+KINDS = [
+  KVSchedule.paper("qwen3-4b", 0.86),
+  KVSchedule.fixed(40),
+  KVSchedule.fixed(3),
+  KVSchedule.linear(0.1, 200),
+  KVSchedule.table([0, 5, 9], page_size=32, always_kept=0, bin_size=256),
+]
 
 
 @pytest.mark.parametrize("schedule", KINDS, ids=lambda s: s.kind)
@@ -104,7 +174,9 @@ def test_json_round_trip(schedule):
   assert back == schedule and hash(back) == hash(schedule)
 
 
-@pytest.mark.parametrize("make, field", [
+@pytest.mark.parametrize(
+  "make, field",
+  [
     (lambda: KVSchedule.table([5, 4]), "values"),
     (lambda: KVSchedule.table([-1, 4]), "values"),
     (lambda: KVSchedule.table([]), "values"),
@@ -116,7 +188,8 @@ def test_json_round_trip(schedule):
     (lambda: KVSchedule("dynamic", (1,)), "kind"),
     (lambda: KVSchedule.fixed(4, always_kept=-1), "always_kept"),
     (lambda: KVSchedule.from_json('{"kind": "fixed", "values": [4]}'), "page_size"),
-])
+  ],
+)
 def test_validation_names_the_field(make, field):
   with pytest.raises(ValueError, match=field):
     make()
@@ -135,8 +208,12 @@ def test_parse_specs_and_errors_name_the_field(tmp_path):
   path = tmp_path / "s.json"
   path.write_text(KVSchedule.table((1, 2), page_size=4, bin_size=8).to_json())
   assert KVSchedule.parse(str(path), 4).values == (1, 2)
-  for spec, match in [("fixed:abc", "fixed:abc"), ("paper:qwen3-1.7b", "paper:MODEL:TAU"),
-                      ("nope.json", "KVSchedule JSON"), (str(path), "page_size 4")]:
+  for spec, match in [
+    ("fixed:abc", "fixed:abc"),
+    ("paper:qwen3-1.7b", "paper:MODEL:TAU"),
+    ("nope.json", "KVSchedule JSON"),
+    (str(path), "page_size 4"),
+  ]:
     with pytest.raises(ValueError, match="rollout.schedule") as e:
       KVSchedule.parse(spec, 16)
     assert match in str(e.value)
@@ -165,14 +242,22 @@ def test_position_bin_is_the_table_schedules_bin():
     schedule_lib.position_bin(lens, 16, 24)
 
 
-RULE = dict(tau=0.86, max_topk=40, raise_factor=1.5, lower_factor=0.95, window=4,
-            lower_share=0.04, min_tokens=200)
+RULE = dict(
+  tau=0.86,
+  max_topk=40,
+  raise_factor=1.5,
+  lower_factor=0.95,
+  window=4,
+  lower_share=0.04,
+  min_tokens=200,
+)
 
 
 def loop_step(state, share, count=1000, p10=0.99):
   """adapt_topk on one bin, `share` of its `count` tokens under tau, judged on 3 steps."""
-  return schedule_lib.adapt_topk(state, [count], [round(share * count)], [p10],
-                                 **{**RULE, "window": 3})
+  return schedule_lib.adapt_topk(
+    state, [count], [round(share * count)], [p10], **{**RULE, "window": 3}
+  )
 
 
 def test_adaptive_rule_pools_a_window_before_judging():
@@ -209,8 +294,9 @@ def test_adaptive_rule_fails_a_cliff_at_once_within_floor_and_cap():
   assert state.topk == (1, 6, 40, 40, 40) and state.floor == (1, 5, 31, 37, 40)
   # a NaN p10 (an empty bin) holds; a later bin is lifted to an earlier one (tables grow with
   # position), and the lift starts its pool anew
-  lifted = schedule_lib.adapt_topk(schedule_lib.LoopState.start((10, 10)), [500, 500], [0, 0],
-                                   [0.1, np.nan], **RULE)
+  lifted = schedule_lib.adapt_topk(
+    schedule_lib.LoopState.start((10, 10)), [500, 500], [0, 0], [0.1, np.nan], **RULE
+  )
   assert lifted.topk == (15, 15) and lifted.steps == (0, 0) and lifted.before == (10, 10)
 
 
@@ -223,16 +309,24 @@ def noisy_cliff_run(start, cliff, window, steps=80):
   for _ in range(steps):
     mean_share = 0.03 if state.topk[0] >= cliff else 0.6
     p10 = 0.99 if state.topk[0] >= cliff else 0.0
-    state = schedule_lib.adapt_topk(state, [1000], [round(1000 * rs.beta(4, 4 / mean_share - 4))],
-                                    [p10], **{**RULE, "window": window})
+    state = schedule_lib.adapt_topk(
+      state,
+      [1000],
+      [round(1000 * rs.beta(4, 4 / mean_share - 4))],
+      [p10],
+      **{**RULE, "window": window},
+    )
     history.append(state.topk[0])
   return history, state
 
 
-@pytest.mark.parametrize("start, cliff, probes", [
+@pytest.mark.parametrize(
+  "start, cliff, probes",
+  [
     (22, 19, [18]),  # lowers a page at a time: one probe over the cliff
     (40, 36, [34, 35]),  # lowers 2 pages at a time: the undo, then a 1-page probe
-])
+  ],
+)
 def test_adaptive_rule_settles_at_the_cliff_edge_on_noisy_steps(start, cliff, probes):
   """Pooled, the loop walks down to the cliff, probes over it once per budget (each fails at
   once), returns and stays at the cheapest budget that holds."""
@@ -250,11 +344,16 @@ def test_adaptive_rule_judged_per_step_locks_itself_out_of_budgets_that_hold():
 
 def test_parse_adaptive_and_errors_name_the_field():
   assert schedule_lib.parse_adaptive("adaptive:0.86:paper:qwen3-1.7b:0.86", 16) == (
-      0.86, KVSchedule.paper("qwen3-1.7b", 0.86))
+    0.86,
+    KVSchedule.paper("qwen3-1.7b", 0.86),
+  )
   assert schedule_lib.parse_adaptive("paper:qwen3-1.7b:0.86", 16) is None
-  for spec, match in [("adaptive:1.2:paper:qwen3-1.7b:0.86", "TAU '1.2'"),
-                      ("adaptive:x:fixed:8", "TAU 'x'"), ("adaptive:0.86:fixed:8", "'fixed'"),
-                      ("adaptive:0.86:nope", "KVSchedule JSON")]:
+  for spec, match in [
+    ("adaptive:1.2:paper:qwen3-1.7b:0.86", "TAU '1.2'"),
+    ("adaptive:x:fixed:8", "TAU 'x'"),
+    ("adaptive:0.86:fixed:8", "'fixed'"),
+    ("adaptive:0.86:nope", "KVSchedule JSON"),
+  ]:
     with pytest.raises(ValueError, match="rollout.schedule") as e:
       schedule_lib.parse_adaptive(spec, 16)
     assert match in str(e.value)

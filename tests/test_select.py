@@ -2,6 +2,7 @@
 `keep_pages` used by teacher forcing, ties and tiny caches included; the page scores (mean key,
 Quest's bound) against numpy, and the cache's page summaries against the ones the trainer computes
 from the keys."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,7 @@ def test_decode_pages_equal_keep_pages(sink, local):
   got = np.zeros((B, K, P), bool)
   for b in range(B):
     for k in range(K):
-      chosen = np.asarray(idx[b, k, :int(n_valid[b, k])])
+      chosen = np.asarray(idx[b, k, : int(n_valid[b, k])])
       assert len(set(chosen.tolist())) == len(chosen)  # distinct
       got[b, k, chosen] = True
   scores = jnp.einsum("bkge,bkpe->bkp", q, centroids) / G
@@ -52,10 +53,14 @@ def test_page_scores_match_numpy_and_quest_bounds_every_key():
   k = rng.randn(B, K, S, E).astype(np.float32)
   q = rng.randn(B, K, X, E).astype(np.float32)
   k_pages = np.pad(k, ((0, 0), (0, 0), (0, -S % Z), (0, 0))).reshape(B, K, -1, Z, E)
-  score = lambda name: np.asarray(paged_cache.page_scores(
-      jnp.asarray(q), paged_cache.page_summaries(jnp.asarray(k), Z, name), name))
-  np.testing.assert_allclose(score("mean"), np.einsum("bkxe,bkpe->bkxp", q, k_pages.mean(3)),
-                             rtol=1e-5, atol=1e-5)
+  score = lambda name: np.asarray(
+    paged_cache.page_scores(
+      jnp.asarray(q), paged_cache.page_summaries(jnp.asarray(k), Z, name), name
+    )
+  )
+  np.testing.assert_allclose(
+    score("mean"), np.einsum("bkxe,bkpe->bkxp", q, k_pages.mean(3)), rtol=1e-5, atol=1e-5
+  )
   hi, lo = k_pages.max(3)[:, :, None], k_pages.min(3)[:, :, None]  # [B, K, 1, P, E]
   bound = np.maximum(q[:, :, :, None] * hi, q[:, :, :, None] * lo).sum(-1)
   quest = score("quest")
@@ -86,5 +91,6 @@ def test_cache_summaries_after_prefill_and_appends_are_the_keys_summaries(page_s
       cache = append(cache, layer, kv(B, K, E), kv(B, K, E), prompt_len + t)
   for layer in range(L):
     want = paged_cache.page_summaries(cache.keys(layer), Z, page_score)
-    np.testing.assert_array_equal(np.asarray(cache.summaries[layer], np.float32),
-                                  np.asarray(want, np.float32))
+    np.testing.assert_array_equal(
+      np.asarray(cache.summaries[layer], np.float32), np.asarray(want, np.float32)
+    )

@@ -2,6 +2,7 @@
 jax starts): forward, the sampler (XLA and Pallas decode under shard_map) and three train steps on a
 2 x 2 x 2 (data, fsdp, tensor) mesh equal the same calls on a mesh of one device; one compilation;
 every state leaf where the rules put it."""
+
 import subprocess
 import sys
 import textwrap
@@ -101,8 +102,14 @@ SCRIPT = textwrap.dedent("""
 
 def run_on_fake_devices(script, devices=8, timeout=600):
   """Runs `script` in a fresh interpreter with `devices` fake CPU devices; returns its stdout."""
-  result = subprocess.run([sys.executable, "-c", script], env=subprocess_env(devices), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+  result = subprocess.run(
+    [sys.executable, "-c", script],
+    env=subprocess_env(devices),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   assert result.returncode == 0, result.stderr[-5000:]
   assert "Involuntary full rematerialization" not in result.stderr  # no array gathered whole
   return result.stdout

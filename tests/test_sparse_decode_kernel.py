@@ -1,5 +1,6 @@
 """Sparse decode attention: jnp reference == naive softmax == dense when every page is selected; the
 Pallas kernel (interpret mode on CPU) == the reference; the kernel lowers to Triton for CUDA."""
+
 import dataclasses
 import functools
 
@@ -13,7 +14,7 @@ from sparrow_jax.attention import policy, reference
 
 # bf16 inputs: both sides accumulate in float32 but sum in different orders and round the output to
 # bf16 (8 significant bits), so they may land one bf16 ulp apart: |diff| <= 2^-7 * |out| + 2^-9.
-BF16_RTOL, BF16_ATOL = 2.0 ** -7, 2.0 ** -9
+BF16_RTOL, BF16_ATOL = 2.0**-7, 2.0**-9
 
 
 def _jit(fn, **kwargs):
@@ -34,12 +35,17 @@ def _inputs(seed, B, K, G, E, Z, P, N, dtype=jnp.float32):
   page_idx = rng.integers(0, P, size=(B, K, N))
   for b in range(B):
     for k in range(K):
-      page_idx[b, k, :n_valid[b, k]] = rng.permutation(P)[:n_valid[b, k]]
+      page_idx[b, k, : n_valid[b, k]] = rng.permutation(P)[: n_valid[b, k]]
   q = rng.standard_normal((B, K, G, E))
   kc, vc = rng.standard_normal((2, B, K, S, E))
-  return (jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
-          jnp.asarray(page_idx, jnp.int32), jnp.asarray(n_valid, jnp.int32),
-          jnp.asarray(lengths, jnp.int32))
+  return (
+    jnp.asarray(q, dtype),
+    jnp.asarray(kc, dtype),
+    jnp.asarray(vc, dtype),
+    jnp.asarray(page_idx, jnp.int32),
+    jnp.asarray(n_valid, jnp.int32),
+    jnp.asarray(lengths, jnp.int32),
+  )
 
 
 def _naive(q, kc, vc, page_idx, n_valid, lengths, page_size, scale):
@@ -49,8 +55,12 @@ def _naive(q, kc, vc, page_idx, n_valid, lengths, page_size, scale):
   out = np.zeros((B, K, G, E))
   for b in range(B):
     for k in range(K):
-      pos = [p * page_size + z for p in np.asarray(page_idx)[b, k, :int(n_valid[b, k])]
-             for z in range(page_size) if p * page_size + z < int(lengths[b])]
+      pos = [
+        p * page_size + z
+        for p in np.asarray(page_idx)[b, k, : int(n_valid[b, k])]
+        for z in range(page_size)
+        if p * page_size + z < int(lengths[b])
+      ]
       if pos:
         s = q[b, k] @ kc[b, k, pos].T * scale
         w = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -63,7 +73,8 @@ def test_reference_matches_naive_softmax():
   scale = 0.3
   want = _naive(q, kc, vc, page_idx, n_valid, lengths, 4, scale)
   got = _jit(reference.sparse_decode_attention, page_size=4, scale=scale)(
-      q, kc, vc, page_idx, n_valid, lengths)
+    q, kc, vc, page_idx, n_valid, lengths
+  )
   np.testing.assert_allclose(got, want, atol=1e-5)
   all_idx = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 2, 5))
   want_dense = _naive(q, kc, vc, all_idx, jnp.full((2, 2), 5), lengths, 4, 0.25)
@@ -76,10 +87,12 @@ def test_sparse_reference_equals_dense_when_all_pages_selected():
   B, K, P, Z = 3, 2, 6, 8
   q, kc, vc, _, _, lengths = _inputs(1, B=B, K=K, G=4, E=16, Z=Z, P=P, N=P)
   rng = np.random.default_rng(1)
-  page_idx = jnp.asarray(np.stack([[rng.permutation(P) for _ in range(K)] for _ in range(B)]),
-                         jnp.int32)
+  page_idx = jnp.asarray(
+    np.stack([[rng.permutation(P) for _ in range(K)] for _ in range(B)]), jnp.int32
+  )
   sparse = _jit(reference.sparse_decode_attention, page_size=Z)(
-      q, kc, vc, page_idx, jnp.full((B, K), P, jnp.int32), lengths)
+    q, kc, vc, page_idx, jnp.full((B, K), P, jnp.int32), lengths
+  )
   dense = _jit(reference.dense_decode_attention)(q, kc, vc, lengths)
   np.testing.assert_allclose(sparse, dense, atol=1e-6)
 
@@ -101,11 +114,11 @@ def test_empty_selection_gives_zeros_not_nan():
 # (G, E, Z, P, N, num_splits): G below and at the 16-row pad, pages of 8 (several per block) and 16,
 # one and several blocks per split, more splits than valid blocks.
 KERNEL_CASES = [
-    (1, 16, 8, 12, 5, None),
-    (2, 32, 16, 6, 4, 1),
-    (4, 64, 8, 24, 20, 2),
-    (2, 128, 16, 12, 9, 3),
-    (1, 64, 8, 20, 17, 4),
+  (1, 16, 8, 12, 5, None),
+  (2, 32, 16, 6, 4, 1),
+  (4, 64, 8, 24, 20, 2),
+  (2, 128, 16, 12, 9, 3),
+  (1, 64, 8, 20, 17, 4),
 ]
 
 
@@ -119,8 +132,12 @@ def _config(dtype, use_dot):
 def test_kernel_matches_reference_float32(G, E, Z, P, N, num_splits, use_dot):
   args = _inputs(10 + G + E + N, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits,
-             config=_config("float32", use_dot))(*args)
+  got = _jit(
+    sparse_decode.sparse_decode_attention,
+    page_size=Z,
+    num_splits=num_splits,
+    config=_config("float32", use_dot),
+  )(*args)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -132,11 +149,16 @@ def test_kernel_matches_reference_bfloat16(G, E, Z, P, N, num_splits, use_dot):
   in float32): still within one bfloat16 ulp of the output."""
   args = _inputs(20 + G, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N, dtype=jnp.bfloat16)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode.sparse_decode_attention, page_size=Z, num_splits=num_splits,
-             config=_config("bfloat16", use_dot))(*args)
+  got = _jit(
+    sparse_decode.sparse_decode_attention,
+    page_size=Z,
+    num_splits=num_splits,
+    config=_config("bfloat16", use_dot),
+  )(*args)
   assert got.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=BF16_RTOL, atol=BF16_ATOL)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=BF16_RTOL, atol=BF16_ATOL
+  )
 
 
 def test_dispatch_and_budget_change_does_not_recompile():
@@ -144,7 +166,8 @@ def test_dispatch_and_budget_change_does_not_recompile():
   xla = _jit(reference.sparse_decode_attention, page_size=8)(q, kc, vc, page_idx, n_valid, lengths)
   for impl in ("auto", "xla"):  # auto is XLA on this CPU backend
     got = _jit(policy.decode_attention, page_size=8, impl=impl)(
-        q, kc, vc, page_idx, n_valid, lengths)
+      q, kc, vc, page_idx, n_valid, lengths
+    )
     np.testing.assert_array_equal(got, xla)
   step = _jit(policy.decode_attention, page_size=8, impl="pallas")
   np.testing.assert_allclose(step(q, kc, vc, page_idx, n_valid, lengths), xla, atol=1e-5)
@@ -165,8 +188,9 @@ def test_bad_arguments_raise():
     sparse_decode.sparse_decode_attention(q, kc, vc, page_idx, n_valid, lengths, page_size=8)
 
 
-@pytest.mark.parametrize("dtype,use_dot", [("bfloat16", True), ("float32", False),
-                                           ("bfloat16", False), ("float32", True)])
+@pytest.mark.parametrize(
+  "dtype,use_dot", [("bfloat16", True), ("float32", False), ("bfloat16", False), ("float32", True)]
+)
 def test_kernel_lowers_to_triton_for_cuda(dtype, use_dot):
   """Lowering to the Triton custom call needs no GPU. jax.export refuses to serialize it by default
   because "__gpu$xla.gpu.triton" has no cross-version compatibility guarantee (the Triton IR is
@@ -174,16 +198,27 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, use_dot):
   happens when XLA compiles the module on a GPU, so this cannot catch errors raised there."""
   B, K, G, E, Z, P, N = 4, 8, 2, 128, 16, 64, 16  # Qwen3-1.7B heads
   config = dataclasses.replace(_config(dtype, use_dot), block_tokens=64)
-  f = jax.jit(functools.partial(sparse_decode.sparse_decode_attention, page_size=Z,
-                                config=config, interpret=False))
-  shapes = [((B, K, G, E), dtype), ((B, K, P * Z, E), dtype), ((B, K, P * Z, E), dtype),
-            ((B, K, N), jnp.int32), ((B, K), jnp.int32), ((B,), jnp.int32)]
+  f = jax.jit(
+    functools.partial(
+      sparse_decode.sparse_decode_attention, page_size=Z, config=config, interpret=False
+    )
+  )
+  shapes = [
+    ((B, K, G, E), dtype),
+    ((B, K, P * Z, E), dtype),
+    ((B, K, P * Z, E), dtype),
+    ((B, K, N), jnp.int32),
+    ((B, K), jnp.int32),
+    ((B,), jnp.int32),
+  ]
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
   with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
     jax.export.export(f, platforms=["cuda"])(*args)
   exported = jax.export.export(
-      f, platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    f,
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*args)
   assert exported.platforms == ("cuda",)
   module = exported.mlir_module()
   assert module.count("@__gpu$xla.gpu.triton") == 1

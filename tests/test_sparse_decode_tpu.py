@@ -1,5 +1,6 @@
 """The Pallas TPU sparse decode kernel (TPU interpret mode on CPU) == the jnp reference, and it
 lowers to a Mosaic kernel for TPU with the designed structure (grid, scalar prefetch, page DMAs)."""
+
 import base64
 import functools
 import json
@@ -17,11 +18,11 @@ from tests.test_sparse_decode_kernel import BF16_ATOL, BF16_RTOL, _inputs, _jit
 # (G, E, Z, P, N, pages_per_block): G 1/2/4 (all padded to 8 sublanes), head_dim 128 and 64, pages
 # of 8 and 16, one block (default), one page per block, N not a multiple of the block.
 FLOAT32_CASES = [
-    (1, 128, 8, 12, 5, None),
-    (2, 64, 16, 6, 4, 1),
-    (4, 128, 8, 24, 20, 3),
-    (2, 128, 16, 12, 9, 2),
-    (4, 64, 8, 20, 17, 4),
+  (1, 128, 8, 12, 5, None),
+  (2, 64, 16, 6, 4, 1),
+  (4, 128, 8, 24, 20, 3),
+  (2, 128, 16, 12, 9, 2),
+  (4, 64, 8, 20, 17, 4),
 ]
 
 
@@ -29,31 +30,38 @@ FLOAT32_CASES = [
 def test_kernel_matches_reference_float32(G, E, Z, P, N, pages_per_block):
   args = _inputs(30 + G + E + N, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode_tpu.sparse_decode_attention, page_size=Z,
-             pages_per_block=pages_per_block)(*args)
+  got = _jit(
+    sparse_decode_tpu.sparse_decode_attention, page_size=Z, pages_per_block=pages_per_block
+  )(*args)
   assert got.shape == want.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 # bf16 pages of 16 rows: whole (16, 128) bf16 tiles, the Qwen3 layout.
-@pytest.mark.parametrize("G,E,Z,P,N,pages_per_block",
-                         [(2, 128, 16, 12, 9, 2), (4, 64, 16, 8, 6, None)])
+@pytest.mark.parametrize(
+  "G,E,Z,P,N,pages_per_block", [(2, 128, 16, 12, 9, 2), (4, 64, 16, 8, 6, None)]
+)
 def test_kernel_matches_reference_bfloat16(G, E, Z, P, N, pages_per_block):
   args = _inputs(40 + G, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N, dtype=jnp.bfloat16)
   want = _jit(reference.sparse_decode_attention, page_size=Z)(*args)
-  got = _jit(sparse_decode_tpu.sparse_decode_attention, page_size=Z,
-             pages_per_block=pages_per_block)(*args)
+  got = _jit(
+    sparse_decode_tpu.sparse_decode_attention, page_size=Z, pages_per_block=pages_per_block
+  )(*args)
   assert got.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=BF16_RTOL, atol=BF16_ATOL)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=BF16_RTOL, atol=BF16_ATOL
+  )
 
 
 def test_empty_selection_gives_zeros_not_nan():
   q, kc, vc, page_idx, _, _ = _inputs(2, B=2, K=2, G=2, E=128, Z=8, P=4, N=3)
   n_valid = jnp.asarray([[0, 2], [0, 0]], jnp.int32)
   lengths = jnp.asarray([20, 0], jnp.int32)  # row 1 has nothing cached at all
-  out = np.asarray(_jit(sparse_decode_tpu.sparse_decode_attention, page_size=8)(
-      q, kc, vc, page_idx, n_valid, lengths))
+  out = np.asarray(
+    _jit(sparse_decode_tpu.sparse_decode_attention, page_size=8)(
+      q, kc, vc, page_idx, n_valid, lengths
+    )
+  )
   assert np.all(np.isfinite(out))
   np.testing.assert_array_equal(out[0, 0], 0.0)
   np.testing.assert_array_equal(out[1], 0.0)
@@ -67,11 +75,11 @@ def test_blocks_past_n_valid_are_skipped():
   q, kc, vc, _, _, lengths = _inputs(5, B=1, K=2, G=2, E=128, Z=8, P=6, N=6)
   page_idx = jnp.asarray([[[0, 1, 5, 5, 5, 5], [2, 3, 0, 1, 5, 5]]], jnp.int32)
   n_valid = jnp.asarray([[1, 3]], jnp.int32)  # pages_per_block 2: blocks 0 and 0..1
-  want = _jit(reference.sparse_decode_attention, page_size=8)(
-      q, kc, vc, page_idx, n_valid, lengths)
+  want = _jit(reference.sparse_decode_attention, page_size=8)(q, kc, vc, page_idx, n_valid, lengths)
   kc_nan, vc_nan = (c.at[:, :, 40:48].set(jnp.nan) for c in (kc, vc))
   got = _jit(sparse_decode_tpu.sparse_decode_attention, page_size=8, pages_per_block=2)(
-      q, kc_nan, vc_nan, page_idx, n_valid, lengths)
+    q, kc_nan, vc_nan, page_idx, n_valid, lengths
+  )
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -87,6 +95,7 @@ def _mosaic_text(stablehlo_text):
   from jax._src.interpreters import mlir
   from jax._src.lib import tpu
   from jax._src.lib.mlir import ir, passmanager
+
   config = re.search(r'backend_config = "(.*?)"', stablehlo_text).group(1).replace("\\22", '"')
   body = base64.b64decode(json.loads(config)["custom_call_config"]["body"])
   ctx = mlir.make_ir_context()
@@ -95,7 +104,8 @@ def _mosaic_text(stablehlo_text):
     ctx.allow_unregistered_dialects = True
     module = ir.Module.parse(body)
     passmanager.PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(
-        module.operation)
+      module.operation
+    )
     return str(module)
 
 
@@ -105,13 +115,20 @@ def test_kernel_lowers_to_mosaic_for_tpu():
   passes (layouts, tiling) run only when a TPU compiles the module, so this cannot catch errors
   raised there; it does check the kernel JAX builds: grid, scalar prefetch, page DMAs, dots."""
   B, K, G, E, Z, P, N = 4, 8, 2, 128, 16, 64, 16  # Qwen3-1.7B heads, a 256-token budget
-  f = jax.jit(functools.partial(sparse_decode_tpu.sparse_decode_attention, page_size=Z,
-                                interpret=False))
-  shapes = [((B, K, G, E), jnp.bfloat16), ((B, K, P * Z, E), jnp.bfloat16),
-            ((B, K, P * Z, E), jnp.bfloat16), ((B, K, N), jnp.int32), ((B, K), jnp.int32),
-            ((B,), jnp.int32)]
+  f = jax.jit(
+    functools.partial(sparse_decode_tpu.sparse_decode_attention, page_size=Z, interpret=False)
+  )
+  shapes = [
+    ((B, K, G, E), jnp.bfloat16),
+    ((B, K, P * Z, E), jnp.bfloat16),
+    ((B, K, P * Z, E), jnp.bfloat16),
+    ((B, K, N), jnp.int32),
+    ((B, K), jnp.int32),
+    ((B,), jnp.int32),
+  ]
   exported = jax.export.export(f, platforms=["tpu"])(
-      *[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+    *[jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+  )
   assert exported.platforms == ("tpu",)
   module = exported.mlir_module()
   assert module.count("@tpu_custom_call(") == 1

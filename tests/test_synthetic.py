@@ -1,4 +1,5 @@
 """The pointer-chasing task: determinism, checker, tokenizer, lengths, and the shipped model."""
+
 import json
 import os
 
@@ -30,11 +31,11 @@ def test_reference_scores_one_and_chain_is_consistent():
   for p in problems:
     assert p.table[p.chain[-1]] == "end" and p.answer == p.chain[-1]
     assert all(p.table[a] == b for a, b in zip(p.chain, p.chain[1:]))
-    assert sum(v == "end" for v in p.table.values()) == 2   # real + distractor chain
+    assert sum(v == "end" for v in p.table.values()) == 2  # real + distractor chain
   refs = [p.reference for p in problems]
   np.testing.assert_array_equal(task.reward(refs, problems), 1.0)
   np.testing.assert_array_equal(task.accuracy(refs, problems), 1.0)
-  ids = [list(p.reference_ids) + [task.pad_id] * 3 for p in problems]   # padded rollout rows
+  ids = [list(p.reference_ids) + [task.pad_id] * 3 for p in problems]  # padded rollout rows
   np.testing.assert_array_equal(task.reward(ids, problems), 1.0)
 
 
@@ -43,10 +44,10 @@ def test_corrupted_solution_gets_partial_credit():
   (p,) = task.sample(1, 3)
   words = p.reference.split()
   wrong = next(s for s in (synthetic.symbol(i) for i in range(200)) if s not in p.table)
-  words[1] = wrong            # first lookup wrong; the next hop then starts from `wrong` (no entry)
+  words[1] = wrong  # first lookup wrong; the next hop then starts from `wrong` (no entry)
   score = task.reward([" ".join(words)], [p])[0]
-  assert score == pytest.approx(9 / 11)   # 11 lookups (10 hops + end), two of them broken
-  truncated = " ".join(p.reference.split()[:3 * 5])
+  assert score == pytest.approx(9 / 11)  # 11 lookups (10 hops + end), two of them broken
+  truncated = " ".join(p.reference.split()[: 3 * 5])
   assert task.reward([truncated], [p])[0] == pytest.approx(5 / 11)
   assert task.accuracy([truncated], [p])[0] == 0.0
   bad_answer = p.reference.rsplit(" ", 1)[0] + " " + wrong
@@ -81,7 +82,7 @@ def test_tokenizer_round_trip_and_specials():
 
 
 def test_lengths_as_configured():
-  task = synthetic.PointerChase()   # the evaluation setting
+  task = synthetic.PointerChase()  # the evaluation setting
   for p in task.sample(10, 0):
     assert p.num_steps == 129 and len(p.reference_ids) == 3 * 129 + 3
     assert 3 * 133 + 7 <= len(p.prompt_ids) <= task.max_prompt_len
@@ -101,10 +102,10 @@ def test_shipped_model_loads_and_retrieves_far_back():
     assert json.load(f)["eos_token_id"] == [synthetic.SPECIAL_TOKENS.index("<|im_end|>")]
   tok = load_tokenizer(ASSET_DIR)
   assert tok.eos_ids == (2,) and tok.pad_id == 0
-  task = synthetic.PointerChase(seed=10_000)   # the evaluation length: 128 hops, ~880 tokens
+  task = synthetic.PointerChase(seed=10_000)  # the evaluation length: 128 hops, ~880 tokens
   (p,) = task.sample(1, 0)
   seq = np.array([list(p.prompt_ids) + list(p.reference_ids)])
-  pred = np.asarray(sj.forward(params, seq, cfg))[0, len(p.prompt_ids) - 1:-1].argmax(-1)
+  pred = np.asarray(sj.forward(params, seq, cfg))[0, len(p.prompt_ids) - 1 : -1].argmax(-1)
   # Teacher-forced, the value of hop i is at response offset 3 i + 1: a lookup into the table, up to
   # ~800 tokens back. A trained model gets nearly all of them; an untrained one ~1 / 200.
   lookups = 3 * np.arange(p.num_steps) + 1

@@ -1,5 +1,6 @@
 """experiments/tau_sweep.py: the settings it derives from a calibration surface, its per-seed
 statistics, and a tiny sweep end to end that a re-run skips (or resumes) instead of retraining."""
+
 import json
 import os
 import re
@@ -25,9 +26,20 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path)
   settings = {s["name"]: s for s in tau_sweep.settings(c)}
-  assert list(settings) == ["dense", "tau0.3", "tau0.5", "tau0.7", "tau0.86", "tau0.94", "tau0.99",
-                            "fixed8", "fixed64", "adaptive0.86", "quest0.86",
-                            "quest_adaptive0.86"]
+  assert list(settings) == [
+    "dense",
+    "tau0.3",
+    "tau0.5",
+    "tau0.7",
+    "tau0.86",
+    "tau0.94",
+    "tau0.99",
+    "fixed8",
+    "fixed64",
+    "adaptive0.86",
+    "quest0.86",
+    "quest_adaptive0.86",
+  ]
   table = lambda name: KVSchedule.parse(settings[name]["schedule"], 16).values
   shipped = lambda path: KVSchedule.from_json(open(path).read()).values
   assert table("tau0.86") == shipped(SHIPPED_SCHEDULE)  # no re-calibration
@@ -47,7 +59,8 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   assert shared.rollout.page_score == "mean"
   assert tau_sweep.run_config(c, settings["quest0.86"], 0).rollout.page_score == "quest"
   assert settings["quest_adaptive0.86"]["schedule"] == (
-      f"adaptive:0.86:{tmp_path}/schedules/quest0.86.json")
+    f"adaptive:0.86:{tmp_path}/schedules/quest0.86.json"
+  )
   for setting in settings.values():
     trainer.validate(tau_sweep.run_config(c, setting, 0))  # adaptive: bins match, exact alpha on
 
@@ -55,25 +68,37 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
   with pytest.raises(ValueError, match=r"config.runs = 'dense,tua': unknown \['tua'\]"):
     tau_sweep.settings(c)
   c.runs, c.quest_tables = "quest", "5:0.86,1:0.94"  # the shipped surface holds p5 only
-  with pytest.raises(ValueError, match=r"surface.json holds the percentiles \['5'\] of alpha, "
-                                       r"not 1: calibrate again"):
+  with pytest.raises(
+    ValueError,
+    match=r"surface.json holds the percentiles \['5'\] of alpha, "
+    r"not 1: calibrate again",
+  ):
     tau_sweep.settings(c)
 
 
 def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_dense_run():
-  run = lambda tok_s, p5_bin: {**{f: 0.5 for f in tau_sweep.FIELDS}, "p5_bin": p5_bin,
-                               "rollout_tokens_per_s": tok_s}
-  runs = {"dense_seed0": run(100.0, [None, 1.0]), "dense_seed1": run(200.0, [None, 1.0]),
-          "fixed8_seed0": run(150.0, [None, 0.2]), "fixed8_seed1": run(100.0, [None, 0.4])}
+  run = lambda tok_s, p5_bin: {
+    **{f: 0.5 for f in tau_sweep.FIELDS},
+    "p5_bin": p5_bin,
+    "rollout_tokens_per_s": tok_s,
+  }
+  runs = {
+    "dense_seed0": run(100.0, [None, 1.0]),
+    "dense_seed1": run(200.0, [None, 1.0]),
+    "fixed8_seed0": run(150.0, [None, 0.2]),
+    "fixed8_seed1": run(100.0, [None, 0.4]),
+  }
   settings = [dict(name="dense", run="dense"), dict(name="fixed8", run="fixed8")]
   summary = tau_sweep.summarize(settings, runs, [0, 1])
   assert runs["fixed8_seed0"]["measured_speedup"] == 1.5
   assert summary["fixed8"]["measured_speedup"] == pytest.approx(
-      {"mean": 1.0, "std": np.std([1.5, 0.5], ddof=1)})
+    {"mean": 1.0, "std": np.std([1.5, 0.5], ddof=1)}
+  )
   assert summary["fixed8"]["p5_bin"]["mean"] == [None, pytest.approx(0.3)]
   assert summary["dense"]["rollout_tokens_per_s"]["mean"] == 150.0
-  assert tau_sweep.summarize(settings[1:], {k: runs[k] for k in ("fixed8_seed0",)}, [0])[
-      "fixed8"]["measured_speedup"] == {"mean": None, "std": None}  # no dense run to compare
+  assert tau_sweep.summarize(settings[1:], {k: runs[k] for k in ("fixed8_seed0",)}, [0])["fixed8"][
+    "measured_speedup"
+  ] == {"mean": None, "std": None}  # no dense run to compare
 
 
 def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
@@ -81,15 +106,25 @@ def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
   its tokens under tau are pooled over all steps; p5 per bin is over the last `window` steps; a
   closed loop's start-table read over all steps."""
   from sparrow_jax.logging import MetricsLogger
+
   logger = MetricsLogger(str(tmp_path), resume_step=0)
-  for step, p5_bin in enumerate([[np.nan, 0.9, 0.5], [np.nan, 0.8, np.nan], [np.nan, 0.95, 0.7],
-                                 [np.nan, 0.99, 0.9]], 1):
-    logger.write(step, {"reward/mean": 0.1, "response_length/mean": 10.0, "acceptance/p5": 0.5,
-                        "acceptance/p5_bin": np.array(p5_bin), "kv/read_fraction": 0.5,
-                        "kv/read_fraction_start": 0.4 + 0.1 * step,
-                        "acceptance/count_bin": np.array([0, 100 * step, 10]),
-                        "acceptance/frac_below_tau_bin": np.array([np.nan, 0.01 * step, 0.5]),
-                        "perf/rollout_tokens_per_s": 1.0})
+  for step, p5_bin in enumerate(
+    [[np.nan, 0.9, 0.5], [np.nan, 0.8, np.nan], [np.nan, 0.95, 0.7], [np.nan, 0.99, 0.9]], 1
+  ):
+    logger.write(
+      step,
+      {
+        "reward/mean": 0.1,
+        "response_length/mean": 10.0,
+        "acceptance/p5": 0.5,
+        "acceptance/p5_bin": np.array(p5_bin),
+        "kv/read_fraction": 0.5,
+        "kv/read_fraction_start": 0.4 + 0.1 * step,
+        "acceptance/count_bin": np.array([0, 100 * step, 10]),
+        "acceptance/frac_below_tau_bin": np.array([np.nan, 0.01 * step, 0.5]),
+        "perf/rollout_tokens_per_s": 1.0,
+      },
+    )
   logger.close()
   (tmp_path / "eval.json").write_text(json.dumps({"metrics": {"mean@1": 0.4, "pass@1": 0.3}}))
   run = tau_sweep.run_record(str(tmp_path), window=2, tau=0.86)
@@ -111,24 +146,49 @@ def _value(text):
 
 
 def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones(
-    small_run, tmp_path, monkeypatch):
+  small_run, tmp_path, monkeypatch
+):
   """2 settings x 1 seed x 2 steps of the SMALL run (the `small_run` fixture has already compiled
   its train step and sampler into the session's compilation cache: fixed:4, and a tau table whose
   largest budget is also 4 pages)."""
-  surface = {"tau": 0.86, "bin_size": 16, "page_size": 8, "always_kept": 3, "candidates": [0, 1],
-             "count_bin": [0, 10, 10, 10, 10, 10],
-             "quantile": 5, "tail": {"5": {"0": [None, 0.9, 0.8, 0.5, 0.3, 0.2],
-                                           "1": [None, 1.0, 0.99, 0.95, 0.9, 0.9]}}}
+  surface = {
+    "tau": 0.86,
+    "bin_size": 16,
+    "page_size": 8,
+    "always_kept": 3,
+    "candidates": [0, 1],
+    "count_bin": [0, 10, 10, 10, 10, 10],
+    "quantile": 5,
+    "tail": {"5": {"0": [None, 0.9, 0.8, 0.5, 0.3, 0.2], "1": [None, 1.0, 0.99, 0.95, 0.9, 0.9]}},
+  }
   (tmp_path / "surface.json").write_text(json.dumps(surface))
-  overrides = {f"train.{arg[len('--config.'):].split('=')[0]}": _value(arg.split("=", 1)[1])
-               for arg in SMALL if "rollout.schedule" not in arg}  # a per-run field
-  overrides.update({
-      "sweep_dir": str(tmp_path / "sweep"), "surface": str(tmp_path / "surface.json"),
-      "runs": "tau,fixed", "taus": "0.86", "fixed_pages": "4", "seeds": "0", "window": 1,
-      "train.total_steps": 2, "eval.num_problems": 2, "eval.samples": 1, "eval.batch_size": 2})
+  overrides = {
+    f"train.{arg[len('--config.') :].split('=')[0]}": _value(arg.split("=", 1)[1])
+    for arg in SMALL
+    if "rollout.schedule" not in arg
+  }  # a per-run field
+  overrides.update(
+    {
+      "sweep_dir": str(tmp_path / "sweep"),
+      "surface": str(tmp_path / "surface.json"),
+      "runs": "tau,fixed",
+      "taus": "0.86",
+      "fixed_pages": "4",
+      "seeds": "0",
+      "window": 1,
+      "train.total_steps": 2,
+      "eval.num_problems": 2,
+      "eval.samples": 1,
+      "eval.batch_size": 2,
+    }
+  )
   env = subprocess_env(1)  # launch_small's: the same cache keys
-  cmd = [sys.executable, "experiments/tau_sweep.py", "--config=configs/tau_sweep.py",
-         *[f"--config.{k}={v}" for k, v in overrides.items()]]
+  cmd = [
+    sys.executable,
+    "experiments/tau_sweep.py",
+    "--config=configs/tau_sweep.py",
+    *[f"--config.{k}={v}" for k, v in overrides.items()],
+  ]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert re.search(r"run 1/2 tau0.86_seed0 .* ETA -- \(2 runs left\)", proc.stdout)
@@ -165,9 +225,13 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   # On a base sweep: its other settings kept (in plot order), its namesake replaced, and the
   # speedup measured against its dense run.
   fixed4 = sweep["settings"]["fixed4"]
-  base = {"settings": {"dense": {**fixed4, "name": "dense", "kind": "dense", "note": "base"},
-                       "fixed4": {**fixed4, "note": "base"}},
-          "runs": {"dense_seed0": {**sweep["runs"]["fixed4_seed0"], "rollout_tokens_per_s": 1.0}}}
+  base = {
+    "settings": {
+      "dense": {**fixed4, "name": "dense", "kind": "dense", "note": "base"},
+      "fixed4": {**fixed4, "note": "base"},
+    },
+    "runs": {"dense_seed0": {**sweep["runs"]["fixed4_seed0"], "rollout_tokens_per_s": 1.0}},
+  }
   (tmp_path / "base.json").write_text(json.dumps(base))
   c.base = str(tmp_path / "base.json")
   merged = tau_sweep.sweep(c)
@@ -176,7 +240,8 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   assert "note" not in merged["settings"]["fixed4"]
   assert set(merged["runs"]) == {"dense_seed0", "tau0.86_seed0", "fixed4_seed0"}
   assert merged["runs"]["fixed4_seed0"]["measured_speedup"] == pytest.approx(
-      sweep["runs"]["fixed4_seed0"]["rollout_tokens_per_s"])
+    sweep["runs"]["fixed4_seed0"]["rollout_tokens_per_s"]
+  )
   c.base = str(tmp_path / "missing.json")
   with pytest.raises(FileNotFoundError, match="config.base"):
     tau_sweep.sweep(c)

@@ -1,5 +1,6 @@
 """The fused train step: equivalence with separate updates, gradient isolation, no recompiles,
 guards. (DistillSparse raising the acceptance tail: tests/test_distill_sparse.py.)"""
+
 import dataclasses
 
 import jax
@@ -31,8 +32,18 @@ def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
   prompt_len = jnp.asarray(np.repeat(rng.randint(6, 12, n_prompts), SC.group_size))
   prompt = jnp.asarray(np.repeat(rng.randint(1, CFG.vocab_size, (n_prompts, 12)), SC.group_size, 0))
   prompt = prompt * (jnp.arange(12)[None] < prompt_len[:, None])
-  out = sj.generate(params, CFG, prompt, prompt_len, jax.random.PRNGKey(seed), max_new_tokens=24,
-                    sparse=SPARSE, schedule=SCHEDULE, lora=lora, num_top_logprobs=20 if top else 0)
+  out = sj.generate(
+    params,
+    CFG,
+    prompt,
+    prompt_len,
+    jax.random.PRNGKey(seed),
+    max_new_tokens=24,
+    sparse=SPARSE,
+    schedule=SCHEDULE,
+    lora=lora,
+    num_top_logprobs=20 if top else 0,
+  )
   if rewards is None:
     rewards = rng.randint(0, 2, n_prompts * SC.group_size).astype(np.float32)
   return ts.batch_from_rollout(prompt, prompt_len, out, rewards)
@@ -64,17 +75,20 @@ def test_fused_step_equals_separate_updates():
   (_, aux), g = jax.value_and_grad(ts.policy_loss, has_aux=True)(params, batch, adv, CFG, SC)
   upd, _ = opt.update(g, opt.init(params), params)
   new_params = optax.apply_updates(params, upd)
-  lg = jax.grad(lambda l: ts.distill_loss(l, params, batch, adv, aux["logp"], CFG, SC, SPARSE,
-                                          SCHEDULE)[0])(lora)
+  lg = jax.grad(
+    lambda lo: ts.distill_loss(lo, params, batch, adv, aux["logp"], CFG, SC, SPARSE, SCHEDULE)[0]
+  )(lora)
   lupd, _ = lora_opt.update(lg, lora_opt.init(lora), lora)
   new_lora = optax.apply_updates(lora, lupd)
   # Adam turns float noise in near-zero gradients into a few % of one step (measured 1.1e-5 once
   # with blockwise attention and chunked log-probs, whose sums run in another order; 2.9e-5 on
   # another VM's CPU, whose XLA codegen differs): atol = lr / 20, a wrong update is a whole lr.
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), fused.params,
-                         new_params)  # lr 1e-3
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), fused.lora,
-                         new_lora)  # lr 1e-2
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), fused.params, new_params
+  )  # lr 1e-3
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), fused.lora, new_lora
+  )  # lr 1e-2
   assert float(jnp.abs(fused.params["embed"] - params["embed"]).max()) > 5e-4  # it did move
 
 
@@ -83,11 +97,13 @@ def test_gradient_isolation():
   batch = make_batch(params, lora, seed=2)
   adv = advantages.advantages(batch.rewards, SC.group_size)
   logp_dense = ts.policy_loss(params, batch, adv, CFG, SC)[1]["logp"]
-  g_base = jax.grad(lambda p: ts.distill_loss(lora, p, batch, adv, logp_dense, CFG, SC, SPARSE,
-                                              SCHEDULE)[0])(params)
+  g_base = jax.grad(
+    lambda p: ts.distill_loss(lora, p, batch, adv, logp_dense, CFG, SC, SPARSE, SCHEDULE)[0]
+  )(params)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree_util.tree_leaves(g_base))
-  g_lora = jax.grad(lambda l: ts.distill_loss(l, params, batch, adv, logp_dense, CFG, SC, SPARSE,
-                                              SCHEDULE)[0])(lora)
+  g_lora = jax.grad(
+    lambda lo: ts.distill_loss(lo, params, batch, adv, logp_dense, CFG, SC, SPARSE, SCHEDULE)[0]
+  )(lora)
   assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree_util.tree_leaves(g_lora))
   # The dense policy never sees the adapter: a different LoRA gives the same base update.
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
@@ -102,8 +118,9 @@ def test_no_recompilation_and_metrics():
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   state = state_of(params, opt, lora, lora_opt)
   for seed in range(3):
-    state, metrics = step(state, make_batch(state.params, state.lora, seed=10 + seed, top=True),
-                         BUDGET)
+    state, metrics = step(
+      state, make_batch(state.params, state.lora, seed=10 + seed, top=True), BUDGET
+    )
   assert step._cache_size() == 1
   assert int(state.step) == 3
   assert metrics["acceptance/p5_bin"].shape == (4,)
@@ -124,8 +141,15 @@ def test_nonfinite_loss_skips_update():
 
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
-  sc = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, page_size=4, ppo_epochs=2,
-                     num_minibatches=2, distill=False)
+  sc = ts.StepConfig(
+    group_size=4,
+    bin_size=16,
+    num_bins=4,
+    page_size=4,
+    ppo_epochs=2,
+    num_minibatches=2,
+    distill=False,
+  )
   step = ts.make_train_step(CFG, sc, opt, sparse=SPARSE)
   state, metrics = step(state_of(params, opt), make_batch(params, None, seed=4), BUDGET)
   assert not bool(metrics["skipped"]) and int(state.step) == 1
@@ -139,17 +163,23 @@ def test_micro_batches_accumulate_the_same_update(loss_agg="seq-mean-token-mean"
   batch = make_batch(params, lora, seed=5)
   out = {}
   for n in (1, 4):
-    sc = dataclasses.replace(SC, micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01,
-                             kl_coef=0.1)
+    sc = dataclasses.replace(SC, micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1)
     step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
-    state = ts.init_state(jax.tree_util.tree_map(jnp.copy, params), opt,
-                          jax.tree_util.tree_map(jnp.copy, lora), lora_opt, keep_reference=True)
+    state = ts.init_state(
+      jax.tree_util.tree_map(jnp.copy, params),
+      opt,
+      jax.tree_util.tree_map(jnp.copy, lora),
+      lora_opt,
+      keep_reference=True,
+    )
     out[n] = step(state, batch, BUDGET)
   (one, m_one), (four, m_four) = out[1], out[4]
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), four.params,
-                         one.params)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4), four.lora,
-                         one.lora)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), four.params, one.params
+  )
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4), four.lora, one.lora
+  )
   for key in ("loss/policy", "loss/distill", "ppo/clip_frac", "acceptance/p5", "entropy"):
     np.testing.assert_allclose(m_four[key], m_one[key], rtol=1e-4, atol=1e-6)
 
@@ -160,12 +190,19 @@ def reference_exact_stats(params, lora, batch, sc=SC):
   S = batch.tokens.shape[1]
   valid = jnp.arange(S)[None] < (batch.prompt_len + batch.gen_mask.sum(1))[:, None]
   dense = sj.forward(params, batch.tokens, CFG, mask_BT=valid)
-  rollout = sj.forward(params, batch.tokens, CFG, mask_BT=valid, lora=lora, sparse=SPARSE,
-                       schedule=SCHEDULE, prompt_len_B=batch.prompt_len)
+  rollout = sj.forward(
+    params,
+    batch.tokens,
+    CFG,
+    mask_BT=valid,
+    lora=lora,
+    sparse=SPARSE,
+    schedule=SCHEDULE,
+    prompt_len_B=batch.prompt_len,
+  )
   alpha = jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
   pos = jnp.broadcast_to(jnp.arange(S), alpha.shape)
-  return acceptance.tail_stats(alpha, batch.gen_mask, pos, sc.bin_size, sc.num_bins,
-                               sc.page_size)
+  return acceptance.tail_stats(alpha, batch.gen_mask, pos, sc.bin_size, sc.num_bins, sc.page_size)
 
 
 @pytest.mark.parametrize("distill, minibatches", [(True, 1), (False, 1), (True, 2)])
@@ -174,8 +211,9 @@ def test_logged_p5_is_exact_acceptance(distill, minibatches):
   batch = make_batch(params, lora if distill else None, seed=5, top=True)
   sc = dataclasses.replace(SC, distill=distill, num_minibatches=minibatches)
   step = ts.make_train_step(CFG, sc, opt, lora_opt if distill else None, SPARSE)
-  _, metrics = step(state_of(params, opt, lora if distill else None, lora_opt if distill else None),
-                    batch, BUDGET)
+  _, metrics = step(
+    state_of(params, opt, lora if distill else None, lora_opt if distill else None), batch, BUDGET
+  )
   want = reference_exact_stats(params, lora if distill else None, batch)
   for key in ("p1", "p5", "p50", "mean", "p5_bin", "count_bin"):
     np.testing.assert_allclose(metrics[f"acceptance/{key}"], want[key], atol=1e-5, err_msg=key)
@@ -184,12 +222,29 @@ def test_logged_p5_is_exact_acceptance(distill, minibatches):
   assert float(metrics["acceptance_topk20/mean"]) <= float(metrics["acceptance/mean"]) + 1e-6
 
 
-DOCUMENTED = ["loss/policy", "grad_norm/policy", "ppo/clip_frac", "skipped", "skipped_updates",
-              "entropy", "tis/weight_mean", "tis/weight_min", "tis/clipped_frac", "reward/mean",
-              "reward/std", "response_length/mean", "response_length/max", "loss/distill",
-              "distill/k3", "grad_norm/lora", "skipped_lora"] + [
-    f"{family}/{stat}" for family in ("acceptance", "acceptance_sampled", "acceptance_topk20")
-    for stat in ("p1", "p5", "p10", "p50", "mean", "p5_bin", "frac_below_tau", "histogram")]
+DOCUMENTED = [
+  "loss/policy",
+  "grad_norm/policy",
+  "ppo/clip_frac",
+  "skipped",
+  "skipped_updates",
+  "entropy",
+  "tis/weight_mean",
+  "tis/weight_min",
+  "tis/clipped_frac",
+  "reward/mean",
+  "reward/std",
+  "response_length/mean",
+  "response_length/max",
+  "loss/distill",
+  "distill/k3",
+  "grad_norm/lora",
+  "skipped_lora",
+] + [
+  f"{family}/{stat}"
+  for family in ("acceptance", "acceptance_sampled", "acceptance_topk20")
+  for stat in ("p1", "p5", "p10", "p50", "mean", "p5_bin", "frac_below_tau", "histogram")
+]
 
 
 def test_minibatches_log_every_metric_from_the_full_batch():
@@ -197,8 +252,9 @@ def test_minibatches_log_every_metric_from_the_full_batch():
   batch = make_batch(params, lora, seed=6, top=True)
   runs = {}
   for n in (1, 4):
-    step = ts.make_train_step(CFG, dataclasses.replace(SC, num_minibatches=n), opt, lora_opt,
-                              SPARSE)
+    step = ts.make_train_step(
+      CFG, dataclasses.replace(SC, num_minibatches=n), opt, lora_opt, SPARSE
+    )
     runs[n] = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)[1]
     assert set(DOCUMENTED) <= set(runs[n]), set(DOCUMENTED) - set(runs[n])
     assert not bool(runs[n]["skipped"]) and int(runs[n]["skipped_updates"]) == 0
@@ -225,8 +281,9 @@ def test_a_new_budget_table_does_not_recompile():
   params, lora, opt, lora_opt = setup()
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
   state = state_of(params, opt, lora, lora_opt)
-  other = BudgetTable(jnp.asarray(sampler.budget_table(KVSchedule.fixed(6, page_size=4), 36,
-                                                        SPARSE)))
+  other = BudgetTable(
+    jnp.asarray(sampler.budget_table(KVSchedule.fixed(6, page_size=4), 36, SPARSE))
+  )
   for seed, budget in ((20, BUDGET), (21, other)):
     state, _ = step(state, make_batch(state.params, state.lora, seed=seed), budget)
   assert step._cache_size() == 1

@@ -1,5 +1,6 @@
 """The training loop end to end: runs, logs TensorBoard tags, resumes safely, and rejects bad
 configs naming the field."""
+
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 def test_run_logs_tensorboard_curves(small_run):
   """(Resume after SIGKILL, replaying the same steps: tests/test_mesh_runs.py, on 2 processes.)"""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
   events = EventAccumulator(str(small_run / "tensorboard"))
   events.Reload()
   tags = events.Tags()["scalars"]
@@ -49,7 +51,9 @@ def config(**changes):
 TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's tau-0.86 table
 
 
-@pytest.mark.parametrize("changes, field", [
+@pytest.mark.parametrize(
+  "changes, field",
+  [
     ({"stats__tau": 1.5}, "stats.tau"),
     ({"rollout__page_size": 12}, "rollout.page_size"),
     ({"rollout__group_size": 1}, "rollout.group_size"),
@@ -84,20 +88,36 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
     ({"rollout__schedule": "adaptive:0.86:fixed:8"}, "rollout.schedule"),
     ({"rollout__schedule": "0:adaptive:0.86:fixed:8,5:fixed:4"}, "rollout.schedule"),
     ({"rollout__schedule": "adaptive:0.86:paper:qwen3-1.7b:0.86"}, "stats.bin_size"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "stats__exact_acceptance": False},
-     "stats.exact_acceptance"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_raise": 1.0},
-     "rollout.adaptive_raise"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_lower": 1.0},
-     "rollout.adaptive_lower"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_headroom": 0.5},
-     "rollout.adaptive_headroom"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_window": 0},
-     "rollout.adaptive_window"),
-    ({"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_lower_share": 0.05},
-     "rollout.adaptive_lower_share"),
+    (
+      {"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "stats__exact_acceptance": False},
+      "stats.exact_acceptance",
+    ),
+    (
+      {"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_raise": 1.0},
+      "rollout.adaptive_raise",
+    ),
+    (
+      {"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_lower": 1.0},
+      "rollout.adaptive_lower",
+    ),
+    (
+      {"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_headroom": 0.5},
+      "rollout.adaptive_headroom",
+    ),
+    (
+      {"rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE, "rollout__adaptive_window": 0},
+      "rollout.adaptive_window",
+    ),
+    (
+      {
+        "rollout__schedule": "adaptive:0.86:" + TINY_SCHEDULE,
+        "rollout__adaptive_lower_share": 0.05,
+      },
+      "rollout.adaptive_lower_share",
+    ),
     ({"rollout__schedule": "adaptive:0.9:" + TINY_SCHEDULE}, "stats.tau"),
-])
+  ],
+)
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
     trainer.validate(config(**changes))
@@ -117,12 +137,22 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
   """End to end on an offline math task (reasoning-gym) with a tiny random model and a real
   tokenizer + chat template: prompts, sparse rollouts, math-verify rewards, train steps."""
   from tests.helpers import write_tiny_hf_dir
+
   write_tiny_hf_dir(tmp_path / "model")
-  c = config(workdir=str(tmp_path / "run"), total_steps=2, model__hf_dir=str(tmp_path / "model"),
-             task__name="math:reasoning_gym:basic_arithmetic", rollout__schedule="fixed:4",
-             rollout__page_size=8, rollout__dense_layers=1, rollout__max_prompt_len=384,
-             rollout__max_new_tokens=24, rollout__group_size=2, stats__bin_size=64,
-             rl__num_minibatches=1)
+  c = config(
+    workdir=str(tmp_path / "run"),
+    total_steps=2,
+    model__hf_dir=str(tmp_path / "model"),
+    task__name="math:reasoning_gym:basic_arithmetic",
+    rollout__schedule="fixed:4",
+    rollout__page_size=8,
+    rollout__dense_layers=1,
+    rollout__max_prompt_len=384,
+    rollout__max_new_tokens=24,
+    rollout__group_size=2,
+    stats__bin_size=64,
+    rl__num_minibatches=1,
+  )
   rows = trainer.train(c)
   assert len(rows) == 2
   assert all(0.0 <= r["reward/mean"] <= 1.0 and r["kv/read_fraction"] < 1.0 for r in rows)
@@ -153,11 +183,23 @@ def engine_programs():
 
 
 def test_schedule_stages_switch_without_recompiling(tmp_path):
-  c = config(workdir=str(tmp_path / "run"), total_steps=3, model__hf_dir="", model__preset="tiny",
-             rollout__schedule="0:fixed:4,2:fixed:6", rollout__page_size=8,
-             rollout__dense_layers=1, task__min_hops=4, task__max_hops=8,
-             rollout__max_prompt_len=64, rollout__max_new_tokens=40, stats__bin_size=16,
-             rollout__group_size=4, rl__num_minibatches=1, export_hf=False)
+  c = config(
+    workdir=str(tmp_path / "run"),
+    total_steps=3,
+    model__hf_dir="",
+    model__preset="tiny",
+    rollout__schedule="0:fixed:4,2:fixed:6",
+    rollout__page_size=8,
+    rollout__dense_layers=1,
+    task__min_hops=4,
+    task__max_hops=8,
+    rollout__max_prompt_len=64,
+    rollout__max_new_tokens=40,
+    stats__bin_size=16,
+    rollout__group_size=4,
+    rl__num_minibatches=1,
+    export_hf=False,
+  )
   compiled = engine_programs()
   rows = trainer.train(c)
   assert [r["kv/schedule_stage"] for r in rows] == [0, 0, 1]
@@ -175,6 +217,7 @@ def test_mesh_that_does_not_fit_the_devices_or_the_batch_names_the_field():
 
 def test_random_preset_needs_a_task_with_its_own_vocabulary():
   from sparrow_jax.data import tasks
+
   c = config(model__hf_dir="", model__preset="tiny")
   with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
     trainer.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
@@ -182,24 +225,49 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
 
 def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
   out = subprocess.run(
-      [sys.executable, "-m", "sparrow_jax.train", "--config=configs/default.py",
-       f"--config.workdir={tmp_path / 'run'}", "--config.rl.learning_rate=-1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    [
+      sys.executable,
+      "-m",
+      "sparrow_jax.train",
+      "--config=configs/default.py",
+      f"--config.workdir={tmp_path / 'run'}",
+      "--config.rl.learning_rate=-1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
-      "error: config.rl.learning_rate = -1.0 is invalid: must be > 0 (--verbose for the "
-      "traceback)"]
+    "error: config.rl.learning_rate = -1.0 is invalid: must be > 0 (--verbose for the traceback)"
+  ]
   assert not (tmp_path / "run").exists()
 
 
 def small(workdir, **changes):
-  return config(**{**dict(workdir=str(workdir), model__hf_dir="", model__preset="tiny",
-                          rollout__schedule="fixed:4", rollout__page_size=8,
-                          rollout__dense_layers=1, task__min_hops=4, task__max_hops=8,
-                          rollout__max_prompt_len=64, rollout__max_new_tokens=40,
-                          stats__bin_size=16, rollout__group_size=4, rl__num_minibatches=1,
-                          export_hf=False), **changes})
+  return config(
+    **{
+      **dict(
+        workdir=str(workdir),
+        model__hf_dir="",
+        model__preset="tiny",
+        rollout__schedule="fixed:4",
+        rollout__page_size=8,
+        rollout__dense_layers=1,
+        task__min_hops=4,
+        task__max_hops=8,
+        rollout__max_prompt_len=64,
+        rollout__max_new_tokens=40,
+        stats__bin_size=16,
+        rollout__group_size=4,
+        rl__num_minibatches=1,
+        export_hf=False,
+      ),
+      **changes,
+    }
+  )
 
 
 def test_resume_is_safe(tmp_path, capsys):
@@ -236,16 +304,23 @@ def test_resume_is_safe(tmp_path, capsys):
   assert steps == [1, 2, 3]
   for name, value in first[2].items():
     if not name.startswith("perf/"):
-      np.testing.assert_allclose(np.asarray(again[0][name], float), np.asarray(value, float),
-                                 rtol=1e-5, err_msg=name)
+      np.testing.assert_allclose(
+        np.asarray(again[0][name], float), np.asarray(value, float), rtol=1e-5, err_msg=name
+      )
 
 
 def adaptive_small(workdir, base, **changes):
   """`small` under 'adaptive:0.9999:BASE', bins moving on 16 tokens, ceiling 4 x BASE's largest:
   the tiny random model's sparse p10 (~0.99) is under tau in every measured bin (a cliff), so each
   step raises them at once, and the largest budget with them."""
-  return small(workdir, rollout__schedule=f"adaptive:0.9999:{base}", stats__tau=0.9999,
-               rollout__adaptive_min_tokens=16, rollout__adaptive_headroom=4.0, **changes)
+  return small(
+    workdir,
+    rollout__schedule=f"adaptive:0.9999:{base}",
+    stats__tau=0.9999,
+    rollout__adaptive_min_tokens=16,
+    rollout__adaptive_headroom=4.0,
+    **changes,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +339,9 @@ def adaptive_run(tmp_path_factory):
       out = step(*step_args)
       compiled.append((step._cache_size(), engine_programs()))
       return out
+
     return run
+
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(ts, "make_train_step", counting)
     rows = trainer.train(adaptive_small(root / "straight", base, total_steps=3))
@@ -301,18 +378,29 @@ def test_predicted_speedup_prices_the_runs_own_engine():
   weights (~3x), while 2 slots are bound by reading the weights (little to gain)."""
   from configs import qwen3_1p7b_polaris
   from sparrow_jax.mismatch import cost_model
+
   c = qwen3_1p7b_polaris.get_config()
   cfg = sj.Qwen3Config.preset("qwen3-1.7b")
   schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
   prompt_lens, lengths = [1024] * 32, [37 * 1024 // 2] * 32
   speedup = lambda config: trainer.predicted_speedup(
-      c, cfg, schedule, config, "h200", prompt_lens, lengths)
+    c, cfg, schedule, config, "h200", prompt_lens, lengths
+  )
   ours = trainer.engine_config(c, cfg, rows_per_device=32)
   assert (ours.num_slots, ours.num_pages) == (32, 31706)  # 60 GB of bf16 pages
   rate = lambda s: cost_model.roofline_engine_rate(
-      cfg, s, 1024, 37 * 1024, slots=32, pool_tokens=31706 * 16, mean_len_frac=0.5,
-      hardware="h200", dense_layers=2)[0]
+    cfg,
+    s,
+    1024,
+    37 * 1024,
+    slots=32,
+    pool_tokens=31706 * 16,
+    mean_len_frac=0.5,
+    hardware="h200",
+    dense_layers=2,
+  )[0]
   np.testing.assert_allclose(speedup(ours), rate(schedule) / rate(None), rtol=1e-6)
   assert speedup(ours) > 2.5
   import dataclasses
+
   assert speedup(dataclasses.replace(ours, num_slots=2)) < 0.6 * speedup(ours)

@@ -18,6 +18,7 @@ Sparse teacher forcing: with `select_fn` and `budget_BT`, each query also reads 
 pages); the keep mask is made per query block (never [T, P] at once) and made again in the backward
 pass.
 """
+
 import functools
 import math
 from typing import Callable, NamedTuple, Optional
@@ -36,9 +37,20 @@ def _round_up(n, m):
   return -(-n // m) * m
 
 
-def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=None,
-              select_fn: Optional[Callable] = None, page_size: int = 16, page_score: str = "mean",
-              block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+def attention(
+  q_BTKGE,
+  k_BKSE,
+  v_BKSE,
+  key_valid_BS,
+  *,
+  q_offset=0,
+  budget_BT=None,
+  select_fn: Optional[Callable] = None,
+  page_size: int = 16,
+  page_score: str = "mean",
+  block_q: int = BLOCK_Q,
+  block_k: int = BLOCK_K,
+):
   """softmax(q k^T / sqrt(E)) v over the causal, valid (and, if sparse, selected) keys; returns
   q's shape and dtype. q_offset (traced is fine): the slot of the first query. Sparse when
   `select_fn` is given: select_fn(scores_BKQP, query_pos_11Q, budget_B1Q) -> keep_BKQP, with pages
@@ -54,7 +66,9 @@ def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=No
   pad_s = ((0, 0), (0, 0), (0, Sp - S), (0, 0))
   k, v = jnp.pad(k_BKSE, pad_s), jnp.pad(v_BKSE, pad_s)
   valid = jnp.pad(key_valid_BS.astype(bool), ((0, 0), (0, Sp - S)))
-  budget = None if budget_BT is None else jnp.pad(budget_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+  budget = (
+    None if budget_BT is None else jnp.pad(budget_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
+  )
   geometry = _Geometry(bq, bk, page_size, 1.0 / math.sqrt(E), select_fn, page_score)
   out = _flash(geometry, q, k, v, valid, jnp.asarray(q_offset, jnp.int32), budget)
   return out[:, :T]
@@ -62,6 +76,7 @@ def attention(q_BTKGE, k_BKSE, v_BKSE, key_valid_BS, *, q_offset=0, budget_BT=No
 
 class _Geometry(NamedTuple):
   """The static part of one call (block sizes, scale, the selection rule)."""
+
   bq: int
   bk: int
   page_size: int
@@ -97,8 +112,9 @@ def _query_block(g: _Geometry, i, q, k, summary_BKPRE, q_offset, budget):
   q_b = q_b.transpose(0, 2, 3, 1, 4)
   keep = None
   if g.select_fn is not None:
-    scores = paged_cache.page_scores(jnp.mean(jax.lax.stop_gradient(q_b), axis=2), summary_BKPRE,
-                                     g.page_score)
+    scores = paged_cache.page_scores(
+      jnp.mean(jax.lax.stop_gradient(q_b), axis=2), summary_BKPRE, g.page_score
+    )
     qpos = q_offset + i * g.bq + jnp.arange(g.bq)
     budget_b = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
     keep = g.select_fn(scores, qpos[None, None], budget_b[:, None])
@@ -121,7 +137,7 @@ def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
     q_b, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
 
     def step(j, carry):
-      m, l, acc = carry
+      m, denom, acc = carry
       s, _ = _scores(g, q_b, k, j)
       s = jnp.where(_block_mask(g, i, j, q_offset, valid, keep), s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -130,13 +146,16 @@ def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
       correction = jnp.exp(m - m_safe)
       v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2).astype(jnp.float32)
       acc = acc * correction[..., None] + jnp.einsum("bkgqs,bkse->bkgqe", p, v_b)
-      return m_new, l * correction + jnp.sum(p, axis=-1), acc
+      return m_new, denom * correction + jnp.sum(p, axis=-1), acc
 
-    init = (jnp.full((B, K, G, g.bq), -jnp.inf), jnp.zeros((B, K, G, g.bq)),
-            jnp.zeros((B, K, G, g.bq, E)))
-    m, l, acc = jax.lax.fori_loop(0, n_kb, step, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), jnp.inf)
+    init = (
+      jnp.full((B, K, G, g.bq), -jnp.inf),
+      jnp.zeros((B, K, G, g.bq)),
+      jnp.zeros((B, K, G, g.bq, E)),
+    )
+    m, denom, acc = jax.lax.fori_loop(0, n_kb, step, init)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    lse = jnp.where(denom > 0.0, m + jnp.log(jnp.where(denom > 0.0, denom, 1.0)), jnp.inf)
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype), lse
 
   out, lse = jax.lax.map(one_block, jnp.arange(Tp // g.bq))
@@ -161,8 +180,11 @@ def _flash_bwd(g, residuals, d_out):
   accumulate dq locally, dk and dv into full-length float32 buffers."""
   q, k, v, valid, q_offset, budget, out, lse = residuals
   B, Tp, K, G, E = q.shape
-  to_block = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i * g.bq, g.bq, axis=1).astype(
-      jnp.float32).transpose(0, 2, 3, 1, 4)
+  to_block = lambda x, i: (
+    jax.lax.dynamic_slice_in_dim(x, i * g.bq, g.bq, axis=1)
+    .astype(jnp.float32)
+    .transpose(0, 2, 3, 1, 4)
+  )
 
   summary_BKPRE = _summaries(g, k)
 
@@ -183,18 +205,23 @@ def _flash_bwd(g, residuals, d_out):
       ds = p * (dp - delta[..., None]) * g.scale
       dq_b = dq_b + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_b)
       add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
-          acc, jax.lax.dynamic_slice_in_dim(acc, j * g.bk, g.bk, axis=2) + x, j * g.bk, axis=2)
+        acc, jax.lax.dynamic_slice_in_dim(acc, j * g.bk, g.bk, axis=2) + x, j * g.bk, axis=2
+      )
       dk = add(dk, jnp.einsum("bkgqs,bkgqe->bkse", ds, q_b))
       dv = add(dv, jnp.einsum("bkgqs,bkgqe->bkse", p, do_b))
       return dq_b, dk, dv
 
     dq_b, dk, dv = jax.lax.fori_loop(0, n_kb, step, (jnp.zeros_like(q_b), dk, dv))
-    dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b.transpose(0, 3, 1, 2, 4).astype(dq.dtype),
-                                             i * g.bq, axis=1)
+    dq = jax.lax.dynamic_update_slice_in_dim(
+      dq, dq_b.transpose(0, 3, 1, 2, 4).astype(dq.dtype), i * g.bq, axis=1
+    )
     return dq, dk, dv
 
-  init = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, jnp.float32),
-          jnp.zeros(v.shape, jnp.float32))
+  init = (
+    jnp.zeros(q.shape, q.dtype),
+    jnp.zeros(k.shape, jnp.float32),
+    jnp.zeros(v.shape, jnp.float32),
+  )
   dq, dk, dv = jax.lax.fori_loop(0, Tp // g.bq, one_block, init)
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 

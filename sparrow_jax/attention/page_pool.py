@@ -19,12 +19,12 @@ read and write of a slot stays on its device: `per_device` runs them under `shar
 Physical page 0 of every shard is the trash page: slots that run no row write there and nothing
 reads it, so a decode step over every slot needs no scatter mask.
 """
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sparrow_jax.attention import paged_cache
 from sparrow_jax.model import sharding
@@ -36,9 +36,9 @@ SUMMARY_AXES = ("batch", "kv_heads", "pages", "summary_rows", "head_dim")
 
 @flax.struct.dataclass
 class PagePool:
-  k_stored: tuple              # per layer [R, K, X, Z, E]
+  k_stored: tuple  # per layer [R, K, X, Z, E]
   v_stored: tuple
-  summaries: tuple             # per layer [R, K, X, S, E]
+  summaries: tuple  # per layer [R, K, X, S, E]
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
   page_score: str = flax.struct.field(pytree_node=False, default="mean")
@@ -65,8 +65,9 @@ def page_bytes(cfg, page_size: int, dtype, page_score: str) -> int:
   return L * K * E * (2 * page_size + rows) * jnp.dtype(dtype).itemsize
 
 
-def init_pool(cfg, num_pages: int, page_size: int = 16, dtype=jnp.float32,
-              page_score: str = "mean") -> PagePool:
+def init_pool(
+  cfg, num_pages: int, page_size: int = 16, dtype=jnp.float32, page_score: str = "mean"
+) -> PagePool:
   """An empty pool of num_pages pages (page TRASH_PAGE included) per row shard of the enclosing
   mesh, created on its devices (nothing of its size on the host)."""
   paged_cache.check_page_size(page_size)
@@ -79,17 +80,24 @@ def init_pool(cfg, num_pages: int, page_size: int = 16, dtype=jnp.float32,
 
   def zeros():
     kv = lambda: tuple(jnp.zeros(kv_shape, stored) for _ in range(L))
-    return PagePool(k_stored=kv(), v_stored=kv(),
-                    summaries=tuple(jnp.zeros(summary_shape, dtype) for _ in range(L)),
-                    page_size=page_size, dtype=jnp.dtype(dtype).name, page_score=page_score)
+    return PagePool(
+      k_stored=kv(),
+      v_stored=kv(),
+      summaries=tuple(jnp.zeros(summary_shape, dtype) for _ in range(L)),
+      page_size=page_size,
+      dtype=jnp.dtype(dtype).name,
+      page_score=page_score,
+    )
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return zeros()
   on = lambda axes, shape: NamedSharding(mesh, sharding.spec(axes, shape, mesh))
   out = jax.eval_shape(zeros).replace(
-      k_stored=(on(POOL_AXES, kv_shape),) * L, v_stored=(on(POOL_AXES, kv_shape),) * L,
-      summaries=(on(SUMMARY_AXES, summary_shape),) * L)
+    k_stored=(on(POOL_AXES, kv_shape),) * L,
+    v_stored=(on(POOL_AXES, kv_shape),) * L,
+    summaries=(on(SUMMARY_AXES, summary_shape),) * L,
+  )
   return jax.jit(zeros, out_shardings=out)()
 
 
@@ -102,8 +110,9 @@ def per_device(fn, args, axes, out_axes):
     return fn(*args)
   in_specs = tuple(sharding.spec(a, x.shape, mesh) for a, x in zip(axes, args))
   out_specs = tuple(sharding.spec(a, shape, mesh) for a, shape in out_axes)
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*args)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+    *args
+  )
 
 
 SLOT_AXES = ("batch",)
@@ -113,12 +122,13 @@ SLOT_AXES = ("batch",)
 class PoolLayer:
   """One layer of the pool with the slots' page tables: what `qwen3.decode_step` carries per layer
   in place of a `paged_cache.PagedKVCache` (same `append_token`, `lengths`, `constrain`)."""
-  k_stored: jax.Array          # [R, K, X, Z, E]
+
+  k_stored: jax.Array  # [R, K, X, Z, E]
   v_stored: jax.Array
-  summaries: jax.Array         # [R, K, X, S, E]
-  page_table: jax.Array        # [B, PR] physical page (of the slot's shard) of each logical page
-  lengths: jax.Array           # [B] tokens cached per slot
-  active: jax.Array            # [B] the slot runs a row (others write the trash page, read nothing)
+  summaries: jax.Array  # [R, K, X, S, E]
+  page_table: jax.Array  # [B, PR] physical page (of the slot's shard) of each logical page
+  lengths: jax.Array  # [B] tokens cached per slot
+  active: jax.Array  # [B] the slot runs a row (others write the trash page, read nothing)
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
   page_score: str = flax.struct.field(pytree_node=False, default="mean")
@@ -135,24 +145,29 @@ class PoolLayer:
       shape = k_stored.shape
       K, X = shape[1], shape[2]
       flat = lambda x: x.reshape(K * X, *x.shape[3:])
-      page_B = jnp.where(active, jnp.take_along_axis(page_table, (pos_B // Z)[:, None],
-                                                     axis=1)[:, 0], TRASH_PAGE)
+      page_B = jnp.where(
+        active, jnp.take_along_axis(page_table, (pos_B // Z)[:, None], axis=1)[:, 0], TRASH_PAGE
+      )
       id_BK = page_B[:, None] + (jnp.arange(K, dtype=page_B.dtype) * X)[None]
       at = (id_BK, (pos_B % Z)[:, None])
       put = lambda buf, x_BKE: buf.at[at].set(paged_cache.to_stored(x_BKE.astype(dtype)))
       k_flat = put(flat(k_stored), k_BKE)
       page_BKZE = paged_cache.from_stored(k_flat[id_BK], dtype)
       summary_BKSE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0]
-      return (k_flat.reshape(shape), put(flat(v_stored), v_BKE).reshape(shape),
-              flat(summaries).at[id_BK].set(summary_BKSE).reshape(summaries.shape))
+      return (
+        k_flat.reshape(shape),
+        put(flat(v_stored), v_BKE).reshape(shape),
+        flat(summaries).at[id_BK].set(summary_BKSE).reshape(summaries.shape),
+      )
 
     pools = (self.k_stored, self.v_stored, self.summaries)
     pool_axes = (POOL_AXES, POOL_AXES, SUMMARY_AXES)
     k_stored, v_stored, summaries = per_device(
-        local, pools + (self.page_table, self.active, k_BKE, v_BKE, pos_B),
-        pool_axes + (SLOT_AXES, SLOT_AXES, ("batch", "kv_heads"), ("batch", "kv_heads"),
-                     SLOT_AXES),
-        tuple(zip(pool_axes, (x.shape for x in pools))))
+      local,
+      pools + (self.page_table, self.active, k_BKE, v_BKE, pos_B),
+      pool_axes + (SLOT_AXES, SLOT_AXES, ("batch", "kv_heads"), ("batch", "kv_heads"), SLOT_AXES),
+      tuple(zip(pool_axes, (x.shape for x in pools))),
+    )
     return self.replace(k_stored=k_stored, v_stored=v_stored, summaries=summaries)
 
   def constrain(self) -> "PoolLayer":
@@ -168,15 +183,28 @@ def local_pages(k_stored, v_stored, dtype):
 
 def layer_views(pool: PagePool, page_table_BN, lengths_B, active_B) -> tuple:
   """The pool as one PoolLayer per layer, sharing the slots' page tables."""
-  return tuple(PoolLayer(k, v, s, page_table_BN, lengths_B, active_B, page_size=pool.page_size,
-                         dtype=pool.dtype, page_score=pool.page_score)
-               for k, v, s in zip(pool.k_stored, pool.v_stored, pool.summaries))
+  return tuple(
+    PoolLayer(
+      k,
+      v,
+      s,
+      page_table_BN,
+      lengths_B,
+      active_B,
+      page_size=pool.page_size,
+      dtype=pool.dtype,
+      page_score=pool.page_score,
+    )
+    for k, v, s in zip(pool.k_stored, pool.v_stored, pool.summaries)
+  )
 
 
 def from_layers(pool: PagePool, layers) -> PagePool:
-  return pool.replace(k_stored=tuple(c.k_stored for c in layers),
-                      v_stored=tuple(c.v_stored for c in layers),
-                      summaries=tuple(c.summaries for c in layers))
+  return pool.replace(
+    k_stored=tuple(c.k_stored for c in layers),
+    v_stored=tuple(c.v_stored for c in layers),
+    summaries=tuple(c.summaries for c in layers),
+  )
 
 
 def _pool_arrays(pool: PagePool):
@@ -188,8 +216,9 @@ def _pool_arrays(pool: PagePool):
 
 def _from_arrays(pool: PagePool, arrays) -> PagePool:
   L = len(pool.k_stored)
-  return pool.replace(k_stored=tuple(arrays[:L]), v_stored=tuple(arrays[L:2 * L]),
-                      summaries=tuple(arrays[2 * L:]))
+  return pool.replace(
+    k_stored=tuple(arrays[:L]), v_stored=tuple(arrays[L : 2 * L]), summaries=tuple(arrays[2 * L :])
+  )
 
 
 def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, dest_BP) -> PagePool:
@@ -208,9 +237,12 @@ def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, dest_BP) -> Pag
     return tuple(p.at[0, head, dest].set(new[i // L][i % L]) for i, p in enumerate(pools))
 
   cache_axes = tuple(sharding.CACHE_AXES[n] for n in ("k_stored", "v_stored", "summaries"))
-  out = per_device(local, (cache.k_stored, cache.v_stored, cache.summaries, dest_BP) + arrays,
-                   cache_axes + (("batch", "pages"),) + axes,
-                   tuple(zip(axes, (x.shape for x in arrays))))
+  out = per_device(
+    local,
+    (cache.k_stored, cache.v_stored, cache.summaries, dest_BP) + arrays,
+    cache_axes + (("batch", "pages"),) + axes,
+    tuple(zip(axes, (x.shape for x in arrays))),
+  )
   return _from_arrays(pool, out)
 
 
@@ -222,6 +254,10 @@ def copy_pages(pool: PagePool, src_RN, dst_RN) -> PagePool:
   def local(src_N, dst_N, *pools):
     return tuple(p.at[0, :, dst_N[0]].set(p[0, :, src_N[0]]) for p in pools)
 
-  out = per_device(local, (src_RN, dst_RN) + arrays, (("batch", "pages"),) * 2 + axes,
-                   tuple(zip(axes, (x.shape for x in arrays))))
+  out = per_device(
+    local,
+    (src_RN, dst_RN) + arrays,
+    (("batch", "pages"),) * 2 + axes,
+    tuple(zip(axes, (x.shape for x in arrays))),
+  )
   return _from_arrays(pool, out)

@@ -36,6 +36,7 @@ trainer picks; a running float32 sum would cost twice the bytes and a bfloat16 o
 sixteen additions per page.
 Sequences are independent (no shared page pool): RL rollouts have one static maximum length per batch.
 """
+
 from typing import Callable, NamedTuple
 
 import flax.struct
@@ -102,8 +103,9 @@ def check_page_size(page_size) -> None:
     raise ValueError(f"page_size must be a positive power of two, got {page_size!r}")
 
 
-def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.float32,
-               page_score: str = "mean") -> PagedKVCache:
+def init_cache(
+  cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.float32, page_score: str = "mean"
+) -> PagedKVCache:
   """An empty cache holding at least max_len tokens (rounded up to whole pages), with the page
   summaries `page_score` scores."""
   check_page_size(page_size)
@@ -111,12 +113,17 @@ def init_cache(cfg, batch: int, max_len: int, page_size: int = 16, dtype=jnp.flo
   pages = -(-max_len // page_size)
   K, E, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
   stored = stored_dtype(dtype)
-  return constrain(PagedKVCache(
+  return constrain(
+    PagedKVCache(
       k_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
       v_stored=jnp.zeros((L, batch, K, pages * page_size, E), stored),
       summaries=jnp.zeros((L, batch, K, pages, rows, E), dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
-      page_size=page_size, dtype=jnp.dtype(dtype).name, page_score=page_score))
+      page_size=page_size,
+      dtype=jnp.dtype(dtype).name,
+      page_score=page_score,
+    )
+  )
 
 
 def split_layers(cache: PagedKVCache, repeat: int = 1) -> tuple:
@@ -125,23 +132,35 @@ def split_layers(cache: PagedKVCache, repeat: int = 1) -> tuple:
   before a decode loop; the stacked cache is dead after it."""
   rows = lambda x: jnp.repeat(x, repeat, axis=1) if repeat > 1 else x
   lengths = jnp.repeat(cache.lengths, repeat) if repeat > 1 else cache.lengths
-  return tuple(constrain(cache.replace(k_stored=rows(cache.k_stored[i:i + 1]),
-                                       v_stored=rows(cache.v_stored[i:i + 1]),
-                                       summaries=rows(cache.summaries[i:i + 1]), lengths=lengths))
-               for i in range(cache.k_stored.shape[0]))
+  return tuple(
+    constrain(
+      cache.replace(
+        k_stored=rows(cache.k_stored[i : i + 1]),
+        v_stored=rows(cache.v_stored[i : i + 1]),
+        summaries=rows(cache.summaries[i : i + 1]),
+        lengths=lengths,
+      )
+    )
+    for i in range(cache.k_stored.shape[0])
+  )
 
 
 def constrain(cache: PagedKVCache) -> PagedKVCache:
   """The cache kept on its logical axes (sharding.CACHE_AXES: rows over data x fsdp, KV heads over
   tensor) on the enclosing mesh, so a decode loop never gathers it to one device."""
-  return cache.replace(**{name: sharding.constrain(getattr(cache, name), axes)
-                          for name, axes in sharding.CACHE_AXES.items()})
+  return cache.replace(
+    **{
+      name: sharding.constrain(getattr(cache, name), axes)
+      for name, axes in sharding.CACHE_AXES.items()
+    }
+  )
 
 
 class PageScore(NamedTuple):
   """One way to score pages: `summary` (keys [B, K, P, Z, E] -> [B, K, P, rows, E], what the cache
   keeps per page) and `query` (group-mean queries [B, K, X, E] -> [B, K, X, rows, E]); a page's
   score is the dot of the two over (rows, E)."""
+
   rows: int
   summary: Callable
   query: Callable
@@ -165,8 +184,10 @@ def _bounds_query(qbar_BKXE):
 
 # SparseConfig.page_score -> its PageScore. "mean": the paper's mean-key centroid; "quest": the
 # per-channel key bounds of Quest (Tang et al. 2024), scored with the group-mean query.
-PAGE_SCORES = {"mean": PageScore(1, _mean_summary, lambda qbar_BKXE: qbar_BKXE[..., None, :]),
-               "quest": PageScore(2, _bounds_summary, _bounds_query)}
+PAGE_SCORES = {
+  "mean": PageScore(1, _mean_summary, lambda qbar_BKXE: qbar_BKXE[..., None, :]),
+  "quest": PageScore(2, _bounds_summary, _bounds_query),
+}
 
 
 def page_score_fns(page_score: str) -> PageScore:
@@ -188,8 +209,9 @@ def page_scores(qbar_BKXE, summary_BKPRE, page_score: str):
   sampler and the trainer use. The query features are rounded to the summaries' dtype and the dot
   accumulates in float32, so bfloat16 summaries are read as stored (no float32 copy)."""
   feature_BKXRE = page_score_fns(page_score).query(qbar_BKXE).astype(summary_BKPRE.dtype)
-  return jnp.einsum("bkxre,bkpre->bkxp", feature_BKXRE, summary_BKPRE,
-                    preferred_element_type=jnp.float32)
+  return jnp.einsum(
+    "bkxre,bkpre->bkxp", feature_BKXRE, summary_BKPRE, preferred_element_type=jnp.float32
+  )
 
 
 def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> PagedKVCache:
@@ -200,11 +222,13 @@ def write_chunk(cache: PagedKVCache, layer, start, k_BCKE, v_BCKE, valid_BC) -> 
   stored = lambda x: jnp.where(valid_BC[:, :, None, None], x, 0).astype(cache.dtype)
   k_BKCE, v_BKCE = stored(k_BCKE).transpose(0, 2, 1, 3), stored(v_BCKE).transpose(0, 2, 1, 3)
   put = lambda buf, x, at: jax.lax.dynamic_update_slice(
-      buf, x[None], (layer, 0, 0, at) + (0,) * (buf.ndim - 4))
+    buf, x[None], (layer, 0, 0, at) + (0,) * (buf.ndim - 4)
+  )
   return cache.replace(
-      k_stored=put(cache.k_stored, to_stored(k_BKCE), start),
-      v_stored=put(cache.v_stored, to_stored(v_BKCE), start),
-      summaries=put(cache.summaries, page_summaries(k_BKCE, Z, cache.page_score), start // Z))
+    k_stored=put(cache.k_stored, to_stored(k_BKCE), start),
+    v_stored=put(cache.v_stored, to_stored(v_BKCE), start),
+    summaries=put(cache.summaries, page_summaries(k_BKCE, Z, cache.page_score), start // Z),
+  )
 
 
 def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
@@ -217,6 +241,7 @@ def append(cache: PagedKVCache, layer, k_BKE, v_BKE, pos_B) -> PagedKVCache:
   page_BZKE = from_stored(k_stored[layer, b_B[:, None], :, slots_BZ], cache.dtype)
   summary_BKRE = page_summaries(page_BZKE.transpose(0, 2, 1, 3), Z, cache.page_score)[:, :, 0]
   return cache.replace(
-      k_stored=k_stored,
-      v_stored=cache.v_stored.at[layer, b_B, :, pos_B].set(to_stored(v_BKE.astype(cache.dtype))),
-      summaries=cache.summaries.at[layer, b_B, :, pos_B // Z].set(summary_BKRE))
+    k_stored=k_stored,
+    v_stored=cache.v_stored.at[layer, b_B, :, pos_B].set(to_stored(v_BKE.astype(cache.dtype))),
+    summaries=cache.summaries.at[layer, b_B, :, pos_B // Z].set(summary_BKRE),
+  )

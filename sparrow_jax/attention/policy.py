@@ -4,6 +4,7 @@ the attention functions it takes, for teacher forcing (`forward`: trainer, calib
 decoding (`decode_attention_fn`: the sampler), from the same `select` rule, so both read the same
 pages.
 """
+
 import functools
 
 import jax
@@ -28,9 +29,17 @@ def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_le
     every_page = -(-T // sparse.page_size)
     dense_BT = (layer < sparse.dense_layers) | (pos_T[None] < prompt_len_B[:, None])
     budget_BT = jnp.where(dense_BT, every_page, schedule.budget_pages(pos_T + 1)[None])
-    return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
-                               mask_BT, budget_BT=budget_BT, select_fn=select_fn,
-                               page_size=sparse.page_size, page_score=sparse.page_score)
+    return blockwise.attention(
+      q_BTKGE,
+      k_BTKE.transpose(0, 2, 1, 3),
+      v_BTKE.transpose(0, 2, 1, 3),
+      mask_BT,
+      budget_BT=budget_BT,
+      select_fn=select_fn,
+      page_size=sparse.page_size,
+      page_score=sparse.page_score,
+    )
+
   return attention
 
 
@@ -45,13 +54,18 @@ def forward(params, tokens_BT, cfg, *, sparse=None, schedule=None, prompt_len_B=
   """
   if sparse is not None:
     if schedule is None or prompt_len_B is None:
-      raise ValueError("forward(sparse=...) needs `schedule` and `prompt_len_B` (where decoding "
-                       "began)")
+      raise ValueError(
+        "forward(sparse=...) needs `schedule` and `prompt_len_B` (where decoding began)"
+      )
     kwargs["attention_fn"] = teacher_forced_attention_fn(sparse, schedule, prompt_len_B)
   return qwen3.forward(params, tokens_BT, cfg, **kwargs)
 
 
-DENSE_PREFIXES = (1, 2, 3)  # eighths of the cache the XLA dense decode may read instead of all of it
+DENSE_PREFIXES = (
+  1,
+  2,
+  3,
+)  # eighths of the cache the XLA dense decode may read instead of all of it
 
 
 def _sparse_fn(impl, page_size, scale, interpret=None):
@@ -60,8 +74,9 @@ def _sparse_fn(impl, page_size, scale, interpret=None):
   if impl == "xla":
     return functools.partial(reference.sparse_decode_attention, page_size=page_size, scale=scale)
   kernel = sparse_decode if impl == "pallas" else sparse_decode_tpu
-  return functools.partial(kernel.sparse_decode_attention, page_size=page_size, scale=scale,
-                           interpret=interpret)
+  return functools.partial(
+    kernel.sparse_decode_attention, page_size=page_size, scale=scale, interpret=interpret
+  )
 
 
 def _dense_fn(impl, page_size, interpret=None):
@@ -78,6 +93,7 @@ def _dense_fn(impl, page_size, interpret=None):
     page_idx_BKP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, K, P))
     n_valid_BK = jnp.broadcast_to((-(-lengths_B // page_size)).astype(jnp.int32)[:, None], (B, K))
     return sparse(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKP, n_valid_BK, lengths_B)
+
   return every_valid_page
 
 
@@ -90,11 +106,20 @@ def _dense_xla(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B):
   the whole cache at full length (every block copied)."""
   S = k_cache_BKSE.shape[2]
   sizes = sorted({-(-S * i // 8) for i in DENSE_PREFIXES} | {S})
-  prefix = lambda size: lambda q, k, v, lengths: reference.dense_decode_attention(
-      q, k[:, :, :size], v[:, :, :size], lengths)
+  prefix = lambda size: (
+    lambda q, k, v, lengths: reference.dense_decode_attention(
+      q, k[:, :, :size], v[:, :, :size], lengths
+    )
+  )
   bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(lengths_B))  # first size >= longest row
-  return jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [prefix(s) for s in sizes],
-                        q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B)
+  return jax.lax.switch(
+    jnp.minimum(bucket, len(sizes) - 1),
+    [prefix(s) for s in sizes],
+    q_BKGE,
+    k_cache_BKSE,
+    v_cache_BKSE,
+    lengths_B,
+  )
 
 
 def _dispatch(impl, make):
@@ -113,11 +138,22 @@ def _dispatch(impl, make):
     gpu = "pallas" if sparse_decode.supports(q_BKGE.shape[-1]) else "xla"
     cuda, tpu, default = (make(i, False) for i in (gpu, "pallas_tpu", "xla"))
     return jax.lax.platform_dependent(q_BKGE, *args, cuda=cuda, tpu=tpu, default=default)
+
   return auto
 
 
-def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *,
-                     page_size, scale=None, impl="auto"):
+def decode_attention(
+  q_BKGE,
+  k_cache_BKSE,
+  v_cache_BKSE,
+  page_idx_BKN,
+  n_valid_BK,
+  lengths_B,
+  *,
+  page_size,
+  scale=None,
+  impl="auto",
+):
   """Sparse decode attention by `impl`: "xla" (the jnp reference), "pallas" (kernels/sparse_decode,
   Triton), "pallas_tpu" (kernels/sparse_decode_tpu, Mosaic) or "auto" (the GPU kernel on CUDA, the
   TPU kernel on TPU, XLA elsewhere)."""
@@ -125,8 +161,9 @@ def decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_B
   return _per_shard(fn, q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B)
 
 
-def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, page_size,
-                           impl="auto"):
+def dense_decode_attention(
+  q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, page_size, impl="auto"
+):
   """Dense decode attention over each row's cached tokens only, by `impl` as `decode_attention`:
   the fair baseline of the sparse path (a length-aware dense kernel, as the paper's FlashInfer
   baseline is), never the whole preallocated cache (prompt width + max_new_tokens) and never a
@@ -144,16 +181,19 @@ def _per_shard(fn, *args_BK):
   if mesh.empty:
     return fn(*args_BK)
   bk = sharding.spec(("batch", "kv_heads"), args_BK[0].shape[:2], mesh)
-  specs = tuple(P(*bk[:x.ndim], *[None] * (x.ndim - 2)) for x in args_BK)
+  specs = tuple(P(*bk[: x.ndim], *[None] * (x.ndim - 2)) for x in args_BK)
   return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args_BK)
 
 
 def dense_decode_fn(impl="auto"):
   """An `attention_fn` for qwen3.decode_step: every layer reads each row's cached tokens from its
   own one-layer cache."""
+
   def attention(layer, q_BKGE, cache, lengths_B):
-    return dense_decode_attention(q_BKGE, cache.keys(0), cache.values(0), lengths_B,
-                                  page_size=cache.page_size, impl=impl)
+    return dense_decode_attention(
+      q_BKGE, cache.keys(0), cache.values(0), lengths_B, page_size=cache.page_size, impl=impl
+    )
+
   return attention
 
 
@@ -162,17 +202,34 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   the others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
   schedule.BudgetTable: traced, so a new schedule does not recompile), at most `max_selected`
   (static) pages. The caches must keep the summaries `sparse.page_score` scores."""
+
   def attention(layer, q_BKGE, cache, lengths_B):  # layer: a Python int (decoding unrolls layers)
     if layer < sparse.dense_layers:
       return dense_decode_fn(sparse.attention_impl)(layer, q_BKGE, cache, lengths_B)
     if cache.page_score != sparse.page_score:
-      raise ValueError(f"the cache keeps {cache.page_score!r} page summaries, SparseConfig."
-                       f"page_score is {sparse.page_score!r}")
+      raise ValueError(
+        f"the cache keeps {cache.page_score!r} page summaries, SparseConfig."
+        f"page_score is {sparse.page_score!r}"
+      )
     page_idx_BKN, n_valid_BK = select.decode_pages(
-        q_BKGE, cache.summaries[0], lengths_B, budget.budget_pages(lengths_B), sparse,
-        min(max_selected, cache.num_pages))
-    return decode_attention(q_BKGE, cache.keys(0), cache.values(0), page_idx_BKN, n_valid_BK,
-                            lengths_B, page_size=sparse.page_size, impl=sparse.attention_impl)
+      q_BKGE,
+      cache.summaries[0],
+      lengths_B,
+      budget.budget_pages(lengths_B),
+      sparse,
+      min(max_selected, cache.num_pages),
+    )
+    return decode_attention(
+      q_BKGE,
+      cache.keys(0),
+      cache.values(0),
+      page_idx_BKN,
+      n_valid_BK,
+      lengths_B,
+      page_size=sparse.page_size,
+      impl=sparse.attention_impl,
+    )
+
   return attention
 
 
@@ -184,11 +241,21 @@ def _paged_fn(impl, interpret=None):
   return functools.partial(kernel.paged_decode_attention, interpret=interpret)
 
 
-def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                           n_valid_BK, lengths_B, *, impl="auto"):
+def paged_decode_attention(
+  q_BKGE,
+  k_pages_XZE,
+  v_pages_XZE,
+  page_idx_BKN,
+  logical_idx_BKN,
+  n_valid_BK,
+  lengths_B,
+  *,
+  impl="auto",
+):
   """reference.paged_decode_attention by `impl`, as `decode_attention` dispatches."""
-  return _dispatch(impl, _paged_fn)(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN,
-                                    logical_idx_BKN, n_valid_BK, lengths_B)
+  return _dispatch(impl, _paged_fn)(
+    q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
+  )
 
 
 def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "auto"):
@@ -206,12 +273,15 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
   def attention(layer, q_BKGE, pool, lengths_B):  # pool: a page_pool.PoolLayer
     dense = sparse is None or layer < sparse.dense_layers
     if not dense and pool.page_score != sparse.page_score:
-      raise ValueError(f"the pool keeps {pool.page_score!r} page summaries, SparseConfig."
-                       f"page_score is {sparse.page_score!r}")
+      raise ValueError(
+        f"the pool keeps {pool.page_score!r} page summaries, SparseConfig."
+        f"page_score is {sparse.page_score!r}"
+      )
     Z, dtype = pool.page_size, pool.dtype
 
-    def local(q_BKGE, k_stored, v_stored, summaries, page_table_BN, active_B, lengths_B,
-              pages_by_len):
+    def local(
+      q_BKGE, k_stored, v_stored, summaries, page_table_BN, active_B, lengths_B, pages_by_len
+    ):
       B, K = q_BKGE.shape[:2]
       X, PR = k_stored.shape[2], page_table_BN.shape[1]
       lengths_B = jnp.where(active_B, lengths_B, 0)
@@ -228,25 +298,52 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
           else:
             summary_BKNSE = summaries[0][:, page_table_BN[:, :size]].transpose(1, 0, 2, 3, 4)
             logical_BKN, n_valid_BK = select.decode_pages(
-                q_BKGE, summary_BKNSE, lengths_B, pages_by_len[lengths_B], sparse,
-                min(max_selected, size))
+              q_BKGE,
+              summary_BKNSE,
+              lengths_B,
+              pages_by_len[lengths_B],
+              sparse,
+              min(max_selected, size),
+            )
             n_valid_BK = jnp.where(active_B[:, None], n_valid_BK, 0)
           page_BKN = jnp.take_along_axis(table_BKN, logical_BKN, axis=2) + head_base_1K1
-          return paged_decode_attention(q_BKGE, k_pages, v_pages, page_BKN, logical_BKN,
-                                        n_valid_BK, lengths_B, impl=impl)
+          return paged_decode_attention(
+            q_BKGE, k_pages, v_pages, page_BKN, logical_BKN, n_valid_BK, lengths_B, impl=impl
+          )
+
         return fn
 
       sizes = sorted({-(-PR * i // 8) for i in DENSE_PREFIXES} | {PR})
       bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(n_pages_B))
-      return (jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [read(s) for s in sizes],
-                             q_BKGE),)
+      return (
+        jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), [read(s) for s in sizes], q_BKGE),
+      )
 
     pages_by_len = budget.pages_by_len if budget is not None else jnp.zeros((1,), jnp.int32)
     q_axes = ("batch", "kv_heads", "q_group", "head_dim")
     return page_pool.per_device(
-        local, (q_BKGE, pool.k_stored, pool.v_stored, pool.summaries, pool.page_table,
-                pool.active, lengths_B, pages_by_len),
-        (q_axes, page_pool.POOL_AXES, page_pool.POOL_AXES, page_pool.SUMMARY_AXES,
-         page_pool.SLOT_AXES, page_pool.SLOT_AXES, page_pool.SLOT_AXES, ("length",)),
-        ((q_axes, q_BKGE.shape),))[0]
+      local,
+      (
+        q_BKGE,
+        pool.k_stored,
+        pool.v_stored,
+        pool.summaries,
+        pool.page_table,
+        pool.active,
+        lengths_B,
+        pages_by_len,
+      ),
+      (
+        q_axes,
+        page_pool.POOL_AXES,
+        page_pool.POOL_AXES,
+        page_pool.SUMMARY_AXES,
+        page_pool.SLOT_AXES,
+        page_pool.SLOT_AXES,
+        page_pool.SLOT_AXES,
+        ("length",),
+      ),
+      ((q_axes, q_BKGE.shape),),
+    )[0]
+
   return attention

@@ -26,6 +26,7 @@ Laid out for XLA on CPU, where the rollout runs without a GPU (experiments/bench
     make both functions several times slower here (5x for sparse at 16K). On GPU the Pallas kernel
     reads bfloat16 pages directly.
 """
+
 import math
 
 import jax
@@ -40,15 +41,18 @@ def default_scale(head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim)
 
 
-def check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                      page_size) -> None:
+def check_sparse_args(
+  q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, page_size
+) -> None:
   """Static shape checks shared by the reference and the Pallas kernel."""
   paged_cache.check_page_size(page_size)
   B, K, _, E = q_BKGE.shape
   S = k_cache_BKSE.shape[2]
   if k_cache_BKSE.shape != (B, K, S, E) or v_cache_BKSE.shape != k_cache_BKSE.shape:
-    raise ValueError(f"k_cache/v_cache must be [B, K, S, E] = {(B, K, 'S', E)} like q_BKGE "
-                     f"{q_BKGE.shape}, got {k_cache_BKSE.shape} and {v_cache_BKSE.shape}")
+    raise ValueError(
+      f"k_cache/v_cache must be [B, K, S, E] = {(B, K, 'S', E)} like q_BKGE "
+      f"{q_BKGE.shape}, got {k_cache_BKSE.shape} and {v_cache_BKSE.shape}"
+    )
   if S % page_size:
     raise ValueError(f"cache length S={S} must be a multiple of page_size={page_size}")
   _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K)
@@ -56,8 +60,9 @@ def check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_
 
 def _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K) -> None:
   if page_idx_BKN.ndim != 3 or page_idx_BKN.shape[:2] != (B, K):
-    raise ValueError(f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, "
-                     f"got {page_idx_BKN.shape}")
+    raise ValueError(
+      f"page_idx_BKN must be [B, K, N] with B, K = {(B, K)}, got {page_idx_BKN.shape}"
+    )
   if n_valid_BK.shape != (B, K):
     raise ValueError(f"n_valid_BK must be [B, K] = {(B, K)}, got {n_valid_BK.shape}")
   if lengths_B.shape != (B,):
@@ -80,8 +85,9 @@ def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
   per KV head; a row with no allowed key (a padding query) gives zeros. Holds [B, K, G, T, S]
   scores: a reference for short rows (tests, pretrain_tiny's packed documents)."""
   E = q_BTKGE.shape[-1]
-  s_BKGTS = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE,
-                       preferred_element_type=jnp.float32) / math.sqrt(E)
+  s_BKGTS = jnp.einsum(
+    "btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32
+  ) / math.sqrt(E)
   allowed = allowed_BTS[:, None, None] if allowed_BTS.ndim == 3 else allowed_BTS[:, :, None]
   p_BKGTS = masked_softmax(s_BKGTS, allowed)
   return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
@@ -98,24 +104,36 @@ def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, sca
   B, K, G, E = q_BKGE.shape
   S = k_cache_BKSE.shape[2]
   scale = default_scale(E) if scale is None else scale
-  s_BKGS = jnp.einsum("bkge,bkse->bkgs", q_BKGE.astype(k_cache_BKSE.dtype), k_cache_BKSE,
-                      preferred_element_type=jnp.float32) * scale
+  s_BKGS = (
+    jnp.einsum(
+      "bkge,bkse->bkgs",
+      q_BKGE.astype(k_cache_BKSE.dtype),
+      k_cache_BKSE,
+      preferred_element_type=jnp.float32,
+    )
+    * scale
+  )
   valid_B11S = (jnp.arange(S) < lengths_B[:, None])[:, None, :]
   return _softmax_av(s_BKGS, valid_B11S, v_cache_BKSE).astype(q_BKGE.dtype)
 
 
-def check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK,
-                     lengths_B) -> None:
+def check_paged_args(
+  q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
+) -> None:
   """Static shape checks of the paged form, shared by the reference and the Pallas kernels."""
   B, K, _, E = q_BKGE.shape
   if k_pages_XZE.ndim != 3 or k_pages_XZE.shape[2] != E or v_pages_XZE.shape != k_pages_XZE.shape:
-    raise ValueError(f"k_pages/v_pages must be [X, Z, E] with E = {E}, got {k_pages_XZE.shape} and "
-                     f"{v_pages_XZE.shape}")
+    raise ValueError(
+      f"k_pages/v_pages must be [X, Z, E] with E = {E}, got {k_pages_XZE.shape} and "
+      f"{v_pages_XZE.shape}"
+    )
   paged_cache.check_page_size(k_pages_XZE.shape[1])
   _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K)
   if logical_idx_BKN.shape != page_idx_BKN.shape:
-    raise ValueError(f"logical_idx_BKN must be shaped like page_idx_BKN {page_idx_BKN.shape}, "
-                     f"got {logical_idx_BKN.shape}")
+    raise ValueError(
+      f"logical_idx_BKN must be shaped like page_idx_BKN {page_idx_BKN.shape}, "
+      f"got {logical_idx_BKN.shape}"
+    )
 
 
 def rows_as_pages(k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size):
@@ -153,23 +171,52 @@ def _row_reader(N: int, scale):
 
   def prefix(size):
     def read(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length):
-      return _paged_row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N[:size], logical_idx_N[:size],
-                        n_valid, length, scale)
+      return _paged_row(
+        q_GE,
+        k_pages_XZE,
+        v_pages_XZE,
+        page_idx_N[:size],
+        logical_idx_N[:size],
+        n_valid,
+        length,
+        scale,
+      )
+
     return read
 
   def nothing(q_GE, *_):
     return jnp.zeros(q_GE.shape, jnp.float32)
 
   def row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length):
-    branch = jnp.where((n_valid > 0) & (length > 0),
-                       jnp.searchsorted(jnp.asarray(sizes), n_valid) + 1, 0)
-    return jax.lax.switch(branch, [nothing] + [prefix(s) for s in sizes], q_GE, k_pages_XZE,
-                          v_pages_XZE, page_idx_N, logical_idx_N, n_valid, length)
+    branch = jnp.where(
+      (n_valid > 0) & (length > 0), jnp.searchsorted(jnp.asarray(sizes), n_valid) + 1, 0
+    )
+    return jax.lax.switch(
+      branch,
+      [nothing] + [prefix(s) for s in sizes],
+      q_GE,
+      k_pages_XZE,
+      v_pages_XZE,
+      page_idx_N,
+      logical_idx_N,
+      n_valid,
+      length,
+    )
+
   return row
 
 
-def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN,
-                           n_valid_BK, lengths_B, *, scale=None):
+def paged_decode_attention(
+  q_BKGE,
+  k_pages_XZE,
+  v_pages_XZE,
+  page_idx_BKN,
+  logical_idx_BKN,
+  n_valid_BK,
+  lengths_B,
+  *,
+  scale=None,
+):
   """Attention of one decode query per (sequence b, KV head k) over pages of a flat page array:
   the first n_valid_BK[b, k] entries of page_idx_BKN[b, k] are distinct page ids into k_pages_XZE /
   v_pages_XZE (any order; the rest are padding holding a valid id, masked), and logical_idx_BKN
@@ -177,14 +224,20 @@ def paged_decode_attention(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logic
   lengths_B[b] is masked (the partial last page). The form a page pool is read in (the page id is
   physical, the logical id comes from the row's page table); per-row caches reach it through
   `rows_as_pages`. Each row reads about its own n_valid pages (`_row_reader`)."""
-  check_paged_args(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK,
-                   lengths_B)
+  check_paged_args(
+    q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
+  )
   B, K, G, E = q_BKGE.shape
   N = page_idx_BKN.shape[2]
   scale = default_scale(E) if scale is None else scale
   read = _row_reader(N, scale)
-  rows = (q_BKGE.reshape(B * K, G, E), page_idx_BKN.reshape(B * K, N),
-          logical_idx_BKN.reshape(B * K, N), n_valid_BK.reshape(B * K), jnp.repeat(lengths_B, K))
+  rows = (
+    q_BKGE.reshape(B * K, G, E),
+    page_idx_BKN.reshape(B * K, N),
+    logical_idx_BKN.reshape(B * K, N),
+    n_valid_BK.reshape(B * K),
+    jnp.repeat(lengths_B, K),
+  )
   out_RGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
@@ -193,16 +246,23 @@ def per_row(paged_fn):
   """The per-row-cache form of a paged attention (`paged_decode_attention`'s contract):
   sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
   *, page_size, **paged_fn's keywords), the caches read as pages by `rows_as_pages`."""
-  def sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK,
-                              lengths_B, *, page_size, **kwargs):
-    check_sparse_args(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,
-                      page_size)
-    k_pages, v_pages, flat_idx, logical_idx = rows_as_pages(k_cache_BKSE, v_cache_BKSE,
-                                                            page_idx_BKN, page_size)
-    return paged_fn(q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK, lengths_B,
-                    **kwargs)
-  sparse_decode_attention.__doc__ = (f"{paged_fn.__module__}.{paged_fn.__name__} over per-row "
-                                     "caches (see reference.per_row).")
+
+  def sparse_decode_attention(
+    q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, *, page_size, **kwargs
+  ):
+    check_sparse_args(
+      q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B, page_size
+    )
+    k_pages, v_pages, flat_idx, logical_idx = rows_as_pages(
+      k_cache_BKSE, v_cache_BKSE, page_idx_BKN, page_size
+    )
+    return paged_fn(
+      q_BKGE, k_pages, v_pages, flat_idx, logical_idx, n_valid_BK, lengths_B, **kwargs
+    )
+
+  sparse_decode_attention.__doc__ = (
+    f"{paged_fn.__module__}.{paged_fn.__name__} over per-row caches (see reference.per_row)."
+  )
   return sparse_decode_attention
 
 

@@ -14,6 +14,7 @@ call `keep_pages`, so the sampler and the trainer pick the same pages by constru
 towards the lower page index). A budget covering every page gives exact dense attention. The
 attention kernels take the selected page ids only: how pages are scored does not reach them.
 """
+
 import dataclasses
 
 import jax
@@ -27,14 +28,14 @@ PAGE_SCORES = tuple(paged_cache.PAGE_SCORES)  # SparseConfig.page_score's values
 
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
-  page_size: int = 16          # Z, tokens per page (Sparrow: 16 is on the cost/mismatch Pareto front)
-  sink_pages: int = 1          # first pages always read (BOS / attention sink)
-  local_pages: int = 2         # most recent pages always read (the partial current page included)
-  dense_layers: int = 2        # the first layers stay dense
+  page_size: int = 16  # Z, tokens per page (Sparrow: 16 is on the cost/mismatch Pareto front)
+  sink_pages: int = 1  # first pages always read (BOS / attention sink)
+  local_pages: int = 2  # most recent pages always read (the partial current page included)
+  dense_layers: int = 2  # the first layers stay dense
   attention_impl: str = "auto"  # "auto" (the GPU / TPU kernel on its platform, XLA elsewhere) |
-                                # "xla" | "pallas" (GPU, Triton) | "pallas_tpu" (TPU, Mosaic)
-  page_score: str = "mean"      # how scored pages rank: "mean" (mean key, the paper) | "quest"
-                                # (per-channel key bounds: twice the cached summary bytes)
+  # "xla" | "pallas" (GPU, Triton) | "pallas_tpu" (TPU, Mosaic)
+  page_score: str = "mean"  # how scored pages rank: "mean" (mean key, the paper) | "quest"
+  # (per-channel key bounds: twice the cached summary bytes)
 
   def __post_init__(self):
     paged_cache.check_page_size(self.page_size)
@@ -44,14 +45,18 @@ class SparseConfig:
     if self.local_pages < 1:
       # The current page is partial while it fills: as a scored page its summary would mix in the
       # keys written after the query in teacher forcing, so sampler and trainer would disagree.
-      raise ValueError(f"SparseConfig.local_pages must be >= 1 (the current, partial page is "
-                       f"always read), got {self.local_pages}")
+      raise ValueError(
+        f"SparseConfig.local_pages must be >= 1 (the current, partial page is "
+        f"always read), got {self.local_pages}"
+      )
     if self.attention_impl not in IMPLS:
-      raise ValueError(f"SparseConfig.attention_impl must be one of {IMPLS}, "
-                       f"got {self.attention_impl!r}")
+      raise ValueError(
+        f"SparseConfig.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}"
+      )
     if self.page_score not in PAGE_SCORES:
-      raise ValueError(f"SparseConfig.page_score must be one of {PAGE_SCORES}, "
-                       f"got {self.page_score!r}")
+      raise ValueError(
+        f"SparseConfig.page_score must be one of {PAGE_SCORES}, got {self.page_score!r}"
+      )
 
   @property
   def always_kept(self) -> int:
@@ -78,8 +83,9 @@ def keep_pages(scores_XP, query_pos_X, budget_X, sparse: SparseConfig):
   always, candidate = _page_roles(scores_XP.shape[-1], query_pos_X, sparse)
   masked = jnp.where(candidate, scores_XP.astype(jnp.float32), -jnp.inf)
   top_XP, top_idx_XP = jax.lax.top_k(masked, masked.shape[-1])
-  n_X1 = jnp.broadcast_to(jnp.maximum(budget_X - sparse.always_kept, 0),
-                          masked.shape[:-1])[..., None]
+  n_X1 = jnp.broadcast_to(jnp.maximum(budget_X - sparse.always_kept, 0), masked.shape[:-1])[
+    ..., None
+  ]
   at = jnp.maximum(n_X1 - 1, 0)
   t_X1 = jnp.take_along_axis(top_XP, at, axis=-1)
   p_t_X1 = jnp.take_along_axis(top_idx_XP, at, axis=-1)
@@ -101,18 +107,21 @@ def decode_pages(q_BKGE, summary_BKPRE, lengths_B, budget_B, sparse: SparseConfi
   _, candidate_BKP = _page_roles(P, (lengths_B - 1)[:, None], sparse)
   n_top = min(max(max_selected - sparse.always_kept, 1), P)
   top_score_BKT, top_idx_BKT = jax.lax.top_k(jnp.where(candidate_BKP, scores_BKP, -jnp.inf), n_top)
-  top_valid_BKT = ((jnp.arange(n_top) < (budget_B - sparse.always_kept)[:, None, None])
-                   & (top_score_BKT > -jnp.inf))
+  top_valid_BKT = (jnp.arange(n_top) < (budget_B - sparse.always_kept)[:, None, None]) & (
+    top_score_BKT > -jnp.inf
+  )
   # always-kept ids: the sink pages, then the local pages that are not sink pages themselves
   n_pages_B1 = ((lengths_B - 1) // sparse.page_size + 1)[:, None]
   sink_BA = jnp.broadcast_to(jnp.arange(sparse.sink_pages), (B, sparse.sink_pages))
   local_BA = n_pages_B1 - sparse.local_pages + jnp.arange(sparse.local_pages)
   always_BA = jnp.concatenate([sink_BA, local_BA], axis=1)
   always_valid_BA = jnp.concatenate([sink_BA < n_pages_B1, local_BA >= sparse.sink_pages], axis=1)
-  ids_BKN = jnp.concatenate([jnp.broadcast_to(always_BA[:, None], (B, K, always_BA.shape[1])),
-                             top_idx_BKT], axis=-1)
-  valid_BKN = jnp.concatenate([jnp.broadcast_to(always_valid_BA[:, None], (B, K, always_BA.shape[1])),
-                               top_valid_BKT], axis=-1)
+  ids_BKN = jnp.concatenate(
+    [jnp.broadcast_to(always_BA[:, None], (B, K, always_BA.shape[1])), top_idx_BKT], axis=-1
+  )
+  valid_BKN = jnp.concatenate(
+    [jnp.broadcast_to(always_valid_BA[:, None], (B, K, always_BA.shape[1])), top_valid_BKT], axis=-1
+  )
   order_BKN = jnp.argsort(~valid_BKN, axis=-1, stable=True)  # valid first (N is small)
   page_idx_BKN = jnp.clip(jnp.take_along_axis(ids_BKN, order_BKN, axis=-1), 0, P - 1)
   return page_idx_BKN.astype(jnp.int32), jnp.sum(valid_BKN, axis=-1).astype(jnp.int32)
@@ -123,11 +132,15 @@ def teacher_forced_keep(q_BTKGE, k_BSKE, prompt_len_B, schedule, sparse: SparseC
   were prefilled densely, so they keep every page. The materialised reference of what
   `blockwise.attention` selects per query block in sparse teacher forcing (tests compare them)."""
   T = q_BTKGE.shape[1]
-  summary_BKPRE = paged_cache.page_summaries(k_BSKE.transpose(0, 2, 1, 3), sparse.page_size,
-                                             sparse.page_score)
+  summary_BKPRE = paged_cache.page_summaries(
+    k_BSKE.transpose(0, 2, 1, 3), sparse.page_size, sparse.page_score
+  )
   qbar_BKTE = jnp.mean(q_BTKGE.astype(jnp.float32), axis=3).transpose(0, 2, 1, 3)
   scores_BKTP = paged_cache.page_scores(qbar_BKTE, summary_BKPRE, sparse.page_score)
   pos_T = jnp.arange(T)
-  budget_BT = jnp.where(pos_T[None] < prompt_len_B[:, None], summary_BKPRE.shape[2],
-                        schedule.budget_pages(pos_T + 1)[None])
+  budget_BT = jnp.where(
+    pos_T[None] < prompt_len_B[:, None],
+    summary_BKPRE.shape[2],
+    schedule.budget_pages(pos_T + 1)[None],
+  )
   return keep_pages(scores_BKTP, pos_T[None, None], budget_BT[:, None], sparse)

@@ -4,6 +4,7 @@ Graders never raise on what a model wrote: they return a `Grade` whose `reason` 
 its reward, so the caller can count failures (no answer, unparsable LaTeX, timeouts, sandbox errors) in
 state it owns. Only a malformed reference (a bad `tests` spec) raises ValueError.
 """
+
 import concurrent.futures
 import dataclasses
 import json
@@ -22,7 +23,7 @@ from sparrow_jax.data import sandbox
 log = logging.getLogger(__name__)
 
 MATH_TIMEOUT_S = 5
-WORKER_START_S = 20   # a math worker's start and imports (sympy), besides its grading timeouts
+WORKER_START_S = 20  # a math worker's start and imports (sympy), besides its grading timeouts
 _BOX = re.compile(r"\\(?:boxed|fbox)")
 _FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("", "python", "python3", "py")
@@ -30,9 +31,11 @@ _PYTHON_TAGS = ("", "python", "python3", "py")
 
 class Grade(NamedTuple):
   reward: float
-  reason: str   # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
-                # code: correct partial wrong_answer runtime_error timeout output_limit no_code aborted
-                #       sandbox_error grader_error
+  reason: (
+    str  # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
+  )
+  # code: correct partial wrong_answer runtime_error timeout output_limit no_code aborted
+  #       sandbox_error grader_error
 
 
 def final_text(response: str) -> str | None:
@@ -47,7 +50,7 @@ def last_boxed(text: str) -> str | None:
   matches = list(_BOX.finditer(text))
   if not matches:
     return None
-  rest = text[matches[-1].end():]
+  rest = text[matches[-1].end() :]
   body = rest.lstrip()
   if not body.startswith("{"):
     word = re.match(r"\s+([^\s$]+)", rest)
@@ -71,11 +74,16 @@ class _MathWorker:
 
   def __init__(self):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get(
-        "PYTHONPATH")) if p))
+    env = dict(
+      os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    )
     self.proc = subprocess.Popen(
-        [sys.executable, "-c", "from sparrow_jax.data import rewards; rewards._serve_math()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+      [sys.executable, "-c", "from sparrow_jax.data import rewards; rewards._serve_math()"],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      env=env,
+      text=True,
+    )
 
   def grade(self, response: str, answer: str, timeout_s: int, wait_s: float) -> Grade:
     self.proc.stdin.write(json.dumps([response, answer, timeout_s]) + "\n")
@@ -128,6 +136,7 @@ def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -
     return _grade_math_in_worker(response, answer, timeout_s)
   from math_verify import parse, verify  # slow import (sympy); only math grading needs it
   from math_verify.errors import TimeoutException
+
   text = final_text(response)
   if text is None:
     return Grade(0.0, "unfinished_thinking")
@@ -136,8 +145,11 @@ def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -
     return Grade(0.0, "no_answer")
   answer = str(answer).strip().strip("$")
   try:
-    gold = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}",
-                 parsing_timeout=timeout_s, raise_on_error=True)
+    gold = parse(
+      answer if "\\boxed" in answer else f"\\boxed{{{answer}}}",
+      parsing_timeout=timeout_s,
+      raise_on_error=True,
+    )
     if not gold:
       return Grade(0.0, "bad_reference")
     pred = parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout_s, raise_on_error=True)
@@ -162,6 +174,7 @@ class CodeTests:
   "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
   HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports and
   the prompt's stubs and helpers, comes before both; see sandbox.candidate_names)."""
+
   mode: str
   inputs: tuple = (None,)
   outputs: tuple = (None,)
@@ -190,7 +203,9 @@ def parse_tests(tests: Any) -> CodeTests:
     except ValueError as e:
       raise ValueError(f"tests are not valid JSON: {e}") from None
   if not isinstance(tests, dict):
-    raise ValueError(f"tests must be a dict with inputs/outputs or script, got {type(tests).__name__}")
+    raise ValueError(
+      f"tests must be a dict with inputs/outputs or script, got {type(tests).__name__}"
+    )
   if "script" in tests:
     if not isinstance(tests["script"], str) or not tests["script"].strip():
       raise ValueError("tests script must be a non-empty string")
@@ -205,8 +220,9 @@ def parse_tests(tests: Any) -> CodeTests:
     if not isinstance(fn_name, str):
       raise ValueError(f"tests fn_name must be a string, got {fn_name!r}")
     return CodeTests("call", tuple(inputs), tuple(outputs), fn_name=fn_name)
-  return CodeTests("stdio", tuple(_text(v, "inputs") for v in inputs),
-                   tuple(_text(v, "outputs") for v in outputs))
+  return CodeTests(
+    "stdio", tuple(_text(v, "inputs") for v in inputs), tuple(_text(v, "outputs") for v in outputs)
+  )
 
 
 def extract_code(response: str) -> str | None:
@@ -267,8 +283,12 @@ def _same_stdout(got, want):
 
 def _equal(a, b):
   numbers = (int, float)
-  if (isinstance(a, numbers) and isinstance(b, numbers)
-      and not isinstance(a, bool) and not isinstance(b, bool)):
+  if (
+    isinstance(a, numbers)
+    and isinstance(b, numbers)
+    and not isinstance(a, bool)
+    and not isinstance(b, bool)
+  ):
     return _same_number(a, b)
   if isinstance(a, list) and isinstance(b, list):
     return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
@@ -281,8 +301,7 @@ def _same_result(got_json, want):
   try:
     got = json.loads(got_json)
     # TACO wraps each expected return value in a one-element list.
-    return _equal(got, want) or (isinstance(want, list) and len(want) == 1
-                                 and _equal(got, want[0]))
+    return _equal(got, want) or (isinstance(want, list) and len(want) == 1 and _equal(got, want[0]))
   except (ValueError, RecursionError):
     return False
 
@@ -306,9 +325,16 @@ def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) ->
   if program is None:
     return Grade(0.0, "no_code")
   try:
-    run = sandbox.run_cases(program, tests.mode, tests.inputs, fn_name=tests.fn_name,
-                            prefix=tests.prefix, script=tests.script, stop_on_failure=not partial,
-                            limits=sandbox_limits)
+    run = sandbox.run_cases(
+      program,
+      tests.mode,
+      tests.inputs,
+      fn_name=tests.fn_name,
+      prefix=tests.prefix,
+      script=tests.script,
+      stop_on_failure=not partial,
+      limits=sandbox_limits,
+    )
   except OSError as e:  # e.g. no space for the work directory: the trainer must go on
     log.warning("code sandbox failed to start: %s", e)
     return Grade(0.0, "sandbox_error")
@@ -330,7 +356,8 @@ def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) ->
     reason = "aborted"
   else:
     reason = {"ok": "wrong_answer", "timeout": "timeout", "output_limit": "output_limit"}.get(
-        failed["status"], "runtime_error")
+      failed["status"], "runtime_error"
+    )
   return Grade(reward, "partial" if partial and passed else reason)
 
 
@@ -344,4 +371,6 @@ def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **lim
     raise ValueError(f"{len(responses)} responses but {len(tests)} tests")
   workers = max_workers or os.cpu_count() or 1
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    return list(pool.map(lambda r, t: grade_code(r, t, partial=partial, **limits), responses, tests))
+    return list(
+      pool.map(lambda r, t: grade_code(r, t, partial=partial, **limits), responses, tests)
+    )

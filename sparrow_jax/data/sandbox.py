@@ -39,6 +39,7 @@ only the read-only root); in the fallback the program keeps the caller's uid: no
 process cap (RLIMIT_NPROC would count the trainer's threads), so run training as root in a container or
 give the trainer its own user.
 """
+
 import ast
 import builtins
 import dataclasses
@@ -58,27 +59,27 @@ import tempfile
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 MODES = ("stdio", "call", "script")
-UID_RANGE = (1 << 30, 1 << 20)   # start, size: ids far above any real account
+UID_RANGE = (1 << 30, 1 << 20)  # start, size: ids far above any real account
 NOBODY = 65534
-STARTUP_S = 5.0                  # interpreter start and namespace setup, added to the total timeout
+STARTUP_S = 5.0  # interpreter start and namespace setup, added to the total timeout
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-  timeout_s: float = 2.0          # wall clock per test case
-  cpu_s: int | None = None        # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1, a backstop
-                                  # behind the wall clock (equal, a busy loop could hit it first)
-  memory_mb: int = 1024           # RLIMIT_AS of each process of a test case: no cgroup holds the
-                                  # case as a whole, so its processes together may hold up to
-                                  # memory_mb x nproc (where nproc applies, see the docstring)
-  output_bytes: int = 1 << 20     # RLIMIT_FSIZE, so also the most stdout one test case can produce
+  timeout_s: float = 2.0  # wall clock per test case
+  cpu_s: int | None = None  # RLIMIT_CPU per test case; None: ceil(timeout_s) + 1, a backstop
+  # behind the wall clock (equal, a busy loop could hit it first)
+  memory_mb: int = 1024  # RLIMIT_AS of each process of a test case: no cgroup holds the
+  # case as a whole, so its processes together may hold up to
+  # memory_mb x nproc (where nproc applies, see the docstring)
+  output_bytes: int = 1 << 20  # RLIMIT_FSIZE, so also the most stdout one test case can produce
   batch_output_bytes: int = 4 << 20  # the most output (stdout, stderr, results) all cases together
-                                  # send back; past it the run stops, the case "output_limit"
-  nofile: int = 64                # RLIMIT_NOFILE
-  nproc: int = 64                 # RLIMIT_NPROC (see the module docstring for when it applies)
-  tmpfs_mb: int = 64              # size of the private /tmp
-  namespaces: bool = True         # False: the weaker fallback (see the module docstring), explicitly
-  total_timeout_s: float | None = None   # whole run; None: timeout_s * cases + STARTUP_S
+  # send back; past it the run stops, the case "output_limit"
+  nofile: int = 64  # RLIMIT_NOFILE
+  nproc: int = 64  # RLIMIT_NPROC (see the module docstring for when it applies)
+  tmpfs_mb: int = 64  # size of the private /tmp
+  namespaces: bool = True  # False: the weaker fallback (see the module docstring), explicitly
+  total_timeout_s: float | None = None  # whole run; None: timeout_s * cases + STARTUP_S
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -98,8 +99,8 @@ class SandboxLimits:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxRun:
-  cases: list        # per case run, in order: {"status": "ok"|"timeout"|"error", "stdout", "stderr", ...}
-  isolation: dict    # what the child managed to apply (see the module docstring)
+  cases: list  # per case run, in order: {"status": "ok"|"timeout"|"error", "stdout", "stderr", ...}
+  isolation: dict  # what the child managed to apply (see the module docstring)
   error: str | None  # set when the sandbox itself failed (then `cases` may be short)
 
 
@@ -118,9 +119,13 @@ def _sandbox_uid():
 def _case_limits(limits):
   """(soft, hard) per rlimit, clamped to our own hard limits (we may lack CAP_SYS_RESOURCE)."""
   cpu = limits.cpu_s or math.ceil(limits.timeout_s) + 1
-  wanted = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
-            "RLIMIT_FSIZE": (limits.output_bytes,) * 2, "RLIMIT_NOFILE": (limits.nofile,) * 2,
-            "RLIMIT_CORE": (0, 0)}
+  wanted = {
+    "RLIMIT_CPU": (cpu, cpu + 1),
+    "RLIMIT_AS": (limits.memory_mb << 20,) * 2,
+    "RLIMIT_FSIZE": (limits.output_bytes,) * 2,
+    "RLIMIT_NOFILE": (limits.nofile,) * 2,
+    "RLIMIT_CORE": (0, 0),
+  }
   clamp = lambda v, hard: v if hard == resource.RLIM_INFINITY else min(v, hard)
   result = {}
   for name, (soft, hard) in wanted.items():
@@ -143,8 +148,13 @@ SOLUTION_PACKAGES = ("numpy", "sortedcontainers")
 def _site_packages() -> tuple:
   """(the interpreter's site-packages directories, the paths of the SOLUTION_PACKAGES installed in
   them: package directories, single-file modules and vendored-library directories `<name>.libs`)."""
-  sites = sorted({os.path.realpath(sysconfig.get_path(key, vars={"base": base, "platbase": base}))
-                  for base in (sys.prefix, sys.base_prefix) for key in ("purelib", "platlib")})
+  sites = sorted(
+    {
+      os.path.realpath(sysconfig.get_path(key, vars={"base": base, "platbase": base}))
+      for base in (sys.prefix, sys.base_prefix)
+      for key in ("purelib", "platlib")
+    }
+  )
   allowed = set()
   for name in SOLUTION_PACKAGES:
     spec = importlib.util.find_spec(name)  # found, not imported
@@ -249,14 +259,22 @@ def candidate_names(prefix, script):
     prefix_tree, script_tree = ast.parse(prefix), ast.parse(script)
   except SyntaxError as e:
     raise ValueError(f"script tests do not parse: {e}") from None
-  stubs = {node.name for node in prefix_tree.body
-           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(map(_is_stub, node.body))}
-  read = {node.id for node in ast.walk(script_tree)
-          if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+  stubs = {
+    node.name
+    for node in prefix_tree.body
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(map(_is_stub, node.body))
+  }
+  read = {
+    node.id
+    for node in ast.walk(script_tree)
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+  }
   free = read - _bound(prefix_tree) - _bound(script_tree) - set(dir(builtins))
   if not stubs | free:
-    raise ValueError("script tests take nothing from the candidate: the prefix defines no stub function "
-                     "and the script reads no name that the prefix and script leave unbound")
+    raise ValueError(
+      "script tests take nothing from the candidate: the prefix defines no stub function "
+      "and the script reads no name that the prefix and script leave unbound"
+    )
   return sorted(stubs | free)
 
 
@@ -275,8 +293,18 @@ def _certify(case, token):
   return case
 
 
-def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_on_failure=True,
-              limits=SandboxLimits(), work_root=None):
+def run_cases(
+  program,
+  mode,
+  cases,
+  *,
+  fn_name=None,
+  prefix="",
+  script="",
+  stop_on_failure=True,
+  limits=SandboxLimits(),
+  work_root=None,
+):
   """Runs `program` once per entry of `cases` in a fresh sandbox and returns the raw outcomes.
 
   mode "stdio": each case is the stdin text; "call": each case is the list of arguments of `fn_name`
@@ -294,12 +322,23 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
   if mode == "script" and cases != [None]:
     raise ValueError(f"sandbox mode 'script' takes one case, None, got {cases!r:.100}")
   uid = _sandbox_uid()
-  job = {"program": program, "mode": mode, "cases": cases, "fn_name": fn_name, "prefix": prefix,
-         "stop_on_failure": stop_on_failure, "timeout_s": limits.timeout_s,
-         "output_bytes": limits.output_bytes, "batch_output_bytes": limits.batch_output_bytes,
-         "nproc": limits.nproc, "tmpfs_mb": limits.tmpfs_mb,
-         "namespaces": limits.namespaces, "uid": uid, "case_limits": _case_limits(limits),
-         "python_paths": _python_paths()}
+  job = {
+    "program": program,
+    "mode": mode,
+    "cases": cases,
+    "fn_name": fn_name,
+    "prefix": prefix,
+    "stop_on_failure": stop_on_failure,
+    "timeout_s": limits.timeout_s,
+    "output_bytes": limits.output_bytes,
+    "batch_output_bytes": limits.batch_output_bytes,
+    "nproc": limits.nproc,
+    "tmpfs_mb": limits.tmpfs_mb,
+    "namespaces": limits.namespaces,
+    "uid": uid,
+    "case_limits": _case_limits(limits),
+    "python_paths": _python_paths(),
+  }
   job["site_packages"], job["solution_paths"] = _site_packages()
   token = secrets.token_hex(16) if mode == "script" else None
   if token:
@@ -320,13 +359,22 @@ def run_cases(program, mode, cases, *, fn_name=None, prefix="", script="", stop_
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     if not limits.namespaces:  # no private /tmp: temp files go to the private work directory
       env["TMPDIR"] = work
-    with open(os.path.join(base, "job.json"), "rb") as stdin, \
-         open(os.path.join(base, "out"), "w+b") as stdout, \
-         open(os.path.join(base, "err"), "w+b") as stderr:
+    with (
+      open(os.path.join(base, "job.json"), "rb") as stdin,
+      open(os.path.join(base, "out"), "w+b") as stdout,
+      open(os.path.join(base, "err"), "w+b") as stderr,
+    ):
       proc = subprocess.Popen(
-          [sys.executable, "-I", "-B", CHILD], stdin=stdin, stdout=stdout, stderr=stderr, cwd=work,
-          env=env,
-          start_new_session=True, close_fds=True, pass_fds=() if secret_fd is None else (secret_fd,))
+        [sys.executable, "-I", "-B", CHILD],
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        cwd=work,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+        pass_fds=() if secret_fd is None else (secret_fd,),
+      )
       try:
         proc.wait(timeout=total)
       except subprocess.TimeoutExpired:

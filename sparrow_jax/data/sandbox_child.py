@@ -27,6 +27,7 @@ a pass. Not being dumpable keeps the candidate (same uid) from ptrace and from /
 the harness and the check. Result stream: one JSON object per line, isolation facts first, then one line
 per case, then {"done": true}.
 """
+
 import ast
 import builtins
 import ctypes
@@ -51,7 +52,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC = 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 MNT_DETACH = 2
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}   # glibc has no wrapper
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # glibc has no wrapper
 # The kernel key syscalls (add_key, request_key, keyctl) and the seccomp audit arch, per machine.
 KEY_SYSCALLS = {"x86_64": ((248, 249, 250), 0xC000003E), "aarch64": ((217, 218, 219), 0xC00000B7)}
 KEYCTL_JOIN_SESSION_KEYRING, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 22, 2
@@ -59,29 +60,71 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # What the program's root holds besides the interpreter's own directories (job["python_paths"]): the
 # shared libraries that the interpreter and its extension modules load. Missing ones are skipped;
 # top-level symlinks (merged /usr: /lib -> usr/lib) are recreated as symlinks.
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache",
-                "/etc/localtime")
+SYSTEM_PATHS = (
+  "/usr",
+  "/bin",
+  "/sbin",
+  "/lib",
+  "/lib32",
+  "/lib64",
+  "/libx32",
+  "/etc/ld.so.cache",
+  "/etc/localtime",
+)
 DEVICES = ("null", "zero", "full", "random", "urandom")
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
-STDERR_KEEP = 4096   # bytes of a case's stderr sent back (for debugging only)
-SECRET_BYTES = 1 << 26   # most the check's source and token may take
-CASE_FLUSH_S = 1.0   # script mode: seconds the candidate has to flush and exit after the check ends
+STDERR_KEEP = 4096  # bytes of a case's stderr sent back (for debugging only)
+SECRET_BYTES = 1 << 26  # most the check's source and token may take
+CASE_FLUSH_S = 1.0  # script mode: seconds the candidate has to flush and exit after the check ends
 PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 PLAIN_CONTAINERS = (list, tuple, set, frozenset)
-PLAIN_DEPTH = 60         # nesting of plain data; the parser refuses ~200 levels of brackets
+PLAIN_DEPTH = 60  # nesting of plain data; the parser refuses ~200 levels of brackets
 # Imported before the uid drop in the explicit fallback without namespaces (no mount namespace to expose
 # the interpreter) when the interpreter's files are not readable by the sandbox uid; reported as
 # "preimported_only" in the isolation facts.
-PREIMPORT = ("array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
-             "fractions", "functools", "heapq", "itertools", "math", "operator", "queue", "random", "re",
-             "statistics", "string", "traceback", "typing")
+PREIMPORT = (
+  "array",
+  "bisect",
+  "collections",
+  "copy",
+  "dataclasses",
+  "datetime",
+  "decimal",
+  "enum",
+  "fractions",
+  "functools",
+  "heapq",
+  "itertools",
+  "math",
+  "operator",
+  "queue",
+  "random",
+  "re",
+  "statistics",
+  "string",
+  "traceback",
+  "typing",
+)
 
 # Audit events refused to the program when no network namespace could be made: a Python-level fallback
 # that native code could bypass, hence the ctypes and process-launch events too.
-AUDIT_BLOCKED = frozenset((
-    "socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.call_function", "os.system", "os.exec", "os.posix_spawn",
-    "os.spawn", "subprocess.Popen"))
+AUDIT_BLOCKED = frozenset(
+  (
+    "socket.bind",
+    "socket.connect",
+    "socket.sendto",
+    "socket.sendmsg",
+    "socket.getaddrinfo",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.call_function",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "subprocess.Popen",
+  )
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -156,7 +199,7 @@ def _pivot(root):
   if number is None:
     raise OSError(f"no pivot_root syscall number known for machine {os.uname().machine!r}")
   os.chdir(root)
-  _libc_call("syscall", ctypes.c_long(number), b".", b".")   # the old root ends up stacked on "/"
+  _libc_call("syscall", ctypes.c_long(number), b".", b".")  # the old root ends up stacked on "/"
   _libc_call("umount2", b".", MNT_DETACH)
   os.chdir("/")
 
@@ -172,7 +215,9 @@ def _mount_private(job, info):
   # The temp directories first: the checkout or venv may live under /tmp, exposed on top of them.
   for path in ("/tmp", "/dev/shm"):
     os.makedirs(root + path, mode=0o755)
-    _mount("tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmpfs_mb']}m,mode=1777")
+    _mount(
+      "tmpfs", root + path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmpfs_mb']}m,mode=1777"
+    )
   info["private_tmp"] = True
   info["exposed"] = _expose(root, job["python_paths"], optional=False, uid=job["uid"])
   _expose(root, SYSTEM_PATHS, optional=True, uid=None)
@@ -248,6 +293,7 @@ def _refuse_network(event, args):
 
 # ------------------------------------------------------------------------------ plain data between processes
 
+
 def _plain(value, depth=0):
   """Whether `value` is plain data: exact builtin scalars and containers of them. Subclasses are not
   (their __eq__, __hash__ or __repr__ would be the candidate's code)."""
@@ -276,9 +322,14 @@ def _literal(node):
     return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](map(_literal, node.elts))
   elif isinstance(node, ast.Dict) and None not in node.keys:
     return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-  elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords
-        and node.func.id in ("set", "frozenset") and all(isinstance(a, ast.Set) for a in node.args)
-        and len(node.args) <= 1):  # ascii(set()), ascii(frozenset({1}))
+  elif (
+    isinstance(node, ast.Call)
+    and isinstance(node.func, ast.Name)
+    and not node.keywords
+    and node.func.id in ("set", "frozenset")
+    and all(isinstance(a, ast.Set) for a in node.args)
+    and len(node.args) <= 1
+  ):  # ascii(set()), ascii(frozenset({1}))
     return {"set": set, "frozenset": frozenset}[node.func.id](*map(_literal, node.args))
   raise ValueError(f"not plain data: {ast.dump(node)[:100]}")
 
@@ -286,7 +337,7 @@ def _literal(node):
 def _write_all(fd, data):
   view = memoryview(data)
   while view:
-    view = view[os.write(fd, view):]
+    view = view[os.write(fd, view) :]
 
 
 def _read_exactly(fd, size):
@@ -303,7 +354,9 @@ def _read_exactly(fd, size):
 def _send(fd, value):
   """One message: its 8-byte length, then ascii(value), which the receiver rebuilds with _literal."""
   if not _plain(value):
-    raise TypeError(f"only plain data crosses between the check and the candidate, not {value!r:.100}")
+    raise TypeError(
+      f"only plain data crosses between the check and the candidate, not {value!r:.100}"
+    )
   text = ascii(value).encode()
   _write_all(fd, len(text).to_bytes(8, "big") + text)
 
@@ -317,14 +370,16 @@ def _receive(fd, limit):
 
 # ------------------------------------------------------------------------------------- case processes
 
+
 def _fresh_main():
   """A fresh __main__ module (so that `import __main__` finds the program, not this harness) and fresh
   buffered streams over descriptors 0-2 (the harness's own were never read or written)."""
   main_module = types.ModuleType("__main__")
   sys.modules["__main__"] = main_module
   sys.stdin, sys.stdout, sys.stderr = (
-      open(fd, mode, encoding="utf-8", errors="replace", closefd=False)
-      for fd, mode in ((0, "r"), (1, "w"), (2, "w")))
+    open(fd, mode, encoding="utf-8", errors="replace", closefd=False)
+    for fd, mode in ((0, "r"), (1, "w"), (2, "w"))
+  )
   sys.argv = ["solution.py"]
   return main_module.__dict__
 
@@ -349,8 +404,11 @@ def _serve(namespace, requests_fd, replies_fd):
       return
     try:
       result = _lookup(namespace, name)(*args, **kwargs)
-      reply = ("return", result) if _plain(result) else (
-          "invalid", f"{name} returned a {type(result).__name__}, which is not plain data")
+      reply = (
+        ("return", result)
+        if _plain(result)
+        else ("invalid", f"{name} returned a {type(result).__name__}, which is not plain data")
+      )
     except Exception as e:  # the check may expect it; a BaseException ends this process instead
       reply = ("raise", _builtin_base(type(e)), str(e))
     _send(replies_fd, reply)
@@ -388,6 +446,7 @@ def _run_candidate(job, case):
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   except BaseException:  # the program's own failure: report it like a crash, with its traceback
     import traceback
+
     traceback.print_exc()
   finally:
     _flush_and_exit(code)
@@ -403,7 +462,9 @@ def _exception(type_name, message):
   cls = getattr(builtins, type_name, None)
   if not (isinstance(cls, type) and issubclass(cls, Exception)):
     raise ValueError(f"the candidate raised {type_name!r}, not a builtin Exception type")
-  if issubclass(cls, (StopIteration, StopAsyncIteration)):  # would end a check's `for x in map(f, ...)`
+  if issubclass(
+    cls, (StopIteration, StopAsyncIteration)
+  ):  # would end a check's `for x in map(f, ...)`
     return RuntimeError(f"the candidate raised {type_name}: {message}")
   try:
     return cls(message)
@@ -423,6 +484,7 @@ class _Candidate:
   def function(self, name):
     def call(*args, **kwargs):
       return self.call(name, args, kwargs)
+
     call.__name__ = call.__qualname__ = name
     return call
 
@@ -433,7 +495,9 @@ class _Candidate:
         reply = _receive(self.replies_fd, self.limit)
         if type(reply) is tuple and len(reply) == 2 and reply[0] == "return":
           return reply[1]
-        if type(reply) is tuple and len(reply) == 3 and reply[0] == "raise" and type(reply[2]) is str:
+        if (
+          type(reply) is tuple and len(reply) == 3 and reply[0] == "raise" and type(reply[2]) is str
+        ):
           error = _exception(reply[1], reply[2])
         else:
           raise ValueError(f"malformed reply {reply!r:.200}")
@@ -466,6 +530,7 @@ def _run_check(job):
     code = 0
   except BaseException:  # a failed assertion, or any error: no token
     import traceback
+
     traceback.print_exc()
   finally:
     _flush_and_exit(code)
@@ -507,11 +572,13 @@ def _stop(pid, status):
 
 
 def _outcome(job, status, start, stdout_fd, stderr_fd):
-  return {"status": "timeout" if status is None else "ok" if status == 0 else "error",
-          "exit": None if status is None else os.waitstatus_to_exitcode(status),
-          "time_s": round(time.monotonic() - start, 4),
-          "stdout": _read(stdout_fd, job["output_bytes"]),
-          "stderr": _read(stderr_fd, STDERR_KEEP)}
+  return {
+    "status": "timeout" if status is None else "ok" if status == 0 else "error",
+    "exit": None if status is None else os.waitstatus_to_exitcode(status),
+    "time_s": round(time.monotonic() - start, 4),
+    "stdout": _read(stdout_fd, job["output_bytes"]),
+    "stderr": _read(stderr_fd, STDERR_KEEP),
+  }
 
 
 def _run_case(job, case):
@@ -534,8 +601,15 @@ def _run_script(job):
   """Script mode: the check process and the candidate's case process, joined by two pipes; the
   outcome is the check's, with its verdict (the token, or not) for the parent to judge."""
   requests, replies = os.pipe(), os.pipe()
-  check_fds = [_memfd("stdin"), _memfd("stdout"), _memfd("stderr"), _memfd("verdict"), requests[1],
-               replies[0], job["secret_fd"]]
+  check_fds = [
+    _memfd("stdin"),
+    _memfd("stdout"),
+    _memfd("stderr"),
+    _memfd("verdict"),
+    requests[1],
+    replies[0],
+    job["secret_fd"],
+  ]
   case_fds = [_memfd("stdin"), _memfd("stdout"), _memfd("stderr"), requests[0], replies[1]]
   start = time.monotonic()
   check = _spawn(job, check_fds, lambda: _run_check(job))
@@ -548,8 +622,11 @@ def _run_script(job):
   # With the check gone the candidate reads EOF and flushes its stdout; killed at once it could lose it.
   left_s = job["timeout_s"] - (time.monotonic() - start)
   _stop(case, _wait(case, min(CASE_FLUSH_S, max(left_s, 0.0))))
-  outcome = {**_outcome(job, status, start, case_fds[1], case_fds[2]),
-             "check_stderr": _read(check_fds[2], STDERR_KEEP), "verdict": _read(check_fds[3], 256)}
+  outcome = {
+    **_outcome(job, status, start, case_fds[1], case_fds[2]),
+    "check_stderr": _read(check_fds[2], STDERR_KEEP),
+    "verdict": _read(check_fds[3], 256),
+  }
   for fd in check_fds[:4] + case_fds[:3]:
     os.close(fd)
   return outcome
@@ -579,21 +656,39 @@ def _close_keyrings():
   ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
   allow, refuse = 0x7FFF0000, 0x00050000 | errno.EPERM
   add_key, request_key, keyctl = syscalls
-  program = [(ld, 0, 0, 4), (jeq, 0, 5, arch),                       # another arch: allow
-             (ld, 0, 0, 0), (jge, 4, 0, 0x40000000), (jeq, 3, 0, add_key),
-             (jeq, 2, 0, request_key), (jeq, 1, 0, keyctl),
-             (ret, 0, 0, allow), (ret, 0, 0, refuse)]
+  program = [
+    (ld, 0, 0, 4),
+    (jeq, 0, 5, arch),  # another arch: allow
+    (ld, 0, 0, 0),
+    (jge, 4, 0, 0x40000000),
+    (jeq, 3, 0, add_key),
+    (jeq, 2, 0, request_key),
+    (jeq, 1, 0, keyctl),
+    (ret, 0, 0, allow),
+    (ret, 0, 0, refuse),
+  ]
 
   class Filter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
+    _fields_ = [
+      ("code", ctypes.c_uint16),
+      ("jt", ctypes.c_uint8),
+      ("jf", ctypes.c_uint8),
+      ("k", ctypes.c_uint32),
+    ]
 
   class Program(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
   filters = (Filter * len(program))(*[Filter(*f) for f in program])
   try:
-    _libc_call("prctl", PR_SET_SECCOMP, SECCOMP_MODE_FILTER,
-               ctypes.byref(Program(len(program), filters)), 0, 0)
+    _libc_call(
+      "prctl",
+      PR_SET_SECCOMP,
+      SECCOMP_MODE_FILTER,
+      ctypes.byref(Program(len(program), filters)),
+      0,
+      0,
+    )
   except OSError:
     return False
   return True
@@ -639,8 +734,17 @@ def _harness(job, out_fd, info):
     outcome = _run_script(job) if job["mode"] == "script" else _run_case(job, case)
     sent += sum(len(v) for v in outcome.values() if isinstance(v, str))
     if sent > job["batch_output_bytes"]:  # a flood of output: the rest of the run is not worth it
-      _emit(out_fd, {"case": i, "status": "output_limit", "exit": None,
-                     "time_s": outcome["time_s"], "stdout": "", "stderr": ""})
+      _emit(
+        out_fd,
+        {
+          "case": i,
+          "status": "output_limit",
+          "exit": None,
+          "time_s": outcome["time_s"],
+          "stdout": "",
+          "stderr": "",
+        },
+      )
       break
     _emit(out_fd, {"case": i, **outcome})
     if outcome["status"] != "ok" and job["stop_on_failure"]:
@@ -732,8 +836,11 @@ def _init(job, out_fd, info):
 
 def _map_user(uid, gid):
   """Maps the caller to root of the new user namespace so it can write files (unmapped ids cannot)."""
-  for path, text in (("/proc/self/uid_map", f"0 {uid} 1"), ("/proc/self/setgroups", "deny"),
-                     ("/proc/self/gid_map", f"0 {gid} 1")):
+  for path, text in (
+    ("/proc/self/uid_map", f"0 {uid} 1"),
+    ("/proc/self/setgroups", "deny"),
+    ("/proc/self/gid_map", f"0 {gid} 1"),
+  ):
     with open(path, "w") as f:
       f.write(text)
 
@@ -746,16 +853,27 @@ def main():
   if job["namespaces"]:
     root = os.geteuid() == 0
     uid, gid = os.getuid(), os.getgid()
-    flags = (CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-             | (0 if root else CLONE_NEWUSER))
+    flags = (
+      CLONE_NEWNET
+      | CLONE_NEWNS
+      | CLONE_NEWPID
+      | CLONE_NEWIPC
+      | CLONE_NEWUTS
+      | (0 if root else CLONE_NEWUSER)
+    )
     try:
       _libc_call("unshare", flags)
       if not root:
         _map_user(uid, gid)
       info.update(netns=True, mountns=True, pidns=True, ipcns=True, utsns=True, userns=not root)
     except OSError as e:
-      _emit(out_fd, {"setup_error": f"unshare({flags:#x}) refused: {e}; SandboxLimits(namespaces=False) "
-                                    "runs the weaker fallback without namespaces, if that is acceptable"})
+      _emit(
+        out_fd,
+        {
+          "setup_error": f"unshare({flags:#x}) refused: {e}; SandboxLimits(namespaces=False) "
+          "runs the weaker fallback without namespaces, if that is acceptable"
+        },
+      )
       return
   pid = os.fork()
   if pid == 0:

@@ -27,6 +27,7 @@ reward that credits every chain entry followed correctly even after an earlier s
 back over entries already followed (a slip to an earlier key would otherwise re-earn them) nor a walk
 down the distractor chain. Accuracy is the exact final answer.
 """
+
 import dataclasses
 import json
 from typing import Sequence, Union
@@ -38,7 +39,7 @@ from sparrow_jax.data import rewards
 from sparrow_jax.data.tokenizer import Tokenizer
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-SPECIAL_TOKENS = (EOT, IM_START, IM_END)   # ids 0, 1, 2: pad = <|endoftext|>, EOS = <|im_end|>
+SPECIAL_TOKENS = (EOT, IM_START, IM_END)  # ids 0, 1, 2: pad = <|endoftext|>, EOS = <|im_end|>
 WORDS = ("user", "assistant", "table", "start", "answer", "end", ";")
 NUM_SYMBOLS = 200
 
@@ -64,9 +65,15 @@ def build_tokenizer() -> tokenizers.Tokenizer:
 
 def tokenizer_config() -> dict:
   """tokenizer_config.json for transformers' AutoTokenizer next to the tokenizer.json."""
-  return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END, "pad_token": EOT,
-          "bos_token": None, "unk_token": EOT, "model_max_length": 4096,
-          "clean_up_tokenization_spaces": False}
+  return {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": IM_END,
+    "pad_token": EOT,
+    "bos_token": None,
+    "unk_token": EOT,
+    "model_max_length": 4096,
+    "clean_up_tokenization_spaces": False,
+  }
 
 
 def save_tokenizer(directory: str):
@@ -78,13 +85,13 @@ def save_tokenizer(directory: str):
 @dataclasses.dataclass(frozen=True)
 class Problem:
   prompt: str
-  prompt_ids: tuple       # token ids, ending with `<|im_start|> assistant`
-  table: dict             # key symbol -> value symbol (or "end")
+  prompt_ids: tuple  # token ids, ending with `<|im_start|> assistant`
+  table: dict  # key symbol -> value symbol (or "end")
   start: str
-  chain: tuple            # s_0 .. s_H: the reference hops are (s_i, s_i+1) then (s_H, end)
-  answer: str             # s_H
-  reference: str          # the reference response text (without the closing <|im_end|>)
-  reference_ids: tuple    # its ids, closing <|im_end|> included
+  chain: tuple  # s_0 .. s_H: the reference hops are (s_i, s_i+1) then (s_H, end)
+  answer: str  # s_H
+  reference: str  # the reference response text (without the closing <|im_end|>)
+  reference_ids: tuple  # its ids, closing <|im_end|> included
   id: str = ""
 
   @property
@@ -97,6 +104,7 @@ class PointerChase:
   """The task. `min_hops..max_hops` is H (the response writes H + 1 hops); the distractor chain has
   `distractor_min + round(distractor_frac * H)` keys at most and `distractor_min` at least, drawn
   uniformly. The defaults are the evaluation setting: about 490 prompt and 390 response tokens."""
+
   min_hops: int = 128
   max_hops: int = 128
   distractor_min: int = 2
@@ -107,14 +115,20 @@ class PointerChase:
 
   def __post_init__(self):
     if not 1 <= self.min_hops <= self.max_hops:
-      raise ValueError(f"PointerChase needs 1 <= min_hops <= max_hops, got min_hops="
-                       f"{self.min_hops}, max_hops={self.max_hops}")
+      raise ValueError(
+        f"PointerChase needs 1 <= min_hops <= max_hops, got min_hops="
+        f"{self.min_hops}, max_hops={self.max_hops}"
+      )
     if self.distractor_min < 1 or self.distractor_frac < 0:
-      raise ValueError(f"PointerChase.distractor_min must be >= 1 and distractor_frac >= 0, got "
-                       f"{self.distractor_min}, {self.distractor_frac}")
+      raise ValueError(
+        f"PointerChase.distractor_min must be >= 1 and distractor_frac >= 0, got "
+        f"{self.distractor_min}, {self.distractor_frac}"
+      )
     if self.max_keys > NUM_SYMBOLS:
-      raise ValueError(f"PointerChase: max_hops={self.max_hops} with distractor_frac="
-                       f"{self.distractor_frac} needs {self.max_keys} symbols; only {NUM_SYMBOLS}")
+      raise ValueError(
+        f"PointerChase: max_hops={self.max_hops} with distractor_frac="
+        f"{self.distractor_frac} needs {self.max_keys} symbols; only {NUM_SYMBOLS}"
+      )
 
   @property
   def max_keys(self) -> int:
@@ -163,14 +177,16 @@ class PointerChase:
     (seed, i), so a checkpoint stores just the position); or `n` draws from a numpy Generator."""
     if isinstance(position, np.random.Generator):
       return [self._one(position, "") for _ in range(n)]
-    return [self._one(np.random.default_rng([self.seed, i]), f"{self.seed}:{i}")
-            for i in range(position, position + n)]
+    return [
+      self._one(np.random.default_rng([self.seed, i]), f"{self.seed}:{i}")
+      for i in range(position, position + n)
+    ]
 
   def _one(self, rng: np.random.Generator, problem_id: str) -> Problem:
     hops = int(rng.integers(self.min_hops, self.max_hops + 1))
     n_distract = int(rng.integers(self.distractor_min, self.max_distractors(hops) + 1))
-    syms = [symbol(int(i)) for i in rng.permutation(NUM_SYMBOLS)[:hops + 1 + n_distract]]
-    chain, distract = syms[:hops + 1], syms[hops + 1:]
+    syms = [symbol(int(i)) for i in rng.permutation(NUM_SYMBOLS)[: hops + 1 + n_distract]]
+    chain, distract = syms[: hops + 1], syms[hops + 1 :]
     table = {}
     for seq in (chain, distract):
       table.update(zip(seq, seq[1:] + ["end"]))
@@ -180,9 +196,17 @@ class PointerChase:
     prompt = f"{IM_START} user table {entries} start {chain[0]} {IM_END} {IM_START} assistant"
     hop_text = " ".join(f"{a} {table[a]} ;" for a in chain)
     reference = f"{hop_text} answer {chain[-1]}"
-    return Problem(prompt=prompt, prompt_ids=tuple(self.encode(prompt)), table=table,
-                   start=chain[0], chain=tuple(chain), answer=chain[-1], reference=reference,
-                   reference_ids=tuple(self.encode(f"{reference} {IM_END}")), id=problem_id)
+    return Problem(
+      prompt=prompt,
+      prompt_ids=tuple(self.encode(prompt)),
+      table=table,
+      start=chain[0],
+      chain=tuple(chain),
+      answer=chain[-1],
+      reference=reference,
+      reference_ids=tuple(self.encode(f"{reference} {IM_END}")),
+      id=problem_id,
+    )
 
   def _words(self, response) -> list:
     """Response words up to the first <|im_end|> (or padding), from text or token ids."""
@@ -191,19 +215,20 @@ class PointerChase:
     words = response.split()
     for stop in (IM_END, EOT):
       if stop in words:
-        words = words[:words.index(stop)]
+        words = words[: words.index(stop)]
     return words
 
   def step_scores(self, response, problem: Problem) -> float:
     """Right hops (see the module docstring) among the response's first H + 1, over H + 1."""
     words = self._words(response)
     if "answer" in words:
-      words = words[:words.index("answer")]
+      words = words[: words.index("answer")]
     chain, credited, expected = set(problem.chain), set(), problem.start
     for j in range(min(len(words) // 3, problem.num_steps)):
-      a, b, sep = words[3 * j:3 * j + 3]
-      if (a == expected and sep == ";" and a in chain and a not in credited
-          and problem.table[a] == b):
+      a, b, sep = words[3 * j : 3 * j + 3]
+      if (
+        a == expected and sep == ";" and a in chain and a not in credited and problem.table[a] == b
+      ):
         credited.add(a)
       expected = b
     return len(credited) / problem.num_steps
@@ -227,14 +252,17 @@ class PointerChase:
     """rewards.Grade(per-step score, reason): correct (final answer right), partial (some steps
     right), wrong (none)."""
     scores, correct = self.reward(responses, problems), self.accuracy(responses, problems)
-    return [rewards.Grade(float(s), "correct" if c else "partial" if s > 0 else "wrong")
-            for s, c in zip(scores, correct)]
+    return [
+      rewards.Grade(float(s), "correct" if c else "partial" if s > 0 else "wrong")
+      for s, c in zip(scores, correct)
+    ]
 
 
 def _check_pairs(responses, problems):
   if len(responses) != len(problems):
-    raise ValueError(f"got {len(responses)} responses for {len(problems)} problems; they must "
-                     f"pair up one to one")
+    raise ValueError(
+      f"got {len(responses)} responses for {len(problems)} problems; they must pair up one to one"
+    )
 
 
 _TOKENIZER = build_tokenizer()

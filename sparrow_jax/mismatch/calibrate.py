@@ -33,6 +33,7 @@ The expensive part is the grid: one dense pass per batch of sequences, then one 
 teacher-forced pass per candidate, all candidates through a single compiled function (the budget is
 a traced lookup table, not a static schedule), `candidates_per_pass` of them vmapped together.
 """
+
 import functools
 import time
 from typing import NamedTuple, Optional, Sequence
@@ -43,30 +44,53 @@ import numpy as np
 
 from sparrow_jax.attention import policy
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.acceptance import (acceptance_rate, percentile_name, tail_percentiles,
-                                             tail_stats, topk_bound_from_logits)
+from sparrow_jax.mismatch.acceptance import (
+  acceptance_rate,
+  percentile_name,
+  tail_percentiles,
+  tail_stats,
+  topk_bound_from_logits,
+)
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import engine, sampler
 
 # The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
-PAPER_CANDIDATES = (29, 45, 61, 77, 93, 125, 157, 189, 221, 253, 317, 381, 445, 509, 637, 765, 893,
-                    1021)
+PAPER_CANDIDATES = (
+  29,
+  45,
+  61,
+  77,
+  93,
+  125,
+  157,
+  189,
+  221,
+  253,
+  317,
+  381,
+  445,
+  509,
+  637,
+  765,
+  893,
+  1021,
+)
 # Per-token acceptance the tail is taken of: name -> fn(logits_p, logits_q, temperature=T).
 ALPHAS = {"exact": acceptance_rate, "topk20": functools.partial(topk_bound_from_logits, k=20)}
 
 
 class Calibration(NamedTuple):
-  schedule: KVSchedule       # the chosen table
-  tail: dict                 # percentile -> [num_candidates, num_bins] acceptance (NaN: empty bin)
-  count: np.ndarray          # [num_candidates, num_bins] generated tokens behind each tail (rows
-                             # differ only on-policy, where each candidate samples its own)
-  candidates: tuple          # top-k pages per candidate, increasing
+  schedule: KVSchedule  # the chosen table
+  tail: dict  # percentile -> [num_candidates, num_bins] acceptance (NaN: empty bin)
+  count: np.ndarray  # [num_candidates, num_bins] generated tokens behind each tail (rows
+  # differ only on-policy, where each candidate samples its own)
+  candidates: tuple  # top-k pages per candidate, increasing
   tau: float
-  quantile: float            # the percentile the schedule holds at tau
+  quantile: float  # the percentile the schedule holds at tau
   bin_size: int
-  alpha: str                 # a key of ALPHAS
+  alpha: str  # a key of ALPHAS
   on_policy: bool
 
 
@@ -75,8 +99,9 @@ def candidate_schedule(topk: int, sparse: SparseConfig, bin_size: int = 2048) ->
   return KVSchedule.table((int(topk),), sparse.page_size, sparse.always_kept, bin_size)
 
 
-def default_candidates(max_len: int, page_size: int = 16, always_kept: int = 3,
-                       num: int = 18) -> tuple:
+def default_candidates(
+  max_len: int, page_size: int = 16, always_kept: int = 3, num: int = 18
+) -> tuple:
   """The paper's grid when the context has room for it (>= 1021 scored pages); otherwise `num`
   geometric-ish top-k values from 1 up to every scored page (fewer if there are fewer pages), so
   the largest reproduces dense attention."""
@@ -84,8 +109,10 @@ def default_candidates(max_len: int, page_size: int = 16, always_kept: int = 3,
   if scored >= PAPER_CANDIDATES[-1]:
     return PAPER_CANDIDATES
   if scored < 1:
-    raise ValueError(f"max_len={max_len} fits in {always_kept} always-kept pages of {page_size} "
-                     "tokens: there is no budget to calibrate")
+    raise ValueError(
+      f"max_len={max_len} fits in {always_kept} always-kept pages of {page_size} "
+      "tokens: there is no budget to calibrate"
+    )
   n = num  # rounding merges small values: densify until `num` distinct ones (or all of them)
   while True:
     cands = np.unique(np.round(np.geomspace(1, scored, n)).astype(int))
@@ -99,8 +126,7 @@ def token_bins(gen_mask_BS):
   positions 1..S-1 (alpha_BS[:, :-1] scores them); cached_len = j for the token at j, to be binned
   by `position_bin` (see the module docstring)."""
   B, S = gen_mask_BS.shape
-  return (jnp.asarray(gen_mask_BS, bool)[:, 1:],
-          jnp.broadcast_to(jnp.arange(1, S), (B, S - 1)))
+  return (jnp.asarray(gen_mask_BS, bool)[:, 1:], jnp.broadcast_to(jnp.arange(1, S), (B, S - 1)))
 
 
 def bin_counts(gen_mask_BS, page_size: int, bin_size: int, num_bins: int) -> np.ndarray:
@@ -116,18 +142,22 @@ def _dense_hidden(params, tokens_BS, valid_BS, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sparse", "alpha"))
-def _sparse_alpha(params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_CL, temperature,
-                  *, cfg, sparse, alpha):
+def _sparse_alpha(
+  params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_CL, temperature, *, cfg, sparse, alpha
+):
   """alpha_CBS (ALPHAS[alpha]) between the dense and the sparse teacher-forced distributions of
   each candidate (budget table row), from the final hidden states: the logits exist one sequence
   chunk at a time (`qwen3.map_logits`), never [B, S, V]. The candidate axis is vmapped; its size is
   the only shape it adds."""
+
   def one(budget_L):
     attention_fn = policy.teacher_forced_attention_fn(sparse, BudgetTable(budget_L), prompt_len_B)
-    x_q_BSD = qwen3.forward_hidden(params, tokens_BS, cfg, mask_BT=valid_BS,
-                                   attention_fn=attention_fn)
+    x_q_BSD = qwen3.forward_hidden(
+      params, tokens_BS, cfg, mask_BT=valid_BS, attention_fn=attention_fn
+    )
     fn = lambda logits: ALPHAS[alpha](logits[0], logits[1], temperature=temperature)
     return qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD))
+
   return jax.vmap(one)(budget_CL)
 
 
@@ -140,8 +170,10 @@ def _tails_per_bin(alpha, mask, pos, bin_size, num_bins, page_size, percentiles)
 def _check_candidates(candidates):
   cands = tuple(int(c) for c in candidates)
   if not cands or any(c < 0 for c in cands) or any(b <= a for a, b in zip(cands, cands[1:])):
-    raise ValueError(f"candidates must be non-negative top-k page counts, strictly increasing; "
-                     f"got {list(candidates)}")
+    raise ValueError(
+      f"candidates must be non-negative top-k page counts, strictly increasing; "
+      f"got {list(candidates)}"
+    )
   return cands
 
 
@@ -152,15 +184,29 @@ def _check_alpha(alpha):
 
 def _check_sparse_layers(cfg, sparse):
   if sparse.dense_layers >= cfg.num_hidden_layers:
-    raise ValueError(f"SparseConfig.dense_layers ({sparse.dense_layers}) leaves none of the "
-                     f"{cfg.num_hidden_layers} layers sparse: every budget would look exact")
+    raise ValueError(
+      f"SparseConfig.dense_layers ({sparse.dense_layers}) leaves none of the "
+      f"{cfg.num_hidden_layers} layers sparse: every budget would look exact"
+    )
 
 
-def tail_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
-                 candidates: Sequence[int], sparse: SparseConfig, bin_size: int, num_bins: int,
-                 batch_size: int = 8, candidates_per_pass: int = 1, temperature: float = 1.0,
-                 alpha: str = "exact", verbose: bool = True,
-                 percentiles: Sequence[float] = (5,)) -> dict:
+def tail_surface(
+  params,
+  cfg: Qwen3Config,
+  tokens_BS,
+  gen_mask_BS,
+  prompt_len_B,
+  candidates: Sequence[int],
+  sparse: SparseConfig,
+  bin_size: int,
+  num_bins: int,
+  batch_size: int = 8,
+  candidates_per_pass: int = 1,
+  temperature: float = 1.0,
+  alpha: str = "exact",
+  verbose: bool = True,
+  percentiles: Sequence[float] = (5,),
+) -> dict:
   """Percentiles of the per-token acceptance per schedule bin for each candidate -> {percentile:
   float [C, num_bins]}.
 
@@ -180,14 +226,18 @@ def tail_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   prompt_len_B = np.asarray(prompt_len_B, np.int32)
   R, S = tokens_BS.shape
   if gen_mask_BS.shape != (R, S) or prompt_len_B.shape != (R,):
-    raise ValueError(f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
-                     f"prompt_len_B {prompt_len_B.shape} must be ({R},)")
+    raise ValueError(
+      f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
+      f"prompt_len_B {prompt_len_B.shape} must be ({R},)"
+    )
   if batch_size < 1 or candidates_per_pass < 1:
-    raise ValueError(f"batch_size ({batch_size}) and candidates_per_pass "
-                     f"({candidates_per_pass}) must be >= 1")
+    raise ValueError(
+      f"batch_size ({batch_size}) and candidates_per_pass ({candidates_per_pass}) must be >= 1"
+    )
   if not temperature > 0:
-    raise ValueError(f"temperature must be > 0 (acceptance compares sampling distributions), got "
-                     f"{temperature}")
+    raise ValueError(
+      f"temperature must be > 0 (acceptance compares sampling distributions), got {temperature}"
+    )
   _check_sparse_layers(cfg, sparse)
   position_bin(0, sparse.page_size, bin_size)  # checks the bin size before the expensive part
   stat_mask_BS, cached_len_BS = token_bins(gen_mask_BS)
@@ -198,8 +248,9 @@ def tail_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   pad_rows = -R % batch_size
   row_idx = np.concatenate([np.arange(R), np.zeros(pad_rows, int)])
   valid_BS = (np.arange(S)[None] < prompt_len_B[:, None]) | gen_mask_BS
-  tables = np.stack([sampler.budget_table(candidate_schedule(c, sparse, bin_size), S, sparse)
-                     for c in cands])
+  tables = np.stack(
+    [sampler.budget_table(candidate_schedule(c, sparse, bin_size), S, sparse) for c in cands]
+  )
   per_pass = min(candidates_per_pass, len(cands))
   groups = -(-len(cands) // per_pass)
   tables = np.concatenate([tables, np.repeat(tables[-1:], groups * per_pass - len(cands), 0)])
@@ -207,33 +258,63 @@ def tail_surface(params, cfg: Qwen3Config, tokens_BS, gen_mask_BS, prompt_len_B,
   alpha_CBS = np.zeros((len(cands), R, S), np.float32)
   batches, start_time, done = (R + pad_rows) // batch_size, time.time(), 0
   for b in range(batches):
-    rows = row_idx[b * batch_size:(b + 1) * batch_size]
-    real = rows[:min(batch_size, R - b * batch_size)]
+    rows = row_idx[b * batch_size : (b + 1) * batch_size]
+    real = rows[: min(batch_size, R - b * batch_size)]
     args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
     x_p_BSD = _dense_hidden(params, *args, cfg=cfg)
     for g in range(groups):
-      alpha_GBS = _sparse_alpha(params, *args, jnp.asarray(prompt_len_B[rows]), x_p_BSD,
-                                jnp.asarray(tables[g * per_pass:(g + 1) * per_pass]),
-                                jnp.float32(temperature), cfg=cfg, sparse=sparse, alpha=alpha)
+      alpha_GBS = _sparse_alpha(
+        params,
+        *args,
+        jnp.asarray(prompt_len_B[rows]),
+        x_p_BSD,
+        jnp.asarray(tables[g * per_pass : (g + 1) * per_pass]),
+        jnp.float32(temperature),
+        cfg=cfg,
+        sparse=sparse,
+        alpha=alpha,
+      )
       c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
-      alpha_CBS[c0:c1, real] = np.asarray(alpha_GBS)[:c1 - c0, :len(real)]
+      alpha_CBS[c0:c1, real] = np.asarray(alpha_GBS)[: c1 - c0, : len(real)]
       done += 1
       if verbose:
         elapsed = time.time() - start_time
         eta = elapsed / done * (batches * groups - done)
-        print(f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
-              f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
-              flush=True)
+        print(
+          f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
+          f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
+          flush=True,
+        )
   percentiles = tuple(percentiles)
-  tails_CQB = np.stack([np.asarray(_tails_per_bin(jnp.asarray(alpha_BS[:, :-1]), stat_mask_BS,
-                                                  cached_len_BS, bin_size, num_bins,
-                                                  sparse.page_size, percentiles))
-                        for alpha_BS in alpha_CBS])
+  tails_CQB = np.stack(
+    [
+      np.asarray(
+        _tails_per_bin(
+          jnp.asarray(alpha_BS[:, :-1]),
+          stat_mask_BS,
+          cached_len_BS,
+          bin_size,
+          num_bins,
+          sparse.page_size,
+          percentiles,
+        )
+      )
+      for alpha_BS in alpha_CBS
+    ]
+  )
   return {p: tails_CQB[:, i] for i, p in enumerate(percentiles)}
 
 
-def choose_schedule(tail_CB, candidates: Sequence[int], tau: float, *, page_size: int = 16,
-                    always_kept: int = 3, bin_size: int = 2048, quantile: float = 5) -> KVSchedule:
+def choose_schedule(
+  tail_CB,
+  candidates: Sequence[int],
+  tau: float,
+  *,
+  page_size: int = 16,
+  always_kept: int = 3,
+  bin_size: int = 2048,
+  quantile: float = 5,
+) -> KVSchedule:
   """Per bin the cheapest candidate whose tail tail_CB (the `quantile`-th percentile of alpha) is
   >= tau (the largest if none meets it), then a running maximum so the budget never shrinks with
   length -> `KVSchedule.table` of top-k values, recording `quantile`.
@@ -244,9 +325,10 @@ def choose_schedule(tail_CB, candidates: Sequence[int], tau: float, *, page_size
   cands = _check_candidates(candidates)
   tail_CB = np.asarray(tail_CB, np.float64)
   if tail_CB.ndim != 2 or tail_CB.shape[0] != len(cands):
-    raise ValueError(f"tail_CB must be [num_candidates={len(cands)}, num_bins], got "
-                     f"{tail_CB.shape}")
-  meets_CB = tail_CB >= tau                                # NaN compares False
+    raise ValueError(
+      f"tail_CB must be [num_candidates={len(cands)}, num_bins], got {tail_CB.shape}"
+    )
+  meets_CB = tail_CB >= tau  # NaN compares False
   pick_B = np.where(meets_CB.any(0), meets_CB.argmax(0), len(cands) - 1)
   pick_B = np.where(np.isnan(tail_CB).all(0), 0, pick_B)
   pick_B = np.maximum.accumulate(pick_B)
@@ -257,17 +339,31 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
   """Right-padded prompt_BT and prompt_len_B from variable-length token-id lists."""
   lengths = [len(p) for p in prompts]
   if not prompts or min(lengths) < 1:
-    raise ValueError(f"prompts must be a non-empty list of non-empty token-id lists; got lengths "
-                     f"{lengths[:8]}")
+    raise ValueError(
+      f"prompts must be a non-empty list of non-empty token-id lists; got lengths {lengths[:8]}"
+    )
   prompt_BT = np.full((len(prompts), max(lengths)), pad_id, np.int32)
   for i, p in enumerate(prompts):
-    prompt_BT[i, :len(p)] = p
+    prompt_BT[i, : len(p)] = p
   return prompt_BT, np.asarray(lengths, np.int32)
 
 
-def _rollouts(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, schedule,
-              sparse: SparseConfig, *, max_new_tokens: int, temperature: float, eos_ids,
-              pad_id: int, generate_batch_size: int, verbose: bool):
+def _rollouts(
+  params,
+  cfg: Qwen3Config,
+  prompt_BT,
+  prompt_len_B,
+  key,
+  schedule,
+  sparse: SparseConfig,
+  *,
+  max_new_tokens: int,
+  temperature: float,
+  eos_ids,
+  pad_id: int,
+  generate_batch_size: int,
+  verbose: bool,
+):
   """Right-padded prompt + completion rows and their completion mask (tokens_BS, gen_mask_BS),
   sampled densely when `schedule` is None, else sparsely under it. The batch starting at row i
   draws with fold_in(key, i), so every schedule sees the same prompts and keys."""
@@ -275,29 +371,58 @@ def _rollouts(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, schedule,
   idx = np.concatenate([np.arange(R), np.zeros(-R % gen_bs, int)])  # same shape every batch
   seqs, masks, t0 = [], [], time.time()
   for i in range(0, len(idx), gen_bs):
-    rows = idx[i:i + gen_bs]
-    out = engine.generate(params, cfg, prompt_BT[rows], prompt_len_B[rows],
-                          jax.random.fold_in(key, i), max_new_tokens=max_new_tokens,
-                          temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
-                          sparse=None if schedule is None else sparse, schedule=schedule)
+    rows = idx[i : i + gen_bs]
+    out = engine.generate(
+      params,
+      cfg,
+      prompt_BT[rows],
+      prompt_len_B[rows],
+      jax.random.fold_in(key, i),
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      sparse=None if schedule is None else sparse,
+      schedule=schedule,
+    )
     seq_BS, gen_mask_BS = sampler.full_sequences(prompt_BT[rows], prompt_len_B[rows], out, pad_id)
     seqs.append(np.asarray(seq_BS))
     masks.append(np.asarray(gen_mask_BS))
     if verbose:
-      print(f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
-            f"({'dense' if schedule is None else 'sparse top-k ' + str(schedule.values[0])}, "
-            f"mean length {float(np.mean(out.lengths)):.0f}) {time.time() - t0:.1f}s", flush=True)
+      print(
+        f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
+        f"({'dense' if schedule is None else 'sparse top-k ' + str(schedule.values[0])}, "
+        f"mean length {float(np.mean(out.lengths)):.0f}) {time.time() - t0:.1f}s",
+        flush=True,
+      )
   return np.concatenate(seqs)[:R], np.concatenate(masks)[:R]
 
 
-def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *,
-              max_new_tokens: int, tau: float = 0.86, candidates: Optional[Sequence[int]] = None,
-              repeats: int = 8, bin_size: int = 2048, sparse: SparseConfig = SparseConfig(),
-              sample_sparse: bool = True, sample_topk: Optional[int] = None,
-              temperature: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-              batch_size: int = 8, generate_batch_size: int = 64, candidates_per_pass: int = 1,
-              alpha: str = "exact", on_policy: bool = False, verbose: bool = True,
-              quantile: float = 5) -> Calibration:
+def calibrate(
+  params,
+  cfg: Qwen3Config,
+  prompts: Sequence[Sequence[int]],
+  key,
+  *,
+  max_new_tokens: int,
+  tau: float = 0.86,
+  candidates: Optional[Sequence[int]] = None,
+  repeats: int = 8,
+  bin_size: int = 2048,
+  sparse: SparseConfig = SparseConfig(),
+  sample_sparse: bool = True,
+  sample_topk: Optional[int] = None,
+  temperature: float = 1.0,
+  eos_ids: Sequence[int] = (),
+  pad_id: int = 0,
+  batch_size: int = 8,
+  generate_batch_size: int = 64,
+  candidates_per_pass: int = 1,
+  alpha: str = "exact",
+  on_policy: bool = False,
+  verbose: bool = True,
+  quantile: float = 5,
+) -> Calibration:
   """End to end: rollouts -> tail surface -> the schedule holding the `quantile`-th percentile.
 
   Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
@@ -316,14 +441,19 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1 (samples per prompt), got {repeats}")
   if on_policy and (not sample_sparse or sample_topk is not None):
-    raise ValueError(f"on_policy samples each candidate under its own schedule: sample_sparse="
-                     f"{sample_sparse} / sample_topk={sample_topk} do not apply (leave them at "
-                     "True / None)")
+    raise ValueError(
+      f"on_policy samples each candidate under its own schedule: sample_sparse="
+      f"{sample_sparse} / sample_topk={sample_topk} do not apply (leave them at "
+      "True / None)"
+    )
   prompt_BT, prompt_len_B = pad_prompts(prompts, pad_id)
   prompt_BT, prompt_len_B = np.repeat(prompt_BT, repeats, 0), np.repeat(prompt_len_B, repeats)
   max_len = prompt_BT.shape[1] + max_new_tokens
-  cands = _check_candidates(candidates if candidates is not None else default_candidates(
-      max_len, sparse.page_size, sparse.always_kept))
+  cands = _check_candidates(
+    candidates
+    if candidates is not None
+    else default_candidates(max_len, sparse.page_size, sparse.always_kept)
+  )
   # runs of (candidates scored, the schedule their rollouts are sampled under; None: dense)
   if on_policy:
     runs = [((c,), candidate_schedule(c, sparse, bin_size)) for c in cands]
@@ -338,31 +468,77 @@ def calibrate(params, cfg: Qwen3Config, prompts: Sequence[Sequence[int]], key, *
   tails, count, t0 = [], [], time.time()
   for r, (run_cands, schedule) in enumerate(runs):
     tokens_BS, gen_mask_BS = _rollouts(
-        params, cfg, prompt_BT, prompt_len_B, key, schedule, sparse, max_new_tokens=max_new_tokens,
-        temperature=temperature, eos_ids=eos_ids, pad_id=pad_id,
-        generate_batch_size=generate_batch_size, verbose=verbose and not on_policy)
+      params,
+      cfg,
+      prompt_BT,
+      prompt_len_B,
+      key,
+      schedule,
+      sparse,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      generate_batch_size=generate_batch_size,
+      verbose=verbose and not on_policy,
+    )
     count_B = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_bins)
     count.append(np.repeat(count_B[None], len(run_cands), 0))
-    tails.append(tail_surface(params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, run_cands,
-                              sparse, bin_size, max_bins, batch_size, candidates_per_pass,
-                              temperature, alpha, verbose and not on_policy, percentiles))
+    tails.append(
+      tail_surface(
+        params,
+        cfg,
+        tokens_BS,
+        gen_mask_BS,
+        prompt_len_B,
+        run_cands,
+        sparse,
+        bin_size,
+        max_bins,
+        batch_size,
+        candidates_per_pass,
+        temperature,
+        alpha,
+        verbose and not on_policy,
+        percentiles,
+      )
+    )
     if verbose and on_policy:
       elapsed = time.time() - t0
-      print(f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
-            f"{gen_mask_BS.sum(1).mean():.0f}, {percentile_name(quantile)} per non-empty bin "
-            f"{[round(float(v), 3) for v in tails[-1][quantile][0, count_B > 0]]} "
-            f"{elapsed:.1f}s elapsed, "
-            f"ETA {elapsed / (r + 1) * (len(runs) - r - 1):.1f}s", flush=True)
+      print(
+        f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
+        f"{gen_mask_BS.sum(1).mean():.0f}, {percentile_name(quantile)} per non-empty bin "
+        f"{[round(float(v), 3) for v in tails[-1][quantile][0, count_B > 0]]} "
+        f"{elapsed:.1f}s elapsed, "
+        f"ETA {elapsed / (r + 1) * (len(runs) - r - 1):.1f}s",
+        flush=True,
+      )
   count = np.concatenate(count)
 
   # Bins up to the last one holding a generated token (the table's last value holds beyond).
   used = np.nonzero(count.any(0))[0]
   num_bins = int(used.max()) + 1 if used.size else 1
   tail = {p: np.concatenate([t[p] for t in tails])[:, :num_bins] for p in percentiles}
-  schedule = choose_schedule(tail[quantile], cands, tau, page_size=sparse.page_size,
-                             always_kept=sparse.always_kept, bin_size=bin_size, quantile=quantile)
-  return Calibration(schedule, tail, count[:, :num_bins], cands, float(tau), quantile, bin_size,
-                     alpha, bool(on_policy))
+  schedule = choose_schedule(
+    tail[quantile],
+    cands,
+    tau,
+    page_size=sparse.page_size,
+    always_kept=sparse.always_kept,
+    bin_size=bin_size,
+    quantile=quantile,
+  )
+  return Calibration(
+    schedule,
+    tail,
+    count[:, :num_bins],
+    cands,
+    float(tau),
+    quantile,
+    bin_size,
+    alpha,
+    bool(on_policy),
+  )
 
 
 def surface_dict(result: Calibration) -> dict:
@@ -373,27 +549,41 @@ def surface_dict(result: Calibration) -> dict:
   "count_bin" is the tokens per bin, the most over candidates; on-policy, where each candidate
   scored its own rollouts, "count_bin_by_candidate" holds every candidate's counts as well.
   """
-  out = {"tau": result.tau, "quantile": result.quantile, "alpha": result.alpha,
-         "on_policy": result.on_policy,
-         "bin_size": result.bin_size, "page_size": result.schedule.page_size,
-         "always_kept": result.schedule.always_kept, "candidates": list(result.candidates),
-         "count_bin": result.count.max(0).tolist()}
+  out = {
+    "tau": result.tau,
+    "quantile": result.quantile,
+    "alpha": result.alpha,
+    "on_policy": result.on_policy,
+    "bin_size": result.bin_size,
+    "page_size": result.schedule.page_size,
+    "always_kept": result.schedule.always_kept,
+    "candidates": list(result.candidates),
+    "count_bin": result.count.max(0).tolist(),
+  }
   if result.on_policy:
-    out["count_bin_by_candidate"] = {str(c): count_B.tolist()
-                                     for c, count_B in zip(result.candidates, result.count)}
-  as_json = lambda tail_CB: {str(c): [None if np.isnan(v) else float(v) for v in tail_B]
-                             for c, tail_B in zip(result.candidates, tail_CB)}
-  return {**out, "tail": {f"{p:g}": as_json(tail_CB) for p, tail_CB in result.tail.items()},
-          "chosen_topk": list(result.schedule.values)}
+    out["count_bin_by_candidate"] = {
+      str(c): count_B.tolist() for c, count_B in zip(result.candidates, result.count)
+    }
+  as_json = lambda tail_CB: {
+    str(c): [None if np.isnan(v) else float(v) for v in tail_B]
+    for c, tail_B in zip(result.candidates, tail_CB)
+  }
+  return {
+    **out,
+    "tail": {f"{p:g}": as_json(tail_CB) for p, tail_CB in result.tail.items()},
+    "chosen_topk": list(result.schedule.values),
+  }
 
 
 def surface_tail(surface: dict, quantile: float, path: str = "the surface") -> tuple:
   """(candidates, tail_CB) of a `surface_dict` (as read from surface.json) at `quantile`; None
   (an empty bin) -> NaN."""
   if f"{quantile:g}" not in surface["tail"]:
-    raise ValueError(f"{path} holds the percentiles {sorted(surface['tail'], key=float)} of "
-                     f"alpha, not {quantile:g}: calibrate again (experiments/calibrate_schedule.py "
-                     f"with --config.stats.quantile={quantile:g})")
+    raise ValueError(
+      f"{path} holds the percentiles {sorted(surface['tail'], key=float)} of "
+      f"alpha, not {quantile:g}: calibrate again (experiments/calibrate_schedule.py "
+      f"with --config.stats.quantile={quantile:g})"
+    )
   tail = surface["tail"][f"{quantile:g}"]
   cands = surface["candidates"]
   return cands, np.array([tail[str(c)] for c in cands], np.float64)
@@ -403,14 +593,16 @@ def plot_calibration(path: str, result: Calibration):
   """PNG: the schedule's percentile vs schedule bin for every candidate with the tau line and the
   chosen candidate marked (top), and the chosen top-k per bin (bottom)."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   tail_CB, name = result.tail[result.quantile], percentile_name(result.quantile)
   num_bins = tail_CB.shape[1]
   x_B = (np.arange(num_bins) + 0.5) * result.bin_size
-  fig, (ax_tail, ax_k) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
-                                    gridspec_kw={"height_ratios": [2, 1]})
+  fig, (ax_tail, ax_k) = plt.subplots(
+    2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+  )
   colors = matplotlib.colormaps["viridis"](np.linspace(0, 1, len(result.candidates)))
   for c, tail_B, color in zip(result.candidates, tail_CB, colors):
     ax_tail.plot(x_B, tail_B, marker=".", color=color, label=f"top-k {c}")
@@ -418,12 +610,15 @@ def plot_calibration(path: str, result: Calibration):
   ax_tail.plot(x_B, tail_CB[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
   ax_tail.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
   ax_tail.set_ylabel(f"{name} acceptance rate")
-  ax_tail.set_title(f"Calibration ({result.alpha} alpha, "
-                  f"{'on' if result.on_policy else 'off'}-policy rollouts): {name} per "
-                  f"{result.bin_size}-token bin of cached length")
+  ax_tail.set_title(
+    f"Calibration ({result.alpha} alpha, "
+    f"{'on' if result.on_policy else 'off'}-policy rollouts): {name} per "
+    f"{result.bin_size}-token bin of cached length"
+  )
   ax_tail.legend(fontsize=6, ncol=3, loc="lower left")
-  ax_k.stairs(result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None,
-            color="black")
+  ax_k.stairs(
+    result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None, color="black"
+  )
   ax_k.set_ylabel(f"chosen top-k pages\n(+{result.schedule.always_kept} always kept)")
   ax_k.set_xlabel("cached length (tokens)")
   fig.tight_layout()

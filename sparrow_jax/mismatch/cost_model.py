@@ -34,6 +34,7 @@ in a pool of KV memory: the static batch (every row allocated at the cutoff, a b
 its longest row ends) and continuous batching (slots refilled as rows end, pages taken as rows
 grow), each in generated tokens per second and rows in flight.
 """
+
 import dataclasses
 import time
 
@@ -49,7 +50,7 @@ from sparrow_jax.model.config import Qwen3Config
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   name: str
-  peak_flops: float     # dense matmul FLOP/s at the rollout dtype
+  peak_flops: float  # dense matmul FLOP/s at the rollout dtype
   mem_bandwidth: float  # memory bytes/s
   dtype_bytes: int = 2  # bytes per KV element at that dtype (bf16)
 
@@ -60,20 +61,20 @@ class Hardware:
 
 
 HARDWARE = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with 2:4 sparsity (989 dense),
-    # 3.35 TB/s HBM3.
-    "h100_sxm": Hardware("h100_sxm", 989e12, 3.35e12),
-    # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense),
-    # 4.8 TB/s HBM3e.
-    "h200": Hardware("h200", 989e12, 4.8e12),
-    # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense),
-    # 8 TB/s HBM3e.
-    "b200": Hardware("b200", 2.25e15, 8e12),
-    # Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), per chip: bf16 peak
-    # compute and HBM bandwidth.
-    "tpu_v5e": Hardware("tpu_v5e", 197e12, 819e9),
-    "tpu_v5p": Hardware("tpu_v5p", 459e12, 2765e9),
-    "tpu_v6e": Hardware("tpu_v6e", 918e12, 1638e9),
+  # NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with 2:4 sparsity (989 dense),
+  # 3.35 TB/s HBM3.
+  "h100_sxm": Hardware("h100_sxm", 989e12, 3.35e12),
+  # NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 1,979 TFLOPS with sparsity (989 dense),
+  # 4.8 TB/s HBM3e.
+  "h200": Hardware("h200", 989e12, 4.8e12),
+  # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 4.5 PFLOPS with sparsity (2.25 dense),
+  # 8 TB/s HBM3e.
+  "b200": Hardware("b200", 2.25e15, 8e12),
+  # Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), per chip: bf16 peak
+  # compute and HBM bandwidth.
+  "tpu_v5e": Hardware("tpu_v5e", 197e12, 819e9),
+  "tpu_v5p": Hardware("tpu_v5p", 459e12, 2765e9),
+  "tpu_v6e": Hardware("tpu_v6e", 918e12, 1638e9),
 }
 THIS_MACHINE = "this_machine"
 
@@ -88,8 +89,9 @@ def _rate(fn, args, work, seconds):
   return work * reps / (time.perf_counter() - start)
 
 
-def measure_this_machine(seconds: float = 2.0, matmul_size: int = 1024,
-                         copy_mib: int = 64) -> Hardware:
+def measure_this_machine(
+  seconds: float = 2.0, matmul_size: int = 1024, copy_mib: int = 64
+) -> Hardware:
   """Hardware entry for the default JAX device, measured: matmul FLOP/s and the bandwidth of a
   memory-bound elementwise pass (reads and writes `copy_mib` MiB), half of `seconds` each.
   Uses float32 on CPU (bf16 matmuls are emulated there), bf16 on accelerators."""
@@ -130,8 +132,10 @@ def param_count(model) -> int:
 
 def _steps(prompt_len, gen_len, n_samples):
   if prompt_len < 0 or gen_len < 1 or n_samples < 1:
-    raise ValueError(f"need prompt_len >= 0, gen_len >= 1, n_samples >= 1; got {prompt_len}, "
-                     f"{gen_len}, {n_samples}")
+    raise ValueError(
+      f"need prompt_len >= 0, gen_len >= 1, n_samples >= 1; got {prompt_len}, "
+      f"{gen_len}, {n_samples}"
+    )
   t = np.arange(1, gen_len + 1, dtype=np.float64)
   return prompt_len + t, t
 
@@ -143,8 +147,9 @@ def _attended_tokens(schedule: KVSchedule, s_t, page_size: int):
   return np.minimum(np.ceil(budget_tokens_t / page_size) * page_size, s_t)
 
 
-def dense_rollout_cost(model, prompt_len: int, gen_len: int, n_samples: int = 8,
-                       hardware="h200") -> float:
+def dense_rollout_cost(
+  model, prompt_len: int, gen_len: int, n_samples: int = 8, hardware="h200"
+) -> float:
   """eFLOPs of generating `n_samples` x `gen_len` tokens from one prompt with dense attention."""
   cfg, hw = _config(model), get_hardware(hardware)
   s_t, t = _steps(prompt_len, gen_len, n_samples)
@@ -154,9 +159,17 @@ def dense_rollout_cost(model, prompt_len: int, gen_len: int, n_samples: int = 8,
   return float(np.sum(compute + hw.intensity * memory))
 
 
-def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
-                        n_samples: int = 8, hardware="h200", page_size: int | None = None,
-                        dense_layers: int = 2, page_score: str = "mean") -> float:
+def sparse_rollout_cost(
+  model,
+  schedule: KVSchedule,
+  prompt_len: int,
+  gen_len: int,
+  n_samples: int = 8,
+  hardware="h200",
+  page_size: int | None = None,
+  dense_layers: int = 2,
+  page_score: str = "mean",
+) -> float:
   """eFLOPs with block-sparse attention under `schedule` in all but the first `dense_layers`.
 
   `page_size` (default: the schedule's) is the page size of the sparse attention; the schedule's
@@ -180,31 +193,51 @@ def sparse_rollout_cost(model, schedule: KVSchedule, prompt_len: int, gen_len: i
   return float(np.sum(compute + hw.intensity * memory))
 
 
-def rollout_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
-                    n_samples: int = 8, hardware="h200", page_size: int | None = None,
-                    dense_layers: int = 2, page_score: str = "mean") -> float:
+def rollout_speedup(
+  model,
+  schedule: KVSchedule,
+  prompt_len: int,
+  gen_len: int,
+  n_samples: int = 8,
+  hardware="h200",
+  page_size: int | None = None,
+  dense_layers: int = 2,
+  page_score: str = "mean",
+) -> float:
   """Predicted dense / sparse rollout cost ratio (> 1 means sparse is faster)."""
   hw = get_hardware(hardware)  # measure "this_machine" once for both costs
   dense = dense_rollout_cost(model, prompt_len, gen_len, n_samples, hw)
-  return dense / sparse_rollout_cost(model, schedule, prompt_len, gen_len, n_samples, hw,
-                                     page_size, dense_layers, page_score)
+  return dense / sparse_rollout_cost(
+    model, schedule, prompt_len, gen_len, n_samples, hw, page_size, dense_layers, page_score
+  )
 
 
-def page_size_comparison(model, schedule: KVSchedule, prompt_len: int, gen_len: int,
-                         page_sizes=(16, 32, 64, 128), n_samples: int = 8, hardware="h200",
-                         dense_layers: int = 2) -> dict:
+def page_size_comparison(
+  model,
+  schedule: KVSchedule,
+  prompt_len: int,
+  gen_len: int,
+  page_sizes=(16, 32, 64, 128),
+  n_samples: int = 8,
+  hardware="h200",
+  dense_layers: int = 2,
+) -> dict:
   """{page_size: predicted speedup} at the schedule's token budget: only the page-scoring term
   (one centroid per page) and the rounding to whole pages differ."""
   hw = get_hardware(hardware)
-  return {z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
-          for z in page_sizes}
+  return {
+    z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
+    for z in page_sizes
+  }
 
 
 def _stop_probability(gen_len: int, mean_len_frac: float) -> float:
   """p such that lengths min(Geometric(p), gen_len) average mean_len_frac * gen_len (bisection: the
   mean falls as p grows)."""
+
   def mean_frac(p):
     return -np.expm1(gen_len * np.log1p(-p)) / (p * gen_len)  # sum_{k<gen_len} (1-p)^k / gen_len
+
   lo, hi = 0.0, 1.0
   for _ in range(100):
     mid = (lo + hi) / 2
@@ -227,8 +260,16 @@ def running_fraction(gen_len: int, mean_len_frac: float = 1.0):
   return np.exp(np.arange(gen_len) * np.log1p(-p))
 
 
-def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, dense_layers: int,
-                   page_size, page_selection: bool, page_score: str = "mean"):
+def _row_step_work(
+  cfg: Qwen3Config,
+  hw: Hardware,
+  schedule,
+  s_t,
+  dense_layers: int,
+  page_size,
+  page_selection: bool,
+  page_score: str = "mean",
+):
   """(FLOPs, bytes) that one running row adds to decode step t with s_t cached tokens, the weights
   aside. Its whole KV is read, the prompt's part too: paged-attention kernels read each row's pages
   even when a group shares them. schedule None: dense attention in every layer."""
@@ -240,8 +281,7 @@ def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, dense_layers: 
     raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
   sparse_layers = cfg.num_hidden_layers - dense_layers
   z = page_size or schedule.page_size
-  kv_elems_t = kv_layer * (dense_layers * s_t
-                           + sparse_layers * _attended_tokens(schedule, s_t, z))
+  kv_elems_t = kv_layer * (dense_layers * s_t + sparse_layers * _attended_tokens(schedule, s_t, z))
   flops_t, bytes_t = 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
   if page_selection:
     # Per sparse layer and KV head, every complete page's centroid (head_dim elements; quest: two
@@ -267,10 +307,21 @@ def prefill_time(model, prompt_len: int, n_prompts: float, hardware="h200") -> f
   return max(flops / hw.peak_flops, memory / hw.mem_bandwidth)
 
 
-def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
-                          batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
-                          hardware="h200", dense_layers: int = 2, page_size: int | None = None,
-                          page_selection: bool = True, page_score: str = "mean") -> float:
+def roofline_rollout_time(
+  model,
+  schedule: KVSchedule | None,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  batch_per_device: float,
+  mean_len_frac: float,
+  n_samples: int = 8,
+  hardware="h200",
+  dense_layers: int = 2,
+  page_size: int | None = None,
+  page_selection: bool = True,
+  page_score: str = "mean",
+) -> float:
   """Seconds one device takes to prefill and decode `batch_per_device` rows (`n_samples` per
   prompt) that start together and stop after lengths drawn as in `running_fraction`; schedule
   None is dense attention. Each decode step reads every weight once for all running rows, then
@@ -279,8 +330,9 @@ def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, g
   cfg, hw = _config(model), get_hardware(hardware)
   s_t, _ = _steps(prompt_len, gen_len, n_samples)
   rows_t = batch_per_device * running_fraction(gen_len, mean_len_frac)
-  row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, s_t, dense_layers, page_size,
-                                            page_selection, page_score)
+  row_flops_t, row_bytes_t = _row_step_work(
+    cfg, hw, schedule, s_t, dense_layers, page_size, page_selection, page_score
+  )
   n_params = param_count(cfg)
   flops_t = rows_t * (2 * n_params + row_flops_t)
   bytes_t = hw.dtype_bytes * n_params + rows_t * row_bytes_t
@@ -288,19 +340,39 @@ def roofline_rollout_time(model, schedule: KVSchedule | None, prompt_len: int, g
   return prefill_time(cfg, prompt_len, batch_per_device / n_samples, hw) + float(decode)
 
 
-def roofline_speedup(model, schedule: KVSchedule, prompt_len: int, gen_len: int, *,
-                     batch_per_device: float, mean_len_frac: float, n_samples: int = 8,
-                     hardware="h200", dense_layers: int = 2, page_size: int | None = None,
-                     page_selection: bool = True, page_score: str = "mean") -> float:
+def roofline_speedup(
+  model,
+  schedule: KVSchedule,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  batch_per_device: float,
+  mean_len_frac: float,
+  n_samples: int = 8,
+  hardware="h200",
+  dense_layers: int = 2,
+  page_size: int | None = None,
+  page_selection: bool = True,
+  page_score: str = "mean",
+) -> float:
   """Dense / sparse `roofline_rollout_time` (> 1 means sparse is faster); the same rows and
   lengths on both sides, so it is also the ratio of generated tokens per second."""
   hw = get_hardware(hardware)
-  common = dict(batch_per_device=batch_per_device, mean_len_frac=mean_len_frac,
-                n_samples=n_samples, hardware=hw)
+  common = dict(
+    batch_per_device=batch_per_device, mean_len_frac=mean_len_frac, n_samples=n_samples, hardware=hw
+  )
   dense = roofline_rollout_time(model, None, prompt_len, gen_len, **common)
-  return dense / roofline_rollout_time(model, schedule, prompt_len, gen_len, **common,
-                                       dense_layers=dense_layers, page_size=page_size,
-                                       page_selection=page_selection, page_score=page_score)
+  return dense / roofline_rollout_time(
+    model,
+    schedule,
+    prompt_len,
+    gen_len,
+    **common,
+    dense_layers=dense_layers,
+    page_size=page_size,
+    page_selection=page_selection,
+    page_score=page_score,
+  )
 
 
 def kv_bytes_per_token(model, hardware="h200") -> float:
@@ -309,29 +381,58 @@ def kv_bytes_per_token(model, hardware="h200") -> float:
   return hw.dtype_bytes * 2 * cfg.kv_width * cfg.num_hidden_layers
 
 
-def roofline_static_rate(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
-                         pool_tokens: float, mean_len_frac: float, n_samples: int = 8,
-                         hardware="h200", **sparse_kw) -> tuple[float, float]:
+def roofline_static_rate(
+  model,
+  schedule: KVSchedule | None,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  pool_tokens: float,
+  mean_len_frac: float,
+  n_samples: int = 8,
+  hardware="h200",
+  **sparse_kw,
+) -> tuple[float, float]:
   """(generated tokens/s, mean rows in flight) of one device running the static batch in a pool of
   `pool_tokens` cached tokens: every row is allocated at prompt + cutoff, so the batch is
   pool_tokens // (prompt_len + gen_len) rows, started together and decoded until the cutoff
   (`roofline_rollout_time`: finished rows stop costing), one batch after another."""
   batch = float(pool_tokens // (prompt_len + gen_len))
   if batch < 1:
-    raise ValueError(f"a pool of {pool_tokens:.0f} tokens holds no row of {prompt_len} + "
-                     f"{gen_len} tokens")
+    raise ValueError(
+      f"a pool of {pool_tokens:.0f} tokens holds no row of {prompt_len} + {gen_len} tokens"
+    )
   alive_t = running_fraction(gen_len, mean_len_frac)
-  seconds = roofline_rollout_time(model, schedule, prompt_len, gen_len, batch_per_device=batch,
-                                  mean_len_frac=mean_len_frac, n_samples=n_samples,
-                                  hardware=hardware, **sparse_kw)
+  seconds = roofline_rollout_time(
+    model,
+    schedule,
+    prompt_len,
+    gen_len,
+    batch_per_device=batch,
+    mean_len_frac=mean_len_frac,
+    n_samples=n_samples,
+    hardware=hardware,
+    **sparse_kw,
+  )
   return float(batch * alive_t.sum() / seconds), float(batch * alive_t.mean())
 
 
-def roofline_engine_rate(model, schedule: KVSchedule | None, prompt_len: int, gen_len: int, *,
-                         slots: int, pool_tokens: float, mean_len_frac: float, n_samples: int = 8,
-                         hardware="h200", dense_layers: int = 2, page_size: int | None = None,
-                         page_selection: bool = True, page_score: str = "mean"
-                         ) -> tuple[float, float]:
+def roofline_engine_rate(
+  model,
+  schedule: KVSchedule | None,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  slots: int,
+  pool_tokens: float,
+  mean_len_frac: float,
+  n_samples: int = 8,
+  hardware="h200",
+  dense_layers: int = 2,
+  page_size: int | None = None,
+  page_selection: bool = True,
+  page_score: str = "mean",
+) -> tuple[float, float]:
   """(generated tokens/s, rows in flight) of one device running the engine in steady state: a
   finished row's slot takes the next row at once, so the rows in flight are min(slots, what the
   pool holds), each at generated position t with probability proportional to the share of rows
@@ -344,8 +445,9 @@ def roofline_engine_rate(model, schedule: KVSchedule | None, prompt_len: int, ge
   t = np.arange(1, gen_len + 1)
   held = prompt_len / n_samples + float(np.sum(w_t * t))
   rows = min(float(slots), pool_tokens / held)
-  row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, prompt_len + t, dense_layers,
-                                            page_size, page_selection, page_score)
+  row_flops_t, row_bytes_t = _row_step_work(
+    cfg, hw, schedule, prompt_len + t, dense_layers, page_size, page_selection, page_score
+  )
   n_params = param_count(cfg)
   flops = rows * (2 * n_params + float(np.sum(w_t * row_flops_t)))
   nbytes = hw.dtype_bytes * n_params + rows * float(np.sum(w_t * row_bytes_t))
@@ -354,8 +456,15 @@ def roofline_engine_rate(model, schedule: KVSchedule | None, prompt_len: int, ge
   return float(1.0 / (step / rows + prefill_per_token)), float(rows)
 
 
-def peak_memory_bytes(model, prompt_len: int, gen_len: int, *, batch_per_device: float,
-                      mean_len_frac: float, hardware="h200") -> float:
+def peak_memory_bytes(
+  model,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  batch_per_device: float,
+  mean_len_frac: float,
+  hardware="h200",
+) -> float:
   """Weights plus the largest KV cache the running rows hold at once (each row's prompt counted,
   an upper bound where prefix caching shares it): whether `batch_per_device` fits the device.
   Sparse rollout keeps the whole cache too (it reads fewer pages, stores all of them)."""
@@ -378,7 +487,8 @@ def kv_read_fraction(budget_by_len, prompt_len_B, lengths_B, cfg: Qwen3Config, s
   for p, n in zip(np.asarray(prompt_len_B), np.asarray(lengths_B)):
     cached = np.arange(p + 1, p + n + 1)  # cache length when decoding each generated token
     pages = -(-cached // page_size)
-    read += np.sum(sparse.dense_layers * pages
-                   + sparse_layers * np.minimum(budget_by_len[cached], pages))
+    read += np.sum(
+      sparse.dense_layers * pages + sparse_layers * np.minimum(budget_by_len[cached], pages)
+    )
     dense += np.sum(cfg.num_hidden_layers * pages)
   return float(read / max(dense, 1.0))

@@ -50,6 +50,7 @@ Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk 
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
 table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
 """
+
 import dataclasses
 import json
 import os
@@ -75,34 +76,97 @@ _ADAPTIVE = "adaptive:"
 # `sum_min_from_topk`, the paper's footnote), not of exact alpha, which is >= the bound: compare them
 # with `calibrate(alpha="topk20")` schedules and `acceptance_topk20/*` tail stats.
 _PAPER_TABLES = {
-    ("qwen3-1.7b", 0.75): (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12,
-    ("qwen3-1.7b", 0.80): (29, 45, 61, 77, 93, 93, 125, 125, 125) + (157,) * 11,
-    ("qwen3-1.7b", 0.83): (29, 61, 77, 93, 125, 125, 157, 157) + (189,) * 12,
-    ("qwen3-1.7b", 0.86): (29, 61, 93, 93, 125, 157, 189, 221, 221) + (253,) * 11,
-    ("qwen3-1.7b", 0.88): (45, 77, 125, 157, 157, 189, 221, 253, 253) + (317,) * 11,
-    ("qwen3-1.7b", 0.90): (45, 93, 157, 189, 221, 253, 317, 317) + (381,) * 12,
-    ("qwen3-1.7b", 0.92): (61, 125, 189, 221, 253, 317, 381, 381, 445) + (509,) * 11,
-    ("qwen3-1.7b", 0.94): (77, 157, 221, 317, 381, 445, 509, 509, 637) + (765,) * 11,
-    ("qwen3-4b", 0.75): (29, 29, 29, 29, 45, 61, 77, 93, 125, 125, 125, 125) + (157,) * 6
-                        + (189,) * 2,
-    ("qwen3-4b", 0.80): (29, 29, 45, 61, 77, 93, 125, 157, 157, 157, 189) + (221,) * 9,
-    ("qwen3-4b", 0.86): (29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381,
-                         381, 381, 381, 509, 509),
-    ("qwen3-4b", 0.88): (29, 61, 93, 125, 157, 189, 253, 317, 381, 445, 445, 509, 509, 509)
-                        + (637,) * 6,
-    ("qwen3-4b", 0.90): (45, 77, 125, 157, 189, 253, 317, 445, 637) + (765,) * 6 + (893,) * 5,
-    ("qwen3-4b", 0.92): (45, 93, 157, 189, 253, 381, 445, 765, 893, 1021, 1021) + (1149,) * 9,
-    ("qwen3-8b", 0.75): (29, 29, 29, 45, 45, 77, 77, 77, 93, 93, 93, 93) + (125,) * 6
-                        + (157,) * 2,
-    ("qwen3-8b", 0.80): (29, 29, 45, 61, 77, 93, 125, 125, 157, 157, 189, 189, 189, 221, 221,
-                         221, 221, 253, 253, 253),
-    ("qwen3-8b", 0.86): (29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317,
-                         317, 317, 385, 445, 445),
-    ("qwen3-8b", 0.87): (29, 61, 77, 93, 157, 189, 221) + (317,) * 4 + (381,) * 5
-                        + (445, 445, 509, 509),
-    ("qwen3-8b", 0.92): (45, 93, 125, 189, 253, 445, 509, 637, 765, 765, 765) + (893,) * 5
-                        + (1021,) * 4,
-    ("qwen3-14b", 0.86): (29, 45, 77, 125, 253) + (381,) * 10 + (509, 637, 637, 893, 893),
+  ("qwen3-1.7b", 0.75): (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12,
+  ("qwen3-1.7b", 0.80): (29, 45, 61, 77, 93, 93, 125, 125, 125) + (157,) * 11,
+  ("qwen3-1.7b", 0.83): (29, 61, 77, 93, 125, 125, 157, 157) + (189,) * 12,
+  ("qwen3-1.7b", 0.86): (29, 61, 93, 93, 125, 157, 189, 221, 221) + (253,) * 11,
+  ("qwen3-1.7b", 0.88): (45, 77, 125, 157, 157, 189, 221, 253, 253) + (317,) * 11,
+  ("qwen3-1.7b", 0.90): (45, 93, 157, 189, 221, 253, 317, 317) + (381,) * 12,
+  ("qwen3-1.7b", 0.92): (61, 125, 189, 221, 253, 317, 381, 381, 445) + (509,) * 11,
+  ("qwen3-1.7b", 0.94): (77, 157, 221, 317, 381, 445, 509, 509, 637) + (765,) * 11,
+  ("qwen3-4b", 0.75): (29, 29, 29, 29, 45, 61, 77, 93, 125, 125, 125, 125)
+  + (157,) * 6
+  + (189,) * 2,
+  ("qwen3-4b", 0.80): (29, 29, 45, 61, 77, 93, 125, 157, 157, 157, 189) + (221,) * 9,
+  ("qwen3-4b", 0.86): (
+    29,
+    45,
+    61,
+    77,
+    93,
+    125,
+    157,
+    221,
+    253,
+    253,
+    317,
+    317,
+    317,
+    317,
+    381,
+    381,
+    381,
+    381,
+    509,
+    509,
+  ),
+  ("qwen3-4b", 0.88): (29, 61, 93, 125, 157, 189, 253, 317, 381, 445, 445, 509, 509, 509)
+  + (637,) * 6,
+  ("qwen3-4b", 0.90): (45, 77, 125, 157, 189, 253, 317, 445, 637) + (765,) * 6 + (893,) * 5,
+  ("qwen3-4b", 0.92): (45, 93, 157, 189, 253, 381, 445, 765, 893, 1021, 1021) + (1149,) * 9,
+  ("qwen3-8b", 0.75): (29, 29, 29, 45, 45, 77, 77, 77, 93, 93, 93, 93) + (125,) * 6 + (157,) * 2,
+  ("qwen3-8b", 0.80): (
+    29,
+    29,
+    45,
+    61,
+    77,
+    93,
+    125,
+    125,
+    157,
+    157,
+    189,
+    189,
+    189,
+    221,
+    221,
+    221,
+    221,
+    253,
+    253,
+    253,
+  ),
+  ("qwen3-8b", 0.86): (
+    29,
+    45,
+    61,
+    77,
+    125,
+    157,
+    189,
+    253,
+    253,
+    253,
+    253,
+    317,
+    317,
+    317,
+    317,
+    317,
+    317,
+    385,
+    445,
+    445,
+  ),
+  ("qwen3-8b", 0.87): (29, 61, 77, 93, 157, 189, 221)
+  + (317,) * 4
+  + (381,) * 5
+  + (445, 445, 509, 509),
+  ("qwen3-8b", 0.92): (45, 93, 125, 189, 253, 445, 509, 637, 765, 765, 765)
+  + (893,) * 5
+  + (1021,) * 4,
+  ("qwen3-14b", 0.86): (29, 45, 77, 125, 253) + (381,) * 10 + (509, 637, 637, 893, 893),
 }
 _PAPER_BIN_SIZE = 2000
 _PAPER_PAGE_SIZE = 16
@@ -111,11 +175,12 @@ _PAPER_PAGE_SIZE = 16
 @dataclasses.dataclass(frozen=True)
 class KVSchedule:
   """KV-page budget as a function of cached length (see the module docstring for the kinds)."""
+
   kind: str
   values: tuple
   page_size: int = 16
-  always_kept: int = 3        # 1 sink (BOS) page + 2 local pages
-  bin_size: int = 2048        # tokens per table bin (a multiple of page_size); unused otherwise
+  always_kept: int = 3  # 1 sink (BOS) page + 2 local pages
+  bin_size: int = 2048  # tokens per table bin (a multiple of page_size); unused otherwise
   quantile: Optional[float] = None  # the tail percentile the table was calibrated to hold at tau
   #                                   (5: p5, the paper's); None: not calibrated (fixed, hand-made)
 
@@ -130,35 +195,47 @@ class KVSchedule:
     if self.page_size < 1 or self.page_size & (self.page_size - 1):
       raise ValueError(f"KVSchedule.page_size must be a power of two, got {self.page_size}")
     if self.quantile is not None and not is_quantile(self.quantile):
-      raise ValueError(f"KVSchedule.quantile must be a percentile in (0, 50) or None, got "
-                       f"{self.quantile!r}")
+      raise ValueError(
+        f"KVSchedule.quantile must be a percentile in (0, 50) or None, got {self.quantile!r}"
+      )
     getattr(self, f"_check_{self.kind}")()
 
   def _check_fixed(self):
     if len(self.values) != 1 or not _is_int(self.values[0]):
       raise ValueError(f"KVSchedule.values for kind 'fixed' must be (pages,), got {self.values!r}")
     if self.values[0] < self.always_kept:
-      raise ValueError(f"KVSchedule.values: fixed budget {self.values[0]} pages is below the "
-                       f"always_kept={self.always_kept} pages")
+      raise ValueError(
+        f"KVSchedule.values: fixed budget {self.values[0]} pages is below the "
+        f"always_kept={self.always_kept} pages"
+      )
 
   def _check_table(self):
     if not self.values or not all(_is_int(v) and v >= 0 for v in self.values):
-      raise ValueError(f"KVSchedule.values for kind 'table' must be non-negative ints (top-k "
-                       f"pages per bin), got {self.values!r}")
+      raise ValueError(
+        f"KVSchedule.values for kind 'table' must be non-negative ints (top-k "
+        f"pages per bin), got {self.values!r}"
+      )
     drops = [i for i in range(1, len(self.values)) if self.values[i] < self.values[i - 1]]
     if drops:
-      raise ValueError(f"KVSchedule.values must be non-decreasing; bin {drops[0]} drops from "
-                       f"{self.values[drops[0] - 1]} to {self.values[drops[0]]}")
+      raise ValueError(
+        f"KVSchedule.values must be non-decreasing; bin {drops[0]} drops from "
+        f"{self.values[drops[0] - 1]} to {self.values[drops[0]]}"
+      )
     if self.bin_size < self.page_size or self.bin_size % self.page_size:
-      raise ValueError(f"KVSchedule.bin_size ({self.bin_size}) must be a positive multiple of "
-                       f"page_size ({self.page_size})")
+      raise ValueError(
+        f"KVSchedule.bin_size ({self.bin_size}) must be a positive multiple of "
+        f"page_size ({self.page_size})"
+      )
 
   def _check_linear(self):
-    ok = len(self.values) == 2 and isinstance(self.values[0], (int, float)) and _is_int(
-        self.values[1])
+    ok = (
+      len(self.values) == 2 and isinstance(self.values[0], (int, float)) and _is_int(self.values[1])
+    )
     if not ok or not 0 <= self.values[0] or self.values[1] < 0:
-      raise ValueError(f"KVSchedule.values for kind 'linear' must be (ratio >= 0, max_topk >= 0), "
-                       f"got {self.values!r}")
+      raise ValueError(
+        f"KVSchedule.values for kind 'linear' must be (ratio >= 0, max_topk >= 0), "
+        f"got {self.values!r}"
+      )
 
   @classmethod
   def fixed(cls, pages: int, page_size: int = 16, always_kept: int = 3) -> "KVSchedule":
@@ -166,15 +243,22 @@ class KVSchedule:
     return cls("fixed", (pages,), page_size, always_kept)
 
   @classmethod
-  def table(cls, topk_per_bin, page_size: int = 16, always_kept: int = 3,
-            bin_size: int = 2048, quantile: Optional[float] = None) -> "KVSchedule":
+  def table(
+    cls,
+    topk_per_bin,
+    page_size: int = 16,
+    always_kept: int = 3,
+    bin_size: int = 2048,
+    quantile: Optional[float] = None,
+  ) -> "KVSchedule":
     """Paper form: per bin of `bin_size` cached tokens, top-k pages on top of the always-kept;
     `quantile`: the tail percentile it was calibrated for."""
     return cls("table", tuple(topk_per_bin), page_size, always_kept, bin_size, quantile)
 
   @classmethod
-  def linear(cls, ratio: float, max_topk: int, page_size: int = 16,
-             always_kept: int = 3) -> "KVSchedule":
+  def linear(
+    cls, ratio: float, max_topk: int, page_size: int = 16, always_kept: int = 3
+  ) -> "KVSchedule":
     """Top-k grows as `ratio` of the cached pages, capped at `max_topk` (so buffers stay static)."""
     return cls("linear", (ratio, max_topk), page_size, always_kept)
 
@@ -201,8 +285,9 @@ class KVSchedule:
     if self.kind == "fixed":
       want = jnp.full_like(cached_pages, self.values[0])
     elif self.kind == "table":
-      bins = jnp.minimum(position_bin(cached_len, self.page_size, self.bin_size),
-                         len(self.values) - 1)
+      bins = jnp.minimum(
+        position_bin(cached_len, self.page_size, self.bin_size), len(self.values) - 1
+      )
       want = jnp.asarray(self.values, jnp.int32)[bins] + self.always_kept
     else:
       ratio, max_topk = self.values
@@ -215,11 +300,11 @@ class KVSchedule:
     """'fixed:PAGES' | 'paper:MODEL:TAU' | path to a KVSchedule JSON; errors name `field`."""
     try:
       if spec.startswith("fixed:"):
-        schedule = cls.fixed(int(spec[len("fixed:"):]), page_size=page_size)
+        schedule = cls.fixed(int(spec[len("fixed:") :]), page_size=page_size)
       elif spec.startswith("paper:"):
         if spec.count(":") != 2:
           raise ValueError("expected 'paper:MODEL:TAU', e.g. 'paper:qwen3-1.7b:0.86'")
-        model, tau = spec[len("paper:"):].split(":")
+        model, tau = spec[len("paper:") :].split(":")
         schedule = cls.paper(model, float(tau))
       elif os.path.isfile(spec):
         with open(spec) as f:
@@ -229,16 +314,20 @@ class KVSchedule:
     except ValueError as e:
       raise ValueError(f"{field} = {spec!r}: {e}") from None
     if schedule.page_size != page_size:
-      raise ValueError(f"{field} = {spec!r} has page_size {schedule.page_size} but "
-                       f"config.rollout.page_size is {page_size}")
+      raise ValueError(
+        f"{field} = {spec!r} has page_size {schedule.page_size} but "
+        f"config.rollout.page_size is {page_size}"
+      )
     return schedule
 
   def check_quantile(self, quantile: float, field: str, quantile_field: str = "stats.quantile"):
     """Refuses a table calibrated for another tail percentile than the run holds."""
     if self.quantile is not None and self.quantile != quantile:
-      raise ValueError(f"{field} was calibrated to hold p{self.quantile:g} >= tau, but "
-                       f"{quantile_field} is {quantile:g} (p{quantile:g}): calibrate a table for "
-                       f"p{quantile:g}, or set {quantile_field} = {self.quantile:g}")
+      raise ValueError(
+        f"{field} was calibrated to hold p{self.quantile:g} >= tau, but "
+        f"{quantile_field} is {quantile:g} (p{quantile:g}): calibrate a table for "
+        f"p{quantile:g}, or set {quantile_field} = {self.quantile:g}"
+      )
 
   def to_json(self) -> str:
     return json.dumps({name: getattr(self, name) for name in _FIELDS})
@@ -260,8 +349,10 @@ def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedul
   tau with DistillSparse; a plain schedule spec is one stage from step 0.
   -> ((start_step, KVSchedule), ...)."""
   if _ADAPTIVE in spec:  # it moves its own budgets every step: no stage would say which applies
-    raise ValueError(f"{field} = {spec!r}: an 'adaptive:TAU:BASE' schedule is the whole run's "
-                     "schedule; it cannot be combined with stages (parse it with parse_adaptive)")
+    raise ValueError(
+      f"{field} = {spec!r}: an 'adaptive:TAU:BASE' schedule is the whole run's "
+      "schedule; it cannot be combined with stages (parse it with parse_adaptive)"
+    )
   parts = spec.split(",") if re.match(r"^\d+:", spec) else [f"0:{spec}"]
   stages = []
   for part in parts:
@@ -271,8 +362,7 @@ def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedul
     stages.append((int(match.group(1)), KVSchedule.parse(match.group(2), page_size, field)))
   starts = [start for start, _ in stages]
   if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
-    raise ValueError(f"{field} = {spec!r}: stage steps must start at 0 and increase, got "
-                     f"{starts}")
+    raise ValueError(f"{field} = {spec!r}: stage steps must start at 0 and increase, got {starts}")
   return tuple(stages)
 
 
@@ -281,30 +371,35 @@ def parse_adaptive(spec: str, page_size: int, field: str = "config.rollout.sched
   `KVSchedule.parse` reads, e.g. 'adaptive:0.86:paper:qwen3-1.7b:0.86'; None for other specs."""
   if not spec.startswith(_ADAPTIVE):
     return None
-  tau_text, _, base_spec = spec[len(_ADAPTIVE):].partition(":")
+  tau_text, _, base_spec = spec[len(_ADAPTIVE) :].partition(":")
   try:
     tau = float(tau_text)
   except ValueError:
     tau = float("nan")
   if not 0 < tau < 1:
-    raise ValueError(f"{field} = {spec!r}: TAU {tau_text!r} must be a number in (0, 1); expected "
-                     "'adaptive:TAU:BASE', e.g. 'adaptive:0.86:paper:qwen3-1.7b:0.86'")
+    raise ValueError(
+      f"{field} = {spec!r}: TAU {tau_text!r} must be a number in (0, 1); expected "
+      "'adaptive:TAU:BASE', e.g. 'adaptive:0.86:paper:qwen3-1.7b:0.86'"
+    )
   base = KVSchedule.parse(base_spec, page_size, field)
   if base.kind != "table":
-    raise ValueError(f"{field} = {spec!r}: BASE {base_spec!r} is a {base.kind!r} schedule; "
-                     "adaptive needs a 'table' one (top-k per bin: 'paper:MODEL:TAU' or a JSON)")
+    raise ValueError(
+      f"{field} = {spec!r}: BASE {base_spec!r} is a {base.kind!r} schedule; "
+      "adaptive needs a 'table' one (top-k per bin: 'paper:MODEL:TAU' or a JSON)"
+    )
   return tau, base
 
 
 class LoopState(NamedTuple):
   """The closed loop's per-bin state (`adapt_topk`): tuples of ints, one per table bin. Host-side
   and small: the trainer logs it and keeps it in the checkpoint meta, so a resume replays it."""
-  topk: tuple    # the table in force (top-k pages per bin, always-kept pages on top)
-  floor: tuple   # the lowest top-k the bin may take: one above the highest that failed
+
+  topk: tuple  # the table in force (top-k pages per bin, always-kept pages on top)
+  floor: tuple  # the lowest top-k the bin may take: one above the highest that failed
   before: tuple  # the top-k the bin had before its current one (a failed probe returns to it)
   tokens: tuple  # the pool: tokens decoded under the current top-k since it was set ...
-  below: tuple   # ... of them with alpha < tau ...
-  steps: tuple   # ... over this many steps
+  below: tuple  # ... of them with alpha < tau ...
+  steps: tuple  # ... over this many steps
 
   @classmethod
   def start(cls, topk) -> "LoopState":
@@ -312,15 +407,27 @@ class LoopState(NamedTuple):
     return cls(tuple(topk), zeros, tuple(topk), zeros, zeros, zeros)
 
 
-def adapt_topk(state: LoopState, count_b, below_b, p10_b, tau: float, max_topk: int,
-               raise_factor: float, lower_factor: float, window: int, lower_share: float,
-               min_tokens: int, quantile: float = 5) -> LoopState:
+def adapt_topk(
+  state: LoopState,
+  count_b,
+  below_b,
+  p10_b,
+  tau: float,
+  max_topk: int,
+  raise_factor: float,
+  lower_factor: float,
+  window: int,
+  lower_share: float,
+  min_tokens: int,
+  quantile: float = 5,
+) -> LoopState:
   """One step of the closed loop (module docstring): the state after the step whose exact alpha
   had, per bin, `count_b` tokens, `below_b` of them under tau and p10 `p10_b` (a NaN p10 compares
   false) -> the state for the next step. A pool fails when more than `quantile` percent of its
   tokens are under tau."""
-  topk_b, floor_b, before_b, tokens_b, pool_below_b, steps_b = (np.asarray(x, np.int64)
-                                                                for x in state)
+  topk_b, floor_b, before_b, tokens_b, pool_below_b, steps_b = (
+    np.asarray(x, np.int64) for x in state
+  )
   measured_b = np.asarray(count_b) >= min_tokens
   tokens_b = tokens_b + np.where(measured_b, count_b, 0)
   pool_below_b = pool_below_b + np.where(measured_b, below_b, 0)
@@ -337,8 +444,12 @@ def adapt_topk(state: LoopState, count_b, below_b, p10_b, tau: float, max_topk: 
   next_b = np.where(failed_b, up_b, np.where(passed_b, down_b, topk_b))
   next_b = np.maximum.accumulate(np.clip(next_b, 0, max_topk))
   moved_b = next_b != topk_b
-  new = (next_b, floor_b, np.where(moved_b, topk_b, before_b),
-         *(np.where(moved_b, 0, x_b) for x_b in (tokens_b, pool_below_b, steps_b)))
+  new = (
+    next_b,
+    floor_b,
+    np.where(moved_b, topk_b, before_b),
+    *(np.where(moved_b, 0, x_b) for x_b in (tokens_b, pool_below_b, steps_b)),
+  )
   return LoopState(*(tuple(int(v) for v in x_b) for x_b in new))
 
 
@@ -353,6 +464,7 @@ class BudgetTable:
   crosses jit (train step, sparse teacher forcing, calibration). It is a traced int32 array, so a
   new schedule (a training stage, a calibration candidate) never recompiles; a `KVSchedule` is a
   static argument and would."""
+
   pages_by_len: jax.Array  # [max_len + 1] pages kept at each cached length
 
   def budget_pages(self, cached_len):
@@ -369,8 +481,9 @@ def position_bin(cached_len, page_size: int, bin_size: int):
   page_size 1 it is plain `cached_len // bin_size`.
   """
   if page_size < 1 or bin_size < page_size or bin_size % page_size:
-    raise ValueError(f"bin_size ({bin_size}) must be a positive multiple of page_size "
-                     f"({page_size})")
+    raise ValueError(
+      f"bin_size ({bin_size}) must be a positive multiple of page_size ({page_size})"
+    )
   cached_pages = (jnp.asarray(cached_len, jnp.int32) + page_size - 1) // page_size
   return cached_pages // (bin_size // page_size)
 
@@ -378,8 +491,7 @@ def position_bin(cached_len, page_size: int, bin_size: int):
 def is_quantile(quantile) -> bool:
   """Whether `quantile` can be the tail percentile a schedule holds at tau: a number in (0, 50)
   (5 is the paper's p5)."""
-  return (isinstance(quantile, (int, float)) and not isinstance(quantile, bool)
-          and 0 < quantile < 50)
+  return isinstance(quantile, (int, float)) and not isinstance(quantile, bool) and 0 < quantile < 50
 
 
 def _is_int(x) -> bool:

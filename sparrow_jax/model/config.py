@@ -2,6 +2,7 @@
 
 Frozen (hashable) so it can be a static argument of `jax.jit`.
 """
+
 import dataclasses
 from typing import Any
 
@@ -12,12 +13,12 @@ _ROPE_TYPES = ("default", "linear", "yarn")
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
   vocab_size: int = 151936
-  hidden_size: int = 2048            # D
-  intermediate_size: int = 6144      # F
-  num_hidden_layers: int = 28        # L
-  num_attention_heads: int = 16      # H
-  num_key_value_heads: int = 8       # K
-  head_dim: int = 128                # E (Qwen3 decouples it from hidden_size / heads)
+  hidden_size: int = 2048  # D
+  intermediate_size: int = 6144  # F
+  num_hidden_layers: int = 28  # L
+  num_attention_heads: int = 16  # H
+  num_key_value_heads: int = 8  # K
+  head_dim: int = 128  # E (Qwen3 decouples it from hidden_size / heads)
   rms_norm_eps: float = 1e-6
   rope_theta: float = 1_000_000.0
   tie_word_embeddings: bool = True
@@ -26,21 +27,31 @@ class Qwen3Config:
   rope_scaling: tuple = ()
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "num_key_value_heads",
+      "head_dim",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"Qwen3Config.{name} must be a positive int, got {value!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
-          f"Qwen3Config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-          f"num_key_value_heads ({self.num_key_value_heads})")
+        f"Qwen3Config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+        f"num_key_value_heads ({self.num_key_value_heads})"
+      )
     if self.head_dim % 2:
       raise ValueError(f"Qwen3Config.head_dim must be even for RoPE, got {self.head_dim}")
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in _ROPE_TYPES:
-      raise ValueError(f"Qwen3Config.rope_scaling rope_type {rope_type!r} is not supported; "
-                       f"supported: {_ROPE_TYPES}")
+      raise ValueError(
+        f"Qwen3Config.rope_scaling rope_type {rope_type!r} is not supported; "
+        f"supported: {_ROPE_TYPES}"
+      )
 
   @property
   def rope_scaling_dict(self) -> dict:
@@ -68,8 +79,17 @@ class Qwen3Config:
     model_type = d.get("model_type", "qwen3")
     if model_type != "qwen3":
       raise ValueError(f"config model_type is {model_type!r}; only 'qwen3' is supported")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in d]
+    missing = [
+      k
+      for k in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+      )
+      if k not in d
+    ]
     if missing:
       raise ValueError(f"config.json lacks required fields {missing}")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
@@ -80,58 +100,65 @@ class Qwen3Config:
       rope = {}
     num_heads = d["num_attention_heads"]
     return cls(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"],
-        num_attention_heads=num_heads,
-        num_key_value_heads=d.get("num_key_value_heads") or num_heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
-        max_position_embeddings=d.get("max_position_embeddings", 40960),
-        rope_scaling=tuple(sorted(rope.items())),
+      vocab_size=d["vocab_size"],
+      hidden_size=d["hidden_size"],
+      intermediate_size=d["intermediate_size"],
+      num_hidden_layers=d["num_hidden_layers"],
+      num_attention_heads=num_heads,
+      num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+      head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+      rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+      rope_theta=float(rope_theta),
+      tie_word_embeddings=d.get("tie_word_embeddings", False),
+      max_position_embeddings=d.get("max_position_embeddings", 40960),
+      rope_scaling=tuple(sorted(rope.items())),
     )
 
   def to_hf_dict(self) -> dict:
     rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
     rope_parameters.update(self.rope_scaling_dict)
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_hidden_layers,
-        "num_attention_heads": self.num_attention_heads,
-        "num_key_value_heads": self.num_key_value_heads,
-        "head_dim": self.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": self.rms_norm_eps,
-        "rope_theta": self.rope_theta,  # transformers 4.x reads this ...
-        "rope_parameters": rope_parameters,  # ... and 5.x this.
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "max_position_embeddings": self.max_position_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
+      "architectures": ["Qwen3ForCausalLM"],
+      "model_type": "qwen3",
+      "vocab_size": self.vocab_size,
+      "hidden_size": self.hidden_size,
+      "intermediate_size": self.intermediate_size,
+      "num_hidden_layers": self.num_hidden_layers,
+      "num_attention_heads": self.num_attention_heads,
+      "num_key_value_heads": self.num_key_value_heads,
+      "head_dim": self.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": self.rms_norm_eps,
+      "rope_theta": self.rope_theta,  # transformers 4.x reads this ...
+      "rope_parameters": rope_parameters,  # ... and 5.x this.
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "max_position_embeddings": self.max_position_embeddings,
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "use_sliding_window": False,
     }
 
 
 def _qwen3(hidden, inter, layers, heads, tie, kv=8, head_dim=128, vocab=151936) -> Qwen3Config:
-  return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                     head_dim=head_dim, tie_word_embeddings=tie)
+  return Qwen3Config(
+    vocab_size=vocab,
+    hidden_size=hidden,
+    intermediate_size=inter,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=kv,
+    head_dim=head_dim,
+    tie_word_embeddings=tie,
+  )
 
 
 # Published Qwen3 dense models (config.json of Qwen/Qwen3-*), plus tiny presets for tests and demos.
 PRESETS: dict[str, Qwen3Config] = {
-    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
-    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
-    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tie=True),
-    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
-    "qwen3-14b": _qwen3(5120, 17408, 40, 40, tie=False),
-    "tiny": _qwen3(64, 128, 2, 4, tie=True, kv=2, head_dim=16, vocab=256),
-    "tiny-untied": _qwen3(64, 128, 3, 4, tie=False, kv=1, head_dim=16, vocab=256),
+  "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
+  "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
+  "qwen3-4b": _qwen3(2560, 9728, 36, 32, tie=True),
+  "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
+  "qwen3-14b": _qwen3(5120, 17408, 40, 40, tie=False),
+  "tiny": _qwen3(64, 128, 2, 4, tie=True, kv=2, head_dim=16, vocab=256),
+  "tiny-untied": _qwen3(64, 128, 3, 4, tie=False, kv=1, head_dim=16, vocab=256),
 }

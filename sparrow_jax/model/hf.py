@@ -5,6 +5,7 @@ input-major layout and written into its layer's slot of the stacked [L, ...] arr
 in-place update of a donated buffer) before the next is read, so a load never holds two copies of
 the model. torch's Linear stores [out, in]; we store [in, out].
 """
+
 import functools
 import json
 import os
@@ -19,17 +20,17 @@ from safetensors.numpy import save_file
 from sparrow_jax.model.config import Qwen3Config
 
 _LAYER_NAMES = {  # our name -> (HF suffix under model.layers.{i}., transpose?)
-    "attn_norm": ("input_layernorm.weight", False),
-    "q": ("self_attn.q_proj.weight", True),
-    "k": ("self_attn.k_proj.weight", True),
-    "v": ("self_attn.v_proj.weight", True),
-    "o": ("self_attn.o_proj.weight", True),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "gate": ("mlp.gate_proj.weight", True),
-    "up": ("mlp.up_proj.weight", True),
-    "down": ("mlp.down_proj.weight", True),
+  "attn_norm": ("input_layernorm.weight", False),
+  "q": ("self_attn.q_proj.weight", True),
+  "k": ("self_attn.k_proj.weight", True),
+  "v": ("self_attn.v_proj.weight", True),
+  "o": ("self_attn.o_proj.weight", True),
+  "q_norm": ("self_attn.q_norm.weight", False),
+  "k_norm": ("self_attn.k_norm.weight", False),
+  "mlp_norm": ("post_attention_layernorm.weight", False),
+  "gate": ("mlp.gate_proj.weight", True),
+  "up": ("mlp.up_proj.weight", True),
+  "down": ("mlp.down_proj.weight", True),
 }
 
 
@@ -37,11 +38,23 @@ def hf_tensor_specs(cfg: Qwen3Config) -> dict:
   """HF tensor name -> (path into our params, expected HF shape, transpose?)."""
   D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
   H, K, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
-  our_shapes = {"attn_norm": (D,), "q": (D, H * E), "k": (D, K * E), "v": (D, K * E),
-                "o": (H * E, D), "q_norm": (E,), "k_norm": (E,), "mlp_norm": (D,),
-                "gate": (D, F), "up": (D, F), "down": (F, D)}
-  specs = {"model.embed_tokens.weight": (("embed",), (V, D), False),
-           "model.norm.weight": (("final_norm",), (D,), False)}
+  our_shapes = {
+    "attn_norm": (D,),
+    "q": (D, H * E),
+    "k": (D, K * E),
+    "v": (D, K * E),
+    "o": (H * E, D),
+    "q_norm": (E,),
+    "k_norm": (E,),
+    "mlp_norm": (D,),
+    "gate": (D, F),
+    "up": (D, F),
+    "down": (F, D),
+  }
+  specs = {
+    "model.embed_tokens.weight": (("embed",), (V, D), False),
+    "model.norm.weight": (("final_norm",), (D,), False),
+  }
   if not cfg.tie_word_embeddings:
     specs["lm_head.weight"] = (("lm_head",), (V, D), True)
   for i in range(cfg.num_hidden_layers):
@@ -68,7 +81,9 @@ def _tensor_files(path: str) -> dict:
     return {name: os.path.join(path, file) for name, file in weight_map.items()}
   single = os.path.join(path, "model.safetensors")
   if not os.path.exists(single):
-    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    raise FileNotFoundError(
+      f"{path} has neither model.safetensors nor model.safetensors.index.json"
+    )
   with _open(single) as f:
     return {name: single for name in f.keys()}
 
@@ -92,13 +107,18 @@ def load_hf(path: str, dtype=None):
   missing = [name for name in specs if name not in files]
   if missing:
     name = missing[0]
-    raise ValueError(f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {name!r} "
-                     f"(expected shape {specs[name][1]})")
+    raise ValueError(
+      f"checkpoint {path!r} lacks {len(missing)} tensors, e.g. {name!r} "
+      f"(expected shape {specs[name][1]})"
+    )
   # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); it is not needed.
-  unexpected = [n for n in files if n not in specs and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+  unexpected = [
+    n for n in files if n not in specs and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+  ]
   if unexpected:
-    raise ValueError(f"checkpoint {path!r} has {len(unexpected)} unexpected tensors, e.g. "
-                     f"{unexpected[0]!r}")
+    raise ValueError(
+      f"checkpoint {path!r} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
+    )
   params = {"layers": {}}
   by_file: dict = {}
   for name in specs:
@@ -112,8 +132,9 @@ def load_hf(path: str, dtype=None):
         except SafetensorError as e:
           raise ValueError(f"{file}: tensor {name!r} unreadable ({e})") from None
         if tuple(array.shape) != shape:
-          raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, "
-                           f"expected {shape}")
+          raise ValueError(
+            f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {shape}"
+          )
         value = jnp.asarray(array.T if transpose else array, dtype=dtype or array.dtype)
         del array
         if where[0] == "layers":
@@ -142,8 +163,13 @@ def _save_file(tensors: dict, file: str):
   os.chmod(file, 0o644)
 
 
-def save_hf(path: str, cfg: Qwen3Config, params, max_shard_bytes: Optional[int] = None,
-            generation_config: Optional[dict] = None):
+def save_hf(
+  path: str,
+  cfg: Qwen3Config,
+  params,
+  max_shard_bytes: Optional[int] = None,
+  generation_config: Optional[dict] = None,
+):
   """Writes config.json and safetensors (sharded with an index when over max_shard_bytes)."""
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
@@ -172,4 +198,3 @@ def save_hf(path: str, cfg: Qwen3Config, params, max_shard_bytes: Optional[int] 
     total += sum(a.nbytes for a in shard.values())
   with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-

@@ -4,6 +4,7 @@
 projections, stacked over layers like the model's; `scale` = alpha / rank is static (not trained, not decayed). B starts at zero so a fresh
 adapter leaves the model unchanged.
 """
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ class LoRA:
   scale: float = flax.struct.field(pytree_node=False, default=1.0)
 
 
-def init_lora(base_params, key, rank: int = 8, alpha: float = 16.0, targets=TARGETS,
-              dtype=jnp.float32) -> LoRA:
+def init_lora(
+  base_params, key, rank: int = 8, alpha: float = 16.0, targets=TARGETS, dtype=jnp.float32
+) -> LoRA:
   """Adapters on `targets` (default: all seven projections, as the reference's all-linear)."""
   bad = [t for t in targets if t not in TARGETS]
   if bad or not targets:

@@ -24,6 +24,7 @@ The model knows Qwen3 only. Attention is the one pluggable piece: `forward` take
 takes `attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a Python int); the sparsity policy
 (which layers stay dense, which pages the others read) builds both in sparrow_jax/attention/policy.py.
 """
+
 import math
 from typing import Callable, Optional
 
@@ -71,7 +72,9 @@ def _yarn_inv_freq(cfg, inv_freq, scaling):
   attention_factor = scaling.get("attention_factor")
   if attention_factor is None:
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-      attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+      attention_factor = mscale(factor, scaling["mscale"]) / mscale(
+        factor, scaling["mscale_all_dim"]
+      )
     else:
       attention_factor = mscale(factor)
 
@@ -81,7 +84,10 @@ def _yarn_inv_freq(cfg, inv_freq, scaling):
   low = math.floor(correction_dim(scaling.get("beta_fast", 32)))
   high = math.ceil(correction_dim(scaling.get("beta_slow", 1)))
   if not scaling.get("truncate", True):
-    low, high = correction_dim(scaling.get("beta_fast", 32)), correction_dim(scaling.get("beta_slow", 1))
+    low, high = (
+      correction_dim(scaling.get("beta_fast", 32)),
+      correction_dim(scaling.get("beta_slow", 1)),
+    )
   low, high = max(low, 0), min(high, dim - 1)
   high = high + 0.001 if low == high else high
   ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
@@ -105,19 +111,38 @@ def apply_rope(x_BTNE, positions_BT, cfg: Qwen3Config):
 def init_params(cfg: Qwen3Config, key, dtype=jnp.float32, std: float = 0.02):
   """Random params with HF's initializer (normal(0, 0.02) weights, unit norms)."""
   D, F, E = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-  H, K, V, L = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, cfg.num_hidden_layers
-  shapes = {"q": (D, H * E), "k": (D, K * E), "v": (D, K * E), "o": (H * E, D),
-            "gate": (D, F), "up": (D, F), "down": (F, D)}
+  H, K, V, L = (
+    cfg.num_attention_heads,
+    cfg.num_key_value_heads,
+    cfg.vocab_size,
+    cfg.num_hidden_layers,
+  )
+  shapes = {
+    "q": (D, H * E),
+    "k": (D, K * E),
+    "v": (D, K * E),
+    "o": (H * E, D),
+    "gate": (D, F),
+    "up": (D, F),
+    "down": (F, D),
+  }
   keys = jax.random.split(key, len(shapes) + 2)
 
   def normal(k, shape):
     return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
   layers = {name: normal(k, (L, *shape)) for k, (name, shape) in zip(keys, shapes.items())}
-  layers.update(attn_norm=jnp.ones((L, D), dtype), mlp_norm=jnp.ones((L, D), dtype),
-                q_norm=jnp.ones((L, E), dtype), k_norm=jnp.ones((L, E), dtype))
-  params = {"embed": normal(keys[-2], (V, D)), "layers": layers,
-            "final_norm": jnp.ones((D,), dtype)}
+  layers.update(
+    attn_norm=jnp.ones((L, D), dtype),
+    mlp_norm=jnp.ones((L, D), dtype),
+    q_norm=jnp.ones((L, E), dtype),
+    k_norm=jnp.ones((L, E), dtype),
+  )
+  params = {
+    "embed": normal(keys[-2], (V, D)),
+    "layers": layers,
+    "final_norm": jnp.ones((D,), dtype),
+  }
   if not cfg.tie_word_embeddings:
     params["lm_head"] = normal(keys[-1], (D, V))
   return params
@@ -128,8 +153,9 @@ def embed(params, tokens_BT, cfg: Qwen3Config):
   if not isinstance(tokens_BT, jax.core.Tracer):  # numpy: a concrete array captured under jit too
     lo, hi = int(np.min(np.asarray(tokens_BT))), int(np.max(np.asarray(tokens_BT)))
     if lo < 0 or hi >= cfg.vocab_size:
-      raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size); "
-                       f"got min {lo}, max {hi}")
+      raise ValueError(
+        f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size); got min {lo}, max {hi}"
+      )
   table_VD = sharding.constrain(params["embed"], ("lookup_vocab", "act_embed"))
   return jnp.take(table_VD, tokens_BT, axis=0)
 
@@ -162,6 +188,7 @@ def finish_layer(layer, x_BTD, attn_BTHE, cfg: Qwen3Config, lora_layer=None, lor
   def mlp(x_BCD):
     h_BCD = rms_norm(x_BCD, layer["mlp_norm"], cfg.rms_norm_eps)
     return x_BCD + proj(jax.nn.silu(proj(h_BCD, "gate")) * proj(h_BCD, "up"), "down")
+
   return mlp(x_BTD) if T <= MLP_CHUNK else map_sequence(mlp, (x_BTD,), MLP_CHUNK)
 
 
@@ -187,10 +214,12 @@ def map_sequence(fn, arrays, chunk: int):
     x = jnp.pad(x, ((0, 0), (0, n * c - S)) + ((0, 0),) * (x.ndim - 2))
     return x.reshape(B, n, c, *x.shape[2:]).swapaxes(0, 1)
 
-  _, ys = jax.lax.scan(jax.checkpoint(lambda _, xs: (None, fn(*xs))), None,
-                       tuple(map(to_chunks, arrays)))
-  return jax.tree_util.tree_map(lambda y: y.swapaxes(0, 1).reshape(B, n * c, *y.shape[3:])[:, :S],
-                                ys)
+  _, ys = jax.lax.scan(
+    jax.checkpoint(lambda _, xs: (None, fn(*xs))), None, tuple(map(to_chunks, arrays))
+  )
+  return jax.tree_util.tree_map(
+    lambda y: y.swapaxes(0, 1).reshape(B, n * c, *y.shape[3:])[:, :S], ys
+  )
 
 
 def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGITS_CHUNK):
@@ -204,7 +233,8 @@ def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGI
   """
   k = len(hiddens)
   return map_sequence(
-      lambda *xs: fn([unembed(params, h, cfg) for h in xs[:k]], *xs[k:]), (*hiddens, *args), chunk)
+    lambda *xs: fn([unembed(params, h, cfg) for h in xs[:k]], *xs[k:]), (*hiddens, *args), chunk
+  )
 
 
 def default_positions(mask_BT):
@@ -215,8 +245,9 @@ def default_positions(mask_BT):
 def causal_attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
   """The default teacher-forced attention: blockwise causal over the valid (mask_BT) keys."""
   del layer
-  return blockwise.attention(q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3),
-                             mask_BT)
+  return blockwise.attention(
+    q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3), mask_BT
+  )
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -226,11 +257,12 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], 
 # output and log-sum-exp (one [B, T, H, E] and one [B, H, T] per layer more), so the backward runs
 # the attention forward and the sparse page selection once instead of twice; "dots" keeps the
 # weight matmuls' outputs (less recompute, more activations); "none" keeps everything autodiff wants.
-REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-                  "attention": jax.checkpoint_policies.save_only_these_names(
-                      "attention_out", "attention_lse"),
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "none": None}
+REMAT_POLICIES = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "attention": jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"),
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "none": None,
+}
 
 
 def remat_full(layer_fn):
@@ -240,6 +272,7 @@ def remat_full(layer_fn):
   writes: XLA CPU runs bfloat16 dynamic-update-slices in float32 and had held two float32 copies of
   the bf16 stack (4x its size: 64 GB per device of a 14B x 38K train step; the sampler's cache
   avoids it the same way)."""
+
   def remat(x, *args):
     # The traced values layer_fn closes over (masks, budgets) become explicit inputs: a custom_vjp
     # backward may not close over tracers (jax.closure_convert hoists only float ones).
@@ -248,8 +281,10 @@ def remat_full(layer_fn):
 
     def call(x, args, consts):
       out = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(closed.jaxpr, consts))(
-          *jax.tree_util.tree_leaves((x, *args)))
+        *jax.tree_util.tree_leaves((x, *args))
+      )
       return jax.tree_util.tree_unflatten(out_tree, out)
+
     consts = list(closed.consts)
 
     @jax.custom_vjp
@@ -265,6 +300,7 @@ def remat_full(layer_fn):
 
     fn.defvjp(fwd, bwd)
     return fn(x, args, consts)
+
   return remat
 
 
@@ -277,12 +313,24 @@ def _layer_xs(params, lora):
   """What a scan over layers reads per layer: (layer params, LoRA adapters or None, index), and
   the LoRA scale."""
   L = params["layers"]["q"].shape[0]
-  return (params["layers"], None if lora is None else lora.params["layers"],
-          jnp.arange(L, dtype=jnp.int32)), (1.0 if lora is None else lora.scale)
+  return (
+    params["layers"],
+    None if lora is None else lora.params["layers"],
+    jnp.arange(L, dtype=jnp.int32),
+  ), (1.0 if lora is None else lora.scale)
 
 
-def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, mask_BT=None,
-                   attention_fn: Optional[AttentionFn] = None, lora=None, remat: str = "full"):
+def forward_hidden(
+  params,
+  tokens_BT,
+  cfg: Qwen3Config,
+  *,
+  positions_BT=None,
+  mask_BT=None,
+  attention_fn: Optional[AttentionFn] = None,
+  lora=None,
+  remat: str = "full",
+):
   """Teacher-forced pass up to the last hidden state x_BTD (before the final norm)."""
   check_remat(remat)
   B, T = tokens_BT.shape
@@ -310,14 +358,29 @@ def forward_hidden(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, ma
   return x_BTD
 
 
-def forward(params, tokens_BT, cfg: Qwen3Config, *, positions_BT=None, mask_BT=None,
-            attention_fn: Optional[AttentionFn] = None, lora=None):
+def forward(
+  params,
+  tokens_BT,
+  cfg: Qwen3Config,
+  *,
+  positions_BT=None,
+  mask_BT=None,
+  attention_fn: Optional[AttentionFn] = None,
+  lora=None,
+):
   """Teacher-forced logits_BTV (float32) of every position: for short rows and tests (training
   uses `forward_hidden` + `map_logits`). mask_BT marks real tokens (HF's attention_mask); positions
   default to skipping left padding. The sparse teacher-forced forward is `attention.policy.forward`
   (`sj.forward`), which passes its `attention_fn` here."""
-  x_BTD = forward_hidden(params, tokens_BT, cfg, positions_BT=positions_BT, mask_BT=mask_BT,
-                         attention_fn=attention_fn, lora=lora)
+  x_BTD = forward_hidden(
+    params,
+    tokens_BT,
+    cfg,
+    positions_BT=positions_BT,
+    mask_BT=mask_BT,
+    attention_fn=attention_fn,
+    lora=lora,
+  )
   return unembed(params, x_BTD, cfg)
 
 
@@ -330,8 +393,9 @@ def token_logprobs(logits_BTV, targets_BT, temperature: float = 1.0):
 PREFILL_CHUNK = 512  # prompt tokens per prefill chunk (rounded to whole pages)
 
 
-def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None,
-            chunk: int = PREFILL_CHUNK):
+def prefill(
+  params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None, chunk: int = PREFILL_CHUNK
+):
   """Dense pass over right-padded prompts that fills the cache, `chunk` tokens at a time (each
   chunk attends blockwise to the cache written so far, so memory is linear in the prompt). Returns
   the logits_BV of each row's last prompt token (which predict the first generated token) and the
@@ -341,8 +405,10 @@ def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=No
   C = min(-(-chunk // Z) * Z, -(-T // Z) * Z)
   n = -(-T // C)
   if n * C > cache.max_len:
-    raise ValueError(f"the prompt padded to whole prefill chunks ({n * C} tokens) exceeds the "
-                     f"cache ({cache.max_len} tokens)")
+    raise ValueError(
+      f"the prompt padded to whole prefill chunks ({n * C} tokens) exceeds the "
+      f"cache ({cache.max_len} tokens)"
+    )
   tokens_BT = jnp.pad(prompt_BT, ((0, 0), (0, n * C - T)))
   valid_BS = jnp.arange(cache.max_len)[None] < prompt_len_B[:, None]
   xs, scale = _layer_xs(params, lora)
@@ -358,8 +424,9 @@ def prefill(params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=No
       layer, lora_layer, i = xs
       q_BCHE, k_BCKE, v_BCKE = qkv(layer, x_BCD, pos_BC, cfg, lora_layer, scale)
       cache = paged_cache.write_chunk(cache, i, start, k_BCKE, v_BCKE, valid_BC)
-      attn = blockwise.attention(q_BCHE.reshape(B, C, K, G, E), cache.keys(i), cache.values(i), valid_BS,
-                                 q_offset=start)
+      attn = blockwise.attention(
+        q_BCHE.reshape(B, C, K, G, E), cache.keys(i), cache.values(i), valid_BS, q_offset=start
+      )
       x_BCD = finish_layer(layer, x_BCD, attn.reshape(B, C, K * G, E), cfg, lora_layer, scale)
       return (sharding.constrain(x_BCD, ACT_AXES), paged_cache.constrain(cache)), None
 
@@ -389,16 +456,25 @@ def unstack_layers(params, lora=None):
   XLA CPU copies a stacked layer's weights at every step, whether a scan slices them or a static
   index does (4 layers of 512 x 1536 weights: 1.9 and 3.0 ms per step, 0.57 ms split before the
   loop)."""
-  split = lambda tree: tuple(jax.tree_util.tree_map(lambda x: x[i], tree)
-                             for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0]))
+  split = lambda tree: tuple(
+    jax.tree_util.tree_map(lambda x: x[i], tree)
+    for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0])
+  )
   params = dict(params, layers=split(params["layers"]))
   if lora is not None:
     lora = lora.replace(params=dict(lora.params, layers=split(lora.params["layers"])))
   return params, lora
 
 
-def decode_step(params, token_B, cfg: Qwen3Config, caches, *,
-                attention_fn: Optional[DecodeAttentionFn] = None, lora=None):
+def decode_step(
+  params,
+  token_B,
+  cfg: Qwen3Config,
+  caches,
+  *,
+  attention_fn: Optional[DecodeAttentionFn] = None,
+  lora=None,
+):
   """Appends one token per sequence and returns the next-token logits_BV and the caches.
 
   caches: one single-layer cache per layer (`paged_cache.split_layers`, or a page pool's

@@ -15,6 +15,7 @@ host and joins them into global arrays (`jax.make_array_from_process_local_data`
 reads them back. Devices are laid out process-major (jax.devices() order), with tensor the fastest
 axis, so a process's rows are one contiguous block and a tensor-parallel group stays on one host.
 """
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -25,24 +26,24 @@ BATCH = ("data", "fsdp")  # the mesh axes rows are sharded over
 
 # logical axis -> mesh axis (None = replicated)
 RULES = {
-    "batch": BATCH,
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "layers": None,  # the scanned axis of stacked layers and of the cache
-    "lora_rank": None,
-    "norm": None,
-    "head_dim": None,
-    "q_group": None,  # the query heads that share one KV head (G)
-    "cache_len": None,
-    "pages": None,
-    "summary_rows": None,  # a page summary's rows (paged_cache.PAGE_SCORES)
-    "length": None,  # positions of a row
-    "micro_batch": None,  # the stacked slices of gradient accumulation
-    "lookup_vocab": None,  # the embedding table at lookup is gathered: any row may hold any id
-    "act_embed": None,  # the model width of activations (weights' "embed" is FSDP-sharded)
+  "batch": BATCH,
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "heads": "tensor",
+  "kv_heads": "tensor",
+  "mlp": "tensor",
+  "layers": None,  # the scanned axis of stacked layers and of the cache
+  "lora_rank": None,
+  "norm": None,
+  "head_dim": None,
+  "q_group": None,  # the query heads that share one KV head (G)
+  "cache_len": None,
+  "pages": None,
+  "summary_rows": None,  # a page summary's rows (paged_cache.PAGE_SCORES)
+  "length": None,  # positions of a row
+  "micro_batch": None,  # the stacked slices of gradient accumulation
+  "lookup_vocab": None,  # the embedding table at lookup is gathered: any row may hold any id
+  "act_embed": None,  # the model width of activations (weights' "embed" is FSDP-sharded)
 }
 
 # The sampler's weights: gathered over fsdp once per rollout instead of at every decode step and
@@ -50,16 +51,27 @@ RULES = {
 ROLLOUT_RULES = {**RULES, "embed": None}
 
 _LAYER_AXES = {
-    "attn_norm": ("norm",), "mlp_norm": ("norm",), "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
-    "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+  "attn_norm": ("norm",),
+  "mlp_norm": ("norm",),
+  "q_norm": ("head_dim",),
+  "k_norm": ("head_dim",),
+  "q": ("embed", "heads"),
+  "k": ("embed", "kv_heads"),
+  "v": ("embed", "kv_heads"),
+  "o": ("heads", "embed"),
+  "gate": ("embed", "mlp"),
+  "up": ("embed", "mlp"),
+  "down": ("mlp", "embed"),
 }
 
 
 def param_axes(params):
   """The params pytree with each array replaced by its tuple of logical axis names."""
-  axes = {"embed": ("vocab", "embed"), "final_norm": ("norm",),
-          "layers": {name: ("layers",) + _LAYER_AXES[name] for name in params["layers"]}}
+  axes = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("norm",),
+    "layers": {name: ("layers",) + _LAYER_AXES[name] for name in params["layers"]},
+  }
   if "lm_head" in params:
     axes["lm_head"] = ("embed", "vocab")
   return axes
@@ -68,15 +80,23 @@ def param_axes(params):
 def lora_axes(lora_params):
   """LoRA adapters {"layers": {name: {"a": [L, in, r], "b": [L, r, out]}}}: a and b shard like the
   projection's input and output axes; the rank is replicated."""
-  return {"layers": {name: {"a": ("layers", _LAYER_AXES[name][0], "lora_rank"),
-                            "b": ("layers", "lora_rank", _LAYER_AXES[name][1])}
-                     for name in lora_params["layers"]}}
+  return {
+    "layers": {
+      name: {
+        "a": ("layers", _LAYER_AXES[name][0], "lora_rank"),
+        "b": ("layers", "lora_rank", _LAYER_AXES[name][1]),
+      }
+      for name in lora_params["layers"]
+    }
+  }
 
 
-CACHE_AXES = {"k_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "v_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
-              "summaries": ("layers", "batch", "kv_heads", "pages", "summary_rows", "head_dim"),
-              "lengths": ("batch",)}
+CACHE_AXES = {
+  "k_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+  "v_stored": ("layers", "batch", "kv_heads", "cache_len", "head_dim"),
+  "summaries": ("layers", "batch", "kv_heads", "pages", "summary_rows", "head_dim"),
+  "lengths": ("batch",),
+}
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -86,8 +106,10 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   if data == -1 and fsdp >= 1 and tensor >= 1 and len(devices) % (fsdp * tensor) == 0:
     data = len(devices) // (fsdp * tensor)
   if min(data, fsdp, tensor) < 1 or data * fsdp * tensor != len(devices):
-    raise ValueError(f"mesh data*fsdp*tensor = {data}*{fsdp}*{tensor} does not match the "
-                     f"{len(devices)} devices (data = -1: the devices fsdp*tensor leaves)")
+    raise ValueError(
+      f"mesh data*fsdp*tensor = {data}*{fsdp}*{tensor} does not match the "
+      f"{len(devices)} devices (data = -1: the devices fsdp*tensor leaves)"
+    )
   return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
 
 
@@ -113,8 +135,11 @@ def spec(logical_axes, shape, mesh, rules=None) -> PartitionSpec:
 def shardings(tree, axes_tree, mesh: Mesh, rules=None):
   """NamedShardings for the arrays (or ShapeDtypeStructs) of `tree`, by their logical axes."""
   return jax.tree_util.tree_map(
-      lambda axes, x: NamedSharding(mesh, spec(axes, x.shape, mesh, rules)), axes_tree, tree,
-      is_leaf=lambda a: isinstance(a, tuple))
+    lambda axes, x: NamedSharding(mesh, spec(axes, x.shape, mesh, rules)),
+    axes_tree,
+    tree,
+    is_leaf=lambda a: isinstance(a, tuple),
+  )
 
 
 def param_shardings(params, mesh: Mesh, rules=None):
@@ -148,9 +173,11 @@ def place(tree, shardings_tree):
   """Host or single-device arrays -> global arrays with the given shardings (a tree like `tree`,
   or one sharding for every leaf). Every process passes the same values (each loads the
   checkpoint) and keeps only its devices' shards."""
+
   def put(x, sharding):
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
   if isinstance(shardings_tree, NamedSharding):
     return jax.tree_util.tree_map(lambda x: put(x, shardings_tree), tree)
   return jax.tree_util.tree_map(put, tree, shardings_tree)

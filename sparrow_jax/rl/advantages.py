@@ -2,6 +2,7 @@
 within the group. Rows are laid out group-major: rows [g*G, (g+1)*G) share a prompt.
 A group whose rewards are all equal carries no signal and gets zero advantage.
 """
+
 import jax.numpy as jnp
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -9,13 +10,15 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 def _groups(rewards_B, group_size):
   if rewards_B.shape[0] % group_size:
-    raise ValueError(f"batch of {rewards_B.shape[0]} rows is not a multiple of group_size "
-                     f"{group_size}")
+    raise ValueError(
+      f"batch of {rewards_B.shape[0]} rows is not a multiple of group_size {group_size}"
+    )
   return rewards_B.reshape(-1, group_size).astype(jnp.float32)
 
 
-def advantages(rewards_B, group_size: int, estimator: str = "grpo", eps: float = 1e-6,
-               std_ddof: int = 1):
+def advantages(
+  rewards_B, group_size: int, estimator: str = "grpo", eps: float = 1e-6, std_ddof: int = 1
+):
   """Per-row advantages [B].
 
   grpo: (r - group mean) / group std (DeepSeekMath; by default the unbiased std, std_ddof=1, as the

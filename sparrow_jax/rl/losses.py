@@ -2,6 +2,7 @@
 sampling (TIS), loss aggregation, and optional KL / entropy terms. All per-token arrays are [B, T]
 with a mask of the completion tokens; everything is pure jnp.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -9,7 +10,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 TIS_LEVELS = ("token", "sequence", "none")
 KL_KINDS = ("k1", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp (verl's PPO ratio and low_var_kl)
-K3_CAP = 10.0           # per-token k3 cap (verl's low_var_kl)
+K3_CAP = 10.0  # per-token k3 cap (verl's low_var_kl)
 
 
 def aggregate(loss_BT, mask_BT, mode: str = "token-mean", norm_len: float = 1.0):
@@ -40,8 +41,9 @@ def tis_weight(logp_old_BT, logp_rollout_BT, mask_BT, cap: float, level: str = "
   return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_ratio), cap))
 
 
-def ppo_token_loss(logp_BT, logp_old_BT, adv_B, eps_low: float, eps_high: float,
-                   dual_clip: float = 0.0):
+def ppo_token_loss(
+  logp_BT, logp_old_BT, adv_B, eps_low: float, eps_high: float, dual_clip: float = 0.0
+):
   """Clipped surrogate per token (to minimise) and whether the clip was active.
 
   With dual_clip = c > 1, negative-advantage tokens are additionally bounded by -c * A, so a huge

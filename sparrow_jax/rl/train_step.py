@@ -22,6 +22,7 @@ Sequences are right-padded rows of prompt + completion; every per-token array is
 value[b, s] concerns token s (its log-prob given tokens < s), and `gen_mask[b, s]` marks completion
 tokens. Non-finite losses or gradients skip the update (state unchanged; `metrics["skipped"]`).
 """
+
 import dataclasses
 from typing import Optional
 
@@ -44,37 +45,38 @@ TOP_K = 20  # top log-probs per token for the acceptance lower bound (the refere
 class StepConfig:
   group_size: int = 8
   estimator: str = "grpo"
-  grpo_std_ddof: int = 1         # 1: unbiased group std (the reference's torch.std); 0: population
+  grpo_std_ddof: int = 1  # 1: unbiased group std (the reference's torch.std); 0: population
   eps_low: float = 0.2
   eps_high: float = 0.28
   dual_clip: float = 3.0
   tis_cap: float = 2.0
   tis_level: str = "token"
   loss_agg: str = "token-mean"
-  kl_coef: float = 0.0           # KL to the reference (initial) params; 0 = no reference kept
+  kl_coef: float = 0.0  # KL to the reference (initial) params; 0 = no reference kept
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   ppo_epochs: int = 1
   num_minibatches: int = 1
-  dapo_filter: bool = False      # drop zero-variance groups from the loss (DAPO dynamic sampling)
-  distill: bool = True           # DistillSparse LoRA update in the same step
+  dapo_filter: bool = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
+  distill: bool = True  # DistillSparse LoRA update in the same step
   distill_kl_coef: float = 1e-3  # lambda of the k3 term
   distill_ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
   exact_acceptance: bool = True  # log exact alpha = sum_x min(p, q) (see the module docstring)
-  tau: float = 0.86              # acceptance threshold (for the "fraction under tau" metric)
-  quantile: float = 5            # the tail percentile held at tau, logged beside p1/p5/p10/p50
-  bin_size: int = 2048           # position bin of the tail statistics (schedule.position_bin)
+  tau: float = 0.86  # acceptance threshold (for the "fraction under tau" metric)
+  quantile: float = 5  # the tail percentile held at tau, logged beside p1/p5/p10/p50
+  bin_size: int = 2048  # position bin of the tail statistics (schedule.position_bin)
   num_bins: int = 20
-  page_size: int = 16            # KV page size: tokens are binned by whole pages cached
-  temperature: float = 1.0       # rollout temperature (log-probs are of logits / temperature)
-  micro_batches: int = 1         # gradient accumulation: rows of a minibatch per backward pass / n
-  remat: str = "full"            # per-layer rematerialisation (qwen3.REMAT_POLICIES)
-  logits_chunk: int = 512        # positions per LM-head chunk (qwen3.map_logits)
+  page_size: int = 16  # KV page size: tokens are binned by whole pages cached
+  temperature: float = 1.0  # rollout temperature (log-probs are of logits / temperature)
+  micro_batches: int = 1  # gradient accumulation: rows of a minibatch per backward pass / n
+  remat: str = "full"  # per-layer rematerialisation (qwen3.REMAT_POLICIES)
+  logits_chunk: int = 512  # positions per LM-head chunk (qwen3.map_logits)
 
   def __post_init__(self):
     def require(ok, name, allowed):
       if not ok:
         raise ValueError(f"StepConfig.{name} = {getattr(self, name)!r} is invalid: {allowed}")
+
     require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO groups)")
     require(self.estimator in advantages.ESTIMATORS, "estimator", f"one of {advantages.ESTIMATORS}")
     require(self.grpo_std_ddof in (0, 1), "grpo_std_ddof", "0 or 1")
@@ -92,10 +94,16 @@ class StepConfig:
     require(self.distill_ppo_coef >= 0, "distill_ppo_coef", "must be >= 0")
     require(0 < self.tau <= 1, "tau", "must lie in (0, 1]")
     require(schedule.is_quantile(self.quantile), "quantile", "must be a percentile in (0, 50)")
-    require(self.page_size >= 1 and not self.page_size & (self.page_size - 1), "page_size",
-            "must be a power of two")
-    require(self.bin_size >= self.page_size and self.bin_size % self.page_size == 0, "bin_size",
-            f"must be a positive multiple of page_size ({self.page_size})")
+    require(
+      self.page_size >= 1 and not self.page_size & (self.page_size - 1),
+      "page_size",
+      "must be a power of two",
+    )
+    require(
+      self.bin_size >= self.page_size and self.bin_size % self.page_size == 0,
+      "bin_size",
+      f"must be a positive multiple of page_size ({self.page_size})",
+    )
     require(self.num_bins >= 1, "num_bins", "must be >= 1")
     require(self.temperature > 0, "temperature", "must be > 0")
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
@@ -116,24 +124,29 @@ class TrainState:
 @flax.struct.dataclass
 class Batch:
   """One step's rollouts, token-aligned (value[b, s] concerns token s)."""
-  tokens: jax.Array          # [B, S] int32 right-padded prompt + completion rows
-  gen_mask: jax.Array        # [B, S] bool, the completion tokens
-  prompt_len: jax.Array      # [B] int32, where decoding began
-  logp_rollout: jax.Array    # [B, S] the sampler's (behaviour) log-prob of each completion token
-  rewards: jax.Array         # [B] float32
+
+  tokens: jax.Array  # [B, S] int32 right-padded prompt + completion rows
+  gen_mask: jax.Array  # [B, S] bool, the completion tokens
+  prompt_len: jax.Array  # [B] int32, where decoding began
+  logp_rollout: jax.Array  # [B, S] the sampler's (behaviour) log-prob of each completion token
+  rewards: jax.Array  # [B] float32
   top_logp: Optional[jax.Array] = None  # [B, S, 20] the sampler's top-20 log-probs (if kept)
-  top_ids: Optional[jax.Array] = None   # [B, S, 20] their token ids
+  top_ids: Optional[jax.Array] = None  # [B, S, 20] their token ids
 
   @classmethod
   def abstract(cls, rows: int, length: int, top: bool = True) -> "Batch":
     """The shapes and dtypes of a batch, with the top-20 if `top` (jax.ShapeDtypeStruct leaves):
     to lower and compile the train step without allocating one (experiments/memory_report.py)."""
     sds = jax.ShapeDtypeStruct
-    return cls(tokens=sds((rows, length), jnp.int32), gen_mask=sds((rows, length), bool),
-               prompt_len=sds((rows,), jnp.int32), logp_rollout=sds((rows, length), jnp.float32),
-               rewards=sds((rows,), jnp.float32),
-               top_logp=sds((rows, length, TOP_K), jnp.float32) if top else None,
-               top_ids=sds((rows, length, TOP_K), jnp.int32) if top else None)
+    return cls(
+      tokens=sds((rows, length), jnp.int32),
+      gen_mask=sds((rows, length), bool),
+      prompt_len=sds((rows,), jnp.int32),
+      logp_rollout=sds((rows, length), jnp.float32),
+      rewards=sds((rows,), jnp.float32),
+      top_logp=sds((rows, length, TOP_K), jnp.float32) if top else None,
+      top_ids=sds((rows, length, TOP_K), jnp.int32) if top else None,
+    )
 
 
 def next_token_aligned(x_BS):
@@ -162,28 +175,34 @@ def token_stats(params, x_BSD, batch, cfg, sc: StepConfig, with_top: bool = Fals
   """From the hidden states, per token s (token alignment): "logp" of token s under
   softmax(logits / temperature) at s - 1, the "entropy_BS" of that distribution, and (if asked)
   its "top" TOP_K (log-probs, ids). Chunked with the LM head: no [B, S, V] array."""
+
   def fn(logits, targets_BC):
     logp_BCV = jax.nn.log_softmax(logits[0] / sc.temperature, axis=-1)
-    out = {"logp": jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0],
-           "entropy_BS": losses.entropy(logp_BCV)}
+    out = {
+      "logp": jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0],
+      "entropy_BS": losses.entropy(logp_BCV),
+    }
     if with_top:
       out["top"] = jax.lax.top_k(logp_BCV, TOP_K)
     return out
 
-  stats = qwen3.map_logits(params, cfg, fn, (x_BSD,), (jnp.roll(batch.tokens, -1, axis=1),),
-                           chunk=sc.logits_chunk)
+  stats = qwen3.map_logits(
+    params, cfg, fn, (x_BSD,), (jnp.roll(batch.tokens, -1, axis=1),), chunk=sc.logits_chunk
+  )
   return jax.tree_util.tree_map(next_token_aligned, stats)
 
 
-def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None,
-                weights=(1.0, 1.0)):
+def policy_loss(
+  params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None, weights=(1.0, 1.0)
+):
   """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update),
   and aux carries its hidden states and token statistics for the step's metrics. weights = (of the
   policy-gradient term, of the token-mean terms): a micro-batch's share of its minibatch."""
   mask = batch.gen_mask
   x_BSD = hidden_states(params, batch, cfg, sc)
-  stats = token_stats(params, x_BSD, batch, cfg, sc, logp_old_BS is None
-                      and batch.top_logp is not None)
+  stats = token_stats(
+    params, x_BSD, batch, cfg, sc, logp_old_BS is None and batch.top_logp is not None
+  )
   logp = stats["logp"]
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
   pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
@@ -194,18 +213,21 @@ def policy_loss(params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref
     loss = loss - token_weight * sc.entropy_coef * losses.aggregate(stats["entropy_BS"], mask)
   if ref_params is not None and sc.kl_coef > 0:
     ref_params = jax.lax.stop_gradient(ref_params)
-    ref_logp = token_stats(ref_params, hidden_states(ref_params, batch, cfg, sc), batch, cfg,
-                           sc)["logp"]
+    ref_logp = token_stats(ref_params, hidden_states(ref_params, batch, cfg, sc), batch, cfg, sc)[
+      "logp"
+    ]
     loss = loss + token_weight * sc.kl_coef * losses.aggregate(
-        losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask)
+      losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask
+    )
   aux = {"clip_frac": token_weight * losses.aggregate(clipped.astype(jnp.float32), mask)}
   if logp_old_BS is None:
     aux.update(hidden=jax.lax.stop_gradient(x_BSD), **jax.lax.stop_gradient(stats))
   return loss, aux
 
 
-def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget,
-                 weights=(1.0, 1.0)):
+def distill_loss(
+  lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget, weights=(1.0, 1.0)
+):
   """DistillSparse: PPO on the sparse actor's own rollouts (its rollout log-probs are the old
   policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient). aux carries
   the sparse+LoRA hidden states (with the pre-update adapter: exactly the rollout policy q)."""
@@ -213,12 +235,15 @@ def distill_loss(lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig,
   params = jax.lax.stop_gradient(params)
   x_BSD = hidden_states(params, batch, cfg, sc, lora, sparse, budget)
   logp_q = token_stats(params, x_BSD, batch, cfg, sc)["logp"]
-  pg, _ = losses.ppo_token_loss(logp_q, batch.logp_rollout, adv_B, sc.eps_low, sc.eps_high,
-                                sc.dual_clip)
+  pg, _ = losses.ppo_token_loss(
+    logp_q, batch.logp_rollout, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip
+  )
   pg_weight, token_weight = weights
   kl = token_weight * losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
-  loss = (pg_weight * sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
-          + sc.distill_kl_coef * kl)
+  loss = (
+    pg_weight * sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
+    + sc.distill_kl_coef * kl
+  )
   return loss, {"distill_kl": kl, "hidden": jax.lax.stop_gradient(x_BSD)}
 
 
@@ -263,8 +288,9 @@ def _rows(tree, stacked: bool = False):
   """Each array's rows constrained to the batch mesh axes (after a leading stack axis)."""
   lead = ("micro_batch",) if stacked else ()
   return jax.tree_util.tree_map(
-      lambda x: sharding.constrain(x, lead + ("batch",) + ("length",) * (x.ndim - len(lead) - 1)),
-      tree)
+    lambda x: sharding.constrain(x, lead + ("batch",) + ("length",) * (x.ndim - len(lead) - 1)),
+    tree,
+  )
 
 
 def map_row_slices(fn, rows, n: int):
@@ -319,17 +345,25 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
   "acceptance_topk20" (the reference's lower bound from both top-20s, when the rollout has them)."""
   mask = batch.gen_mask
   positions = jnp.broadcast_to(jnp.arange(mask.shape[1])[None], mask.shape)
-  families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS,
-                                                                  batch.logp_rollout)}
+  families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS, batch.logp_rollout)}
   if alpha_BS is not None:
     families["acceptance"] = alpha_BS
   if top_old is not None:
     families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
-        *top_old, batch.top_logp, batch.top_ids)
+      *top_old, batch.top_logp, batch.top_ids
+    )
   metrics = {}
   for name, alpha in families.items():
-    stats = acceptance.tail_stats(alpha, mask, positions, sc.bin_size, sc.num_bins, sc.page_size,
-                                  sc.tau, acceptance.tail_percentiles(sc.quantile))
+    stats = acceptance.tail_stats(
+      alpha,
+      mask,
+      positions,
+      sc.bin_size,
+      sc.num_bins,
+      sc.page_size,
+      sc.tau,
+      acceptance.tail_percentiles(sc.quantile),
+    )
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
   return metrics
@@ -343,20 +377,37 @@ def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> T
   params = sharding.param_shardings(state.params, mesh)
 
   def opt(optim, opt_state, like):
-    return optax.tree_map_params(optim, lambda _, s: s, opt_state, like,
-                                 transform_non_params=lambda _: rep,
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+    return optax.tree_map_params(
+      optim,
+      lambda _, s: s,
+      opt_state,
+      like,
+      transform_non_params=lambda _: rep,
+      is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding),
+    )
+
   lora = lora_opt = None
   if state.lora is not None:
     lora = sharding.lora_shardings(state.lora, mesh)
     lora_opt = opt(lora_optimizer, state.lora_opt_state, lora)
-  return TrainState(step=rep, params=params, opt_state=opt(optimizer, state.opt_state, params),
-                    lora=lora, lora_opt_state=lora_opt,
-                    ref_params=None if state.ref_params is None else params)
+  return TrainState(
+    step=rep,
+    params=params,
+    opt_state=opt(optimizer, state.opt_state, params),
+    lora=lora,
+    lora_opt_state=lora_opt,
+    ref_params=None if state.ref_params is None else params,
+  )
 
 
-def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=None,
-                    state_shardings: Optional[TrainState] = None):
+def make_train_step(
+  cfg,
+  sc: StepConfig,
+  optimizer,
+  lora_optimizer=None,
+  sparse=None,
+  state_shardings: Optional[TrainState] = None,
+):
   """Returns train_step(state, batch, budget=None) -> (state, metrics), jit-compiled with the state
   donated.
 
@@ -373,15 +424,18 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
 
   def train_step(state: TrainState, batch, budget=None):
     if (sparse is None) != (budget is None):
-      raise ValueError("train_step needs a budget (schedule.BudgetTable) exactly when the "
-                       "rollouts are sparse")
+      raise ValueError(
+        "train_step needs a budget (schedule.BudgetTable) exactly when the rollouts are sparse"
+      )
     if sc.dapo_filter:
-      keep_B = jnp.repeat(advantages.informative_groups(batch.rewards, sc.group_size),
-                          sc.group_size)
+      keep_B = jnp.repeat(
+        advantages.informative_groups(batch.rewards, sc.group_size), sc.group_size
+      )
       batch = batch.replace(gen_mask=batch.gen_mask & keep_B[:, None])
     mask = batch.gen_mask
-    adv_B = advantages.advantages(batch.rewards, sc.group_size, sc.estimator,
-                                  std_ddof=sc.grpo_std_ddof)
+    adv_B = advantages.advantages(
+      batch.rewards, sc.group_size, sc.estimator, std_ddof=sc.grpo_std_ddof
+    )
     with_top = batch.top_logp is not None
     single = sc.ppo_epochs * sc.num_minibatches == 1
     pass_slices = sc.num_minibatches * sc.micro_batches  # no-grad passes: a gradient pass's rows
@@ -390,37 +444,56 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
       x_p = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc), batch, pass_slices)
       old = dict(hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, with_top))
 
-    params, opt_state, lora, lora_opt_state = (state.params, state.opt_state, state.lora,
-                                               state.lora_opt_state)
+    params, opt_state, lora, lora_opt_state = (
+      state.params,
+      state.opt_state,
+      state.lora,
+      state.lora_opt_state,
+    )
     base_rows, lora_rows, skipped, skipped_lora, x_q = [], [], [], [], None
     for _ in range(sc.ppo_epochs):
-      for mb, adv_mb, old_mb in _minibatches(batch, adv_B, None if single else old["logp"],
-                                             sc.num_minibatches):
-        base_loss = lambda p, rows, w: policy_loss(p, rows[0], rows[1], cfg, sc, rows[2],
-                                                   state.ref_params, w)
-        (loss, aux), grads = accumulated_grad(base_loss, params, (mb, adv_mb, old_mb),
-                                              sc.micro_batches, sc.loss_agg)
-        params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params,
-                                                               loss)
+      for mb, adv_mb, old_mb in _minibatches(
+        batch, adv_B, None if single else old["logp"], sc.num_minibatches
+      ):
+        base_loss = lambda p, rows, w: policy_loss(
+          p, rows[0], rows[1], cfg, sc, rows[2], state.ref_params, w
+        )
+        (loss, aux), grads = accumulated_grad(
+          base_loss, params, (mb, adv_mb, old_mb), sc.micro_batches, sc.loss_agg
+        )
+        params, opt_state, grad_norm, finite = _guarded_update(
+          optimizer, grads, opt_state, params, loss
+        )
         old = aux if single else old
         n_tokens = jnp.sum(mb.gen_mask)
-        base_rows.append(({"loss/policy": loss, "grad_norm/policy": grad_norm,
-                           "ppo/clip_frac": aux["clip_frac"]}, n_tokens))
+        base_rows.append(
+          (
+            {"loss/policy": loss, "grad_norm/policy": grad_norm, "ppo/clip_frac": aux["clip_frac"]},
+            n_tokens,
+          )
+        )
         skipped.append(~finite)
         if sc.distill:
           # The teacher log-probs are those of the pre-update base, so the adapter is fitted on
           # that same base: fitting sparse(new base) + LoRA to dense(old base) would teach the
           # adapter to undo each policy update, and the actor would drift from the policy.
           teacher = old["logp"] if single else old_mb
-          lora_loss = lambda l, rows, w: distill_loss(l, state.params, rows[0], rows[1], rows[2],
-                                                      cfg, sc, sparse, budget, w)
-          (d_loss, d_aux), d_grads = accumulated_grad(lora_loss, lora, (mb, adv_mb, teacher),
-                                                      sc.micro_batches, sc.loss_agg)
+          lora_loss = lambda lora, rows, w: distill_loss(
+            lora, state.params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w
+          )
+          (d_loss, d_aux), d_grads = accumulated_grad(
+            lora_loss, lora, (mb, adv_mb, teacher), sc.micro_batches, sc.loss_agg
+          )
           lora, lora_opt_state, d_norm, d_finite = _guarded_update(
-              lora_optimizer, d_grads, lora_opt_state, lora, d_loss)
+            lora_optimizer, d_grads, lora_opt_state, lora, d_loss
+          )
           x_q = d_aux["hidden"] if single else None
-          lora_rows.append(({"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"],
-                             "grad_norm/lora": d_norm}, n_tokens))
+          lora_rows.append(
+            (
+              {"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"], "grad_norm/lora": d_norm},
+              n_tokens,
+            )
+          )
           skipped_lora.append(~d_finite)
 
     metrics = _token_weighted(base_rows)
@@ -433,42 +506,63 @@ def make_train_step(cfg, sc: StepConfig, optimizer, lora_optimizer=None, sparse=
     w = losses.tis_weight(old["logp"], batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
     n_gen = jnp.maximum(jnp.sum(mask), 1)
     lengths = jnp.sum(mask, 1)
-    metrics.update({
+    metrics.update(
+      {
         "entropy": losses.aggregate(old["entropy_BS"], mask),
         "tis/weight_mean": jnp.sum(w * mask) / n_gen,
         "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
         "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / n_gen,
-        "reward/mean": jnp.mean(batch.rewards), "reward/std": jnp.std(batch.rewards),
-        "response_length/mean": jnp.mean(lengths), "response_length/max": jnp.max(lengths)})
+        "reward/mean": jnp.mean(batch.rewards),
+        "reward/std": jnp.std(batch.rewards),
+        "response_length/mean": jnp.mean(lengths),
+        "response_length/max": jnp.max(lengths),
+      }
+    )
     alpha = None
     if sc.exact_acceptance:
       if sparse is None:
         alpha = jnp.where(mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
       else:
         if x_q is None:
-          x_q = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc, state.lora,
-                                                       sparse, budget), batch, pass_slices)
+          x_q = map_row_slices(
+            lambda b: hidden_states(state.params, b, cfg, sc, state.lora, sparse, budget),
+            batch,
+            pass_slices,
+          )
         alpha = exact_acceptance(state.params, old["hidden"], x_q, cfg, sc)
     metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), alpha, sc))
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, lora=lora,
-                              lora_opt_state=lora_opt_state)
+    new_state = state.replace(
+      step=state.step + 1,
+      params=params,
+      opt_state=opt_state,
+      lora=lora,
+      lora_opt_state=lora_opt_state,
+    )
     return new_state, metrics
 
   if state_shardings is None:
     return jax.jit(train_step, donate_argnums=0)
   mesh = state_shardings.step.mesh
   rep = sharding.replicated(mesh)
-  return jax.jit(train_step, donate_argnums=0,
-                 in_shardings=(state_shardings, sharding.rows(mesh), rep),
-                 out_shardings=(state_shardings, rep))
+  return jax.jit(
+    train_step,
+    donate_argnums=0,
+    in_shardings=(state_shardings, sharding.rows(mesh), rep),
+    out_shardings=(state_shardings, rep),
+  )
 
 
-def init_state(params, optimizer, lora: Optional[LoRA] = None, lora_optimizer=None,
-               keep_reference: bool = False) -> TrainState:
+def init_state(
+  params, optimizer, lora: Optional[LoRA] = None, lora_optimizer=None, keep_reference: bool = False
+) -> TrainState:
   return TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), lora=lora,
-      lora_opt_state=lora_optimizer.init(lora) if lora is not None else None,
-      ref_params=jax.tree_util.tree_map(jnp.copy, params) if keep_reference else None)
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=optimizer.init(params),
+    lora=lora,
+    lora_opt_state=lora_optimizer.init(lora) if lora is not None else None,
+    ref_params=jax.tree_util.tree_map(jnp.copy, params) if keep_reference else None,
+  )
 
 
 def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, rewards_B) -> Batch:
@@ -476,9 +570,15 @@ def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, reward
   tokens, gen_mask = sampler.full_sequences(prompt_BT, prompt_len_B, rollout)
   S, N = tokens.shape[1], rollout.tokens.shape[1]
   j = jnp.clip(jnp.arange(S)[None] - prompt_len_B[:, None], 0, N - 1)
-  align = lambda x: None if x is None else jnp.take_along_axis(
-      x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
-  return Batch(tokens=tokens, gen_mask=gen_mask, prompt_len=jnp.asarray(prompt_len_B, jnp.int32),
-               logp_rollout=jnp.where(gen_mask, align(rollout.logprobs), 0.0),
-               rewards=jnp.asarray(rewards_B, jnp.float32), top_logp=align(rollout.top_logprobs),
-               top_ids=align(rollout.top_ids))
+  align = lambda x: (
+    None if x is None else jnp.take_along_axis(x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
+  )
+  return Batch(
+    tokens=tokens,
+    gen_mask=gen_mask,
+    prompt_len=jnp.asarray(prompt_len_B, jnp.int32),
+    logp_rollout=jnp.where(gen_mask, align(rollout.logprobs), 0.0),
+    rewards=jnp.asarray(rewards_B, jnp.float32),
+    top_logp=align(rollout.top_logprobs),
+    top_ids=align(rollout.top_ids),
+  )

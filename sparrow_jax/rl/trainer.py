@@ -12,6 +12,7 @@ metrics.jsonl is append-only; only a checkpoint that does not read as one (or fa
 is moved aside, and any other restore error stops the run, changing nothing
 (sparrow_jax.checkpoint).
 """
+
 import contextlib
 import dataclasses
 import fcntl
@@ -52,22 +53,31 @@ def _require(ok: bool, field: str, value, allowed: str):
 
 
 # Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
-INT_MIN, INT_MAX = -2 ** 31, 2 ** 31 - 1
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 
 
 def _check_scalars(c) -> None:
   """Each value alone: a workdir to write to, a seed a PRNG key holds, every int in int32 and
   every float finite (an inf learning rate or NaN coefficient would train on nonsense)."""
-  _require(isinstance(c.workdir, str) and c.workdir.strip() != "", "workdir", c.workdir,
-           "must be a directory path (not empty)")
-  _require(isinstance(c.seed, int) and not isinstance(c.seed, bool) and 0 <= c.seed <= INT_MAX,
-           "seed", c.seed, f"must be an int in [0, {INT_MAX}]")
+  _require(
+    isinstance(c.workdir, str) and c.workdir.strip() != "",
+    "workdir",
+    c.workdir,
+    "must be a directory path (not empty)",
+  )
+  _require(
+    isinstance(c.seed, int) and not isinstance(c.seed, bool) and 0 <= c.seed <= INT_MAX,
+    "seed",
+    c.seed,
+    f"must be an int in [0, {INT_MAX}]",
+  )
   for field, value in _flat(c.to_dict()).items():
     if isinstance(value, float):
       _require(math.isfinite(value), field, value, "must be a finite number")
     elif isinstance(value, int) and not isinstance(value, bool):
-      _require(INT_MIN <= value <= INT_MAX, field, value,
-               f"must be an int in [{INT_MIN}, {INT_MAX}]")
+      _require(
+        INT_MIN <= value <= INT_MAX, field, value, f"must be an int in [{INT_MIN}, {INT_MAX}]"
+      )
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -79,45 +89,81 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_scalars(c)
   step_config(c)
   p = r.page_size
-  _require(isinstance(p, int) and p > 0 and not p & (p - 1), "rollout.page_size", p,
-           "must be a power of two")
+  _require(
+    isinstance(p, int) and p > 0 and not p & (p - 1),
+    "rollout.page_size",
+    p,
+    "must be a power of two",
+  )
   _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
   for name in ("data", "fsdp", "tensor"):
     ways = c.mesh[name]
-    _require(isinstance(ways, int) and (ways >= 1 or (name == "data" and ways == -1)),
-             f"mesh.{name}", ways, "a positive number of devices" + (" or -1 (the rest)"
-                                                                    if name == "data" else ""))
+    _require(
+      isinstance(ways, int) and (ways >= 1 or (name == "data" and ways == -1)),
+      f"mesh.{name}",
+      ways,
+      "a positive number of devices" + (" or -1 (the rest)" if name == "data" else ""),
+    )
   batch = r.prompts_per_step * r.group_size
-  _require(batch % c.rl.num_minibatches == 0, "rl.num_minibatches", c.rl.num_minibatches,
-           f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)")
+  _require(
+    batch % c.rl.num_minibatches == 0,
+    "rl.num_minibatches",
+    c.rl.num_minibatches,
+    f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)",
+  )
   _require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be positive")
-  _require(r.top_p == 1.0, "rollout.top_p", r.top_p,
-           "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
-           "with the dense policy's full softmax, which a truncated sampler does not match")
+  _require(
+    r.top_p == 1.0,
+    "rollout.top_p",
+    r.top_p,
+    "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
+    "with the dense policy's full softmax, which a truncated sampler does not match",
+  )
   _require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
-  _require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score,
-           f"one of {PAGE_SCORES}")
+  _require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score, f"one of {PAGE_SCORES}")
   _require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   _require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
-  _require(bool(c.model.hf_dir) != bool(c.model.preset), "model.hf_dir / model.preset",
-           (c.model.hf_dir, c.model.preset), "set exactly one of the two")
-  _require(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype,
-           "float32 | bfloat16")
-  _require(not c.distill.enabled or r.sparse, "distill.enabled", c.distill.enabled,
-           "DistillSparse adapts the sparse actor: needs rollout.sparse = True")
+  _require(
+    bool(c.model.hf_dir) != bool(c.model.preset),
+    "model.hf_dir / model.preset",
+    (c.model.hf_dir, c.model.preset),
+    "set exactly one of the two",
+  )
+  _require(
+    c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "float32 | bfloat16"
+  )
+  _require(
+    not c.distill.enabled or r.sparse,
+    "distill.enabled",
+    c.distill.enabled,
+    "DistillSparse adapts the sparse actor: needs rollout.sparse = True",
+  )
   targets = tuple(t for t in c.distill.targets.split(",") if t)
-  _require(set(targets) <= set(lora_lib.TARGETS) and targets, "distill.targets", c.distill.targets,
-           f"comma-separated subset of {lora_lib.TARGETS}")
-  _require(schedule_lib.is_quantile(c.stats.quantile), "stats.quantile", c.stats.quantile,
-           "must be a percentile in (0, 50), e.g. 5 (p5, the paper's) or 1 (p1)")
+  _require(
+    set(targets) <= set(lora_lib.TARGETS) and targets,
+    "distill.targets",
+    c.distill.targets,
+    f"comma-separated subset of {lora_lib.TARGETS}",
+  )
+  _require(
+    schedule_lib.is_quantile(c.stats.quantile),
+    "stats.quantile",
+    c.stats.quantile,
+    "must be a percentile in (0, 50), e.g. 5 (p5, the paper's) or 1 (p1)",
+  )
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
   if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
     stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
     for _, schedule in stages:
-      _require(schedule.always_kept <= schedule.max_pages, "rollout.schedule", r.schedule,
-               "budget below the always-kept pages")
-      schedule.check_quantile(c.stats.quantile, f"config.rollout.schedule = {r.schedule!r}",
-                              "config.stats.quantile")
+      _require(
+        schedule.always_kept <= schedule.max_pages,
+        "rollout.schedule",
+        r.schedule,
+        "budget below the always-kept pages",
+      )
+      schedule.check_quantile(
+        c.stats.quantile, f"config.rollout.schedule = {r.schedule!r}", "config.stats.quantile"
+      )
       try:
         sampler.check_geometry(schedule, _sparse(c))
       except ValueError as e:
@@ -125,23 +171,26 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if adaptive:
     _validate_adaptive(c, *adaptive)
   for field, ok, allowed in (
-      ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
-      ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
-      ("rl.max_grad_norm", c.rl.max_grad_norm > 0, "must be > 0"),
-      ("rl.weight_decay", c.rl.weight_decay >= 0, "must be >= 0"),
-      ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
-      ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
-      ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
-      ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
-      ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
-      ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
-      ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
-      ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
-      ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
-      ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0,
-       "must be > 0"),
-      ("hardware", c.hardware in (*cost_model.HARDWARE, cost_model.THIS_MACHINE),
-       f"one of {sorted(cost_model.HARDWARE) + [cost_model.THIS_MACHINE]}")):
+    ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
+    ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
+    ("rl.max_grad_norm", c.rl.max_grad_norm > 0, "must be > 0"),
+    ("rl.weight_decay", c.rl.weight_decay >= 0, "must be >= 0"),
+    ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
+    ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
+    ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
+    ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
+    ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
+    ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
+    ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
+    ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
+    ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
+    ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0, "must be > 0"),
+    (
+      "hardware",
+      c.hardware in (*cost_model.HARDWARE, cost_model.THIS_MACHINE),
+      f"one of {sorted(cost_model.HARDWARE) + [cost_model.THIS_MACHINE]}",
+    ),
+  ):
     value = c
     for name in field.split("."):
       value = value[name]
@@ -152,28 +201,57 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def _validate_adaptive(c, tau, base):
   """What 'adaptive:TAU:BASE' needs beyond its spec (which `parse_adaptive` checks)."""
   r, s = c.rollout, c.stats
-  _require(s.exact_acceptance, "stats.exact_acceptance", s.exact_acceptance,
-           f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the tail of "
-           "exact alpha per bin (the sampled and top-20 estimators are biased low in the tail)")
-  _require(s.tau == tau, "stats.tau", s.tau,
-           f"must equal the TAU {tau:g} of rollout.schedule = {r.schedule!r}: the loop pools "
-           "each bin's share of tokens under stats.tau (acceptance/frac_below_tau_bin)")
-  _require(base.bin_size == s.bin_size, "stats.bin_size", s.bin_size,
-           f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the tail of "
-           "stats bin b moves table bin b, so both must bin the same tokens")
-  _require(max(base.values) >= 1, "rollout.schedule", r.schedule,
-           "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0")
+  _require(
+    s.exact_acceptance,
+    "stats.exact_acceptance",
+    s.exact_acceptance,
+    f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the tail of "
+    "exact alpha per bin (the sampled and top-20 estimators are biased low in the tail)",
+  )
+  _require(
+    s.tau == tau,
+    "stats.tau",
+    s.tau,
+    f"must equal the TAU {tau:g} of rollout.schedule = {r.schedule!r}: the loop pools "
+    "each bin's share of tokens under stats.tau (acceptance/frac_below_tau_bin)",
+  )
+  _require(
+    base.bin_size == s.bin_size,
+    "stats.bin_size",
+    s.bin_size,
+    f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the tail of "
+    "stats bin b moves table bin b, so both must bin the same tokens",
+  )
+  _require(
+    max(base.values) >= 1,
+    "rollout.schedule",
+    r.schedule,
+    "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0",
+  )
   q = c.stats.quantile / 100
   for field, value, ok, allowed in (
-      ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
-      ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
-      ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
-      ("adaptive_window", r.adaptive_window,
-       isinstance(r.adaptive_window, int) and r.adaptive_window >= 1, "an int >= 1"),
-      ("adaptive_lower_share", r.adaptive_lower_share, 0 <= r.adaptive_lower_share < q,
-       f"must be in [0, {q:g}): a share above {q:g} fails"),
-      ("adaptive_min_tokens", r.adaptive_min_tokens,
-       isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1, "an int >= 1")):
+    ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
+    ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
+    ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
+    (
+      "adaptive_window",
+      r.adaptive_window,
+      isinstance(r.adaptive_window, int) and r.adaptive_window >= 1,
+      "an int >= 1",
+    ),
+    (
+      "adaptive_lower_share",
+      r.adaptive_lower_share,
+      0 <= r.adaptive_lower_share < q,
+      f"must be in [0, {q:g}): a share above {q:g} fails",
+    ),
+    (
+      "adaptive_min_tokens",
+      r.adaptive_min_tokens,
+      isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1,
+      "an int >= 1",
+    ),
+  ):
     _require(ok, f"rollout.{field}", value, allowed)
 
 
@@ -190,20 +268,31 @@ def _adaptive(c):
     return None
   tau, base = parsed
   first = dataclasses.replace(
-      base, values=base.values + base.values[-1:] * (c.stats.num_bins - len(base.values)))
+    base, values=base.values + base.values[-1:] * (c.stats.num_bins - len(base.values))
+  )
   ceiling = dataclasses.replace(base, values=(math.ceil(r.adaptive_headroom * max(base.values)),))
   unmeasured = len(first.values) - c.stats.num_bins
 
   def next_state(state, metrics):
-    pad = lambda x, fill=0: np.pad(np.asarray(x, np.float64), (0, unmeasured),
-                                   constant_values=fill)
+    pad = lambda x, fill=0: np.pad(np.asarray(x, np.float64), (0, unmeasured), constant_values=fill)
     count_b = pad(metrics["acceptance/count_bin"]).astype(np.int64)
     # the step's tokens under tau per bin (an empty bin's NaN share: none)
     below_b = np.rint(np.nan_to_num(pad(metrics["acceptance/frac_below_tau_bin"])) * count_b)
     return schedule_lib.adapt_topk(
-        state, count_b, below_b.astype(np.int64), pad(metrics["acceptance/p10_bin"], np.nan),
-        tau, ceiling.values[0], r.adaptive_raise, r.adaptive_lower, r.adaptive_window,
-        r.adaptive_lower_share, r.adaptive_min_tokens, c.stats.quantile)
+      state,
+      count_b,
+      below_b.astype(np.int64),
+      pad(metrics["acceptance/p10_bin"], np.nan),
+      tau,
+      ceiling.values[0],
+      r.adaptive_raise,
+      r.adaptive_lower,
+      r.adaptive_window,
+      r.adaptive_lower_share,
+      r.adaptive_min_tokens,
+      c.stats.quantile,
+    )
+
   return first, ceiling, next_state
 
 
@@ -217,34 +306,55 @@ def _check_model_fits(c):
   r = c.rollout
   cfg = _model_config(c)
   if r.sparse:
-    _require(r.dense_layers < cfg.num_hidden_layers, "rollout.dense_layers", r.dense_layers,
-             f"must be below the model's {cfg.num_hidden_layers} layers (sparse rollouts need a "
-             "sparse layer)")
+    _require(
+      r.dense_layers < cfg.num_hidden_layers,
+      "rollout.dense_layers",
+      r.dense_layers,
+      f"must be below the model's {cfg.num_hidden_layers} layers (sparse rollouts need a "
+      "sparse layer)",
+    )
   length = r.max_prompt_len + r.max_new_tokens
-  _require(length <= cfg.max_position_embeddings, "rollout.max_prompt_len + max_new_tokens",
-           length, f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})")
+  _require(
+    length <= cfg.max_position_embeddings,
+    "rollout.max_prompt_len + max_new_tokens",
+    length,
+    f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})",
+  )
   if r.pool_gb:
     Z = engine.page_size(_sparse(c))
     need = -(-(length - 1) // Z) + 2  # a row at its cap, its prompt's template page, the trash page
     have = engine_config(c, cfg, rows_per_device=1).num_pages
-    _require(have >= need, "rollout.pool_gb", r.pool_gb,
-             f"holds {have} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
-             f"{length} tokens needs {need}")
+    _require(
+      have >= need,
+      "rollout.pool_gb",
+      r.pool_gb,
+      f"holds {have} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
+      f"{length} tokens needs {need}",
+    )
 
 
-def predicted_speedup(c, cfg, schedule, engine_cfg: engine.EngineConfig, hardware, prompt_lens,
-                      lengths) -> float:
+def predicted_speedup(
+  c, cfg, schedule, engine_cfg: engine.EngineConfig, hardware, prompt_lens, lengths
+) -> float:
   """Sparse over dense rollout tokens/s of one device of `hardware` running this run's engine
   (its slots and pool) on this step's mean prompt and mean response length (the roofline of
   cost_model.roofline_engine_rate: weights and KV read per decode step, each prompt prefilled
   once)."""
   r = c.rollout
   rate = lambda sched: cost_model.roofline_engine_rate(
-      cfg, sched, int(np.mean(prompt_lens)), r.max_new_tokens, slots=engine_cfg.num_slots,
-      pool_tokens=engine_cfg.num_pages * r.page_size,
-      mean_len_frac=min(max(float(np.mean(lengths)) / r.max_new_tokens, 1 / r.max_new_tokens), 1.0),
-      n_samples=r.group_size, hardware=hardware, dense_layers=r.dense_layers,
-      page_size=r.page_size, page_score=r.page_score)[0]
+    cfg,
+    sched,
+    int(np.mean(prompt_lens)),
+    r.max_new_tokens,
+    slots=engine_cfg.num_slots,
+    pool_tokens=engine_cfg.num_pages * r.page_size,
+    mean_len_frac=min(max(float(np.mean(lengths)) / r.max_new_tokens, 1 / r.max_new_tokens), 1.0),
+    n_samples=r.group_size,
+    hardware=hardware,
+    dense_layers=r.dense_layers,
+    page_size=r.page_size,
+    page_score=r.page_score,
+  )[0]
   return rate(schedule) / rate(None)
 
 
@@ -253,14 +363,22 @@ def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineCon
   the device's step at once, no row waits or is preempted); engine_slots / pool_gb size them for
   long-tailed lengths (more rows than slots: a finished row's slot is refilled at once)."""
   r, sparse = c.rollout, _sparse(c)
-  config = engine.full_batch(rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens,
-                             sparse, r.chunk_steps)
+  config = engine.full_batch(
+    rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens, sparse, r.chunk_steps
+  )
   if r.engine_slots:
     config = dataclasses.replace(config, num_slots=r.engine_slots)
   if r.pool_gb:
-    config = dataclasses.replace(config, num_pages=engine.pages_for_bytes(
-        cfg, r.pool_gb * 1e9, engine.page_size(sparse), jnp.dtype(c.model.dtype),
-        sparse.page_score if sparse else "mean"))
+    config = dataclasses.replace(
+      config,
+      num_pages=engine.pages_for_bytes(
+        cfg,
+        r.pool_gb * 1e9,
+        engine.page_size(sparse),
+        jnp.dtype(c.model.dtype),
+        sparse.page_score if sparse else "mean",
+      ),
+    )
   return config
 
 
@@ -268,33 +386,51 @@ def make_task(c):
   """The task of config `c` (its `task` group and `seed`) from the task registry; an unknown name
   or unreadable data names the config fields."""
   try:
-    return tasks.make_task(c.task.name, c.task.path or None, seed=c.seed,
-                           min_hops=c.task.min_hops, max_hops=c.task.max_hops)
+    return tasks.make_task(
+      c.task.name,
+      c.task.path or None,
+      seed=c.seed,
+      min_hops=c.task.min_hops,
+      max_hops=c.task.max_hops,
+    )
   except (ValueError, OSError) as e:
-    raise ValueError(f"config.task.name = {c.task.name!r} with config.task.path = "
-                     f"{c.task.path!r} is invalid: {e}") from None
+    raise ValueError(
+      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
+    ) from None
 
 
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
   """The checks that need the task, the model's config and its tokenizer, run before anything is
   written: top-k log-probs within the vocabulary, and prompts within rollout.max_prompt_len."""
   r = c.rollout
-  _require(r.num_top_logprobs <= cfg.vocab_size, "rollout.num_top_logprobs", r.num_top_logprobs,
-           f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)")
+  _require(
+    r.num_top_logprobs <= cfg.vocab_size,
+    "rollout.num_top_logprobs",
+    r.num_top_logprobs,
+    f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)",
+  )
   unknown_id = _unknown_id(tokenizer)
   problems, lengths, unknown = _encode_prompts(task, tokenizer, r.prompts_per_step, unknown_id)
   longest = int(np.argmax(lengths))
   over = sum(n > r.max_prompt_len for n in lengths)
-  _require(over == 0, "rollout.max_prompt_len", r.max_prompt_len,
-           f"must hold every prompt: {over} of {len(lengths)} are longer, the longest "
-           f"({getattr(problems[longest], 'id', longest)!r} of task {task.name!r}) has "
-           f"{lengths[longest]} tokens")
+  _require(
+    over == 0,
+    "rollout.max_prompt_len",
+    r.max_prompt_len,
+    f"must hold every prompt: {over} of {len(lengths)} are longer, the longest "
+    f"({getattr(problems[longest], 'id', longest)!r} of task {task.name!r}) has "
+    f"{lengths[longest]} tokens",
+  )
   # A vocabulary made for another task (the tiny pointer-chase model on math) encodes most of the
   # text as its unknown token: the run would train on prompts it cannot see.
-  _require(unknown <= sum(lengths) / 2, "task.name", task.name,
-           f"must be a task the model's tokenizer can read: {unknown} of its {sum(lengths)} prompt "
-           f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
-           f"{c.model.hf_dir!r}; use a model made for this task")
+  _require(
+    unknown <= sum(lengths) / 2,
+    "task.name",
+    task.name,
+    f"must be a task the model's tokenizer can read: {unknown} of its {sum(lengths)} prompt "
+    f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
+    f"{c.model.hf_dir!r}; use a model made for this task",
+  )
 
 
 def _unknown_id(tokenizer):
@@ -314,7 +450,7 @@ def _encode_prompts(task, tokenizer, first_step: int, unknown_id, batch: int = 1
     problems = task.sample(first_step, 0)
   lengths, unknown = [], 0
   for i in range(0, len(problems), batch):
-    tokens, lengths_B = tokenizer.encode_batch([p.prompt for p in problems[i:i + batch]])
+    tokens, lengths_B = tokenizer.encode_batch([p.prompt for p in problems[i : i + batch]])
     lengths += lengths_B.tolist()
     if unknown_id is not None:  # padding is the same id in some vocabularies: real tokens only
       real = np.arange(tokens.shape[1])[None, :] < lengths_B[:, None]
@@ -330,9 +466,11 @@ def load_model(c, task):
     return cfg, params, load_tokenizer(c.model.hf_dir)
   tokenizer = task.own_tokenizer
   if tokenizer is None:
-    raise ValueError(f"config.model.preset (random init) needs a task with its own vocabulary "
-                     f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
-                     "dataset tasks")
+    raise ValueError(
+      f"config.model.preset (random init) needs a task with its own vocabulary "
+      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
+      "dataset tasks"
+    )
   preset = Qwen3Config.preset(c.model.preset)
   cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
   return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
@@ -351,36 +489,60 @@ def export_policy(c, cfg, params, directory, task):
       shutil.copy(os.path.join(c.model.hf_dir, name), directory)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "generation_config.json")
+_TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "vocab.json",
+  "merges.txt",
+  "generation_config.json",
+)
 
 
 # StepConfig field -> the config field it comes from (errors name the latter).
 _STEP_FIELDS = {
-    "group_size": "rollout.group_size", "estimator": "rl.estimator",
-    "grpo_std_ddof": "rl.grpo_std_ddof", "eps_low": "rl.eps_low", "eps_high": "rl.eps_high",
-    "dual_clip": "rl.dual_clip", "tis_cap": "rl.tis_cap", "tis_level": "rl.tis_level",
-    "loss_agg": "rl.loss_agg", "kl_coef": "rl.kl_coef", "entropy_coef": "rl.entropy_coef",
-    "ppo_epochs": "rl.ppo_epochs", "num_minibatches": "rl.num_minibatches",
-    "dapo_filter": "rl.dapo_filter", "distill": "distill.enabled",
-    "distill_kl_coef": "distill.kl_coef", "distill_ppo_coef": "distill.ppo_coef",
-    "exact_acceptance": "stats.exact_acceptance", "tau": "stats.tau",
-    "quantile": "stats.quantile", "bin_size": "stats.bin_size", "num_bins": "stats.num_bins",
-    "page_size": "rollout.page_size", "temperature": "rollout.temperature",
-    "micro_batches": "rl.micro_batches",
-    "remat": "rl.remat", "logits_chunk": "rl.logits_chunk"}
+  "group_size": "rollout.group_size",
+  "estimator": "rl.estimator",
+  "grpo_std_ddof": "rl.grpo_std_ddof",
+  "eps_low": "rl.eps_low",
+  "eps_high": "rl.eps_high",
+  "dual_clip": "rl.dual_clip",
+  "tis_cap": "rl.tis_cap",
+  "tis_level": "rl.tis_level",
+  "loss_agg": "rl.loss_agg",
+  "kl_coef": "rl.kl_coef",
+  "entropy_coef": "rl.entropy_coef",
+  "ppo_epochs": "rl.ppo_epochs",
+  "num_minibatches": "rl.num_minibatches",
+  "dapo_filter": "rl.dapo_filter",
+  "distill": "distill.enabled",
+  "distill_kl_coef": "distill.kl_coef",
+  "distill_ppo_coef": "distill.ppo_coef",
+  "exact_acceptance": "stats.exact_acceptance",
+  "tau": "stats.tau",
+  "quantile": "stats.quantile",
+  "bin_size": "stats.bin_size",
+  "num_bins": "stats.num_bins",
+  "page_size": "rollout.page_size",
+  "temperature": "rollout.temperature",
+  "micro_batches": "rl.micro_batches",
+  "remat": "rl.remat",
+  "logits_chunk": "rl.logits_chunk",
+}
 
 
 def step_config(c) -> ts.StepConfig:
   """The train step's config from the experiment config; a bad value names its config field."""
-  values = {f: c[group][name] for f, (group, name) in
-            ((f, path.split(".")) for f, path in _STEP_FIELDS.items())}
+  values = {
+    f: c[group][name]
+    for f, (group, name) in ((f, path.split(".")) for f, path in _STEP_FIELDS.items())
+  }
   try:
     return ts.StepConfig(**values)
   except ValueError as e:
     for f, path in _STEP_FIELDS.items():
       if str(e).startswith(f"StepConfig.{f} "):
-        raise ValueError(f"config.{path}{str(e)[len('StepConfig.' + f):]}") from None
+        raise ValueError(f"config.{path}{str(e)[len('StepConfig.' + f) :]}") from None
     raise
 
 
@@ -389,8 +551,9 @@ def _prompts(problems, tokenizer, group_size, width):
   texts = [p.prompt for p in problems for _ in range(group_size)]
   tokens, lengths = tokenizer.encode_batch(texts)
   if tokens.shape[1] > width:
-    raise ValueError(f"a prompt has {tokens.shape[1]} tokens, more than config.rollout."
-                     f"max_prompt_len = {width}")
+    raise ValueError(
+      f"a prompt has {tokens.shape[1]} tokens, more than config.rollout.max_prompt_len = {width}"
+    )
   tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=tokenizer.pad_id)
   return tokens.astype(np.int32), np.asarray(lengths, np.int32)
 
@@ -408,9 +571,11 @@ def init_distributed(c) -> None:
   if not d.enabled or jax.distributed.is_initialized():
     return
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: gloo collectives
-  kwargs = {"coordinator_address": d.coordinator or None,
-            "num_processes": d.num_processes if d.num_processes > 0 else None,
-            "process_id": d.process_id if d.process_id >= 0 else None}
+  kwargs = {
+    "coordinator_address": d.coordinator or None,
+    "num_processes": d.num_processes if d.num_processes > 0 else None,
+    "process_id": d.process_id if d.process_id >= 0 else None,
+  }
   jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
 
 
@@ -422,27 +587,47 @@ def make_mesh(c):
   try:
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
   except ValueError as e:
-    raise ValueError(f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is invalid: "
-                     f"{e}") from None
+    raise ValueError(
+      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is invalid: {e}"
+    ) from None
   ways = mesh.shape["data"] * mesh.shape["fsdp"]
   rows = r.prompts_per_step * r.group_size
   slices = c.rl.num_minibatches * c.rl.micro_batches
-  _require(rows % (slices * ways) == 0, "rl.micro_batches", c.rl.micro_batches,
-           f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
-           f"rl.micro_batches = {rows / slices:g}) must be a whole multiple of mesh data x fsdp = "
-           f"{ways}")
+  _require(
+    rows % (slices * ways) == 0,
+    "rl.micro_batches",
+    c.rl.micro_batches,
+    f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
+    f"rl.micro_batches = {rows / slices:g}) must be a whole multiple of mesh data x fsdp = "
+    f"{ways}",
+  )
   lo, hi = sharding.process_rows(sharding.rows(mesh), rows)
-  _require(lo % r.group_size == 0 and hi % r.group_size == 0, "rollout.group_size", r.group_size,
-           f"this process holds rows [{lo}, {hi}): each process must hold whole groups")
+  _require(
+    lo % r.group_size == 0 and hi % r.group_size == 0,
+    "rollout.group_size",
+    r.group_size,
+    f"this process holds rows [{lo}, {hi}): each process must hold whole groups",
+  )
   return mesh
 
 
 # Fields that may differ when a workdir is resumed: how long to run and what to keep, not what runs.
 # Also where it runs: a run may resume on another mesh or cluster (orbax reshards the state).
-RESUMABLE_FIELDS = ("workdir", "total_steps", "ckpt_every", "keep_checkpoints", "export_hf",
-                    "max_nonfinite_steps", "mesh.data", "mesh.fsdp", "mesh.tensor",
-                    "distributed.enabled", "distributed.coordinator", "distributed.num_processes",
-                    "distributed.process_id")
+RESUMABLE_FIELDS = (
+  "workdir",
+  "total_steps",
+  "ckpt_every",
+  "keep_checkpoints",
+  "export_hf",
+  "max_nonfinite_steps",
+  "mesh.data",
+  "mesh.fsdp",
+  "mesh.tensor",
+  "distributed.enabled",
+  "distributed.coordinator",
+  "distributed.num_processes",
+  "distributed.process_id",
+)
 
 
 def _flat(d, prefix=""):
@@ -462,23 +647,29 @@ def check_resume(c) -> None:
   if not os.path.exists(path):
     checkpoints = os.path.join(c.workdir, "checkpoints")
     if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
-      raise ValueError(f"config.workdir = {c.workdir!r} holds checkpoints ({checkpoints}) but no "
-                       f"config.json to check this config against. {put_back}")
+      raise ValueError(
+        f"config.workdir = {c.workdir!r} holds checkpoints ({checkpoints}) but no "
+        f"config.json to check this config against. {put_back}"
+      )
     return
   try:
     with open(path) as f:
       old = _flat(json.load(f))
   except ValueError as e:
-    raise ValueError(f"config.workdir = {c.workdir!r}: {path} is not JSON ({e}). "
-                     f"{put_back}") from None
+    raise ValueError(
+      f"config.workdir = {c.workdir!r}: {path} is not JSON ({e}). {put_back}"
+    ) from None
   new = _flat(json.loads(c.to_json_best_effort()))
-  changed = [k for k in sorted(set(old) | set(new))
-             if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS]
+  changed = [
+    k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+  ]
   if changed:
     diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
-    raise ValueError(f"config.workdir = {c.workdir!r} holds a run with another config ({diffs}). "
-                     f"Use a new config.workdir, or resume with the run's config ({path}); fields "
-                     f"that may change on resume: {', '.join(RESUMABLE_FIELDS)}")
+    raise ValueError(
+      f"config.workdir = {c.workdir!r} holds a run with another config ({diffs}). "
+      f"Use a new config.workdir, or resume with the run's config ({path}); fields "
+      f"that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
+    )
 
 
 def _strict_json(value):
@@ -492,21 +683,35 @@ def _strict_json(value):
 
 def _sparse(c):
   r = c.rollout
-  return SparseConfig(page_size=r.page_size, dense_layers=r.dense_layers,
-                      attention_impl=r.attention_impl,
-                      page_score=r.page_score) if r.sparse else None
+  return (
+    SparseConfig(
+      page_size=r.page_size,
+      dense_layers=r.dense_layers,
+      attention_impl=r.attention_impl,
+      page_score=r.page_score,
+    )
+    if r.sparse
+    else None
+  )
 
 
 def _optimizers(c):
   """(learning-rate schedule, optimizer of the base params, optimizer of the LoRA or None)."""
-  lr = optax.join_schedules([optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
-                            optax.constant_schedule(c.rl.learning_rate)], [c.rl.warmup_steps])
-  optimizer = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
-                          optax.adamw(lr, weight_decay=c.rl.weight_decay))
+  lr = optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
+      optax.constant_schedule(c.rl.learning_rate),
+    ],
+    [c.rl.warmup_steps],
+  )
+  optimizer = optax.chain(
+    optax.clip_by_global_norm(c.rl.max_grad_norm), optax.adamw(lr, weight_decay=c.rl.weight_decay)
+  )
   lora_opt = None
   if c.distill.enabled:
-    lora_opt = optax.chain(optax.clip_by_global_norm(c.rl.max_grad_norm),
-                           optax.adam(c.distill.learning_rate))
+    lora_opt = optax.chain(
+      optax.clip_by_global_norm(c.rl.max_grad_norm), optax.adam(c.distill.learning_rate)
+    )
   return lr, optimizer, lora_opt
 
 
@@ -515,9 +720,15 @@ def _state_init(c, optimizer, lora_opt):
   make_lora = None
   if c.distill.enabled:
     make_lora = lambda p: lora_lib.init_lora(
-        p, jax.random.PRNGKey(c.seed + 1), rank=c.distill.rank, alpha=c.distill.alpha,
-        targets=tuple(c.distill.targets.split(",")))
-  init = lambda p, l: ts.init_state(p, optimizer, l, lora_opt, keep_reference=c.rl.kl_coef > 0)
+      p,
+      jax.random.PRNGKey(c.seed + 1),
+      rank=c.distill.rank,
+      alpha=c.distill.alpha,
+      targets=tuple(c.distill.targets.split(",")),
+    )
+  init = lambda p, lora: ts.init_state(
+    p, optimizer, lora, lora_opt, keep_reference=c.rl.kl_coef > 0
+  )
   return init, make_lora
 
 
@@ -541,8 +752,9 @@ def lower_step(c):
   mesh = make_mesh(c)
   r = c.rollout
   cfg = _model_config(c)
-  params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0),
-                                              dtype=jnp.dtype(c.model.dtype)))
+  params = jax.eval_shape(
+    lambda: init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.dtype(c.model.dtype))
+  )
   _, optimizer, lora_opt = _optimizers(c)
   init, make_lora = _state_init(c, optimizer, lora_opt)
   state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
@@ -550,8 +762,9 @@ def lower_step(c):
   step = ts.make_train_step(cfg, step_config(c), optimizer, lora_opt, _sparse(c), shardings)
   length = r.max_prompt_len + r.max_new_tokens
   batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs > 0)
-  budget = (schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32))
-            if r.sparse else None)
+  budget = (
+    schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32)) if r.sparse else None
+  )
   with jax.set_mesh(mesh):
     return step.lower(state, batch, budget), shardings
 
@@ -562,8 +775,10 @@ def _rollout_weights(state, mesh):
   if mesh.shape["fsdp"] == 1:
     return lambda params, lora: (params, lora)
   rules = sharding.ROLLOUT_RULES
-  out = (sharding.param_shardings(state.params, mesh, rules),
-         None if state.lora is None else sharding.lora_shardings(state.lora, mesh, rules))
+  out = (
+    sharding.param_shardings(state.params, mesh, rules),
+    None if state.lora is None else sharding.lora_shardings(state.lora, mesh, rules),
+  )
   return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
 
 
@@ -583,9 +798,11 @@ def workdir_lock(workdir: str):
     f.seek(0)
     holder = f.read().strip() or "another process"
     f.close()
-    raise ValueError(f"config.workdir = {workdir!r} is in use by another run ({holder}; "
-                     f"{os.path.join(workdir, LOCK_FILE)} is locked): one run per workdir; wait "
-                     "for it to end or use another config.workdir") from None
+    raise ValueError(
+      f"config.workdir = {workdir!r} is in use by another run ({holder}; "
+      f"{os.path.join(workdir, LOCK_FILE)} is locked): one run per workdir; wait "
+      "for it to end or use another config.workdir"
+    ) from None
   try:
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -614,8 +831,11 @@ def _train(c, mesh, run: contextlib.ExitStack):
   r = c.rollout
   sparse = _sparse(c)
   adaptive = _adaptive(c)  # (first table, ceiling, next_topk) or None
-  stages = None if not r.sparse else (
-      ((0, adaptive[0]),) if adaptive else schedule_lib.parse_stages(r.schedule, r.page_size))
+  stages = (
+    None
+    if not r.sparse
+    else (((0, adaptive[0]),) if adaptive else schedule_lib.parse_stages(r.schedule, r.page_size))
+  )
   sc = step_config(c)
   lr, optimizer, lora_opt = _optimizers(c)
   state, state_shardings = _build_state(c, params, mesh, optimizer, lora_opt)
@@ -650,20 +870,26 @@ def _train(c, mesh, run: contextlib.ExitStack):
       loop = loop.start(meta["topk_bin"])._replace(floor=tuple(meta["floor_bin"]))
     _print(f"resumed from {c.workdir} at step {start} (data position {meta['data_position']})")
   if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
-    _print(f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
-           "its last checkpoint; writing what it had left" + (" (hf export, summary)"
-                                                             if c.export_hf else " (summary)"))
+    _print(
+      f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
+      "its last checkpoint; writing what it had left"
+      + (" (hf export, summary)" if c.export_hf else " (summary)")
+    )
     _finish(c, cfg, state, task, _logged_row(c.workdir, start) if lead else None, times=None)
     return []
   if start >= c.total_steps:
-    _print(f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
-           "run, nothing rewritten (raise config.total_steps to continue)")
+    _print(
+      f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
+      "run, nothing rewritten (raise config.total_steps to continue)"
+    )
     return []
   if lead:
-    metrics_log.write_atomic(os.path.join(c.workdir, "config.json"),
-                             c.to_json_best_effort(indent=2))
+    metrics_log.write_atomic(
+      os.path.join(c.workdir, "config.json"), c.to_json_best_effort(indent=2)
+    )
   logger = metrics_log.MetricsLogger(c.workdir, resume_step=start) if lead else None
   cache_len = r.max_prompt_len + r.max_new_tokens
+
   # One static cap on selected pages for every table the run can use (all stages, or up to the
   # adaptive ceiling): a new stage or adaptive table changes only the traced BudgetTable, so
   # neither the sampler nor the train step recompiles.
@@ -673,9 +899,14 @@ def _train(c, mesh, run: contextlib.ExitStack):
   def budget_of(schedule):
     table = sampler.budget_table(schedule, cache_len, sparse)
     return table, sharding.place(schedule_lib.BudgetTable(table), sharding.replicated(mesh))
-  max_selected = sampler.max_selected_pages(
+
+  max_selected = (
+    sampler.max_selected_pages(
       [budget_of(s)[0] for _, s in stages] + ([budget_of(adaptive[1])[0]] if adaptive else [])
-  ) if sparse else None
+    )
+    if sparse
+    else None
+  )
   key = jax.random.PRNGKey(c.seed)
   rows, nonfinite = [], 0
   # wall time by part; the first step of a process also compiles (the sampler and the train step)
@@ -690,24 +921,42 @@ def _train(c, mesh, run: contextlib.ExitStack):
       if adaptive:
         schedule = dataclasses.replace(schedule, values=loop.topk)
       budget_by_len, budget = budget_of(schedule)
-    problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size:hi // r.group_size]
+    problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size : hi // r.group_size]
     local_prompts = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
     prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in local_prompts)
     params, lora = rollout_weights(state.params, state.lora)
     rollout, engine_stats = engine.run(
-        params, cfg, *local_prompts, np.asarray(jax.random.fold_in(key, step)),
-        max_new_tokens=r.max_new_tokens, engine=engine_cfg, sparse=sparse, schedule=budget,
-        max_selected=max_selected, lora=lora, temperature=r.temperature, top_p=r.top_p,
-        eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id, num_top_logprobs=r.num_top_logprobs,
-        group_size=r.group_size, first_row=lo)
+      params,
+      cfg,
+      *local_prompts,
+      np.asarray(jax.random.fold_in(key, step)),
+      max_new_tokens=r.max_new_tokens,
+      engine=engine_cfg,
+      sparse=sparse,
+      schedule=budget,
+      max_selected=max_selected,
+      lora=lora,
+      temperature=r.temperature,
+      top_p=r.top_p,
+      eos_ids=tokenizer.eos_ids,
+      pad_id=tokenizer.pad_id,
+      num_top_logprobs=r.num_top_logprobs,
+      group_size=r.group_size,
+      first_row=lo,
+    )
     rollout = jax.tree_util.tree_map(  # this process's rows -> the global rows
-        lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, n_rows), rollout)
+      lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, n_rows), rollout
+    )
     del params, lora
     t_rollout = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]
     rewards = task.reward(_responses(rollout, tokenizer), grouped)
-    batch = to_batch(prompt, prompt_len, rollout,
-                     sharding.from_local_rows(np.asarray(rewards, np.float32), rows_sh, n_rows))
+    batch = to_batch(
+      prompt,
+      prompt_len,
+      rollout,
+      sharding.from_local_rows(np.asarray(rewards, np.float32), rows_sh, n_rows),
+    )
     t1 = time.time()
     state, metrics = train_step(state, batch, budget)
     metrics = jax.tree_util.tree_map(sharding.to_host, metrics)
@@ -716,15 +965,20 @@ def _train(c, mesh, run: contextlib.ExitStack):
     times["train_step"] += t_train
 
     prompt_lens, lengths = sharding.to_host(prompt_len), sharding.to_host(rollout.lengths)
-    metrics.update({
+    metrics.update(
+      {
         "perf/rollout_tokens_per_s": int(np.sum(lengths)) / t_rollout,
         # this process's engine (they depend on the devices, as timings do)
         "perf/engine_occupancy": engine_stats.occupancy,
         "perf/engine_rows_in_flight": engine_stats.rows_in_flight,
         "perf/engine_preemptions": engine_stats.preemptions,
-        "perf/train_step_s": t_train, "lr": float(lr(step)),
-        "kv/read_fraction": cost_model.kv_read_fraction(budget_by_len, prompt_lens, lengths, cfg,
-                                                        sparse)})
+        "perf/train_step_s": t_train,
+        "lr": float(lr(step)),
+        "kv/read_fraction": cost_model.kv_read_fraction(
+          budget_by_len, prompt_lens, lengths, cfg, sparse
+        ),
+      }
+    )
     if sparse is not None:
       metrics["kv/schedule_stage"] = stage
       if adaptive:
@@ -733,27 +987,36 @@ def _train(c, mesh, run: contextlib.ExitStack):
         # The start table's read of the same rollouts: the loop's saving (or cost) over the table
         # it moved from, paired token for token (two runs' read fractions differ by their lengths).
         metrics["kv/read_fraction_start"] = cost_model.kv_read_fraction(
-            budget_of(stages[stage][1])[0], prompt_lens, lengths, cfg, sparse)
-      metrics["kv/predicted_speedup"] = predicted_speedup(c, cfg, schedule, engine_cfg, hardware,
-                                                         prompt_lens, lengths)
+          budget_of(stages[stage][1])[0], prompt_lens, lengths, cfg, sparse
+        )
+      metrics["kv/predicted_speedup"] = predicted_speedup(
+        c, cfg, schedule, engine_cfg, hardware, prompt_lens, lengths
+      )
     if lead:
       logger.write(step + 1, metrics)
     rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
     nonfinite = nonfinite + 1 if metrics["skipped"] else 0
     if nonfinite >= c.max_nonfinite_steps:
-      raise FloatingPointError(f"{nonfinite} non-finite updates in a row (step {step + 1}); "
-                               f"see {c.workdir}/metrics.jsonl")
+      raise FloatingPointError(
+        f"{nonfinite} non-finite updates in a row (step {step + 1}); see {c.workdir}/metrics.jsonl"
+      )
     done = step + 1 - start
     if done == 1:
       times["first_step"] = time.time() - t0
       t_compiled = time.time()
-    eta = ("--" if done == 1 else  # compile time excluded: from the steps after the first
-           f"{(time.time() - t_compiled) / (done - 1) * (c.total_steps - step - 1):.0f}s")
-    _print(f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
-          f"p5 {metrics.get('acceptance/p5', metrics['acceptance_sampled/p5']):.3f}  "
-          f"len {metrics['response_length/mean']:.0f}  "
-          f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
-          f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}")
+    eta = (
+      "--"
+      if done == 1
+      # compile time excluded: from the steps after the first
+      else f"{(time.time() - t_compiled) / (done - 1) * (c.total_steps - step - 1):.0f}s"
+    )
+    _print(
+      f"step {step + 1}/{c.total_steps}  reward {metrics['reward/mean']:.3f}  "
+      f"p5 {metrics.get('acceptance/p5', metrics['acceptance_sampled/p5']):.3f}  "
+      f"len {metrics['response_length/mean']:.0f}  "
+      f"{metrics['perf/rollout_tokens_per_s']:.0f} tok/s  kv {metrics['kv/read_fraction']:.2f}  "
+      f"{'SKIPPED ' if metrics['skipped'] else ''}ETA {eta}"
+    )
     meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
     if adaptive:  # the next step's table, a function of this step's tail: a resume replays it
       loop = adaptive[2](loop, metrics)
@@ -765,12 +1028,16 @@ def _train(c, mesh, run: contextlib.ExitStack):
     logger.close()
   times["total"] = time.time() - times["total"]
   _finish(c, cfg, state, task, rows[-1], times)
-  _print(f"time: {times['total']:.0f}s in all, first step (with compilation) "
-         f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
-         f"{times['train_step']:.0f}s")
-  _print(f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
-         f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
-         + (f", policy {c.workdir}/hf" if c.export_hf else ""))
+  _print(
+    f"time: {times['total']:.0f}s in all, first step (with compilation) "
+    f"{times['first_step']:.0f}s, rollouts {times['rollout']:.0f}s, train steps "
+    f"{times['train_step']:.0f}s"
+  )
+  _print(
+    f"done: {c.total_steps} steps; metrics {c.workdir}/metrics.jsonl, TensorBoard "
+    f"{c.workdir}/tensorboard, checkpoints {c.workdir}/checkpoints"
+    + (f", policy {c.workdir}/hf" if c.export_hf else "")
+  )
   return rows
 
 
@@ -783,17 +1050,25 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
     if lead:
       export_policy(c, cfg, params, os.path.join(c.workdir, "hf"), task)
   if lead:  # time_s null: the run's time was not measured by the process that finished it
-    metrics_log.write_atomic(os.path.join(c.workdir, "summary.json"), json.dumps(
-        {"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)}, indent=2,
-        allow_nan=False))
+    metrics_log.write_atomic(
+      os.path.join(c.workdir, "summary.json"),
+      json.dumps(
+        {"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)},
+        indent=2,
+        allow_nan=False,
+      ),
+    )
 
 
 def _logged_row(workdir: str, step: int) -> dict | None:
   """Step `step`'s row of metrics.jsonl (the logger's form: per-bin lists, no histograms); None,
   with a warning, when the file does not hold it (a write the machine lost)."""
   path = os.path.join(workdir, "metrics.jsonl")
-  rows = [r for r in (metrics_log.read_rows(path) if os.path.exists(path) else ())
-          if r.get("step") == step]
+  rows = [
+    r
+    for r in (metrics_log.read_rows(path) if os.path.exists(path) else ())
+    if r.get("step") == step
+  ]
   if not rows:
     _print(f"warning: {path} has no row of step {step}; summary.json's last is null")
     return None

@@ -19,6 +19,7 @@ again. A slot that runs no row writes the pool's trash page and reads nothing.
 compare with: every row's pages allocated at its full length on admission, and rows admitted only
 when every slot is free (waves; no refill).
 """
+
 import collections
 import dataclasses
 import functools
@@ -39,25 +40,32 @@ from sparrow_jax.rollout import sampler
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  num_slots: int = 8        # rows decoding together: the decode step's batch
-  num_pages: int = 1024     # pages in the pool, page_pool.TRASH_PAGE included (`pages_for_bytes`)
-  chunk_steps: int = 16     # decode steps per jitted chunk; the scheduler runs between chunks
-  reserve_chunks: int = 2   # admission keeps back the pages running rows fill in this many chunks
-  static: bool = False      # the static batch: full-length pages, admission only into an empty batch
+  num_slots: int = 8  # rows decoding together: the decode step's batch
+  num_pages: int = 1024  # pages in the pool, page_pool.TRASH_PAGE included (`pages_for_bytes`)
+  chunk_steps: int = 16  # decode steps per jitted chunk; the scheduler runs between chunks
+  reserve_chunks: int = 2  # admission keeps back the pages running rows fill in this many chunks
+  static: bool = False  # the static batch: full-length pages, admission only into an empty batch
   # Once every device runs at most this many rows, chunks decode that many slots only (the rows
   # moved to the first slots), so a rollout's last long rows stop paying for the empty slots
   # beside them. 0: off. A second compiled decode program, built on first use.
   drain_slots: int = 0
 
   def __post_init__(self):
-    for name, low in (("num_slots", 1), ("num_pages", 2), ("chunk_steps", 1),
-                      ("reserve_chunks", 0), ("drain_slots", 0)):
+    for name, low in (
+      ("num_slots", 1),
+      ("num_pages", 2),
+      ("chunk_steps", 1),
+      ("reserve_chunks", 0),
+      ("drain_slots", 0),
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
         raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
     if self.drain_slots >= self.num_slots:
-      raise ValueError(f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
-                       f"({self.num_slots}), or 0 (off)")
+      raise ValueError(
+        f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
+        f"({self.num_slots}), or 0 (off)"
+      )
 
 
 DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
@@ -67,20 +75,25 @@ def page_size(sparse: Optional[SparseConfig]) -> int:
   return DENSE_PAGE_SIZE if sparse is None else sparse.page_size
 
 
-def pages_for_bytes(cfg: Qwen3Config, pool_bytes: float, page_size: int = 16, dtype=jnp.float32,
-                    page_score: str = "mean") -> int:
+def pages_for_bytes(
+  cfg: Qwen3Config,
+  pool_bytes: float,
+  page_size: int = 16,
+  dtype=jnp.float32,
+  page_score: str = "mean",
+) -> int:
   """How many pages a pool of `pool_bytes` holds (keys, values and summaries of every layer)."""
   return int(pool_bytes // page_pool.page_bytes(cfg, page_size, dtype, page_score))
 
 
 @dataclasses.dataclass
 class EngineStats:
-  decode_steps: int = 0         # decode steps run (every slot computes in each)
+  decode_steps: int = 0  # decode steps run (every slot computes in each)
   chunks: int = 0
-  useful_row_steps: int = 0     # decoded tokens the rollout keeps (a preempted row's are not)
-  computed_row_steps: int = 0   # slots decoded x decode steps
+  useful_row_steps: int = 0  # decoded tokens the rollout keeps (a preempted row's are not)
+  computed_row_steps: int = 0  # slots decoded x decode steps
   preemptions: int = 0
-  peak_pages: int = 0           # most pool pages in use at once
+  peak_pages: int = 0  # most pool pages in use at once
 
   @property
   def occupancy(self) -> float:
@@ -98,9 +111,11 @@ def row_key(key, row, t):
 
 def _sample_rows(logits_BV, keys_B, temperature, top_p, top_k, num_top):
   """One token per row, each from its own key -> (token_B, logp_B, (top_lp, top_id) or None)."""
+
   def one(logits_V, key):
     token, logp_V = sampler.sample_token(logits_V[None], key, temperature, top_p, top_k)
     return token[0], logp_V[0]
+
   token_B, logp_BV = jax.vmap(one)(logits_BV, keys_B)
   token_B = token_B.astype(jnp.int32)
   logp_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=1)[:, 0]
@@ -111,17 +126,33 @@ _SAMPLING = ("temperature", "top_p", "top_k", "num_top")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",) + _SAMPLING, donate_argnames=("pool",))
-def _insert(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_BG, key, *, cfg,
-            temperature, top_p, top_k, num_top):
+def _insert(
+  params,
+  lora,
+  pool,
+  prompt_BT,
+  prompt_len_B,
+  dest_BP,
+  rows_BG,
+  key,
+  *,
+  cfg,
+  temperature,
+  top_p,
+  top_k,
+  num_top,
+):
   """Prefills B prompts (each device its own: rows split like the pool's shards) into their
   shard's pool pages dest_BP and samples the first token of each prompt's G rows."""
   Z, T = pool.page_size, prompt_BT.shape[1]
   chunk = min(-(-qwen3.PREFILL_CHUNK // Z) * Z, -(-T // Z) * Z)
-  cache = paged_cache.init_cache(cfg, prompt_BT.shape[0], -(-T // chunk) * chunk, Z, pool.dtype,
-                                 pool.page_score)
+  cache = paged_cache.init_cache(
+    cfg, prompt_BT.shape[0], -(-T // chunk) * chunk, Z, pool.dtype, pool.page_score
+  )
   logits_BV, cache = qwen3.prefill(params, prompt_BT, prompt_len_B, cfg, cache, lora=lora)
-  dest_BP = jnp.pad(dest_BP, ((0, 0), (0, cache.num_pages - dest_BP.shape[1])),
-                    constant_values=page_pool.TRASH_PAGE)
+  dest_BP = jnp.pad(
+    dest_BP, ((0, 0), (0, cache.num_pages - dest_BP.shape[1])), constant_values=page_pool.TRASH_PAGE
+  )
   pool = page_pool.write_pages(pool, cache, dest_BP)
   B, G = rows_BG.shape
   keys_N = jax.vmap(lambda r: row_key(key, r, 0))(rows_BG.reshape(B * G))
@@ -135,11 +166,30 @@ def _copy_pages(pool, src_RN, dst_RN):
   return page_pool.copy_pages(pool, src_RN, dst_RN)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "cfg", "steps", "sparse", "max_selected", "eos_ids", "pad_id") + _SAMPLING,
-    donate_argnames=("pool",))
-def _decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, max_selected,
-                  eos_ids, pad_id, temperature, top_p, top_k, num_top):
+@functools.partial(
+  jax.jit,
+  static_argnames=("cfg", "steps", "sparse", "max_selected", "eos_ids", "pad_id") + _SAMPLING,
+  donate_argnames=("pool",),
+)
+def _decode_chunk(
+  params,
+  lora,
+  pool,
+  budget,
+  key,
+  slots,
+  *,
+  cfg,
+  steps,
+  sparse,
+  max_selected,
+  eos_ids,
+  pad_id,
+  temperature,
+  top_p,
+  top_k,
+  num_top,
+):
   """Up to `steps` decode steps over every slot (stops early once no slot runs a row).
 
   slots: dict of [S] arrays token (the last sampled, to append), length (tokens cached), n_gen
@@ -150,29 +200,42 @@ def _decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse,
   attention_fn = policy.pool_decode_attention_fn(sparse, budget, max_selected)
   eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
   S = slots["token"].shape[0]
-  out = dict(tokens=jnp.full((S, steps), pad_id, jnp.int32),
-             logprobs=jnp.zeros((S, steps), jnp.float32))
+  out = dict(
+    tokens=jnp.full((S, steps), pad_id, jnp.int32), logprobs=jnp.zeros((S, steps), jnp.float32)
+  )
   if num_top:
-    out.update(top_lp=jnp.zeros((S, steps, num_top), jnp.float32),
-               top_id=jnp.zeros((S, steps, num_top), jnp.int32))
+    out.update(
+      top_lp=jnp.zeros((S, steps, num_top), jnp.float32),
+      top_id=jnp.zeros((S, steps, num_top), jnp.int32),
+    )
 
   def body(carry):
     j, pool, s, out = carry
     layers = page_pool.layer_views(pool, s["page_table"], s["length"], s["active"])
-    logits_SV, layers = qwen3.decode_step(params, s["token"], cfg, layers,
-                                          attention_fn=attention_fn, lora=lora)
+    logits_SV, layers = qwen3.decode_step(
+      params, s["token"], cfg, layers, attention_fn=attention_fn, lora=lora
+    )
     keys_S = jax.vmap(functools.partial(row_key, key))(s["row"], s["n_gen"])
     token_S, logp_S, top = _sample_rows(logits_SV, keys_S, temperature, top_p, top_k, num_top)
     active = s["active"]
-    out = dict(out, tokens=out["tokens"].at[:, j].set(jnp.where(active, token_S, pad_id)),
-               logprobs=out["logprobs"].at[:, j].set(jnp.where(active, logp_S, 0.0)))
+    out = dict(
+      out,
+      tokens=out["tokens"].at[:, j].set(jnp.where(active, token_S, pad_id)),
+      logprobs=out["logprobs"].at[:, j].set(jnp.where(active, logp_S, 0.0)),
+    )
     if num_top:
-      out.update(top_lp=out["top_lp"].at[:, j].set(top[0]),
-                 top_id=out["top_id"].at[:, j].set(top[1]))
+      out.update(
+        top_lp=out["top_lp"].at[:, j].set(top[0]), top_id=out["top_id"].at[:, j].set(top[1])
+      )
     n_gen = s["n_gen"] + active
     ended = active & (jnp.isin(token_S, eos) | (n_gen >= s["max_new"]))
-    s = dict(s, token=jnp.where(active, token_S, s["token"]), length=s["length"] + active,
-             n_gen=n_gen, active=active & ~ended)
+    s = dict(
+      s,
+      token=jnp.where(active, token_S, s["token"]),
+      length=s["length"] + active,
+      n_gen=n_gen,
+      active=active & ~ended,
+    )
     return j + 1, page_pool.from_layers(pool, layers), s, out
 
   cond = lambda carry: (carry[0] < steps) & jnp.any(carry[2]["active"])
@@ -182,25 +245,25 @@ def _decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse,
 
 @dataclasses.dataclass
 class _Row:
-  index: int            # the row's index in the request: its key and its place in the output
+  index: int  # the row's index in the request: its key and its place in the output
   group: int
   prompt_len: int
   max_new: int
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   top: list = dataclasses.field(default_factory=list)
-  pages: list = dataclasses.field(default_factory=list)   # its own pool pages, in logical order
+  pages: list = dataclasses.field(default_factory=list)  # its own pool pages, in logical order
   first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
-  slot: Optional[int] = None     # its slot on its group's shard while it runs
+  slot: Optional[int] = None  # its slot on its group's shard while it runs
   done: bool = False
 
 
 @dataclasses.dataclass
 class _Group:
   rows: list
-  shard: Optional[int] = None   # the device whose pool holds its prompt (set at its prefill)
+  shard: Optional[int] = None  # the device whose pool holds its prompt (set at its prefill)
   shared: list = dataclasses.field(default_factory=list)  # full prompt pages, shared by the rows
-  template: Optional[int] = None                           # the partial last prompt page
+  template: Optional[int] = None  # the partial last prompt page
   unfinished: int = 0
 
 
@@ -216,8 +279,9 @@ class _Shard:
 class _Scheduler:
   """Host-side bookkeeping of every shard's slots and pages for one `run`."""
 
-  def __init__(self, engine: EngineConfig, page_size: int, rows, groups, max_pages_per_row: int,
-               shards: int):
+  def __init__(
+    self, engine: EngineConfig, page_size: int, rows, groups, max_pages_per_row: int, shards: int
+  ):
     self.engine, self.Z = engine, page_size
     self.rows, self.groups = rows, groups
     self.shards = [_Shard(engine, max_pages_per_row) for _ in range(shards)]
@@ -255,7 +319,7 @@ class _Scheduler:
     shard.slots[slot] = row.index
     table = self.groups[row.group].shared + row.pages
     shard.page_table[slot] = 0
-    shard.page_table[slot, :len(table)] = table
+    shard.page_table[slot, : len(table)] = table
 
   def release(self, row):
     """The row leaves its slot and gives back its own pages; a finished group's shared pages
@@ -294,21 +358,29 @@ class _Scheduler:
 def _check_requests(prompt_BT, prompt_len_B, max_new_B, group_size, cfg):
   B, T = prompt_BT.shape
   if prompt_len_B.shape != (B,) or prompt_len_B.min() < 1 or prompt_len_B.max() > T:
-    raise ValueError(f"prompt_len_B must be [{B}] lengths in [1, {T}] (the prompt width), got "
-                     f"{prompt_len_B.tolist()}")
+    raise ValueError(
+      f"prompt_len_B must be [{B}] lengths in [1, {T}] (the prompt width), got "
+      f"{prompt_len_B.tolist()}"
+    )
   if max_new_B.shape != (B,) or max_new_B.min() < 1:
-    raise ValueError(f"max_new_tokens must be positive (one per row or one for all), got "
-                     f"{max_new_B.tolist()}")
+    raise ValueError(
+      f"max_new_tokens must be positive (one per row or one for all), got {max_new_B.tolist()}"
+    )
   if group_size < 1 or B % group_size:
     raise ValueError(f"group_size must be >= 1 and divide the {B} rows, got {group_size}")
   runs = lambda x: x.reshape(-1, group_size, *x.shape[1:])
-  if not (np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
-          and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])):
-    raise ValueError(f"group_size={group_size}: the rows are not runs of {group_size} identical "
-                     f"prompts")
+  if not (
+    np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
+    and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])
+  ):
+    raise ValueError(
+      f"group_size={group_size}: the rows are not runs of {group_size} identical prompts"
+    )
   if T + int(max_new_B.max()) > cfg.max_position_embeddings:
-    raise ValueError(f"prompt width ({T}) + max_new_tokens ({int(max_new_B.max())}) exceeds "
-                     f"max_position_embeddings ({cfg.max_position_embeddings})")
+    raise ValueError(
+      f"prompt width ({T}) + max_new_tokens ({int(max_new_B.max())}) exceeds "
+      f"max_position_embeddings ({cfg.max_position_embeddings})"
+    )
 
 
 def _any_process(flag: bool) -> bool:
@@ -326,24 +398,45 @@ def _budget(schedule, sparse, max_len: int, max_selected: Optional[int]):
     raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
   if isinstance(schedule, BudgetTable):
     if schedule.pages_by_len.shape[0] < max_len + 1:
-      raise ValueError(f"the BudgetTable covers cached lengths up to "
-                       f"{schedule.pages_by_len.shape[0] - 1}, the rollout needs {max_len}")
+      raise ValueError(
+        f"the BudgetTable covers cached lengths up to "
+        f"{schedule.pages_by_len.shape[0] - 1}, the rollout needs {max_len}"
+      )
     table, budget = None, schedule
   else:
     table = sampler.budget_table(schedule, max_len, sparse)
     budget = BudgetTable(jnp.asarray(table))
   if max_selected is None:
     max_selected = sampler.max_selected_pages(
-        sharding.to_host(budget.pages_by_len) if table is None else table)
+      sharding.to_host(budget.pages_by_len) if table is None else table
+    )
   return budget, max_selected
 
 
-def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens,
-        engine: EngineConfig = EngineConfig(), sparse: Optional[SparseConfig] = None,
-        schedule=None, max_selected: Optional[int] = None, lora=None, temperature: float = 1.0,
-        top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), pad_id: int = 0,
-        num_top_logprobs: int = 0, group_size: int = 1, order: Optional[Sequence[int]] = None,
-        dtype=None, first_row: int = 0):
+def run(
+  params,
+  cfg: Qwen3Config,
+  prompt_BT,
+  prompt_len_B,
+  key,
+  *,
+  max_new_tokens,
+  engine: EngineConfig = EngineConfig(),
+  sparse: Optional[SparseConfig] = None,
+  schedule=None,
+  max_selected: Optional[int] = None,
+  lora=None,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_ids: Sequence[int] = (),
+  pad_id: int = 0,
+  num_top_logprobs: int = 0,
+  group_size: int = 1,
+  order: Optional[Sequence[int]] = None,
+  dtype=None,
+  first_row: int = 0,
+):
   """Samples a completion for every right-padded prompt row (host arrays) through the engine.
 
   max_new_tokens: an int or one per row. group_size = n: the rows come in runs of n copies of one
@@ -369,11 +462,17 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   Z = page_size(sparse)
   prompt_BT = np.pad(prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages: one prefill shape
   max_pages_per_row = -(-(T + int(max_new_B.max())) // Z)
-  budget, max_selected = (None, 0) if sparse is None else _budget(
-      schedule, sparse, max(max_pages_per_row * Z, T + int(max_new_B.max())), max_selected)
+  budget, max_selected = (
+    (None, 0)
+    if sparse is None
+    else _budget(
+      schedule, sparse, max(max_pages_per_row * Z, T + int(max_new_B.max())), max_selected
+    )
+  )
   dtype = dtype or params["embed"].dtype
-  pool = page_pool.init_pool(cfg, engine.num_pages, Z, dtype,
-                             sparse.page_score if sparse is not None else "mean")
+  pool = page_pool.init_pool(
+    cfg, engine.num_pages, Z, dtype, sparse.page_score if sparse is not None else "mean"
+  )
   R, S, C = pool.shards, engine.num_slots, engine.chunk_steps
   # This process's shards of the pool: it schedules only them; arrays of every shard's slots are
   # assembled from each process's part.
@@ -381,16 +480,23 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   rows_sh = None if mesh.empty else sharding.rows(mesh)
   r_lo, r_hi = (0, R) if rows_sh is None else sharding.process_rows(rows_sh, R)
   R_local = r_hi - r_lo
-  to_global = lambda x: x if rows_sh is None else sharding.from_local_rows(
-      x, rows_sh, x.shape[0] // R_local * R)
+  to_global = lambda x: (
+    x if rows_sh is None else sharding.from_local_rows(x, rows_sh, x.shape[0] // R_local * R)
+  )
   to_local = lambda x: np.asarray(x) if rows_sh is None else sharding.local_rows(x)
   per_insert = max(1, S // group_size)  # groups a device prefills per insert call
-  sampling = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                  num_top=int(num_top_logprobs))
+  sampling = dict(
+    temperature=float(temperature),
+    top_p=float(top_p),
+    top_k=int(top_k),
+    num_top=int(num_top_logprobs),
+  )
 
   rows = [_Row(b, b // group_size, int(prompt_len_B[b]), int(max_new_B[b])) for b in range(B)]
-  groups = [_Group(list(range(g * group_size, (g + 1) * group_size)), unfinished=group_size)
-            for g in range(B // group_size)]
+  groups = [
+    _Group(list(range(g * group_size, (g + 1) * group_size)), unfinished=group_size)
+    for g in range(B // group_size)
+  ]
   order = list(range(B)) if order is None else [int(b) for b in order]
   if sorted(order) != list(range(B)):
     raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
@@ -398,9 +504,11 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   for row in rows:  # a row that cannot fit alone in a pool would wait forever
     need = -(-(row.prompt_len + row.max_new - 1) // Z) + 1
     if need > engine.num_pages - 1:
-      raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} cannot hold row {row.index} "
-                       f"({row.prompt_len} prompt + {row.max_new} new tokens need {need} pages "
-                       f"with the trash page and a prompt template)")
+      raise ValueError(
+        f"EngineConfig.num_pages = {engine.num_pages} cannot hold row {row.index} "
+        f"({row.prompt_len} prompt + {row.max_new} new tokens need {need} pages "
+        f"with the trash page and a prompt template)"
+      )
   queue = collections.deque(order)
 
   def insert(planned):
@@ -417,17 +525,20 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       for j, g in enumerate(group_ids):
         i, group, first = r * per_insert + j, groups[g], rows[groups[g].rows[0]]
         pages = group.shared + ([group.template] if group.template is not None else [])
-        prompts[i], lens[i], dest[i, :len(pages)] = prompt_BT[first.index], first.prompt_len, pages
+        prompts[i], lens[i], dest[i, : len(pages)] = prompt_BT[first.index], first.prompt_len, pages
         row_ids[i], at[g] = np.asarray(group.rows) + first_row, i
-    pool, token, logp, top = _insert(params, lora, pool, *map(to_global, (prompts, lens, dest,
-                                                                         row_ids)),
-                                     key, cfg=cfg, **sampling)
+    pool, token, logp, top = _insert(
+      params, lora, pool, *map(to_global, (prompts, lens, dest, row_ids)), key, cfg=cfg, **sampling
+    )
     token, logp = to_local(token), to_local(logp)
     top = None if top is None else tuple(to_local(x).reshape(n, group_size, -1) for x in top)
     for g, i in at.items():
       for j, b in enumerate(groups[g].rows):
-        rows[b].first = (int(token[i, j]), float(logp[i, j]),
-                         None if top is None else (top[0][i, j], top[1][i, j]))
+        rows[b].first = (
+          int(token[i, j]),
+          float(logp[i, j]),
+          None if top is None else (top[0][i, j], top[1][i, j]),
+        )
 
   def restart(row):
     """The row back to its first token (at admission and after a preemption)."""
@@ -448,10 +559,13 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       row, group = rows[b], groups[rows[b].group]
       new_group = group.shard is None
       need = sched.pages_needed(row, C, n_gen=1) + (
-          sched.shared_count(row) + (1 if row.prompt_len % Z else 0) if new_group else 0)
-      fits = lambda r: (free_slots[r] > 0 and not (engine.static and busy[r])
-                        and len(sched.shards[r].free_pages)
-                        >= need + (0 if engine.static else sched.reserve(r)))
+        sched.shared_count(row) + (1 if row.prompt_len % Z else 0) if new_group else 0
+      )
+      fits = lambda r: (
+        free_slots[r] > 0
+        and not (engine.static and busy[r])
+        and len(sched.shards[r].free_pages) >= need + (0 if engine.static else sched.reserve(r))
+      )
       if new_group:
         options = [r for r in range(R_local) if len(planned[r]) < per_insert and fits(r)]
         if not options:
@@ -512,22 +626,30 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
     while _any_process(admit_round()):
       pass
     if queue and not sched.running():
-      raise ValueError(f"EngineConfig.num_pages = {engine.num_pages} is too small to admit "
-                       f"row {queue[0]} while other groups hold their prompt pages")
+      raise ValueError(
+        f"EngineConfig.num_pages = {engine.num_pages} is too small to admit "
+        f"row {queue[0]} while other groups hold their prompt pages"
+      )
     if not _any_process(bool(sched.running())):
       break
     grow()
     W = S  # slots this chunk decodes per device
     if engine.drain_slots and not _any_process(
-        max(len(sched.running(r)) for r in range(R_local)) > engine.drain_slots):
+      max(len(sched.running(r)) for r in range(R_local)) > engine.drain_slots
+    ):
       W = engine.drain_slots
       sched.compact(W)
     running = sched.running()
     n = R_local * W
-    slots = dict(token=np.zeros(n, np.int32), length=np.zeros(n, np.int32),
-                 n_gen=np.zeros(n, np.int32), max_new=np.ones(n, np.int32),
-                 row=np.zeros(n, np.int32), active=np.zeros(n, bool),
-                 page_table=np.concatenate([sh.page_table[:W] for sh in sched.shards]))
+    slots = dict(
+      token=np.zeros(n, np.int32),
+      length=np.zeros(n, np.int32),
+      n_gen=np.zeros(n, np.int32),
+      max_new=np.ones(n, np.int32),
+      row=np.zeros(n, np.int32),
+      active=np.zeros(n, bool),
+      page_table=np.concatenate([sh.page_table[:W] for sh in sched.shards]),
+    )
     at = {r.index: sched.shard_of(r) * W + r.slot for r in running}
     for r in running:
       i = at[r.index]
@@ -535,9 +657,20 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
       slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
       slots["row"][i], slots["active"][i] = first_row + r.index, True
     pool, after, out, steps_run = _decode_chunk(
-        params, lora, pool, budget, key, {k: to_global(v) for k, v in slots.items()}, cfg=cfg,
-        steps=C, sparse=sparse, max_selected=max_selected, eos_ids=eos_ids, pad_id=pad_id,
-        **sampling)
+      params,
+      lora,
+      pool,
+      budget,
+      key,
+      {k: to_global(v) for k, v in slots.items()},
+      cfg=cfg,
+      steps=C,
+      sparse=sparse,
+      max_selected=max_selected,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      **sampling,
+    )
     out = {k: to_local(v) for k, v in out.items()}
     n_gen_after, active_after = to_local(after["n_gen"]), to_local(after["active"])
     steps_run = int(sharding.to_host(steps_run))
@@ -558,15 +691,23 @@ def run(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_token
   return _rollout(rows, int(max_new_B.max()), pad_id, num_top_logprobs), sched.stats
 
 
-def full_batch(rows: int, group_size: int, max_len: int, sparse: Optional[SparseConfig],
-               chunk_steps: int = EngineConfig.chunk_steps) -> EngineConfig:
+def full_batch(
+  rows: int,
+  group_size: int,
+  max_len: int,
+  sparse: Optional[SparseConfig],
+  chunk_steps: int = EngineConfig.chunk_steps,
+) -> EngineConfig:
   """Slots for a device's `rows` rows at once (whole GRPO groups: a group runs on one device) and a
   pool that holds them all at `max_len` tokens (their pages, a prompt template page per group, the
   trash page): no row waits or is preempted, and a row stops costing once it ends."""
   groups = max(-(-rows // group_size), 1)
   slots = groups * group_size
-  return EngineConfig(num_slots=slots, num_pages=slots * -(-max_len // page_size(sparse))
-                      + groups + 1, chunk_steps=chunk_steps)
+  return EngineConfig(
+    num_slots=slots,
+    num_pages=slots * -(-max_len // page_size(sparse)) + groups + 1,
+    chunk_steps=chunk_steps,
+  )
 
 
 def _local_rows(x, lo: int, hi: int) -> np.ndarray:
@@ -576,11 +717,26 @@ def _local_rows(x, lo: int, hi: int) -> np.ndarray:
   return np.asarray(x)[lo:hi]
 
 
-def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             eos_ids: Sequence[int] = (), sparse: Optional[SparseConfig] = None, schedule=None,
-             lora=None, num_top_logprobs: int = 0, pad_id: int = 0,
-             max_selected: Optional[int] = None, prefill_group: int = 1) -> sampler.Rollout:
+def generate(
+  params,
+  cfg: Qwen3Config,
+  prompt_BT,
+  prompt_len_B,
+  key,
+  *,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_ids: Sequence[int] = (),
+  sparse: Optional[SparseConfig] = None,
+  schedule=None,
+  lora=None,
+  num_top_logprobs: int = 0,
+  pad_id: int = 0,
+  max_selected: Optional[int] = None,
+  prefill_group: int = 1,
+) -> sampler.Rollout:
   """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]])
   through the engine, every row of a device in a slot at once and a pool that holds them all.
 
@@ -595,16 +751,32 @@ def generate(params, cfg: Qwen3Config, prompt_BT, prompt_len_B, key, *, max_new_
   rows_sh = None if mesh.empty else sharding.rows(mesh)
   lo, hi = (0, B) if rows_sh is None else sharding.process_rows(rows_sh, B)
   engine = full_batch(B // page_pool.row_shards(), prefill_group, T + max_new_tokens, sparse)
-  rollout, _ = run(params, cfg, _local_rows(prompt_BT, lo, hi), _local_rows(prompt_len_B, lo, hi),
-                   key, max_new_tokens=max_new_tokens, engine=engine, sparse=sparse,
-                   schedule=schedule, max_selected=max_selected, lora=lora,
-                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
-                   pad_id=pad_id, num_top_logprobs=num_top_logprobs, group_size=prefill_group,
-                   first_row=lo)
+  rollout, _ = run(
+    params,
+    cfg,
+    _local_rows(prompt_BT, lo, hi),
+    _local_rows(prompt_len_B, lo, hi),
+    key,
+    max_new_tokens=max_new_tokens,
+    engine=engine,
+    sparse=sparse,
+    schedule=schedule,
+    max_selected=max_selected,
+    lora=lora,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    eos_ids=eos_ids,
+    pad_id=pad_id,
+    num_top_logprobs=num_top_logprobs,
+    group_size=prefill_group,
+    first_row=lo,
+  )
   if rows_sh is None:
     return rollout
-  return jax.tree_util.tree_map(lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, B),
-                                rollout)
+  return jax.tree_util.tree_map(
+    lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, B), rollout
+  )
 
 
 def _rollout(rows, N: int, pad_id: int, num_top: int) -> sampler.Rollout:
@@ -621,6 +793,10 @@ def _rollout(rows, N: int, pad_id: int, num_top: int) -> sampler.Rollout:
     if num_top:
       top_lp[r.index, :n] = np.stack([t[0] for t in r.top])
       top_id[r.index, :n] = np.stack([t[1] for t in r.top])
-  return sampler.Rollout(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(lengths),
-                         None if top_lp is None else jnp.asarray(top_lp),
-                         None if top_id is None else jnp.asarray(top_id))
+  return sampler.Rollout(
+    jnp.asarray(tokens),
+    jnp.asarray(logprobs),
+    jnp.asarray(lengths),
+    None if top_lp is None else jnp.asarray(top_lp),
+    None if top_id is None else jnp.asarray(top_id),
+  )

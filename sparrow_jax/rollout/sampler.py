@@ -7,6 +7,7 @@ length, built from any schedule outside jit), so switching schedules never recom
 static cap on selected pages (`max_selected_pages`, the schedule's maximum rounded up to a power of
 two) is part of the compiled shape.
 """
+
 from typing import Optional
 
 import flax.struct
@@ -19,25 +20,31 @@ from sparrow_jax.attention.select import SparseConfig
 
 @flax.struct.dataclass
 class Rollout:
-  tokens: jax.Array          # [B, N] completion tokens (EOS kept), pad_id after each row's length
-  logprobs: jax.Array        # [B, N] log-prob of each sampled token under the sampled distribution
-  lengths: jax.Array         # [B] completion lengths
+  tokens: jax.Array  # [B, N] completion tokens (EOS kept), pad_id after each row's length
+  logprobs: jax.Array  # [B, N] log-prob of each sampled token under the sampled distribution
+  lengths: jax.Array  # [B] completion lengths
   top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k of those log-probs per step (if asked)
-  top_ids: Optional[jax.Array] = None       # [B, N, k] their token ids
+  top_ids: Optional[jax.Array] = None  # [B, N, k] their token ids
 
 
 def check_geometry(schedule, sparse: SparseConfig) -> None:
   """A KVSchedule's page geometry (page size, always-kept pages) must be the sparse config's:
   SparseConfig is the one source of truth for the geometry the sampler reads with. Host-only (no
   JAX computation), so config validation can call it before jax.distributed starts."""
-  geometry = (("page_size", sparse.page_size, "page size"),
-              ("always_kept", sparse.always_kept, f"always-kept pages (sink_pages "
-                                                  f"{sparse.sink_pages} + local_pages "
-                                                  f"{sparse.local_pages})"))
+  geometry = (
+    ("page_size", sparse.page_size, "page size"),
+    (
+      "always_kept",
+      sparse.always_kept,
+      f"always-kept pages (sink_pages {sparse.sink_pages} + local_pages {sparse.local_pages})",
+    ),
+  )
   for name, want, what in geometry:
     if getattr(schedule, name, want) != want:
-      raise ValueError(f"schedule.{name} = {getattr(schedule, name)} differs from the "
-                       f"SparseConfig's {what}: {want}")
+      raise ValueError(
+        f"schedule.{name} = {getattr(schedule, name)} differs from the "
+        f"SparseConfig's {what}: {want}"
+      )
 
 
 def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
@@ -48,8 +55,10 @@ def budget_table(schedule, max_len: int, sparse: SparseConfig) -> np.ndarray:
   pages = -(-np.arange(max_len + 1) // sparse.page_size)
   low = np.nonzero(budget < np.minimum(sparse.always_kept, pages))[0]
   if low.size:
-    raise ValueError(f"KV budget {budget[low[0]]} pages at cached length {low[0]} is below the "
-                     f"{sparse.always_kept} always-kept pages (sink_pages + local_pages)")
+    raise ValueError(
+      f"KV budget {budget[low[0]]} pages at cached length {low[0]} is below the "
+      f"{sparse.always_kept} always-kept pages (sink_pages + local_pages)"
+    )
   return budget
 
 
