@@ -1,7 +1,8 @@
 """Calibrates a KV-budget schedule at threshold tau: by default the tau-0.86 schedule the shipped
 tiny model trains with (quest page scores: assets/pointer_chase_tiny/calibration_quest/; the paper's
-mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, 2.5-3.2 min on this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
-(configs/common.py), so the schedule is calibrated for the setting that will use it.
+mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, 2.5-3.2 min on this CPU).
+Model, task, rollout and stats fields mean what they mean in the trainer (configs/common.py), so the
+schedule is calibrated for the setting that will use it.
 
   python experiments/calibrate_schedule.py --config=configs/calibrate.py \\
       --config.out_dir=assets/pointer_chase_tiny/calibration_quest   # the shipped schedule
@@ -28,8 +29,8 @@ def get_config():
   c.model.init_std = 0.3  # preset init std: peaky enough attention for sparsity to matter
 
   c.prompts = "synthetic"  # "synthetic" (pointer chasing, task.min_hops..max_hops) or a
-  #                                    .jsonl file, a JSON list of token ids or {"prompt_ids": [...]}
-  #                                    a line
+  #                                    .jsonl file, a JSON list of token ids or
+  #                                    {"prompt_ids": [...]} a line
   c.task = common.task("min_hops", "max_hops")  # the synthetic prompts' chain lengths
   c.num_prompts = 16  # distinct prompts
   c.repeats = 8  # samples per prompt (the paper: 8)

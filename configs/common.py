@@ -57,9 +57,10 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.top_p = 1.0  # nucleus sampling mass; must stay 1.0 in training (docs/configuration.md)
   c.sparse = True  # block top-k sparse rollouts (False = dense baseline)
   c.schedule = "assets/pointer_chase_tiny/calibration_quest/schedule.json"  # KVSchedule: JSON path,
-  #                                    "fixed:PAGES", or "paper:MODEL:TAU" (e.g. paper:qwen3-1.7b:0.86),
-  #                                    or stages "STEP:SPEC,STEP:SPEC" switched without recompiling,
-  #                                    or "adaptive:TAU:BASE" (closed loop from the table BASE; docs/closed_loop.md)
+  #                                    "fixed:PAGES", or "paper:MODEL:TAU"
+  #                                    (e.g. paper:qwen3-1.7b:0.86), or stages "STEP:SPEC,STEP:SPEC"
+  #                                    switched without recompiling, or "adaptive:TAU:BASE" (closed
+  #                                    loop from the table BASE; docs/closed_loop.md)
   # adaptive:TAU:BASE only (sparrow_jax.mismatch.schedule.adapt_topk moves each bin once a step):
   c.adaptive_headroom = 2.0  # ceiling of every bin's top-k: this x BASE's largest, fixed at
   #                                    start (it sizes the static page selection); 2x is the paper's
@@ -72,7 +73,8 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.adaptive_window = 4  # steps of tokens a budget is judged on (pooled) before it may
   #                                    pass or fail; a step with p10 < tau fails at once (a cliff)
   c.adaptive_lower_share = 0.04  # a bin passes when at most this share of its pooled tokens is
-  #                                    under tau (its pool's p4 >= tau); it fails over 0.05 (p5 < tau)
+  #                                    under tau (its pool's p4 >= tau); it fails over 0.05
+  #                                    (p5 < tau)
   c.adaptive_min_tokens = 200  # a bin with fewer tokens in the step holds and pools nothing:
   #                                    its p10 then rests on >= 20 tokens, not on one outlier
   c.engine_slots = 0  # rows each device decodes at once (0: all of its step's rows);
@@ -87,9 +89,10 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.page_score = "quest"  # how pages rank for the top-k: mean (the page's mean key, the
   #                                    paper) | quest (per-channel key max / min, an upper bound of
   #                                    q . k; twice the cached summary bytes). Calibrate per choice:
-  #                                    `schedule` is quest's tau-0.86 table for the tiny model, which
-  #                                    reads 0.75 of the dense KV to mean's 0.90 (docs/embedded_default.md "Page
-  #                                    scores"); the paper's tables are mean's
+  #                                    `schedule` is quest's tau-0.86 table for the tiny model,
+  #                                    which reads 0.75 of the dense KV to mean's 0.90
+  #                                    (docs/embedded_default.md "Page scores"); the paper's tables
+  #                                    are mean's
   return _select(c, fields, overrides)
 
 

@@ -1,13 +1,14 @@
 """Embedded default: sparse-rollout GRPO + DistillSparse on the pointer-chasing task with the tiny
 Qwen3 shipped in assets/, on a laptop CPU in minutes.
 
-The shipped model (0.42M params, 2 layers, 2400 steps of curriculum pretraining on this CPU) retrieves
-the value of every hop from the prompt's table up to ~800 tokens back, but sampled at temperature 1.0
-it first slips around hop 17 on average, and a slip derails the chain: its per-step score on
-128-hop chains (~450 prompt tokens, responses up to 390) leaves RL room. Layer 0 (it gathers each
-table entry into its `;`) stays dense; layer 1 does the lookups under the tau-0.86 schedule calibrated
-for this model with quest page scores (assets/pointer_chase_tiny/calibration_quest/: 0.75 of the
-dense KV read, against 0.90 for the paper's mean-key scores). See docs/embedded_default.md.
+The shipped model (0.42M params, 2 layers, 2400 steps of curriculum pretraining on this CPU)
+retrieves the value of every hop from the prompt's table up to ~800 tokens back, but sampled at
+temperature 1.0 it first slips around hop 17 on average, and a slip derails the chain: its per-step
+score on 128-hop chains (~450 prompt tokens, responses up to 390) leaves RL room. Layer 0 (it
+gathers each table entry into its `;`) stays dense; layer 1 does the lookups under the tau-0.86
+schedule calibrated for this model with quest page scores
+(assets/pointer_chase_tiny/calibration_quest/: 0.75 of the dense KV read, against 0.90 for the
+paper's mean-key scores). See docs/embedded_default.md.
 
   python -m sparrow_jax.train --config=configs/default.py [--config.total_steps=50 ...]
 """
@@ -73,8 +74,9 @@ def get_config():
   c.distill.alpha = 16.0  # LoRA alpha (scale = alpha / rank)
   c.distill.targets = "q,k,v,o,gate,up,down"  # projections with adapters (the reference: all)
   # One LoRA update per PPO minibatch (4 a step, as the reference interleaves them): at 1e-3 the
-  # exact acceptance p5 fell to 0.80-0.92 within 7 steps (0.92-0.98 with distill off), at 2.5e-4 (the
-  # total step of the former single update at 1e-3) it stayed with distill off's (docs/distill_sparse.md).
+  # exact acceptance p5 fell to 0.80-0.92 within 7 steps (0.92-0.98 with distill off), at 2.5e-4
+  # (the total step of the former single update at 1e-3) it stayed with distill off's
+  # (docs/distill_sparse.md).
   c.distill.learning_rate = 2.5e-4  # Adam learning rate of the LoRA params
   # The paper pairs lambda = 1e-3 with the actor's own PPO term (weight 1) at RL learning rates of
   # ~1e-6; at this demo's rates that PPO term pulled the actor away from the policy (p5 0.875 ->
@@ -85,6 +87,7 @@ def get_config():
 
   c.stats = common.stats()  # tau and the position bin size
   c.stats.exact_acceptance = True  # log exact alpha as acceptance/* (a no-grad sparse pass
-  #                                    when distill is off or with minibatches; docs/distill_sparse.md)
+  #                                    when distill is off or with minibatches;
+  #                                    docs/distill_sparse.md)
   c.stats.num_bins = 7  # bins (static shape; later positions count only overall)
   return c

@@ -1,8 +1,9 @@
-"""experiments/device_check.py: the one-shot GPU / TPU check (kernels, attention, end-to-end decode).
+"""experiments/device_check.py: the one-shot GPU / TPU check (kernels, attention, end-to-end
+decode).
 
 python experiments/device_check.py [--out=device_check.json]   # on the accelerator, < 8 min
 python experiments/device_check.py --smoke                      # tiny sizes, any backend (CI)
-python experiments/device_check.py --config=configs/device_check.py:smoke --config.x=y  # + overrides
+python experiments/device_check.py --config=configs/device_check.py:smoke --config.x=y # + overrides
 """
 
 import ml_collections

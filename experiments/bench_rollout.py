@@ -1,4 +1,5 @@
-"""Rollout benchmark: (b) end-to-end decode tokens/s, dense vs sparse; (c) our dense sampler vs tunix.
+"""Rollout benchmark: (b) end-to-end decode tokens/s, dense vs sparse; (c) our dense sampler vs
+tunix.
 
   python experiments/bench_rollout.py --config=configs/bench_rollout.py \\
       [--config.decode.contexts=16384,32768 --config.decode.dense_layers=2,0 --config.batch=4 ...]
@@ -90,7 +91,7 @@ def _median_s(calls, runs):
   return [statistics.median(t) for t in times]
 
 
-# ----------------------------------------------------------------------------------- (b) decode only
+# ---------------------------------------------------------------------------------- (b) decode only
 
 
 def model_config(layers: int, vocab_size: int) -> sj.Qwen3Config:

@@ -1,7 +1,8 @@
 """Calibrates a KV-budget schedule at threshold tau and writes schedule.json, surface.json and
 calibration.png to config.out_dir.
 
-  python experiments/calibrate_schedule.py --config=configs/calibrate.py [--config.stats.tau=0.9 ...]
+  python experiments/calibrate_schedule.py --config=configs/calibrate.py \\
+      [--config.stats.tau=0.9 ...]
 
 configs/calibrate.py documents every field and a smoke run. Prompts are synthetic pointer chasing
 (sparrow_jax.data.synthetic, config.task.min_hops..max_hops) or token ids from a .jsonl file
@@ -69,7 +70,8 @@ def parse_ints(text, field):
 
 
 def load_model(m, seed):
-  """(cfg, params, eos_ids, pad_id) of config.model: an HF dir, or a preset initialised at random."""
+  """(cfg, params, eos_ids, pad_id) of config.model: an HF dir, or a preset initialised at
+  random."""
   if bool(m.hf_dir) == bool(m.preset):
     raise ValueError(
       f"set exactly one of config.model.hf_dir / config.model.preset; got "

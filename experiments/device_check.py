@@ -1,6 +1,6 @@
 """The one-shot accelerator check: what a GPU or TPU machine runs, in under 8 minutes, to prove the
-kernels and measure them. Prints markdown tables (for docs/kernels.md) and, with --out, writes them as
-JSON.
+kernels and measure them. Prints markdown tables (for docs/kernels.md) and, with --out, writes
+them as JSON.
 
   python experiments/device_check.py [--out=device_check.json]
   python experiments/device_check.py --smoke      # tiny sizes on any backend (CI runs it on CPU)

@@ -7,10 +7,10 @@ configs/evaluate.py documents every field (and a math example). config.task.name
 read from config.task.path, or "synthetic:pointer_chase". The task and the model are built by the
 trainer's own `make_task` / `load_model` from this config's model, task and seed, and
 config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' | 'paper:MODEL:TAU' | a
-KVSchedule JSON path), so an evaluation sees exactly what training saw. Problems are the task's first
-config.num_problems in its (seeded) order; each is sampled config.samples (n) times with
-`sj.generate` (right-padded prompts, the tokenizer's EOS ids) in batches of config.batch_size rows of
-one static shape (one compile), and graded with task.grade: a sample is correct when its grade
+KVSchedule JSON path), so an evaluation sees exactly what training saw. Problems are the task's
+first config.num_problems in its (seeded) order; each is sampled config.samples (n) times with
+`sj.generate` (right-padded prompts, the tokenizer's EOS ids) in batches of config.batch_size rows
+of one static shape (one compile), and graded with task.grade: a sample is correct when its grade
 reason is "correct" (math: math-verify match of the last \\boxed{}; code: all tests pass; pointer
 chase: exact final answer).
 

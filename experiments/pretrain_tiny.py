@@ -3,12 +3,12 @@
   nice -n 10 python experiments/pretrain_tiny.py --config=configs/pretrain_tiny.py \
       [--config.export_dir=assets/pointer_chase_tiny]
 
-Teacher-forced next-token loss on the response tokens only (the prompt's table is random, so there is
-nothing to learn from predicting it). Problems are packed into fixed rows with a per-problem attention
-mask and positions restarting at 0, one compiled shape per curriculum level (config.levels): the run
-starts on 1..4-hop tables and moves up a level (to 128 hops) each time the lookup accuracy on the
-current one reaches config.promote_acc, replaying the lower levels on every other step. Small
-batches: many cheap updates beat few big ones for this model.
+Teacher-forced next-token loss on the response tokens only (the prompt's table is random, so there
+is nothing to learn from predicting it). Problems are packed into fixed rows with a per-problem
+attention mask and positions restarting at 0, one compiled shape per curriculum level
+(config.levels): the run starts on 1..4-hop tables and moves up a level (to 128 hops) each time the
+lookup accuracy on the current one reaches config.promote_acc, replaying the lower levels on every
+other step. Small batches: many cheap updates beat few big ones for this model.
 
 Resumable: every config.ckpt_minutes the params, optimizer state and loop state (step, level,
 curves) go to an orbax checkpoint in <workdir>/checkpoints (sparrow_jax.checkpoint), and the Hugging
@@ -16,7 +16,8 @@ Face export is refreshed in <workdir>/hf; rerunning the same command resumes. Th
 a pure function of (config.seed, s), so a resumed run sees the same batches. Metrics go to
 <workdir>/tensorboard and <workdir>/metrics.jsonl (sparrow_jax.logging.MetricsLogger).
 config.export_dir receives the final model (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json, generation_config.json) and pretrain_log.json, e.g. assets/pointer_chase_tiny.
+tokenizer_config.json, generation_config.json) and pretrain_log.json, e.g.
+assets/pointer_chase_tiny.
 """
 
 import json

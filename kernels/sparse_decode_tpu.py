@@ -11,10 +11,11 @@ Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block 
 in-kernel loop with an online softmax (float32) and writes its [G, E] output. The page list,
 its logical ids, n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the
 kernel turns into DMA addresses. SMEM is small (1 MiB), so a batch whose lists need more than
-SMEM_PREFETCH_BYTES runs as a `lax.map` of calls over row chunks. The caches stay in HBM; each block's pages are DMA'd (one copy per page) into one
-slot of a two-slot VMEM buffer while the other slot's block is computed on (double buffering), and
-only the first ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the
-static N costs only what it reads. Both dots take the common dtype of q and the cache (bf16 stays
+SMEM_PREFETCH_BYTES runs as a `lax.map` of calls over row chunks. The caches stay in HBM; each
+block's pages are DMA'd (one copy per page) into one slot of a two-slot VMEM buffer while the
+other slot's block is computed on (double buffering), and only the first
+ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the static N costs only
+what it reads. Both dots take the common dtype of q and the cache (bf16 stays
 bf16 on the MXU) and accumulate in float32; float32 dots ask for full precision.
 
 Why the block loop is inside the program, not a grid axis: the block count is dynamic (n_valid),

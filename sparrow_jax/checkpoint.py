@@ -136,9 +136,9 @@ def restore_latest(mgr: ocp.CheckpointManager, like_state):
   on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
     Only a checkpoint whose files fail to read as a checkpoint, or fail their checksums, is moved
-    aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later save
-    at that step must not collide with it, and nothing is deleted. A checkpoint that reads but holds
-    another state (a changed config) raises ValueError and changes nothing on disk.
+    aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later
+    save at that step must not collide with it, and nothing is deleted. A checkpoint that reads but
+    holds another state (a changed config) raises ValueError and changes nothing on disk.
   """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
   for step in sorted(mgr.all_steps(), reverse=True):

@@ -1,5 +1,6 @@
 """Results records: what an experiment measured, as JSON with its provenance (the command, the
-commit, the machine and the date), so a figure on a docs page can be traced to the run that made it."""
+commit, the machine and the date), so a figure on a docs page can be traced to the run that made
+it."""
 
 import datetime
 import json

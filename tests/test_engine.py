@@ -1,6 +1,6 @@
 """The rollout engine: its rows agree with the teacher-forced forward (greedy tokens are its argmax,
-sampled log-probs its log-probs; dense and sparse), whatever the slots, chunk length, admission order
-or pool size."""
+sampled log-probs its log-probs; dense and sparse), whatever the slots, chunk length, admission
+order or pool size."""
 
 import jax
 import jax.numpy as jnp

@@ -29,7 +29,8 @@ def _load(script):
 
 
 def _run(script, *overrides, check=True):
-  """Runs experiments/<script>.py --config=configs/<script>.py with overrides; returns the result."""
+  """Runs experiments/<script>.py --config=configs/<script>.py with overrides; returns the
+  result."""
   cmd = [sys.executable, f"experiments/{script}.py", f"--config=configs/{script}.py", *overrides]
   result = subprocess.run(
     cmd,

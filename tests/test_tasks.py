@@ -265,7 +265,10 @@ def test_livecodebench_loader(tmp_path, capsys):
   assert add.reference == CodeTests("call", ([[1, 2], 3],), ([4, 5],), fn_name="addAll")
   responses = [
     "```python\nn = int(input())\nprint(n * n)\n```",
-    "```python\nclass Solution:\n    def addAll(self, xs, k):\n        return [x + k for x in xs]\n```",
+    (
+      "```python\nclass Solution:\n    def addAll(self, xs, k):\n"
+      "        return [x + k for x in xs]\n```"
+    ),
   ]
   assert task.reward(responses, [square, add]).tolist() == [1.0, 1.0]
 

@@ -1,4 +1,5 @@
-"""Tokenizer wrapper and Qwen3 chat template, on a small BPE tokenizer built here (nothing downloaded)."""
+"""Tokenizer wrapper and Qwen3 chat template, on a small BPE tokenizer built here (nothing
+downloaded)."""
 
 import json
 

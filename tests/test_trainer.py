@@ -373,9 +373,9 @@ def test_adaptive_resume_replays_the_budgets(adaptive_run):
 
 
 def test_predicted_speedup_prices_the_runs_own_engine():
-  """kv/predicted_speedup is the roofline's sparse / dense tokens/s for one device running this run's
-  slots and pool: the 1.7B paper config's 32 slots at the paper's long tail read far more KV than
-  weights (~3x), while 2 slots are bound by reading the weights (little to gain)."""
+  """kv/predicted_speedup is the roofline's sparse / dense tokens/s for one device running this
+  run's slots and pool: the 1.7B paper config's 32 slots at the paper's long tail read far more KV
+  than weights (~3x), while 2 slots are bound by reading the weights (little to gain)."""
   from configs import qwen3_1p7b_polaris
   from sparrow_jax.mismatch import cost_model
 

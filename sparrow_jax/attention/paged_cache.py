@@ -4,17 +4,17 @@ top-k sparse decoding.
 Layout, stacked over layers (prefill scans its layers and indexes the cache with the layer; decoding
 splits it into one single-layer cache per layer, `split_layers`):
   k_stored, v_stored [L, B, K, S, E]  S = P * Z: page p of (layer, sequence b, KV head k) is the
-                                   contiguous block k[l, b, k, p*Z:(p+1)*Z]; a [..., P, Z, E] view is
-                                   a free reshape. Keys and values of `dtype` (the model's: bfloat16
-                                   at scale), read through `keys(layer)`, `values(layer)`. On XLA
-                                   CPU 2-byte floats are stored as uint16 bits (`stored_dtype`): it
-                                   runs every bfloat16 update of a buffer in float32, converting the
-                                   whole cache there and back, 3x the KV in temporaries
-                                   (experiments/memory_report.py), while integer writes stay in
+                                   contiguous block k[l, b, k, p*Z:(p+1)*Z]; a [..., P, Z, E] view
+                                   is a free reshape. Keys and values of `dtype` (the model's:
+                                   bfloat16 at scale), read through `keys(layer)`,
+                                   `values(layer)`. On XLA CPU 2-byte floats are stored as uint16
+                                   bits (`stored_dtype`): it runs every bfloat16 update of a
+                                   buffer in float32, converting the whole cache there and back
+                                   (several times the KV in temporaries;
+                                   experiments/memory_report.py), while integer writes stay in
                                    place. Everything else is stored as itself: XLA CPU copied a
                                    whole layer's cache at each decode step to read uint32 bits as
-                                   float32 (the tiny default's sparse decode step: 10.6 -> 7.6 ms
-                                   without that copy and the stacked-layer slice; docs/decode_speed.md).
+                                   float32 (docs/decode_speed.md).
   summaries    [L, B, K, P, R, E]  what each page is scored by (`page_summaries`), R rows per page
                                    by `SparseConfig.page_score`: "mean" R = 1, the mean key (the
                                    paper's centroid); "quest" R = 2, the per-channel max and min key
@@ -26,7 +26,8 @@ splits it into one single-layer cache per layer, `split_layers`):
                                    Z cached slots (unwritten slots are zero): final once the page is
                                    complete, and a partial page is never scored (it is always one
                                    of the `local_pages`), so no zero slot reaches a score.
-  lengths         [B]              tokens cached per sequence (slot == position: rows are right-padded).
+  lengths         [B]              tokens cached per sequence (slot == position: rows are
+                                   right-padded).
 Why this layout: a selected page is one contiguous Z x E tile per (sequence, head), so a sparse read
 is a gather of whole tiles (coalesced loads on GPU; on TPU 16 x 128 matches the (8, 128) vreg tiling
 and one DMA per page), and the scoring pass reads only the P x R x E summary block per head.
@@ -34,7 +35,8 @@ Why summaries of the cached slots: the trainer scores pages with the same summar
 keys in the same dtype (`page_summaries`, `page_scores`), so the sampler picks the pages the
 trainer picks; a running float32 sum would cost twice the bytes and a bfloat16 one would round
 sixteen additions per page.
-Sequences are independent (no shared page pool): RL rollouts have one static maximum length per batch.
+Sequences are independent (no shared page pool): RL rollouts have one static maximum length per
+batch.
 """
 
 from typing import Callable, NamedTuple
@@ -56,7 +58,8 @@ def stored_dtype(dtype):
 
 
 def to_stored(x):
-  """x in its storage form (`stored_dtype`): a free bitcast, or x itself; `from_stored` undoes it."""
+  """x in its storage form (`stored_dtype`): a free bitcast, or x itself (`from_stored` undoes
+  it)."""
   stored = stored_dtype(x.dtype)
   return x if stored == x.dtype else jax.lax.bitcast_convert_type(x, stored)
 

@@ -2,8 +2,8 @@
 
 At a decode step the query is the newest token at position t (already written, so t + 1 tokens are
 cached in ceil((t+1)/Z) pages). Per layer, sequence and KV head:
-  - always kept: the first `sink_pages` pages (BOS / attention sink) and the last `local_pages` pages
-    (the current, possibly partial, page is one of them);
+  - always kept: the first `sink_pages` pages (BOS / attention sink) and the last `local_pages`
+    pages (the current, possibly partial, page is one of them);
   - scored: every other page (all complete) by `SparseConfig.page_score` with the mean of the
     group's query heads: "mean" dots it with the page's mean key (the paper), "quest" takes Quest's
     upper bound of its dot with any key of the page from per-channel key bounds

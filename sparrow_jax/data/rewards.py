@@ -1,8 +1,9 @@
-"""Verifiable rewards: math (the last \\boxed{} checked with math-verify) and code (tests in a sandbox).
+"""Verifiable rewards: math (the last \\boxed{} checked with math-verify) and code (tests in a
+sandbox).
 
-Graders never raise on what a model wrote: they return a `Grade` whose `reason` says why a response got
-its reward, so the caller can count failures (no answer, unparsable LaTeX, timeouts, sandbox errors) in
-state it owns. Only a malformed reference (a bad `tests` spec) raises ValueError.
+Graders never raise on what a model wrote: they return a `Grade` whose `reason` says why a response
+got its reward, so the caller can count failures (no answer, unparsable LaTeX, timeouts, sandbox
+errors) in state it owns. Only a malformed reference (a bad `tests` spec) raises ValueError.
 """
 
 import concurrent.futures
@@ -46,7 +47,8 @@ def final_text(response: str) -> str | None:
 
 
 def last_boxed(text: str) -> str | None:
-  """Content of the last \\boxed{...} (nested and escaped braces handled) or `\\boxed x`; else None."""
+  """Content of the last \\boxed{...} (nested and escaped braces handled) or `\\boxed x`; else
+  None."""
   matches = list(_BOX.finditer(text))
   if not matches:
     return None
@@ -172,8 +174,8 @@ def math_reward(response: str, answer: str) -> float:
 class CodeTests:
   """A code problem's tests. mode "stdio": inputs are stdin texts, outputs the expected stdout;
   "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
-  HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports and
-  the prompt's stubs and helpers, comes before both; see sandbox.candidate_names)."""
+  HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports
+  and the prompt's stubs and helpers, comes before both; see sandbox.candidate_names)."""
 
   mode: str
   inputs: tuple = (None,)

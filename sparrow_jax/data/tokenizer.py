@@ -1,7 +1,7 @@
 """Qwen3 tokenizer and chat template over Hugging Face `tokenizers` (no transformers at run time).
 
-`load_tokenizer(dir)` reads a checkpoint's tokenizer.json, plus tokenizer_config.json (pad/EOS tokens)
-and generation_config.json (EOS ids that stop generation) when present.
+`load_tokenizer(dir)` reads a checkpoint's tokenizer.json, plus tokenizer_config.json (pad/EOS
+tokens) and generation_config.json (EOS ids that stop generation) when present.
 """
 
 import dataclasses
@@ -27,9 +27,10 @@ def _split_thinking(content):
 def chat_template(messages, *, add_generation_prompt=True, enable_thinking=True) -> str:
   """Qwen3's chat format: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
 
-  As in Qwen3's own template, assistant turns before the last user message lose their reasoning, later
-  ones keep it in a <think> block; the generation prompt is `<|im_start|>assistant\\n`, followed by an
-  empty think block when thinking is disabled (which makes the model answer directly).
+  As in Qwen3's own template, assistant turns before the last user message lose their reasoning,
+  later ones keep it in a <think> block; the generation prompt is `<|im_start|>assistant\\n`,
+  followed by an empty think block when thinking is disabled (which makes the model answer
+  directly).
   """
   last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
   parts = []

@@ -44,8 +44,8 @@ top-k changes starts a new pool.
 Why pooled: the per-step p5 of one bin rests on a few prompts, and at the calibrated budget of the
 tiny model it falls under tau in 1-6% of steps while the budget holds; the per-step rule (undo and
 floor as here, judged on each step's p5) read the offline table's KV or more (quest: 0.764 vs
-0.755), its probes failing on one batch and its floors then locking them out (docs/threshold_sweep.md, "Threshold
-sweep").
+0.755), its probes failing on one batch and its floors then locking them out
+(docs/threshold_sweep.md, "Threshold sweep").
 Then top-k is clipped to [0, max_topk] (always-kept pages come on top; max_topk is fixed at the
 start because it sizes the static page-selection buffers) and made non-decreasing over bins (a
 table's invariant: mismatch grows with position, so a bin is lifted to its predecessor's value).
@@ -73,8 +73,8 @@ _ADAPTIVE = "adaptive:"
 # i.e. bins of 2000 tokens measured in whole pages, which `paper()` reproduces with bin_size=2000.
 # These are all the (model, tau) pairs the repo publishes: 8B has no 0.88/0.90 table (it has 0.87),
 # and 14B only 0.86. Their tau thresholds the p5 of the top-20 lower bound on alpha (the reference's
-# `sum_min_from_topk`, the paper's footnote), not of exact alpha, which is >= the bound: compare them
-# with `calibrate(alpha="topk20")` schedules and `acceptance_topk20/*` tail stats.
+# `sum_min_from_topk`, the paper's footnote), not of exact alpha, which is >= the bound: compare
+# them with `calibrate(alpha="topk20")` schedules and `acceptance_topk20/*` tail stats.
 _PAPER_TABLES = {
   ("qwen3-1.7b", 0.75): (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12,
   ("qwen3-1.7b", 0.80): (29, 45, 61, 77, 93, 93, 125, 125, 125) + (157,) * 11,

@@ -1,8 +1,8 @@
 """LoRA adapters for DistillSparse: active only in the sparse actor, never in the dense policy.
 
 `LoRA.params` = {"layers": {"q": {"a": [L, in, r], "b": [L, r, out]}, ...}} on the targeted
-projections, stacked over layers like the model's; `scale` = alpha / rank is static (not trained, not decayed). B starts at zero so a fresh
-adapter leaves the model unchanged.
+projections, stacked over layers like the model's; `scale` = alpha / rank is static (not trained,
+not decayed). B starts at zero so a fresh adapter leaves the model unchanged.
 """
 
 import flax.struct

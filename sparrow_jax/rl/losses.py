@@ -29,8 +29,9 @@ def aggregate(loss_BT, mask_BT, mode: str = "token-mean", norm_len: float = 1.0)
 
 
 def tis_weight(logp_old_BT, logp_rollout_BT, mask_BT, cap: float, level: str = "token"):
-  """w = min(p_old / p_rollout, cap), a constant (no gradient). Corrects for sampling from the sparse
-  policy while training the dense one. Sequence level uses the product of the token ratios."""
+  """w = min(p_old / p_rollout, cap), a constant (no gradient). Corrects for sampling from the
+  sparse policy while training the dense one. Sequence level uses the product of the token
+  ratios."""
   if level == "none":
     return jnp.ones_like(logp_old_BT)
   log_ratio = jnp.where(mask_BT, logp_old_BT - logp_rollout_BT, 0.0)

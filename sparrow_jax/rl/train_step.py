@@ -162,8 +162,8 @@ def _valid_mask(batch):
 
 
 def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, budget=None):
-  """Final hidden states [B, S, D] of the dense policy (sparse=None) or of the rollout policy: sparse
-  attention under the step's budget (exactly the pages the sampler read), with the LoRA when
+  """Final hidden states [B, S, D] of the dense policy (sparse=None) or of the rollout policy:
+  sparse attention under the step's budget (exactly the pages the sampler read), with the LoRA when
   DistillSparse is on."""
   kwargs = dict(mask_BT=_valid_mask(batch), lora=lora, remat=sc.remat)
   if sparse is not None:

@@ -1,4 +1,5 @@
-"""The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log, checkpoint.
+"""The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log,
+checkpoint.
 
 Everything a step needs is a pure function of (config, step, restored state): the data position is
 `step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's

@@ -10,10 +10,10 @@ dry, the row with the fewest generated tokens is preempted (its pages freed) and
 its first token when it is readmitted. With `drain_slots`, a rollout's last rows move to the
 first slots and chunks decode only those.
 
-Each row samples with its own key, `row_key(key, row, t)` (the run's key folded with the row's index,
-then the token's index), so its tokens and log-probs do not depend on its slot, the number of slots,
-the chunk length, the admission order or a preemption: a preempted row decodes the same tokens
-again. A slot that runs no row writes the pool's trash page and reads nothing.
+Each row samples with its own key, `row_key(key, row, t)` (the run's key folded with the row's
+index, then the token's index), so its tokens and log-probs do not depend on its slot, the number of
+slots, the chunk length, the admission order or a preemption: a preempted row decodes the same
+tokens again. A slot that runs no row writes the pool's trash page and reads nothing.
 
 `EngineConfig(static=True)` is the static batch in the same machinery, the baseline benchmarks
 compare with: every row's pages allocated at its full length on admission, and rows admitted only
