@@ -1,5 +1,6 @@
-"""experiments/tpu_compile_check.py: the TPU decode kernel compiled for compile-only TPU devices on
-this CPU (the real XLA:TPU / Mosaic compiler, nothing run), at Qwen3-1.7B's head shapes.
+"""experiments/tpu_compile_check.py: the TPU decode kernel and the dense training attention
+compiled for compile-only TPU devices on this CPU (the real XLA:TPU / Mosaic compiler, nothing run),
+at Qwen3-1.7B's head shapes.
 
   pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"   # libtpu, ~0.7 GB
   python experiments/tpu_compile_check.py --config=configs/tpu_compile_check.py
@@ -23,5 +24,7 @@ def get_config():
   #                                    (row chunks), unlimited (one call for the whole batch), and
   #                                    dispatch: policy.paged_decode_attention(impl="auto") as the
   #                                    engine calls it
+  c.train_rows = 1  # the train step's dense attention (gradient): rows of
+  c.train_tokens = 38912  # tokens (1K prompt + 37K response, as configs/memory_report.py)
   c.record = ""  # write the results record (JSON) here ("" = print only)
   return c

@@ -22,7 +22,7 @@ def _provenance(record) -> str:
 
 
 def engine_page(records) -> str:
-  """docs/results/rollout_engine.md from the engine_long_tail_*.json records of bench_rollout (d)."""
+  """docs/results/rollout_engine.md from bench_rollout (d)'s engine_long_tail_*.json records."""
   lines = [
     "# Rollout engine vs static batch (measured)",
     "",
@@ -66,7 +66,7 @@ def engine_page(records) -> str:
 def tpu_compile_page(records) -> str:
   """docs/results/tpu_compile_check.md from experiments/tpu_compile_check.py's record."""
   lines = [
-    "# TPU decode kernel: compile-only checks (measured)",
+    "# TPU kernels: compile-only checks (measured)",
     "",
     "The paged decode kernel compiled by the real XLA:TPU / Mosaic compiler for compile-only "
     "TPU devices on a CPU host (`jax.experimental.topologies`, libtpu installed; nothing "
@@ -96,6 +96,25 @@ def tpu_compile_page(records) -> str:
         f"{r['pages']} | {r['smem_budget']} | {r['calls']} | {result} |"
       )
     lines.append("")
+    if "train" in record["results"]:
+      lines += [
+        f"Dense training attention: the gradient of `flash.causal_attention` over "
+        f"{c['train_rows']} row(s) of {c['train_tokens']} tokens, bf16, as one layer of the train "
+        "step runs it: impl `auto` (what the model runs: splash on TPU) and `blockwise` (the jnp "
+        "path, for comparison).",
+        "",
+        "| topology | chip | impl | result | splash kernels in the program | temps (GB) |",
+        "|---|---|---|---|---|---|",
+      ]
+      for r in record["results"]["train"]:
+        error = r["error"][:120].replace("|", "/")
+        result = "compiles" if r["compiled"] else f"fails: `{error}`"
+        temps = "-" if r["temp_gb"] is None else f"{r['temp_gb']:.2f}"
+        lines.append(
+          f"| {r['topology']} | {r['device_kind']} | {r['impl']} | {result} | {r['splash']} | "
+          f"{temps} |"
+        )
+      lines.append("")
   return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
-"""The TPU decode kernel compiled for compile-only TPU devices: does every call the engine makes
-fit the chip (SMEM above all), without a TPU?
+"""The TPU kernels compiled for compile-only TPU devices: does every decode call the engine makes
+fit the chip (SMEM above all), and does the policy's dense training attention (splash, forward and
+backward) compile at the paper's row length, without a TPU?
 
   pip install "jax[tpu]==<this jax's version>"   # libtpu: the real XLA:TPU and Mosaic compilers
   python experiments/tpu_compile_check.py --config=configs/tpu_compile_check.py \\
@@ -27,7 +28,7 @@ from ml_collections import config_flags
 
 from kernels import sparse_decode_tpu
 from sparrow_jax import records
-from sparrow_jax.attention import policy
+from sparrow_jax.attention import flash, policy
 
 UNLIMITED = 1 << 40
 
@@ -63,6 +64,29 @@ def compile_call(device, B, N, c, smem_bytes):
     return True, "", chunks
   except Exception as e:  # the compiler's verdict is the measurement
     return False, str(e).strip().splitlines()[0][:300], chunks
+
+
+def compile_train_attention(device, c, impl):
+  """(compiled?, error or "", splash in the program?, temporaries in GB) for the gradient of the
+  model's dense teacher-forced attention (`flash.causal_attention` by `impl`: "auto" is what the
+  model runs) over c.train_rows rows of c.train_tokens tokens, as a train step's layer runs it."""
+  K, G, E, B, T = c.kv_heads, c.group, c.head_dim, c.train_rows, c.train_tokens
+  on = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+  args = (
+    sds((B, T, K, G, E), jnp.bfloat16),
+    sds((B, T, K, E), jnp.bfloat16),
+    sds((B, T, K, E), jnp.bfloat16),
+    sds((B, T), jnp.bool_),
+  )
+  attention = functools.partial(flash.causal_attention, impl=impl)
+  loss = lambda q, k, v, mask: jnp.sum(attention(q, k, v, mask).astype(jnp.float32))
+  try:
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  except Exception as e:  # the compiler's verdict is the measurement
+    return False, str(e).strip().splitlines()[0][:300], False, None
+  temp_gb = compiled.memory_analysis().temp_size_in_bytes / 1e9
+  return True, "", "tpu_custom_call" in compiled.as_text(), temp_gb
 
 
 def main(argv):
@@ -105,8 +129,29 @@ def main(argv):
             f"{'compiles' if ok else 'FAILS: ' + error[:90]}",
             flush=True,
           )
+  train = []
+  print(f"\ntrain attention (grad), {c.train_rows} x {c.train_tokens} tokens:")
+  for name in c.topologies.split(","):
+    device = topologies.get_topology_desc(name, "tpu").devices[0]
+    for impl in ("auto", "blockwise"):
+      ok, error, splash, temp_gb = compile_train_attention(device, c, impl)
+      train.append(
+        dict(
+          topology=name,
+          device_kind=device.device_kind,
+          impl=impl,
+          compiled=ok,
+          error=error,
+          splash=splash,
+          temp_gb=temp_gb,
+        )
+      )
+      result = (
+        f"compiles, splash {splash}, temps {temp_gb:.2f} GB" if ok else "FAILS: " + error[:90]
+      )
+      print(f"{name:14s} {device.device_kind:14s} {impl:10s} {result}", flush=True)
   if c.record:
-    records.write_record(c.record, {"config": c.to_dict(), "calls": rows})
+    records.write_record(c.record, {"config": c.to_dict(), "calls": rows, "train": train})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ ever holding a [T, S] score matrix.
 
 Queries go in blocks of `block_q`; each block walks the key blocks it can see (a while loop that
 stops at the causal edge, so no work is spent above the diagonal) with an online softmax in float32.
+The matmuls accumulate in float32; their operands are float32 on CPU and the inputs' 16-bit dtype
+on accelerators (`_operand_dtype`, decided when traced), as fused attention kernels take them.
 The backward pass is written by hand (`jax.custom_vjp`): it keeps only the output and the per-row
 log-sum-exp and recomputes each block's probabilities, so memory is linear in length whatever the
 autodiff of the loops would have saved. The jnp reference that materialises everything is
@@ -28,9 +30,10 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from sparrow_jax.attention import paged_cache
+from sparrow_jax.model import sharding
 
 BLOCK_Q = 1024  # queries per block: [K, G, 1024, 1024] f32 scores = 8 MiB per query head
-BLOCK_K = 1024  # keys per block (a multiple of the page size); 1024 ran the tiny default's step 1.2x faster than 512 on CPU
+BLOCK_K = 1024  # keys per block (a multiple of the page size): fewer, larger loop steps on CPU
 
 
 def _round_up(n, m):
@@ -69,7 +72,9 @@ def attention(
   budget = (
     None if budget_BT is None else jnp.pad(budget_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)))
   )
-  geometry = _Geometry(bq, bk, page_size, 1.0 / math.sqrt(E), select_fn, page_score)
+  geometry = _Geometry(
+    bq, bk, page_size, 1.0 / math.sqrt(E), select_fn, page_score, _operand_dtype(q_BTKGE.dtype)
+  )
   out = _flash(geometry, q, k, v, valid, jnp.asarray(q_offset, jnp.int32), budget)
   return out[:, :T]
 
@@ -83,6 +88,19 @@ class _Geometry(NamedTuple):
   scale: float
   select_fn: Optional[Callable]
   page_score: str
+  operand: jnp.dtype  # of the matmuls (which accumulate in float32)
+
+
+def _operand_dtype(dtype):
+  """float32 on CPU (which has no fast 16-bit dots) and for float32 inputs, else the inputs'."""
+  cpu = sharding.platform() == "cpu" or jnp.dtype(dtype).itemsize > 2
+  return jnp.dtype(jnp.float32) if cpu else jnp.dtype(dtype)
+
+
+def _dot(g: _Geometry, spec, a, b):
+  return jnp.einsum(
+    spec, a.astype(g.operand), b.astype(g.operand), preferred_element_type=jnp.float32
+  )
 
 
 def _block_mask(g: _Geometry, i, j, q_offset, valid_BS, keep_BKQP):
@@ -106,14 +124,14 @@ def _summaries(g: _Geometry, k):
 
 
 def _query_block(g: _Geometry, i, q, k, summary_BKPRE, q_offset, budget):
-  """Query block i in float32 [B, K, G, bq, E], its page-keep mask (or None) and how many key
-  blocks it can see."""
-  q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1).astype(jnp.float32)
+  """Query block i [B, K, G, bq, E], its page-keep mask (or None) and how many key blocks it can
+  see. Pages are scored in float32 whatever the operands, as the sampler scores them."""
+  q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1)
   q_b = q_b.transpose(0, 2, 3, 1, 4)
   keep = None
   if g.select_fn is not None:
     scores = paged_cache.page_scores(
-      jnp.mean(jax.lax.stop_gradient(q_b), axis=2), summary_BKPRE, g.page_score
+      jnp.mean(jax.lax.stop_gradient(q_b).astype(jnp.float32), axis=2), summary_BKPRE, g.page_score
     )
     qpos = q_offset + i * g.bq + jnp.arange(g.bq)
     budget_b = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
@@ -124,8 +142,8 @@ def _query_block(g: _Geometry, i, q, k, summary_BKPRE, q_offset, budget):
 
 
 def _scores(g, q_b, k, j):
-  k_b = jax.lax.dynamic_slice_in_dim(k, j * g.bk, g.bk, axis=2).astype(jnp.float32)
-  return jnp.einsum("bkgqe,bkse->bkgqs", q_b, k_b) * g.scale, k_b
+  k_b = jax.lax.dynamic_slice_in_dim(k, j * g.bk, g.bk, axis=2)
+  return _dot(g, "bkgqe,bkse->bkgqs", q_b, k_b) * g.scale, k_b
 
 
 def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
@@ -144,8 +162,8 @@ def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
       p = jnp.exp(s - m_safe[..., None])
       correction = jnp.exp(m - m_safe)
-      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2).astype(jnp.float32)
-      acc = acc * correction[..., None] + jnp.einsum("bkgqs,bkse->bkgqe", p, v_b)
+      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
+      acc = acc * correction[..., None] + _dot(g, "bkgqs,bkse->bkgqe", p, v_b)
       return m_new, denom * correction + jnp.sum(p, axis=-1), acc
 
     init = (
@@ -200,18 +218,18 @@ def _flash_bwd(g, residuals, d_out):
       s, k_b = _scores(g, q_b, k, j)
       mask = _block_mask(g, i, j, q_offset, valid, keep)
       p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)
-      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2).astype(jnp.float32)
-      dp = jnp.einsum("bkgqe,bkse->bkgqs", do_b, v_b)
+      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
+      dp = _dot(g, "bkgqe,bkse->bkgqs", do_b, v_b)
       ds = p * (dp - delta[..., None]) * g.scale
-      dq_b = dq_b + jnp.einsum("bkgqs,bkse->bkgqe", ds, k_b)
+      dq_b = dq_b + _dot(g, "bkgqs,bkse->bkgqe", ds, k_b)
       add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
         acc, jax.lax.dynamic_slice_in_dim(acc, j * g.bk, g.bk, axis=2) + x, j * g.bk, axis=2
       )
-      dk = add(dk, jnp.einsum("bkgqs,bkgqe->bkse", ds, q_b))
-      dv = add(dv, jnp.einsum("bkgqs,bkgqe->bkse", p, do_b))
+      dk = add(dk, _dot(g, "bkgqs,bkgqe->bkse", ds, q_b))
+      dv = add(dv, _dot(g, "bkgqs,bkgqe->bkse", p, do_b))
       return dq_b, dk, dv
 
-    dq_b, dk, dv = jax.lax.fori_loop(0, n_kb, step, (jnp.zeros_like(q_b), dk, dv))
+    dq_b, dk, dv = jax.lax.fori_loop(0, n_kb, step, (jnp.zeros(q_b.shape, jnp.float32), dk, dv))
     dq = jax.lax.dynamic_update_slice_in_dim(
       dq, dq_b.transpose(0, 3, 1, 2, 4).astype(dq.dtype), i * g.bq, axis=1
     )

@@ -22,7 +22,8 @@ applies the LM head to sequence chunks, so no [T, V] logits array exists in trai
 The model knows Qwen3 only. Attention is the one pluggable piece: `forward` takes
 `attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` (layer: a traced int32) and `decode_step`
 takes `attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a Python int); the sparsity policy
-(which layers stay dense, which pages the others read) builds both in sparrow_jax/attention/policy.py.
+(which layers stay dense, which pages the others read) builds both in
+sparrow_jax/attention/policy.py.
 """
 
 import math
@@ -33,7 +34,7 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import blockwise, paged_cache, reference
+from sparrow_jax.attention import blockwise, flash, paged_cache, reference
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model import sharding
@@ -243,11 +244,10 @@ def default_positions(mask_BT):
 
 
 def causal_attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
-  """The default teacher-forced attention: blockwise causal over the valid (mask_BT) keys."""
+  """The default teacher-forced attention: causal over the valid (mask_BT) keys, by the backend's
+  fused kernel (cuDNN, splash) or blockwise (attention/flash.py)."""
   del layer
-  return blockwise.attention(
-    q_BTKGE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3), mask_BT
-  )
+  return flash.causal_attention(q_BTKGE, k_BTKE, v_BTKE, mask_BT)
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -255,8 +255,9 @@ AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], 
 # Remat per layer: "full" keeps each layer's input and recomputes the rest in the backward pass
 # (the memory-bounded default; `remat_full`); "attention" also keeps the blockwise attention's
 # output and log-sum-exp (one [B, T, H, E] and one [B, H, T] per layer more), so the backward runs
-# the attention forward and the sparse page selection once instead of twice; "dots" keeps the
-# weight matmuls' outputs (less recompute, more activations); "none" keeps everything autodiff wants.
+# the attention forward and the sparse page selection once instead of twice (the fused cuDNN and
+# splash kernels name no such residuals: there it keeps what "full" keeps); "dots" keeps the weight
+# matmuls' outputs (less recompute, more activations); "none" keeps everything autodiff wants.
 REMAT_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
   "attention": jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"),
