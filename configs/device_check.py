@@ -58,4 +58,10 @@ def get_config(arg: str = ""):
     static_slots=2,
     settings=("engine",),
   )
+  # (5) the dense training attention's gradient: the backend's fused kernel against blockwise
+  c.train_attention = ml_collections.ConfigDict()
+  c.train_attention.rows = 1  # rows per call
+  c.train_attention.tokens = 256 if smoke else 32768  # row length of the timed calls
+  c.train_attention.check_tokens = 256 if smoke else 2048  # row length of the equality check
+  c.train_attention.runs = 1 if smoke else 3  # timed calls (median)
   return c

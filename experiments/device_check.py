@@ -19,6 +19,9 @@ them as JSON.
     seconds and the compiled temp size of each.
 (4) the rollout engine (experiments/bench_rollout.py's (d)) on long-tailed rows up to 32K: dense vs
     sparse useful tokens/s on this one device, rows in flight, occupancy.
+(5) dense training attention (attention/flash.py): the gradient of the model's attention ("auto":
+    cuDNN on a GPU, splash on a TPU) against the blockwise jnp path, Qwen3-1.7B heads, bfloat16:
+    max |diff| of output and gradients at a short row, and ms of each at the train step's length.
 
 Each part runs on its own: a part that raises prints its traceback and the next part runs; the
 JSON (--out) is rewritten after every part; the summary is printed last. The exit status is
@@ -41,7 +44,7 @@ import bench_rollout
 from configs import device_check as device_check_config
 from kernels import sparse_decode, sparse_decode_tpu
 import sparrow_jax as sj
-from sparrow_jax.attention import reference
+from sparrow_jax.attention import flash, reference
 from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
 from sparrow_jax.rollout import sampler
 
@@ -269,6 +272,36 @@ def time_decode(config):
   return rows
 
 
+def time_train_attention(config):
+  """(5): the fused path against blockwise, equal (bf16 tolerance) and timed, forward + backward."""
+  c = config.train_attention
+  K, G, E = 8, 2, 128
+
+  def grad_fn(impl):
+    attention = lambda q, k, v, m: flash.causal_attention(q, k, v, m, impl=impl)
+    loss = lambda q, k, v, m: jnp.sum(attention(q, k, v, m).astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+  def inputs(T):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    shapes = ((c.rows, T, K, G, E), (c.rows, T, K, E), (c.rows, T, K, E))
+    q, k, v = (jax.random.normal(key, s, jnp.bfloat16) for key, s in zip(keys, shapes))
+    return q, k, v, jnp.arange(T)[None] < jnp.array([[T - T // 8]] * c.rows)
+
+  args = inputs(c.check_tokens)
+  (_, fused), (_, plain) = grad_fn("auto")(*args), grad_fn("blockwise")(*args)
+  diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))) for a, b in zip(fused, plain))
+  args = inputs(c.tokens)
+  fns = [(grad_fn(impl), args) for impl in ("auto", "blockwise")]
+  (auto_ms, _), (blockwise_ms, _) = bench_attention._times_ms(fns, c.runs)
+  print(
+    f"\n(5) dense training attention, grad, {c.rows} x {c.tokens} tokens, bf16: auto "
+    f"{auto_ms:.1f} ms, blockwise {blockwise_ms:.1f} ms ({blockwise_ms / auto_ms:.2f}x); "
+    f"max |grad diff| at {c.check_tokens} tokens {diff:.2e}"
+  )
+  return dict(auto_ms=auto_ms, blockwise_ms=blockwise_ms, max_abs_diff=diff)
+
+
 def _run_part(name, fn, report, out):
   """report[name] = fn(), or the traceback if it raises; the JSON is rewritten either way."""
   start = time.perf_counter()
@@ -306,6 +339,11 @@ def _summary(report) -> str:
       ratios = ", ".join(f"{k} {v:.2f}x" for k, v in value["ratios"].items())
       rates = ", ".join(f"{k} {v['tokens_per_s']:.0f} tok/s" for k, v in value["runs"].items())
       lines.append(f"| engine | {rates}{'; ' + ratios if ratios else ''} |")
+    elif name == "train_attention":
+      lines.append(
+        f"| train attention | blockwise / auto {value['blockwise_ms'] / value['auto_ms']:.2f}x, "
+        f"max grad diff {value['max_abs_diff']:.1e} |"
+      )
     elif name == "decode":
       lines.append(
         f"| decode | sparse / dense {value['sparse']['tok_s'] / value['dense']['tok_s']:.2f}x |"
@@ -333,6 +371,7 @@ def main(argv):
   if jax.default_backend() == "gpu":
     parts.append(("tuning", time_tuning))
   parts += [("decode", time_decode), ("engine", bench_rollout.bench_engine)]
+  parts.append(("train_attention", time_train_attention))
   run_parts(parts, config, report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start
   _write(report, _FLAGS.out)

@@ -215,7 +215,7 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
 
 def test_device_check_smoke_runs_every_part(tmp_path):
   """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
-  matches its twin, and the attention and decode tables are measured."""
+  matches its twin, and the attention, decode, engine and training-attention tables are measured."""
   out = tmp_path / "device_check.json"
   result = subprocess.run(
     [sys.executable, "experiments/device_check.py", "--smoke", f"--out={out}"],
@@ -240,6 +240,8 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert report["decode"]["dense"]["tok_s"] > 0 and report["decode"]["sparse"]["temp_gb"] > 0
   assert set(report["engine"]["runs"]) == {"dense/engine", "sparse/engine"}
   assert report["engine"]["ratios"]["sparse/dense engine"] > 0
+  train = report["train_attention"]  # on CPU "auto" is the blockwise path: the same numbers
+  assert train["auto_ms"] > 0 and train["blockwise_ms"] > 0 and train["max_abs_diff"] == 0.0
   assert "| kernel | dtype |" in result.stdout and "sparse / dense:" in result.stdout
   assert result.stdout.rstrip().endswith("|")  # the summary table comes last
 
