@@ -1,6 +1,6 @@
 """Calibrates a KV-budget schedule at threshold tau: by default the tau-0.86 schedule the shipped
 tiny model trains with (quest page scores: assets/pointer_chase_tiny/calibration_quest/; the paper's
-mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, 2.5-3.2 min on this CPU).
+mean-key scores: .../calibration/; 16 prompts of 128 hops x 8 samples, minutes on a laptop CPU).
 Model, task, rollout and stats fields mean what they mean in the trainer (configs/common.py), so the
 schedule is calibrated for the setting that will use it.
 

@@ -1,6 +1,6 @@
 """Measures the shipped tiny model on held-out pointer-chasing problems, dense and sparse: the
-figures of docs/embedded_default.md and assets/pointer_chase_tiny/measurements.json (2.7 min on
-this CPU). Model, task, rollout and stats fields mean what they mean in the trainer
+figures of docs/embedded_default.md and assets/pointer_chase_tiny/measurements.json (minutes on a
+laptop CPU). Model, task, rollout and stats fields mean what they mean in the trainer
 (configs/common.py): the calibrated schedule checked here is the one the trainer uses.
 
   python experiments/measure_tiny.py --config=configs/measure_tiny.py

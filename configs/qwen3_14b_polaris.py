@@ -7,10 +7,10 @@
 
 The recipe of configs/qwen3_1p7b_polaris.py (the paper's) with what differs at 14B: the model's own
 tau-0.86 table, FSDP within each node's 8 GPUs and data parallel over the 4 nodes, and 32 rows per
-backward pass, one 38K row per GPU (74 GB per GPU in experiments/memory_report.py's compile on 8
-fake devices). Rollouts: 512 rows a step (two GRPO groups per GPU: a group runs on one GPU), 16
-slots over a 50 GB page pool per GPU. Checked in tests/test_real_configs.py by lowering its step at
-full size on 32 fake devices.
+backward pass, one 38K row per GPU (its memory per GPU from experiments/memory_report.py's compile
+on 8 fake devices is in docs/memory.md). Rollouts: 512 rows a step (two GRPO groups per GPU: a
+group runs on one GPU), 16 slots over a 50 GB page pool per GPU. Checked in
+tests/test_real_configs.py by lowering its step at full size on 32 fake devices.
 """
 
 from configs import common, qwen3_1p7b_polaris

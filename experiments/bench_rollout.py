@@ -104,7 +104,7 @@ def model_config(layers: int, vocab_size: int) -> sj.Qwen3Config:
 def _fill_layer(cache, key, *, context):
   """Writes random keys/values into slots [0, context) of a one-layer cache as a prefill of that
   length would (one jitted call per layer keeps only one layer's random tokens in memory; one draw
-  per tensor, as a stacked [2, ...] draw costs XLA 1.5 GiB more temporaries at 32K)."""
+  per tensor: a stacked [2, ...] draw costs XLA a copy of both in temporaries)."""
   _, B, K, _, E = cache.k_stored.shape
   key_k, key_v = jax.random.split(key)
   k_BTKE = jax.random.normal(key_k, (B, context, K, E), jnp.float32)

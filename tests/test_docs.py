@@ -1,10 +1,13 @@
 """The README stays a first screen and the docs stay true: README.md is at most 200 lines, every
 relative link in README.md and docs/ resolves to a file, the README keeps the command .ci/run runs,
-and README.md and docs/*.md state what is, not how it came to be (no history phrases)."""
+README.md and docs/*.md state what is, not how it came to be (no history phrases), and code comments
+quote no measured times or speedups (those live in docs/)."""
 
 import glob
+import io
 import os
 import re
+import tokenize
 
 import pytest
 
@@ -17,6 +20,11 @@ HISTORY_PHRASES = (
   "until this build",
   "earlier build",
   "the run before these changes",
+)
+# A measured time or speed quoted in code (a budget such as "< 8 min" is a target, not a figure).
+MEASURED_FIGURE = re.compile(
+  r"(?<!< )(?<!under )\b\d+(\.\d+)?\s?(ms|min)\b|\b\d+(\.\d+)?x (faster|slower)\b"
+  r"|\b\d+(\.\d+)?\s?tok/s\b|\b\d+(\.\d+)? s (on|here|alone|beside)\b"
 )
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
@@ -93,6 +101,32 @@ def test_no_history_phrases():
         if phrase in line.lower():
           hits.append(f"{os.path.relpath(path, ROOT)}:{number}: {phrase!r}")
   assert not hits, "history in the docs (say what is now):\n" + "\n".join(hits)
+
+
+def comment_and_docstring_lines(source: str):
+  """(line number, text) of every comment and triple-quoted string (docstrings) in `source`."""
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    triple = tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU")[:3] in ('"""', "'''")
+    if tok.type == tokenize.COMMENT or triple:
+      for i, line in enumerate(tok.string.splitlines()):
+        yield tok.start[0] + i, line
+
+
+def test_no_measured_figures_in_code_comments():
+  """Timings and speedups live in docs/ and results records; code comments point there."""
+  hits = []
+  for d in ("sparrow_jax", "kernels", "configs", "experiments"):
+    for path in sorted(glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)):
+      for number, line in comment_and_docstring_lines(_read(path)):
+        if MEASURED_FIGURE.search(line):
+          hits.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+  assert not hits, "measured figures in code comments (cite docs/ instead):\n" + "\n".join(hits)
+
+
+def test_figure_check_sees_figures():
+  source = 'x = 1  # 3.0 ms per step\n"""Runs 2.1x faster; < 8 min budget."""\ny = "9 ms"\n'
+  found = [n for n, line in comment_and_docstring_lines(source) if MEASURED_FIGURE.search(line)]
+  assert found == [1, 2]  # the code string on line 3 is not a comment; "< 8 min" is a budget
 
 
 def test_readme_keeps_the_ci_command():

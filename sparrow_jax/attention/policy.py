@@ -100,10 +100,9 @@ def _dense_fn(impl, page_size, interpret=None):
 def _dense_xla(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B):
   """The whole-cache einsum over the smallest static cache prefix (DENSE_PREFIXES eighths, or the
   whole cache) that holds the longest row (a lax.switch: one branch runs). A prefix is copied
-  before its dot, so it pays only up to ~3/8: measured on CPU (B 4, 8 KV heads, ms per step), a
-  16K cache read whole 47, its 1/4 prefix 27, its 1/8 14, and a 1/2 prefix of a 32K cache as slow
-  as the whole (97 vs 90). A blockwise walk over 512-4096-token blocks ran 2.1-2.7x slower than
-  the whole cache at full length (every block copied)."""
+  before its dot, so it pays only up to ~3/8 (on CPU a 1/2 prefix is as slow as the whole cache),
+  and a blockwise walk over cache blocks is slower than the whole cache at full length (every block
+  copied; docs/kernels.md has the measurements)."""
   S = k_cache_BKSE.shape[2]
   sizes = sorted({-(-S * i // 8) for i in DENSE_PREFIXES} | {S})
   prefix = lambda size: (

@@ -17,10 +17,10 @@ Laid out for XLA on CPU, where the rollout runs without a GPU (experiments/bench
   - sparse: a gather that feeds a dot is materialised, so gathering all B*K rows at once writes
     and re-reads 2 x B*K*N*Z*E values (2 x 32 MiB for Qwen3-1.7B, batch 4, a 2K budget), out of
     cache. `lax.map` over the B*K rows gathers one row's pages at a time (2 x 1 MiB, cache
-    resident): measured at 32K, about 2x faster than the best batched layout and 3-4x faster than a
-    batched take_along_axis + einsum.
+    resident), faster than the batched layouts and than a batched take_along_axis + einsum
+    (docs/decode_speed.md).
   - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension;
-    mapping over rows is 3x slower here (each row's K/V slice is copied out for its dot).
+    mapping over rows is slower here (each row's K/V slice is copied out for its dot).
   - float32 caches (the CPU default): XLA CPU runs a bfloat16 gather or loop-sliced bfloat16 array
     in float32 and hoists the conversion of the whole cache out of the row loop, so bfloat16 caches
     make both functions several times slower here (5x for sparse at 16K). On GPU the Pallas kernel

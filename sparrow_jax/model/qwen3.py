@@ -270,9 +270,8 @@ def remat_full(layer_fn):
   """layer_fn(x, *args) rematerialised: its backward recomputes the forward from the input x,
   which is all it keeps (bfloat16 as integer bits, `paged_cache.to_stored`). The same as
   jax.checkpoint with nothing saveable, but the scan over layers stacks those inputs with integer
-  writes: XLA CPU runs bfloat16 dynamic-update-slices in float32 and had held two float32 copies of
-  the bf16 stack (4x its size: 64 GB per device of a 14B x 38K train step; the sampler's cache
-  avoids it the same way)."""
+  writes: XLA CPU runs bfloat16 dynamic-update-slices in float32 and would hold two float32 copies
+  of the bf16 stack, 4x its size (docs/memory.md; the sampler's cache avoids it the same way)."""
 
   def remat(x, *args):
     # The traced values layer_fn closes over (masks, budgets) become explicit inputs: a custom_vjp
@@ -455,8 +454,7 @@ def unstack_layers(params, lora=None):
   """(params, lora) with their stacked [L, ...] layers split into tuples of per-layer pytrees:
   what a decode loop should hand `decode_step`, split once before the loop. Inside a while loop
   XLA CPU copies a stacked layer's weights at every step, whether a scan slices them or a static
-  index does (4 layers of 512 x 1536 weights: 1.9 and 3.0 ms per step, 0.57 ms split before the
-  loop)."""
+  index does (docs/decode_speed.md)."""
   split = lambda tree: tuple(
     jax.tree_util.tree_map(lambda x: x[i], tree)
     for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0])
