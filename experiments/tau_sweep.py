@@ -14,7 +14,7 @@ Taus that pick the same table share one run (same job, same seeds: the same resu
 
 Per run (sweep.json "runs"): the reward curve, reward and mean response length over the first and
 last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
-policy (experiments/evaluate.py), exact-alpha p5 overall and per position bin (mean over the last
+policy (sparrow_jax.rl.evaluate), exact-alpha p5 overall and per position bin (mean over the last
 `window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in
 the bin) and the share of the run's tokens under tau (`below_tau_bin`, pooled over all steps: at
 most 5% is the run's p5 >= tau, the closed loop's target), KV pages read relative to dense (a
@@ -36,15 +36,9 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
-try:  # imported as experiments.tau_sweep (tests, notebooks: the repo root is on sys.path)
-  from experiments import evaluate
-except ModuleNotFoundError as e:  # run as experiments/tau_sweep.py: experiments/ is sys.path[0]
-  if e.name != "experiments":  # a failure inside evaluate's own imports: show it, not a masked one
-    raise
-  import evaluate
 from configs import evaluate as evaluate_config
 from sparrow_jax.mismatch import calibrate
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import evaluate, trainer
 
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).
@@ -201,8 +195,8 @@ def run_config(c, setting: dict, seed: int) -> ml_collections.ConfigDict:
 
 
 def eval_config(c, rc) -> ml_collections.ConfigDict:
-  """experiments/evaluate.py's config for run `rc`'s exported policy: dense, on the run's task
-  and lengths, held-out seed; results to <workdir>/eval.json."""
+  """The evaluation config (configs/evaluate.py) for run `rc`'s exported policy: dense, on the run's
+  task and lengths, held-out seed; results to <workdir>/eval.json."""
   ec = evaluate_config.get_config()
   ec.update(c.eval.to_dict())
   ec.out = os.path.join(rc.workdir, "eval.json")

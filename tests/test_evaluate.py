@@ -1,7 +1,6 @@
-"""experiments/evaluate.py: the unbiased pass@k estimator, and the script end to end on an offline
-reasoning-gym math task with a tiny random Qwen3 and a small BPE tokenizer built here."""
+"""sparrow_jax.rl.evaluate: the unbiased pass@k estimator, and an evaluation end to end on an
+offline reasoning-gym math task with a tiny random Qwen3 and a small BPE tokenizer built here."""
 
-import importlib.util
 import itertools
 import json
 import math
@@ -11,28 +10,17 @@ import numpy as np
 import pytest
 
 from configs import evaluate as evaluate_config
+from sparrow_jax.rl import evaluate
 from tests.helpers import write_tiny_hf_dir
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "experiments", "evaluate.py")
 CORPUS = [
   "What is 12 + 7 * 3 - 4? Calculate the following expression.",
   "Please reason step by step, and put your final answer within \\boxed{}.",
   "user assistant <think> </think> the answer is \\boxed{25}",
   "0 1 2 3 4 5 6 7 8 9 + - * / =",
 ]
-
-
-def _load_evaluate():
-  spec = importlib.util.spec_from_file_location("evaluate_script", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-evaluate = _load_evaluate()
 
 
 @pytest.mark.parametrize(
