@@ -431,6 +431,79 @@ def plot(sweep: dict, path: str) -> None:
   plt.close(fig)
 
 
+KV_SAVING = 0.95  # a table "saves" when it reads at most this share of the dense KV
+
+
+def quantile_verdict(sweep: dict) -> dict:
+  """The pre-registered test of docs/threshold_sweep.md ("Which tail predicts training"): the line
+  is dense's mean held-out score less its std over seeds (ddof 1); confirmed if a p1 table reading
+  at most KV_SAVING of the dense KV scores at least the line while the p5 table is below it;
+  refuted if every such p1 table is below the line, or the p5 table is above it too; else
+  inconclusive. Tables are the quest settings, by the percentile they hold."""
+  s = sweep["settings"]
+  dense = s["dense"]["heldout_score"]
+  line = dense["mean"] - dense["std"]
+  tables = [
+    dict(
+      name=n,
+      quantile=v["quantile"],
+      tau=v["tau"],
+      kv_read=v["kv_read"]["mean"],
+      heldout=v["heldout_score"]["mean"],
+      above=v["heldout_score"]["mean"] >= line,
+    )
+    for n, v in s.items()
+    if v["kind"] == "quest"
+  ]
+  p1_saving = [t for t in tables if t["quantile"] == 1 and t["kv_read"] <= KV_SAVING]
+  p5 = [t for t in tables if t["quantile"] == 5]
+  if not p1_saving or not p5:
+    verdict = "inconclusive"
+  elif any(t["above"] for t in p5) or not any(t["above"] for t in p1_saving):
+    verdict = "refuted"
+  else:
+    verdict = "confirmed"
+  return dict(
+    line=line, dense_mean=dense["mean"], dense_std=dense["std"], tables=tables, verdict=verdict
+  )
+
+
+def plot_quantiles(sweep: dict, path: str) -> None:
+  """PNG: held-out score against KV read, one curve per percentile held at tau (the quest tables,
+  by KV read), dense at 1.0 and the test's line (dense mean - std); error bars: std over seeds."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  s, v = sweep["settings"], quantile_verdict(sweep)
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for i, q in enumerate(sorted({t["quantile"] for t in v["tables"]})):
+    names = sorted(
+      (t["name"] for t in v["tables"] if t["quantile"] == q), key=lambda n: s[n]["tau"]
+    )
+    kv = [s[n]["kv_read"]["mean"] for n in names]
+    score = [s[n]["heldout_score"]["mean"] for n in names]
+    err = [s[n]["heldout_score"]["std"] or 0.0 for n in names]
+    ax.errorbar(kv, score, err, marker="o", capsize=3, color=f"C{i}", label=f"p{q:g} >= tau")
+    for n, x, y in zip(names, kv, score):
+      ax.annotate(
+        f"tau {s[n]['tau']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+      )
+  ax.errorbar(1.0, v["dense_mean"], v["dense_std"], marker="s", color="k", capsize=3, label="dense")
+  ax.axhline(v["line"], color="k", ls="--", lw=0.8, label="dense mean - std (the test's line)")
+  ax.axvline(KV_SAVING, color="gray", ls=":", lw=0.8, label=f"KV read {KV_SAVING}")
+  ax.set(
+    title=f"which tail predicts training: {v['verdict']}",
+    xlabel="KV pages read / dense",
+    ylabel="held-out score (mean over seeds)",
+  )
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def sweep(c) -> dict:
   """Runs what is not done yet, then writes sweep.json and tau_sweep.png and prints the table;
   returns the sweep dict."""
@@ -480,6 +553,18 @@ def sweep(c) -> dict:
     json.dump(out, f, indent=1, allow_nan=False)
   plot(out, os.path.join(c.sweep_dir, "tau_sweep.png"))
   print_table(out["settings"])
+  quantiles = {v.get("quantile") for v in out["settings"].values() if v["kind"] == "quest"}
+  if "dense" in out["settings"] and len(seeds) > 1 and len(quantiles) > 1:
+    v = quantile_verdict(out)
+    plot_quantiles(out, os.path.join(c.sweep_dir, "quantiles.png"))
+    print(
+      f"[tau_sweep] which tail predicts training: {v['verdict']} (line {v['line']:.3f}: "
+      + ", ".join(
+        f"{t['name']} kv {t['kv_read']:.3f} held-out {t['heldout']:.3f}" for t in v["tables"]
+      )
+      + "); quantiles.png",
+      flush=True,
+    )
   print(
     f"[tau_sweep] wrote {c.sweep_dir}/sweep.json and tau_sweep.png ({time.time() - t_start:.0f}s)",
     flush=True,

@@ -116,7 +116,9 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
 
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path / "sweep")
-  settings = tau_sweep.settings(c)  # every kind, from the shipped surface
+  c.quest_tables = "5:0.86,1:0.86,1:0.94"  # two percentiles: the notebook's quantile axis
+  c.quest_surface = "assets/pointer_chase_tiny/quantile_sweep/calibration/surface.json"
+  settings = tau_sweep.settings(c)  # every kind, from the shipped surfaces
   runs = {}
   for i, setting in enumerate(settings):
     for seed in (0, 1):
@@ -136,9 +138,10 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
   monkeypatch.chdir(os.path.dirname(NOTEBOOK))  # as nbconvert runs it; the notebook moves to ROOT
   namespace = _run_notebook("tau_sweep.ipynb")
   out = capsys.readouterr().out
-  assert "12 settings, 18 runs" in out and "quest0.86" in out  # 0.5 ... 0.94 share a run
+  assert "16 settings, 26 runs" in out and "quest0.86" in out  # 0.5 ... 0.94 share a run
   assert [s["tau"] for s in namespace["taus"]] == [0.3, 0.5, 0.7, 0.86, 0.94, 0.99]
-  for name in ("tau_sweep_notebook.png", "tau_sweep_rewards.png"):
+  assert "quest0.94_p1  p1 >= 0.94" in out and namespace["verdict"]["verdict"] in out
+  for name in ("tau_sweep_notebook.png", "tau_sweep_rewards.png", "quantiles.png"):
     assert (tmp_path / "out" / name).stat().st_size > 1000
 
 

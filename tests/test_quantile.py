@@ -104,3 +104,48 @@ def test_a_table_calibrated_for_another_quantile_is_refused(tmp_path):
   c.stats.quantile = 0
   with pytest.raises(ValueError, match="config.stats.quantile = 0.0 is invalid"):
     trainer.validate(c)
+
+
+def _sweep(dense_scores, tables):
+  """A sweep.json-shaped dict: dense over seeds, and quest tables (quantile, tau, kv, held-out)."""
+  stat = lambda m, s=0.0: {"mean": m, "std": s}
+  settings = {
+    "dense": dict(
+      kind="dense",
+      heldout_score=stat(float(np.mean(dense_scores)), float(np.std(dense_scores, ddof=1))),
+      kv_read=stat(1.0),
+    )
+  }
+  for q, tau, kv, score in tables:
+    settings[f"quest{tau:g}_p{q:g}"] = dict(
+      kind="quest", quantile=q, tau=tau, kv_read=stat(kv), heldout_score=stat(score, 0.05)
+    )
+  return {"settings": settings}
+
+
+@pytest.mark.parametrize(
+  "tables, verdict",
+  [
+    ([(5, 0.86, 0.75, 0.50), (1, 0.86, 0.90, 0.78)], "confirmed"),
+    ([(5, 0.86, 0.75, 0.50), (1, 0.86, 0.90, 0.60)], "refuted"),  # p1 does not recover dense
+    ([(5, 0.86, 0.75, 0.79), (1, 0.86, 0.90, 0.78)], "refuted"),  # p5 is enough
+    ([(5, 0.86, 0.75, 0.50), (1, 0.86, 0.97, 0.80)], "inconclusive"),  # no p1 saving
+    ([(5, 0.86, 0.75, 0.50), (1, 0.86, 0.97, 0.80), (1, 0.94, 0.93, 0.77)], "confirmed"),
+  ],
+)
+def test_quantile_verdict_follows_the_preregistered_rule(tables, verdict):
+  """Dense 0.70 / 0.80 / 0.90: mean 0.80, std 0.10, so the line is 0.70."""
+  from experiments import tau_sweep
+
+  v = tau_sweep.quantile_verdict(_sweep([0.7, 0.8, 0.9], tables))
+  assert v["line"] == pytest.approx(0.7) and v["verdict"] == verdict
+
+
+def test_quantile_plot_is_written(tmp_path):
+  from experiments import tau_sweep
+
+  sweep = _sweep(
+    [0.7, 0.8, 0.9], [(5, 0.86, 0.75, 0.5), (1, 0.86, 0.9, 0.78), (1, 0.94, 0.93, 0.8)]
+  )
+  tau_sweep.plot_quantiles(sweep, str(tmp_path / "quantiles.png"))
+  assert (tmp_path / "quantiles.png").stat().st_size > 1000
