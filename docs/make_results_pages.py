@@ -161,10 +161,65 @@ def memory_page(records) -> str:
   return "\n".join(lines)
 
 
+def triton_page(records) -> str:
+  """docs/results/triton_sm90.md from experiments/triton_stats.py's record."""
+  lines = [
+    "# GPU decode kernel: Triton compile stats for sm_90 (compiled, not run)",
+    "",
+    "The Pallas decode kernel (`kernels/sparse_decode.py`) lowered for CUDA on a CPU host; the "
+    "Triton module its custom call carries is compiled for sm_90 by the open-source `triton` "
+    "wheel (`triton.compile` to PTX), and each ptxas the wheel bundles assembles the PTX with "
+    "`-v`. Registers are per thread (255 at most); spill stores / loads are the bytes of the "
+    "local-memory spill instructions ptxas emitted (its static count, not traffic); stack is the "
+    "per-thread stack frame; shared is the dynamic shared memory a launch requests (Triton's "
+    "`metadata.shared`) plus any static. `TUNING` marks the entries the kernel runs "
+    "(`sparse_decode.tuning`); the other rows are the bfloat16 alternatives "
+    "`experiments/device_check.py` times. On a GPU, XLA compiles the same module with the Triton "
+    "inside jaxlib and the CUDA toolkit's ptxas, so these figures are a proxy for its build.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    c, tools = r["config"], r["toolchain"]
+    versions = " / ".join(tools["ptxas"])
+    lines += [
+      _provenance(record),
+      "",
+      f"triton {tools['triton']}, {tools['gpu_name']}, PTX ISA {c['ptx_version'] / 10:.1f}; "
+      f"{c['batch']} rows, {c['kv_heads']} KV heads x {c['group']} query heads of "
+      f"{c['head_dim']}, pages of {c['page_size']} tokens, {c['budget']} tokens read per (row, "
+      f"KV head) of a {c['context']}-token row. Each figure cell is ptxas {versions}.",
+      "",
+      "| cache | block tokens | dot | warps | stages | in TUNING | grid | registers | "
+      "spill stores / loads (B) | stack (B) | shared (B) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in r["variants"]:
+      head = (
+        f"| {v['dtype']} | {v['block_tokens']} | {v['use_dot']} | {v['num_warps']} | "
+        f"{v['num_stages']} | {'yes' if v['in_table'] else ''} | "
+        f"{' x '.join(str(n) for n in v['grid'])} |"
+      )
+      figs = [v["ptxas"][t] for t in tools["ptxas"] if t in v["ptxas"]]
+      if v["error"] or any(f["error"] for f in figs):
+        error = (v["error"] or next(f["error"] for f in figs if f["error"]))[:120]
+        lines.append(f"{head} fails: `{error.replace('|', '/')}` | | | |")
+        continue
+      cell = lambda key: " / ".join(str(f[key]) for f in figs)
+      spills = " / ".join(f"{f['spill_stores']}/{f['spill_loads']}" for f in figs)
+      if any(f["spill_stores"] or f["spill_loads"] for f in figs):
+        spills = f"**{spills}**"
+      shared = " / ".join(str(v["shared"] + f["static_smem"]) for f in figs)
+      lines.append(f"{head} {cell('registers')} | {spills} | {cell('stack')} | {shared} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
+  "triton_sm90.md": ("triton_sm90.json", triton_page),
 }
 
 
