@@ -172,7 +172,7 @@ def triton_page(records) -> str:
     "`-v`. Registers are per thread (255 at most); spill stores / loads are the bytes of the "
     "local-memory spill instructions ptxas emitted (its static count, not traffic); stack is the "
     "per-thread stack frame; shared is the dynamic shared memory a launch requests (Triton's "
-    "`metadata.shared`) plus any static. `TUNING` marks the entries the kernel runs "
+    "`metadata.shared`) plus any static. \"in TUNING\": the table entries the kernel runs "
     "(`sparse_decode.tuning`); the other rows are the bfloat16 alternatives "
     "`experiments/device_check.py` times. On a GPU, XLA compiles the same module with the Triton "
     "inside jaxlib and the CUDA toolkit's ptxas, so these figures are a proxy for its build.",
@@ -188,11 +188,12 @@ def triton_page(records) -> str:
       f"triton {tools['triton']}, {tools['gpu_name']}, PTX ISA {c['ptx_version'] / 10:.1f}; "
       f"{c['batch']} rows, {c['kv_heads']} KV heads x {c['group']} query heads of "
       f"{c['head_dim']}, pages of {c['page_size']} tokens, {c['budget']} tokens read per (row, "
-      f"KV head) of a {c['context']}-token row. Each figure cell is ptxas {versions}.",
+      f"KV head) of a {c['context']}-token row. Figures by ptxas {versions} (shared: "
+      "one value when they agree).",
       "",
       "| cache | block tokens | dot | warps | stages | in TUNING | grid | registers | "
-      "spill stores / loads (B) | stack (B) | shared (B) |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "spill stores (B) | spill loads (B) | stack (B) | shared (B) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in r["variants"]:
       head = (
@@ -203,14 +204,15 @@ def triton_page(records) -> str:
       figs = [v["ptxas"][t] for t in tools["ptxas"] if t in v["ptxas"]]
       if v["error"] or any(f["error"] for f in figs):
         error = (v["error"] or next(f["error"] for f in figs if f["error"]))[:120]
-        lines.append(f"{head} fails: `{error.replace('|', '/')}` | | | |")
+        lines.append(f"{head} fails: `{error.replace('|', '/')}` | | | | |")
         continue
       cell = lambda key: " / ".join(str(f[key]) for f in figs)
-      spills = " / ".join(f"{f['spill_stores']}/{f['spill_loads']}" for f in figs)
-      if any(f["spill_stores"] or f["spill_loads"] for f in figs):
-        spills = f"**{spills}**"
-      shared = " / ".join(str(v["shared"] + f["static_smem"]) for f in figs)
-      lines.append(f"{head} {cell('registers')} | {spills} | {cell('stack')} | {shared} |")
+      bold = lambda key: f"**{cell(key)}**" if any(f[key] for f in figs) else cell(key)
+      shared = list(dict.fromkeys(str(v["shared"] + f["static_smem"]) for f in figs))
+      lines.append(
+        f"{head} {cell('registers')} | {bold('spill_stores')} | {bold('spill_loads')} | "
+        f"{cell('stack')} | {' / '.join(shared)} |"
+      )
     lines.append("")
   return "\n".join(lines)
 
