@@ -123,11 +123,9 @@ def _on(tree, shardings):
 def train_step(model, length, c, dtype, mesh, layers=None):
   cfg, params, lora = _model(model, dtype, layers)
   sc = ts.StepConfig(
-    group_size=c.train_rows,
-    micro_batches=c.micro_batches,
-    bin_size=2048,
-    num_bins=20,
-    page_size=SPARSE.page_size,
+    rl=ts.RLConfig(micro_batches=c.micro_batches),
+    stats=ts.StatsConfig(bin_size=2048, num_bins=20),
+    rollout=ts.RolloutConfig(group_size=c.train_rows, page_size=SPARSE.page_size),
   )
   opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
   state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)

@@ -23,11 +23,22 @@ def _commit() -> str:
   return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def _cpu_model() -> str:
+  """The CPU's model name (Linux), which XLA's CPU code generation, and so float results, follow."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+  except OSError:
+    names = []
+  return names[0] if names else platform.processor() or "unknown CPU"
+
+
 def machine() -> str:
   devices = jax.devices()
   return (
-    f"{platform.machine()} {os.cpu_count()} cores, {devices[0].platform} x{len(devices)} "
-    f"({devices[0].device_kind}), Python {platform.python_version()}, jax {jax.__version__}"
+    f"{platform.machine()} {os.cpu_count()} cores ({_cpu_model()}), {devices[0].platform} "
+    f"x{len(devices)} ({devices[0].device_kind}), Python {platform.python_version()}, "
+    f"jax {jax.__version__}"
   )
 
 

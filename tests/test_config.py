@@ -1,8 +1,14 @@
-"""Presets and config validation."""
+"""Presets, config validation, and one set of defaults: the default config agrees with the library's
+components except where it says why."""
+
+import dataclasses
 
 import pytest
 
+from configs import default
 import sparrow_jax as sj
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.rl import train_step
 from sparrow_jax.model.config import PRESETS
 from sparrow_jax.model.hf import hf_tensor_specs
 
@@ -45,3 +51,33 @@ def test_bad_fields_named():
     sj.Qwen3Config(rope_scaling=(("rope_type", "longrope"),))
   with pytest.raises(ValueError, match="model_type"):
     sj.Qwen3Config.from_hf_dict({"model_type": "llama"})
+
+
+def test_default_config_agrees_with_the_library_defaults():
+  """Each field the default config shares with a library component (the train step's, the sparsity
+  config) has the library's default, or is listed, with why, in default.DEPARTS_FROM_LIBRARY."""
+  c = default.get_config()
+  components = [(f.name, f.default_factory()) for f in dataclasses.fields(train_step.StepConfig)]
+  departs = {}
+  for group, library in components + [("rollout", SparseConfig())]:
+    for f in dataclasses.fields(library):
+      if f.name in c[group] and c[group][f.name] != getattr(library, f.name):
+        departs[f"{group}.{f.name}"] = (c[group][f.name], getattr(library, f.name))
+  assert set(departs) == set(default.DEPARTS_FROM_LIBRARY), departs
+  assert all(default.DEPARTS_FROM_LIBRARY.values())  # each says why
+
+
+def test_step_config_reads_its_groups_and_names_the_bad_field():
+  c = default.get_config()
+  sc = train_step.StepConfig.from_config(c)
+  assert sc.rl.num_minibatches == 4 and sc.distill.kl_coef == 1.0 and sc.stats.num_bins == 7
+  assert sc.rollout.group_size == c.rollout.group_size and sc.rl.kl_kind == "k3"  # not in config
+  c.rl.eps_low = 1.5
+  with pytest.raises(
+    ValueError, match=r"^config.rl.eps_low = 1.5 is invalid: must lie in \[0, 1\)"
+  ):
+    train_step.StepConfig.from_config(c)
+  c = default.get_config()
+  c.stats.bin_size = 100
+  with pytest.raises(ValueError, match=r"^config.stats.bin_size = 100 is invalid: must be a"):
+    train_step.StepConfig.from_config(c)

@@ -90,7 +90,10 @@ def distill(pretrain_seed=0, seed=0):
   lora_key, rollout_key = jax.random.split(jax.random.PRNGKey(seed))
   lora = lora_lib.init_lora(params, lora_key, rank=8, alpha=16.0)
   before = np.asarray(alpha_fn(params, lora, *held_out))[mask]
-  sc = ts.StepConfig(group_size=GROUP, bin_size=52, num_bins=1, page_size=4)  # one bin: all
+  sc = ts.StepConfig(  # one bin: all
+    stats=ts.StatsConfig(bin_size=52, num_bins=1),
+    rollout=ts.RolloutConfig(group_size=GROUP, page_size=4),
+  )
   base_opt, lora_opt = optax.set_to_zero(), optax.adam(1e-3)
   step = ts.make_train_step(cm.CONFIG, sc, base_opt, lora_opt, SPARSE)
   budget = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, cm.SEQ_LEN, SPARSE)))

@@ -28,7 +28,9 @@ def train_step_temp_bytes(S, B=2):
   opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-3)
   state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)
   batch = ts.Batch.abstract(B, S)
-  sc = ts.StepConfig(group_size=B, page_size=16, bin_size=1024, num_bins=8)
+  sc = ts.StepConfig(
+    stats=ts.StatsConfig(bin_size=1024, num_bins=8), rollout=ts.RolloutConfig(group_size=B)
+  )
   step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
   compiled = step.lower(state, batch, BudgetTable(SDS((S + 1,), jnp.int32))).compile()
   return compiled.memory_analysis().temp_size_in_bytes

@@ -27,7 +27,11 @@ SCRIPT = textwrap.dedent("""
 
     CFG = tiny_config(vocab_size=96, num_hidden_layers=3)  # every axis divisible by 2
     SPARSE = SparseConfig(page_size=4, dense_layers=1)
-    SC = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, page_size=4, num_minibatches=2)
+    SC = ts.StepConfig(
+      rl=ts.RLConfig(num_minibatches=2),
+      stats=ts.StatsConfig(bin_size=16, num_bins=4),
+      rollout=ts.RolloutConfig(group_size=4, page_size=4),
+    )
     T, N, ROWS = 12, 24, 8
     TABLE = sampler.budget_table(KVSchedule.fixed(4, page_size=4), T + N, SPARSE)
     params = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)

@@ -23,14 +23,18 @@ pytestmark = pytest.mark.slow
 CFG = tiny_config(num_hidden_layers=3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 SCHEDULE = KVSchedule.fixed(4, page_size=4)
-SC = ts.StepConfig(group_size=4, bin_size=16, num_bins=4, page_size=4)
+SC = ts.StepConfig(
+  stats=ts.StatsConfig(bin_size=16, num_bins=4), rollout=ts.RolloutConfig(group_size=4, page_size=4)
+)
 BUDGET = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, 12 + 24, SPARSE)))  # prompt + new
 
 
 def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
   rng = np.random.RandomState(seed)
-  prompt_len = jnp.asarray(np.repeat(rng.randint(6, 12, n_prompts), SC.group_size))
-  prompt = jnp.asarray(np.repeat(rng.randint(1, CFG.vocab_size, (n_prompts, 12)), SC.group_size, 0))
+  prompt_len = jnp.asarray(np.repeat(rng.randint(6, 12, n_prompts), SC.rollout.group_size))
+  prompt = jnp.asarray(
+    np.repeat(rng.randint(1, CFG.vocab_size, (n_prompts, 12)), SC.rollout.group_size, 0)
+  )
   prompt = prompt * (jnp.arange(12)[None] < prompt_len[:, None])
   out = sj.generate(
     params,
@@ -45,7 +49,7 @@ def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
     num_top_logprobs=20 if top else 0,
   )
   if rewards is None:
-    rewards = rng.randint(0, 2, n_prompts * SC.group_size).astype(np.float32)
+    rewards = rng.randint(0, 2, n_prompts * SC.rollout.group_size).astype(np.float32)
   return ts.batch_from_rollout(prompt, prompt_len, out, rewards)
 
 
@@ -71,7 +75,7 @@ def test_fused_step_equals_separate_updates():
   fused, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert not bool(metrics["skipped"])
 
-  adv = advantages.advantages(batch.rewards, SC.group_size)
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
   (_, aux), g = jax.value_and_grad(ts.policy_loss, has_aux=True)(params, batch, adv, CFG, SC)
   upd, _ = opt.update(g, opt.init(params), params)
   new_params = optax.apply_updates(params, upd)
@@ -95,7 +99,7 @@ def test_fused_step_equals_separate_updates():
 def test_gradient_isolation():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=2)
-  adv = advantages.advantages(batch.rewards, SC.group_size)
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
   logp_dense = ts.policy_loss(params, batch, adv, CFG, SC)[1]["logp"]
   g_base = jax.grad(
     lambda p: ts.distill_loss(lora, p, batch, adv, logp_dense, CFG, SC, SPARSE, SCHEDULE)[0]
@@ -142,13 +146,10 @@ def test_nonfinite_loss_skips_update():
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
   sc = ts.StepConfig(
-    group_size=4,
-    bin_size=16,
-    num_bins=4,
-    page_size=4,
-    ppo_epochs=2,
-    num_minibatches=2,
-    distill=False,
+    rl=ts.RLConfig(ppo_epochs=2, num_minibatches=2),
+    distill=ts.DistillConfig(enabled=False),
+    stats=ts.StatsConfig(bin_size=16, num_bins=4),
+    rollout=ts.RolloutConfig(group_size=4, page_size=4),
   )
   step = ts.make_train_step(CFG, sc, opt, sparse=SPARSE)
   state, metrics = step(state_of(params, opt), make_batch(params, None, seed=4), BUDGET)
@@ -163,7 +164,10 @@ def test_micro_batches_accumulate_the_same_update(loss_agg="seq-mean-token-mean"
   batch = make_batch(params, lora, seed=5)
   out = {}
   for n in (1, 4):
-    sc = dataclasses.replace(SC, micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1)
+    sc = dataclasses.replace(
+      SC,
+      rl=ts.RLConfig(micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1),
+    )
     step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
     state = ts.init_state(
       jax.tree_util.tree_map(jnp.copy, params),
@@ -202,14 +206,18 @@ def reference_exact_stats(params, lora, batch, sc=SC):
   )
   alpha = jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
   pos = jnp.broadcast_to(jnp.arange(S), alpha.shape)
-  return acceptance.tail_stats(alpha, batch.gen_mask, pos, sc.bin_size, sc.num_bins, sc.page_size)
+  return acceptance.tail_stats(
+    alpha, batch.gen_mask, pos, sc.stats.bin_size, sc.stats.num_bins, sc.rollout.page_size
+  )
 
 
 @pytest.mark.parametrize("distill, minibatches", [(True, 1), (False, 1), (True, 2)])
 def test_logged_p5_is_exact_acceptance(distill, minibatches):
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora if distill else None, seed=5, top=True)
-  sc = dataclasses.replace(SC, distill=distill, num_minibatches=minibatches)
+  sc = dataclasses.replace(
+    SC, distill=ts.DistillConfig(enabled=distill), rl=ts.RLConfig(num_minibatches=minibatches)
+  )
   step = ts.make_train_step(CFG, sc, opt, lora_opt if distill else None, SPARSE)
   _, metrics = step(
     state_of(params, opt, lora if distill else None, lora_opt if distill else None), batch, BUDGET
@@ -253,7 +261,7 @@ def test_minibatches_log_every_metric_from_the_full_batch():
   runs = {}
   for n in (1, 4):
     step = ts.make_train_step(
-      CFG, dataclasses.replace(SC, num_minibatches=n), opt, lora_opt, SPARSE
+      CFG, dataclasses.replace(SC, rl=ts.RLConfig(num_minibatches=n)), opt, lora_opt, SPARSE
     )
     runs[n] = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)[1]
     assert set(DOCUMENTED) <= set(runs[n]), set(DOCUMENTED) - set(runs[n])
@@ -271,7 +279,9 @@ def test_a_skipped_minibatch_is_reported():
   batch = make_batch(params, lora, seed=7)
   # NaN behaviour log-probs in the first of 2 minibatches (rows 0-3) only
   batch = batch.replace(logp_rollout=batch.logp_rollout.at[:4].set(jnp.nan))
-  step = ts.make_train_step(CFG, dataclasses.replace(SC, num_minibatches=2), opt, lora_opt, SPARSE)
+  step = ts.make_train_step(
+    CFG, dataclasses.replace(SC, rl=ts.RLConfig(num_minibatches=2)), opt, lora_opt, SPARSE
+  )
   state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1
   assert float(jnp.abs(state.params["embed"] - params["embed"]).max()) > 0  # the others applied

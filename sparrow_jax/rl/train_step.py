@@ -24,6 +24,7 @@ tokens. Non-finite losses or gradients skip the update (state unchanged; `metric
 """
 
 import dataclasses
+import functools
 from typing import Optional
 
 import flax.struct
@@ -41,9 +42,18 @@ from sparrow_jax.rollout import sampler
 TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)
 
 
+def _require(config, ok: bool, name: str, allowed: str) -> None:
+  if not ok:
+    raise ValueError(
+      f"{type(config).__name__}.{name} = {getattr(config, name)!r} is invalid: {allowed}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
-class StepConfig:
-  group_size: int = 8
+class RLConfig:
+  """The policy update: the experiment config's `rl` group (its optimizer fields are the
+  trainer's)."""
+
   estimator: str = "grpo"
   grpo_std_ddof: int = 1  # 1: unbiased group std (the reference's torch.std); 0: population
   eps_low: float = 0.2
@@ -58,26 +68,12 @@ class StepConfig:
   ppo_epochs: int = 1
   num_minibatches: int = 1
   dapo_filter: bool = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
-  distill: bool = True  # DistillSparse LoRA update in the same step
-  distill_kl_coef: float = 1e-3  # lambda of the k3 term
-  distill_ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
-  exact_acceptance: bool = True  # log exact alpha = sum_x min(p, q) (see the module docstring)
-  tau: float = 0.86  # acceptance threshold (for the "fraction under tau" metric)
-  quantile: float = 5  # the tail percentile held at tau, logged beside p1/p5/p10/p50
-  bin_size: int = 2048  # position bin of the tail statistics (schedule.position_bin)
-  num_bins: int = 20
-  page_size: int = 16  # KV page size: tokens are binned by whole pages cached
-  temperature: float = 1.0  # rollout temperature (log-probs are of logits / temperature)
   micro_batches: int = 1  # gradient accumulation: rows of a minibatch per backward pass / n
   remat: str = "full"  # per-layer rematerialisation (qwen3.REMAT_POLICIES)
   logits_chunk: int = 512  # positions per LM-head chunk (qwen3.map_logits)
 
   def __post_init__(self):
-    def require(ok, name, allowed):
-      if not ok:
-        raise ValueError(f"StepConfig.{name} = {getattr(self, name)!r} is invalid: {allowed}")
-
-    require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO groups)")
+    require = functools.partial(_require, self)
     require(self.estimator in advantages.ESTIMATORS, "estimator", f"one of {advantages.ESTIMATORS}")
     require(self.grpo_std_ddof in (0, 1), "grpo_std_ddof", "0 or 1")
     require(0 <= self.eps_low < 1, "eps_low", "must lie in [0, 1)")
@@ -90,25 +86,102 @@ class StepConfig:
     require(self.kl_kind in losses.KL_KINDS, "kl_kind", f"one of {losses.KL_KINDS}")
     require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
     require(self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
-    require(self.distill_kl_coef >= 0, "distill_kl_coef", "must be >= 0")
-    require(self.distill_ppo_coef >= 0, "distill_ppo_coef", "must be >= 0")
+    require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
+    require(self.remat in qwen3.REMAT_POLICIES, "remat", f"one of {tuple(qwen3.REMAT_POLICIES)}")
+    require(self.logits_chunk >= 1, "logits_chunk", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """DistillSparse in the same step: the `distill` group (its LoRA fields are the trainer's)."""
+
+  enabled: bool = True
+  kl_coef: float = 1e-3  # lambda of the k3 term
+  ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
+
+  def __post_init__(self):
+    _require(self, self.kl_coef >= 0, "kl_coef", "must be >= 0")
+    _require(self, self.ppo_coef >= 0, "ppo_coef", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsConfig:
+  """The acceptance tail statistics: the `stats` group."""
+
+  exact_acceptance: bool = True  # log exact alpha = sum_x min(p, q) (see the module docstring)
+  tau: float = 0.86  # acceptance threshold (for the "fraction under tau" metric)
+  quantile: float = 5  # the tail percentile held at tau, logged beside p1/p5/p10/p50
+  bin_size: int = 2048  # position bin of the tail statistics (schedule.position_bin)
+  num_bins: int = 20
+
+  def __post_init__(self):
+    require = functools.partial(_require, self)
     require(0 < self.tau <= 1, "tau", "must lie in (0, 1]")
     require(schedule.is_quantile(self.quantile), "quantile", "must be a percentile in (0, 50)")
+    require(self.bin_size >= 1, "bin_size", "must be >= 1")
+    require(self.num_bins >= 1, "num_bins", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """What the step takes from how the rollouts were made: the `rollout` group's fields of these
+  names (the rest are the engine's)."""
+
+  group_size: int = 8
+  page_size: int = 16  # KV page size: tokens are binned by whole pages cached
+  temperature: float = 1.0  # rollout temperature (log-probs are of logits / temperature)
+
+  def __post_init__(self):
+    require = functools.partial(_require, self)
+    require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO groups)")
     require(
       self.page_size >= 1 and not self.page_size & (self.page_size - 1),
       "page_size",
       "must be a power of two",
     )
-    require(
-      self.bin_size >= self.page_size and self.bin_size % self.page_size == 0,
-      "bin_size",
-      f"must be a positive multiple of page_size ({self.page_size})",
-    )
-    require(self.num_bins >= 1, "num_bins", "must be >= 1")
     require(self.temperature > 0, "temperature", "must be > 0")
-    require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
-    require(self.remat in qwen3.REMAT_POLICIES, "remat", f"one of {tuple(qwen3.REMAT_POLICIES)}")
-    require(self.logits_chunk >= 1, "logits_chunk", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The train step's settings, one component per experiment-config group of the same name: each
+  field is declared once, here, and `from_config` reads it from `config.<group>.<field>`."""
+
+  rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+  distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+  stats: StatsConfig = dataclasses.field(default_factory=StatsConfig)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+
+  def __post_init__(self):
+    page_size = self.rollout.page_size
+    _require(
+      self.stats,
+      self.stats.bin_size % page_size == 0,
+      "bin_size",
+      f"must be a positive multiple of rollout.page_size ({page_size})",
+    )
+
+  @classmethod
+  def from_config(cls, c) -> "StepConfig":
+    """From an experiment config (ml_collections): each component from its group's fields of the
+    same names (absent ones keep their defaults); a bad value names its `config.` field."""
+    groups = {f.name: type(f.default_factory()) for f in dataclasses.fields(cls)}
+    try:
+      return cls(
+        **{
+          group: component(
+            **{
+              f.name: c[group][f.name] for f in dataclasses.fields(component) if f.name in c[group]
+            }
+          )
+          for group, component in groups.items()
+        }
+      )
+    except ValueError as e:
+      for group, component in groups.items():
+        if str(e).startswith(f"{component.__name__}."):
+          raise ValueError(f"config.{group}.{str(e)[len(component.__name__) + 1 :]}") from None
+      raise
 
 
 @flax.struct.dataclass
@@ -165,7 +238,7 @@ def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, bu
   """Final hidden states [B, S, D] of the dense policy (sparse=None) or of the rollout policy:
   sparse attention under the step's budget (exactly the pages the sampler read), with the LoRA when
   DistillSparse is on."""
-  kwargs = dict(mask_BT=_valid_mask(batch), lora=lora, remat=sc.remat)
+  kwargs = dict(mask_BT=_valid_mask(batch), lora=lora, remat=sc.rl.remat)
   if sparse is not None:
     kwargs["attention_fn"] = policy.teacher_forced_attention_fn(sparse, budget, batch.prompt_len)
   return qwen3.forward_hidden(params, batch.tokens, cfg, **kwargs)
@@ -177,7 +250,7 @@ def token_stats(params, x_BSD, batch, cfg, sc: StepConfig, with_top: bool = Fals
   its "top" TOP_K (log-probs, ids). Chunked with the LM head: no [B, S, V] array."""
 
   def fn(logits, targets_BC):
-    logp_BCV = jax.nn.log_softmax(logits[0] / sc.temperature, axis=-1)
+    logp_BCV = jax.nn.log_softmax(logits[0] / sc.rollout.temperature, axis=-1)
     out = {
       "logp": jnp.take_along_axis(logp_BCV, targets_BC[..., None], axis=-1)[..., 0],
       "entropy_BS": losses.entropy(logp_BCV),
@@ -187,7 +260,7 @@ def token_stats(params, x_BSD, batch, cfg, sc: StepConfig, with_top: bool = Fals
     return out
 
   stats = qwen3.map_logits(
-    params, cfg, fn, (x_BSD,), (jnp.roll(batch.tokens, -1, axis=1),), chunk=sc.logits_chunk
+    params, cfg, fn, (x_BSD,), (jnp.roll(batch.tokens, -1, axis=1),), chunk=sc.rl.logits_chunk
   )
   return jax.tree_util.tree_map(next_token_aligned, stats)
 
@@ -205,19 +278,21 @@ def policy_loss(
   )
   logp = stats["logp"]
   old = jax.lax.stop_gradient(logp) if logp_old_BS is None else logp_old_BS
-  pg, clipped = losses.ppo_token_loss(logp, old, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip)
-  w = losses.tis_weight(old, batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
+  pg, clipped = losses.ppo_token_loss(
+    logp, old, adv_B, sc.rl.eps_low, sc.rl.eps_high, sc.rl.dual_clip
+  )
+  w = losses.tis_weight(old, batch.logp_rollout, mask, sc.rl.tis_cap, sc.rl.tis_level)
   pg_weight, token_weight = weights
-  loss = pg_weight * losses.aggregate(pg * w, mask, sc.loss_agg, mask.shape[1])
-  if sc.entropy_coef:
-    loss = loss - token_weight * sc.entropy_coef * losses.aggregate(stats["entropy_BS"], mask)
-  if ref_params is not None and sc.kl_coef > 0:
+  loss = pg_weight * losses.aggregate(pg * w, mask, sc.rl.loss_agg, mask.shape[1])
+  if sc.rl.entropy_coef:
+    loss = loss - token_weight * sc.rl.entropy_coef * losses.aggregate(stats["entropy_BS"], mask)
+  if ref_params is not None and sc.rl.kl_coef > 0:
     ref_params = jax.lax.stop_gradient(ref_params)
     ref_logp = token_stats(ref_params, hidden_states(ref_params, batch, cfg, sc), batch, cfg, sc)[
       "logp"
     ]
-    loss = loss + token_weight * sc.kl_coef * losses.aggregate(
-      losses.kl_penalty(logp, ref_logp, sc.kl_kind), mask
+    loss = loss + token_weight * sc.rl.kl_coef * losses.aggregate(
+      losses.kl_penalty(logp, ref_logp, sc.rl.kl_kind), mask
     )
   aux = {"clip_frac": token_weight * losses.aggregate(clipped.astype(jnp.float32), mask)}
   if logp_old_BS is None:
@@ -236,13 +311,13 @@ def distill_loss(
   x_BSD = hidden_states(params, batch, cfg, sc, lora, sparse, budget)
   logp_q = token_stats(params, x_BSD, batch, cfg, sc)["logp"]
   pg, _ = losses.ppo_token_loss(
-    logp_q, batch.logp_rollout, adv_B, sc.eps_low, sc.eps_high, sc.dual_clip
+    logp_q, batch.logp_rollout, adv_B, sc.rl.eps_low, sc.rl.eps_high, sc.rl.dual_clip
   )
   pg_weight, token_weight = weights
   kl = token_weight * losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
   loss = (
-    pg_weight * sc.distill_ppo_coef * losses.aggregate(pg, mask, sc.loss_agg, mask.shape[1])
-    + sc.distill_kl_coef * kl
+    pg_weight * sc.distill.ppo_coef * losses.aggregate(pg, mask, sc.rl.loss_agg, mask.shape[1])
+    + sc.distill.kl_coef * kl
   )
   return loss, {"distill_kl": kl, "hidden": jax.lax.stop_gradient(x_BSD)}
 
@@ -333,8 +408,8 @@ def _token_weighted(rows):
 def exact_acceptance(params, x_p_BSD, x_q_BSD, cfg, sc: StepConfig):
   """alpha_BS = sum_x min(p, q) per token (token alignment) from the hidden states of p and q,
   chunked with the LM head."""
-  fn = lambda logits: acceptance.acceptance_rate(logits[0], logits[1], sc.temperature)
-  alpha = qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD), chunk=sc.logits_chunk)
+  fn = lambda logits: acceptance.acceptance_rate(logits[0], logits[1], sc.rollout.temperature)
+  alpha = qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD), chunk=sc.rl.logits_chunk)
   return next_token_aligned(alpha)
 
 
@@ -358,11 +433,11 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
       alpha,
       mask,
       positions,
-      sc.bin_size,
-      sc.num_bins,
-      sc.page_size,
-      sc.tau,
-      acceptance.tail_percentiles(sc.quantile),
+      sc.stats.bin_size,
+      sc.stats.num_bins,
+      sc.rollout.page_size,
+      sc.stats.tau,
+      acceptance.tail_percentiles(sc.stats.quantile),
     )
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
@@ -419,26 +494,28 @@ def make_train_step(
   budget and metrics replicated. Trace it under `jax.set_mesh(mesh)` for the activations'
   constraints.
   """
-  if sc.distill and (lora_optimizer is None or sparse is None):
-    raise ValueError("StepConfig.distill needs lora_optimizer and sparse")
+  if sc.distill.enabled and (lora_optimizer is None or sparse is None):
+    raise ValueError("StepConfig.distill.enabled needs lora_optimizer and sparse")
 
   def train_step(state: TrainState, batch, budget=None):
     if (sparse is None) != (budget is None):
       raise ValueError(
         "train_step needs a budget (schedule.BudgetTable) exactly when the rollouts are sparse"
       )
-    if sc.dapo_filter:
+    if sc.rl.dapo_filter:
       keep_B = jnp.repeat(
-        advantages.informative_groups(batch.rewards, sc.group_size), sc.group_size
+        advantages.informative_groups(batch.rewards, sc.rollout.group_size), sc.rollout.group_size
       )
       batch = batch.replace(gen_mask=batch.gen_mask & keep_B[:, None])
     mask = batch.gen_mask
     adv_B = advantages.advantages(
-      batch.rewards, sc.group_size, sc.estimator, std_ddof=sc.grpo_std_ddof
+      batch.rewards, sc.rollout.group_size, sc.rl.estimator, std_ddof=sc.rl.grpo_std_ddof
     )
     with_top = batch.top_logp is not None
-    single = sc.ppo_epochs * sc.num_minibatches == 1
-    pass_slices = sc.num_minibatches * sc.micro_batches  # no-grad passes: a gradient pass's rows
+    single = sc.rl.ppo_epochs * sc.rl.num_minibatches == 1
+    pass_slices = (
+      sc.rl.num_minibatches * sc.rl.micro_batches
+    )  # no-grad passes: a gradient pass's rows
     old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
     if not single:
       x_p = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc), batch, pass_slices)
@@ -451,15 +528,15 @@ def make_train_step(
       state.lora_opt_state,
     )
     base_rows, lora_rows, skipped, skipped_lora, x_q = [], [], [], [], None
-    for _ in range(sc.ppo_epochs):
+    for _ in range(sc.rl.ppo_epochs):
       for mb, adv_mb, old_mb in _minibatches(
-        batch, adv_B, None if single else old["logp"], sc.num_minibatches
+        batch, adv_B, None if single else old["logp"], sc.rl.num_minibatches
       ):
         base_loss = lambda p, rows, w: policy_loss(
           p, rows[0], rows[1], cfg, sc, rows[2], state.ref_params, w
         )
         (loss, aux), grads = accumulated_grad(
-          base_loss, params, (mb, adv_mb, old_mb), sc.micro_batches, sc.loss_agg
+          base_loss, params, (mb, adv_mb, old_mb), sc.rl.micro_batches, sc.rl.loss_agg
         )
         params, opt_state, grad_norm, finite = _guarded_update(
           optimizer, grads, opt_state, params, loss
@@ -473,7 +550,7 @@ def make_train_step(
           )
         )
         skipped.append(~finite)
-        if sc.distill:
+        if sc.distill.enabled:
           # The teacher log-probs are those of the pre-update base, so the adapter is fitted on
           # that same base: fitting sparse(new base) + LoRA to dense(old base) would teach the
           # adapter to undo each policy update, and the actor would drift from the policy.
@@ -482,7 +559,7 @@ def make_train_step(
             lora, state.params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w
           )
           (d_loss, d_aux), d_grads = accumulated_grad(
-            lora_loss, lora, (mb, adv_mb, teacher), sc.micro_batches, sc.loss_agg
+            lora_loss, lora, (mb, adv_mb, teacher), sc.rl.micro_batches, sc.rl.loss_agg
           )
           lora, lora_opt_state, d_norm, d_finite = _guarded_update(
             lora_optimizer, d_grads, lora_opt_state, lora, d_loss
@@ -503,7 +580,7 @@ def make_train_step(
       metrics.update(_token_weighted(lora_rows))
       metrics["skipped_lora"] = jnp.any(jnp.stack(skipped_lora))
 
-    w = losses.tis_weight(old["logp"], batch.logp_rollout, mask, sc.tis_cap, sc.tis_level)
+    w = losses.tis_weight(old["logp"], batch.logp_rollout, mask, sc.rl.tis_cap, sc.rl.tis_level)
     n_gen = jnp.maximum(jnp.sum(mask), 1)
     lengths = jnp.sum(mask, 1)
     metrics.update(
@@ -511,7 +588,7 @@ def make_train_step(
         "entropy": losses.aggregate(old["entropy_BS"], mask),
         "tis/weight_mean": jnp.sum(w * mask) / n_gen,
         "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
-        "tis/clipped_frac": jnp.sum((w >= sc.tis_cap) * mask) / n_gen,
+        "tis/clipped_frac": jnp.sum((w >= sc.rl.tis_cap) * mask) / n_gen,
         "reward/mean": jnp.mean(batch.rewards),
         "reward/std": jnp.std(batch.rewards),
         "response_length/mean": jnp.mean(lengths),
@@ -519,7 +596,7 @@ def make_train_step(
       }
     )
     alpha = None
-    if sc.exact_acceptance:
+    if sc.stats.exact_acceptance:
       if sparse is None:
         alpha = jnp.where(mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
       else:

@@ -83,12 +83,12 @@ def _check_scalars(c) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Rejects a bad config up front, naming the field. The train step's own fields are checked by
-  `StepConfig.__post_init__` (via `step_config`) and the sparse ones by `SparseConfig`; what is
-  left here is what only the whole config knows. What needs the data or the model's vocabulary is
-  `check_inputs`, also run before anything is written."""
+  `StepConfig.from_config` (its components validate themselves) and the sparse ones by
+  `SparseConfig`; what is left here is what only the whole config knows. What needs the data or
+  the model's vocabulary is `check_inputs`, also run before anything is written."""
   r = c.rollout
   _check_scalars(c)
-  step_config(c)
+  ts.StepConfig.from_config(c)
   p = r.page_size
   _require(
     isinstance(p, int) and p > 0 and not p & (p - 1),
@@ -500,53 +500,6 @@ _TOKENIZER_FILES = (
 )
 
 
-# StepConfig field -> the config field it comes from (errors name the latter).
-_STEP_FIELDS = {
-  "group_size": "rollout.group_size",
-  "estimator": "rl.estimator",
-  "grpo_std_ddof": "rl.grpo_std_ddof",
-  "eps_low": "rl.eps_low",
-  "eps_high": "rl.eps_high",
-  "dual_clip": "rl.dual_clip",
-  "tis_cap": "rl.tis_cap",
-  "tis_level": "rl.tis_level",
-  "loss_agg": "rl.loss_agg",
-  "kl_coef": "rl.kl_coef",
-  "entropy_coef": "rl.entropy_coef",
-  "ppo_epochs": "rl.ppo_epochs",
-  "num_minibatches": "rl.num_minibatches",
-  "dapo_filter": "rl.dapo_filter",
-  "distill": "distill.enabled",
-  "distill_kl_coef": "distill.kl_coef",
-  "distill_ppo_coef": "distill.ppo_coef",
-  "exact_acceptance": "stats.exact_acceptance",
-  "tau": "stats.tau",
-  "quantile": "stats.quantile",
-  "bin_size": "stats.bin_size",
-  "num_bins": "stats.num_bins",
-  "page_size": "rollout.page_size",
-  "temperature": "rollout.temperature",
-  "micro_batches": "rl.micro_batches",
-  "remat": "rl.remat",
-  "logits_chunk": "rl.logits_chunk",
-}
-
-
-def step_config(c) -> ts.StepConfig:
-  """The train step's config from the experiment config; a bad value names its config field."""
-  values = {
-    f: c[group][name]
-    for f, (group, name) in ((f, path.split(".")) for f, path in _STEP_FIELDS.items())
-  }
-  try:
-    return ts.StepConfig(**values)
-  except ValueError as e:
-    for f, path in _STEP_FIELDS.items():
-      if str(e).startswith(f"StepConfig.{f} "):
-        raise ValueError(f"config.{path}{str(e)[len('StepConfig.' + f) :]}") from None
-    raise
-
-
 def _prompts(problems, tokenizer, group_size, width):
   """Host arrays of right-padded prompt rows (each problem group_size times) and their lengths."""
   texts = [p.prompt for p in problems for _ in range(group_size)]
@@ -760,7 +713,9 @@ def lower_step(c):
   init, make_lora = _state_init(c, optimizer, lora_opt)
   state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
   shardings = ts.state_sharding(state, mesh, optimizer, lora_opt)
-  step = ts.make_train_step(cfg, step_config(c), optimizer, lora_opt, _sparse(c), shardings)
+  step = ts.make_train_step(
+    cfg, ts.StepConfig.from_config(c), optimizer, lora_opt, _sparse(c), shardings
+  )
   length = r.max_prompt_len + r.max_new_tokens
   batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs > 0)
   budget = (
@@ -837,7 +792,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
     if not r.sparse
     else (((0, adaptive[0]),) if adaptive else schedule_lib.parse_stages(r.schedule, r.page_size))
   )
-  sc = step_config(c)
+  sc = ts.StepConfig.from_config(c)
   lr, optimizer, lora_opt = _optimizers(c)
   state, state_shardings = _build_state(c, params, mesh, optimizer, lora_opt)
   del params
