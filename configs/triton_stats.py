@@ -24,7 +24,5 @@ def get_config():
   c.head_dim = 128
   c.group = 2
   c.page_size = 16
-  c.block_tokens = "32,64,128"  # the bfloat16 alternatives experiments/device_check.py times:
-  c.use_dot = "true,false"  # every block size x dot / multiply-reduce, the rest as the table
   c.record = ""  # write the results record (JSON) here ("" = print only)
   return c

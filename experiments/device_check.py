@@ -28,7 +28,6 @@ JSON (--out) is rewritten after every part; the summary is printed last. The exi
 non-zero only when a kernel differs from its twin (table (1)).
 """
 
-import dataclasses
 import json
 import time
 import traceback
@@ -187,11 +186,7 @@ def time_tuning(config):
   B, n = a.batch, a.budget // 16
   q, k, v, page_idx, n_valid, lengths = bench_attention._inputs(B, context, n, jnp.bfloat16)
   base = sparse_decode.TUNING["bfloat16"]
-  variants = [
-    dataclasses.replace(base, block_tokens=t, use_dot=d)
-    for t in (32, 64, 128)
-    for d in (True, False)
-  ]
+  variants = [base] + sparse_decode.tuning_alternatives()
 
   def loop(tuning):
     step = lambda i, q: sparse_decode.sparse_decode_attention(
@@ -201,16 +196,26 @@ def time_tuning(config):
 
   times = bench_attention._times_ms([(loop(t), (q,)) for t in variants], a.runs)
   rows = [
-    dict(block_tokens=t.block_tokens, use_dot=t.use_dot, ms=med / a.steps)
+    dict(
+      block_tokens=t.block_tokens,
+      use_dot=t.use_dot,
+      num_warps=t.num_warps,
+      num_stages=t.num_stages,
+      ms=med / a.steps,
+    )
     for t, (med, _) in zip(variants, times)
   ]
   print(
     f"\n(2b) Triton tuning alternatives, sparse at {context}, batch {B}, bf16 "
-    f"(table now: block {base.block_tokens}, dot {base.use_dot})\n"
+    f"(table now: block {base.block_tokens}, dot {base.use_dot}, {base.num_warps} warps, "
+    f"{base.num_stages} stages; the first row)\n"
   )
-  print("| block tokens | dot | ms |\n|---|---|---|")
+  print("| block tokens | dot | warps | stages | ms |\n|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['block_tokens']} | {r['use_dot']} | {r['ms']:.3f} |")
+    print(
+      f"| {r['block_tokens']} | {r['use_dot']} | {r['num_warps']} | {r['num_stages']} | "
+      f"{r['ms']:.3f} |"
+    )
   return rows
 
 

@@ -90,18 +90,12 @@ json.dump(answer, open(sys.argv[2], "w"))
 def variants(c):
   """[(dtype name, Tuning, in the table?)]: the kernel's table entries for bfloat16 and float32 at
   this group size (`sparse_decode.tuning`, what the kernel runs), then the bfloat16 alternatives
-  device_check times (block_tokens x use_dot, the rest as the table) that differ from the table."""
+  the device check times (`sparse_decode.tuning_alternatives`)."""
   table = [
     (name, sparse_decode.tuning(jnp.dtype(name), c.group)) for name in ("bfloat16", "float32")
   ]
   out = [(name, t, True) for name, t in table]
-  base = sparse_decode.TUNING["bfloat16"]
-  for tokens in (int(t) for t in c.block_tokens.split(",")):
-    for dot in (d.strip().lower() == "true" for d in c.use_dot.split(",")):
-      alternative = dataclasses.replace(base, block_tokens=tokens, use_dot=dot)
-      if ("bfloat16", alternative) not in table:
-        out.append(("bfloat16", alternative, False))
-  return out
+  return out + [("bfloat16", t, False) for t in sparse_decode.tuning_alternatives()]
 
 
 def _custom_calls(op):

@@ -61,13 +61,27 @@ class Tuning:
 
 
 # Per cache dtype. Not yet tuned on a GPU (none was at hand): values follow the shapes JAX's and
-# axlearn's GPU decode ops use for head_dim 128; experiments/device_check.py times the alternatives
-# (block 32/64/128, dot vs reduce) so this table can be set from measurements. 264 programs = two
-# waves on an H100/H200's 132 SMs.
+# axlearn's GPU decode ops use for head_dim 128, with no register spill when compiled for sm_90
+# (docs/results/triton_sm90.md; at 2 stages the bfloat16 entry spilled); experiments/device_check.py
+# times `tuning_alternatives()` so this table can be set from measurements. 264 programs = two waves
+# on an H100/H200's 132 SMs.
 TUNING = {
-  "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=2, target_programs=264),
+  "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=3, target_programs=264),
   "float32": Tuning(block_tokens=32, use_dot=False, num_warps=4, num_stages=2, target_programs=264),
 }
+
+
+def tuning_alternatives() -> list:
+  """The bfloat16 Tunings the device check times and experiments/triton_stats.py compiles for
+  sm_90: block tokens, warps and stages around the table's entry, with the tensor-core dot, and
+  the CUDA-core multiply-reduce at 32 tokens (at 64 and 128 it spills)."""
+  base = TUNING["bfloat16"]
+  shapes = [(32, True, 4, 2), (64, True, 4, 2), (64, True, 8, 2), (64, True, 8, 3)]
+  shapes += [(128, True, 4, 2), (128, True, 8, 3), (32, False, 4, 2)]
+  return [
+    dataclasses.replace(base, block_tokens=b, use_dot=d, num_warps=w, num_stages=s)
+    for b, d, w, s in shapes
+  ]
 
 
 def tuning(dtype, G: int) -> Tuning:
