@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 
 import sparrow_jax as sj
+from sparrow_jax import schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import calibrate as cal
 
@@ -102,12 +103,7 @@ def calibrate(c):
   cfg, params, eos_ids, pad_id = load_model(c.model, c.seed)
   prompts, eos_ids, pad_id = load_prompts(c, parse_ints(c.eos_ids, "eos_ids") or eos_ids, pad_id)
   r, s = c.rollout, c.stats
-  sparse = sj.SparseConfig(
-    page_size=r.page_size,
-    dense_layers=r.dense_layers,
-    attention_impl=r.attention_impl,
-    page_score=r.page_score,
-  )
+  sparse = schema.from_group(sj.SparseConfig, c, "rollout")
   print(
     f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
     f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, "

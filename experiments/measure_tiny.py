@@ -29,6 +29,7 @@ from ml_collections import config_flags
 import numpy as np
 
 import sparrow_jax as sj
+from sparrow_jax import schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
@@ -114,12 +115,7 @@ def measure(c) -> dict:
   n, n_accept, bin_size, tau = c.num_problems, c.num_accept, c.stats.bin_size, c.stats.tau
   problems = task.sample(n, 0)
   key = jax.random.PRNGKey(c.seed)
-  sparse = sj.SparseConfig(
-    page_size=page,
-    dense_layers=r.dense_layers,
-    attention_impl=r.attention_impl,
-    page_score=r.page_score,
-  )
+  sparse = schema.from_group(sj.SparseConfig, c, "rollout")
   num_bins = -(-(task.max_prompt_len + task.max_response_len) // bin_size)
   t0 = time.time()
 

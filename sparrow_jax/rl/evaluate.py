@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 import sparrow_jax as sj
+from sparrow_jax import schema
 from sparrow_jax.mismatch.schedule import KVSchedule
 from sparrow_jax.rl import trainer
 
@@ -105,12 +106,7 @@ def evaluate(c) -> dict:
   cfg, params, tokenizer = trainer.load_model(c, task)
   sparse = schedule = None
   if r.sparse:
-    sparse = sj.SparseConfig(
-      page_size=r.page_size,
-      dense_layers=r.dense_layers,
-      attention_impl=r.attention_impl,
-      page_score=r.page_score,
-    )
+    sparse = schema.from_group(sj.SparseConfig, c, "rollout")
     schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
   problems = _problems(task, c.num_problems)
   n_rows = len(problems) * c.samples

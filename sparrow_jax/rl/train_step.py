@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sparrow_jax import schema
 from sparrow_jax.attention import policy
 from sparrow_jax.mismatch import acceptance, schedule
 from sparrow_jax.model import qwen3, sharding
@@ -164,24 +165,11 @@ class StepConfig:
   @classmethod
   def from_config(cls, c) -> "StepConfig":
     """From an experiment config (ml_collections): each component from its group's fields of the
-    same names (absent ones keep their defaults); a bad value names its `config.` field."""
+    same names (`schema.from_group`); a bad value names its `config.` field."""
     groups = {f.name: type(f.default_factory()) for f in dataclasses.fields(cls)}
-    try:
-      return cls(
-        **{
-          group: component(
-            **{
-              f.name: c[group][f.name] for f in dataclasses.fields(component) if f.name in c[group]
-            }
-          )
-          for group, component in groups.items()
-        }
-      )
-    except ValueError as e:
-      for group, component in groups.items():
-        if str(e).startswith(f"{component.__name__}."):
-          raise ValueError(f"config.{group}.{str(e)[len(component.__name__) + 1 :]}") from None
-      raise
+    parts = {group: schema.from_group(component, c, group) for group, component in groups.items()}
+    with schema.naming_config_fields(groups):
+      return cls(**parts)
 
 
 @flax.struct.dataclass

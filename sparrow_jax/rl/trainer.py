@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from sparrow_jax import checkpoint
+from sparrow_jax import checkpoint, schema
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
@@ -636,17 +636,7 @@ def _strict_json(value):
 
 
 def _sparse(c):
-  r = c.rollout
-  return (
-    SparseConfig(
-      page_size=r.page_size,
-      dense_layers=r.dense_layers,
-      attention_impl=r.attention_impl,
-      page_score=r.page_score,
-    )
-    if r.sparse
-    else None
-  )
+  return schema.from_group(SparseConfig, c, "rollout") if c.rollout.sparse else None
 
 
 def _optimizers(c):
