@@ -61,7 +61,7 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   #                                    (e.g. paper:qwen3-1.7b:0.86), or stages "STEP:SPEC,STEP:SPEC"
   #                                    switched without recompiling, or "adaptive:TAU:BASE" (closed
   #                                    loop from the table BASE; docs/closed_loop.md)
-  # adaptive:TAU:BASE only (sparrow_jax.mismatch.schedule.adapt_topk moves each bin once a step):
+  # adaptive:TAU:BASE only (sparrow_jax.sparsity.schedule.adapt_topk moves each bin once a step):
   c.adaptive_headroom = 2.0  # ceiling of every bin's top-k: this x BASE's largest, fixed at
   #                                    start (it sizes the static page selection); 2x is the paper's
   #                                    step from tau 0.86 to 0.92 (qwen3-1.7b: 253 -> 509 pages)
@@ -108,7 +108,7 @@ def stats(*fields, **overrides) -> ml_collections.ConfigDict:
 
 
 def mesh(*fields, **overrides) -> ml_collections.ConfigDict:
-  """The device mesh (sparrow_jax.model.sharding): rows over data x fsdp, weights FSDP over fsdp,
+  """The device mesh (sparrow_jax.sharding): rows over data x fsdp, weights FSDP over fsdp,
   heads / FFN / vocab over tensor. One device is the mesh 1 x 1 x 1; the product must be the number
   of devices of all processes."""
   c = ml_collections.ConfigDict()

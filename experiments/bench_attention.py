@@ -7,7 +7,7 @@
 Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), `batch` rows holding
 `context` tokens each in a cache preallocated for `cache_tokens` (default the largest context), as
 the sampler preallocates prompt + max_new_tokens; page size 16, a 2048-token budget (128 pages, all
-valid). Dense and sparse go through the dispatch the sampler uses (attention/policy.py, `impl`:
+valid). Dense and sparse go through the dispatch the sampler uses (sparsity/policy.py, `impl`:
 auto = the Triton kernel on a GPU, the Mosaic kernel on a TPU, XLA elsewhere). Timed, per context,
 side by side:
   dense          policy.dense_decode_attention: the fair baseline, reading each row's cached
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from sparrow_jax.attention import paged_cache, policy, reference, select
+from sparrow_jax.attention import paged_cache, reference, select
+from sparrow_jax.sparsity import policy
 
 KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 2, 128, 16
 

@@ -67,9 +67,10 @@ import numpy as np
 from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
-from sparrow_jax.attention import paged_cache, policy
+from sparrow_jax.attention import paged_cache
+from sparrow_jax.sparsity import policy
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, sampler
 

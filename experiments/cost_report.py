@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 # Sparrow, rollout speedup at tau 0.86, 4x H200, AIME24 x 8 samples, 32K cutoff.
 PAPER_SPEEDUP = {"qwen3-1.7b": 2.21, "qwen3-4b": 2.41, "qwen3-8b": 2.06, "qwen3-14b": 1.49}

@@ -33,7 +33,7 @@ from sparrow_jax import schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import trainer
 from sparrow_jax.rollout.sampler import full_sequences
 

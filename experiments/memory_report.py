@@ -31,7 +31,7 @@ Per device on a mesh (`--config.mesh=DATA,FSDP,TENSOR`, on that many fake CPU de
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python experiments/memory_report.py \
       --config=configs/memory_report.py --config.mesh=1,8,1 --config.train_rows=8 ...
 train and sampler are then compiled as the trainer runs them: state and batch on the sharding
-rules (model/sharding.py), the rollout's weights gathered over fsdp (sharding.ROLLOUT_RULES), each
+rules (sharding.py), the rollout's weights gathered over fsdp (sharding.ROLLOUT_RULES), each
 device prefilling and decoding only its own groups.
 """
 
@@ -51,9 +51,9 @@ import sparrow_jax as sj
 from sparrow_jax import records
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate
-from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.attention import page_pool
 from sparrow_jax.mismatch import cost_model

@@ -28,7 +28,8 @@ from ml_collections import config_flags
 
 from kernels import sparse_decode_tpu
 from sparrow_jax import records
-from sparrow_jax.attention import flash, policy
+from sparrow_jax.attention import flash
+from sparrow_jax.sparsity import policy
 
 UNLIMITED = 1 << 40
 

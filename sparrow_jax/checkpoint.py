@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 
 CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
 

@@ -1,6 +1,6 @@
-"""The import structure docs/architecture.md describes: module-level imports between
-the library's modules form no cycle, the model knows nothing of the sparsity policy, and the kernel
-imports only its jnp twin from the library."""
+"""The import structure docs/architecture.md describes: packages import one way (LAYERS),
+module-level imports between the library's modules form no cycle, the model knows nothing of the
+sparsity policy, and the kernels import only their jnp twin from the library."""
 
 import ast
 import os
@@ -74,7 +74,52 @@ def test_model_knows_qwen3_only_and_kernel_imports_its_twin_only():
   assert not {
     d
     for d in model_deps
-    if d.startswith("kernels") or d.endswith(("attention.select", "attention.policy"))
+    if d.startswith("kernels") or d.endswith(("attention.select", "sparsity.policy"))
   }, model_deps
   assert graph["kernels.sparse_decode"] <= {"sparrow_jax.attention.reference"}
   assert graph["kernels.sparse_decode_tpu"] <= {"sparrow_jax.attention.reference"}
+
+
+# Packages from the bottom up: a module imports only from its own package and the ones below it.
+LAYERS = (
+  ("sparrow_jax.sharding", "sparrow_jax.schema", "sparrow_jax.records", "sparrow_jax.logging"),
+  ("sparrow_jax.attention", "sparrow_jax.data"),  # the attention ops; tasks, rewards, tokenizer
+  ("kernels",),  # the Pallas kernels, beside their jnp twins
+  ("sparrow_jax.model", "sparrow_jax.checkpoint"),
+  ("sparrow_jax.sparsity",),  # the sparsity policy and the KV budget schedules
+  ("sparrow_jax.rollout",),
+  ("sparrow_jax.mismatch",),  # acceptance, calibration, cost model
+  ("sparrow_jax.rl",),
+  ("sparrow_jax.train", "sparrow_jax"),  # the CLI and the package's public API
+)
+
+
+def layer_of(module: str) -> int:
+  """The index in LAYERS of the longest package or module name that `module` is or is inside."""
+  matches = [
+    (len(name), i)
+    for i, names in enumerate(LAYERS)
+    for name in names
+    if module == name or module.startswith(name + ".")
+  ]
+  assert matches, f"{module} is in no layer of tests/test_architecture.LAYERS"
+  return max(matches)[1]
+
+
+def test_packages_import_one_way():
+  graph = import_graph()
+  upward = sorted(
+    f"{m} -> {d}"
+    for m, deps in graph.items()
+    if m != "sparrow_jax"
+    for d in deps
+    if layer_of(d) > layer_of(m)
+  )
+  assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import():
+  graph = {"sparrow_jax.model.qwen3": {"sparrow_jax.rl.trainer"}}
+  assert layer_of("sparrow_jax.model.qwen3") < layer_of("sparrow_jax.rl.trainer")
+  assert layer_of("sparrow_jax.sharding") == 0 and layer_of("sparrow_jax") == len(LAYERS) - 1
+  assert [d for m, ds in graph.items() for d in ds if layer_of(d) > layer_of(m)]

@@ -14,7 +14,7 @@ from experiments import calibrate_schedule
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate as cal
 from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats, topk_bound_from_logits
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rollout import sampler
 from tests.helpers import tiny_config
 

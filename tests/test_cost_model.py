@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 
 # I = 10 / 5 = 2 FLOPs per byte, 2-byte elements: small enough to check by hand.

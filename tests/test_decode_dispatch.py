@@ -1,4 +1,4 @@
-"""Decode attention dispatch (attention/policy.py): the length-aware dense baseline equals the
+"""Decode attention dispatch (sparsity/policy.py): the length-aware dense baseline equals the
 whole-cache reference and never reads past the longest row; "auto" picks each platform's kernel when
 lowered for that platform, whatever machine traces it."""
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.attention import policy, reference
+from sparrow_jax.attention import reference
+from sparrow_jax.sparsity import policy
 from tests.test_sparse_decode_kernel import BF16_ATOL, BF16_RTOL, _inputs, _jit
 
 TRITON, MOSAIC = "@__gpu$xla.gpu.triton", "tpu_custom_call"

@@ -21,8 +21,8 @@ SETUP = textwrap.dedent("""
     import jax, numpy as np
     import sparrow_jax as sj
     from sparrow_jax.attention.select import SparseConfig
-    from sparrow_jax.mismatch.schedule import KVSchedule
-    from sparrow_jax.model import sharding
+    from sparrow_jax.sparsity.schedule import KVSchedule
+    from sparrow_jax import sharding
     from sparrow_jax.rollout import engine
     from tests.helpers import tiny_config
 

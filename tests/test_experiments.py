@@ -10,7 +10,7 @@ import pytest
 import sparrow_jax as sj
 from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny
 from sparrow_jax.data.tokenizer import load_tokenizer
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 pytestmark = pytest.mark.slow
 

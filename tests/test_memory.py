@@ -10,7 +10,7 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.schedule import BudgetTable
+from sparrow_jax.sparsity.schedule import BudgetTable
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import train_step as ts
 from tests.helpers import tiny_config

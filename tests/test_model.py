@@ -116,8 +116,8 @@ def test_decode_loop_reads_weights_and_cache_in_place(sparse):
   """The sampler's decode loop (weights split before it, per-layer float32 caches) holds no copy
   of a layer's cache or weights inside the loop: XLA CPU had copied every layer's whole K/V cache
   (a stacked slice, a uint32 -> float32 read) and weights (a stacked slice) at every step."""
-  from sparrow_jax.attention import policy
-  from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+  from sparrow_jax.sparsity import policy
+  from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
   from sparrow_jax.rollout import sampler
 
   cfg = dataclasses.replace(tiny_config(), num_hidden_layers=3, max_position_embeddings=512)

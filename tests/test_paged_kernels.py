@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kernels import sparse_decode, sparse_decode_tpu
-from sparrow_jax.attention import policy, reference
+from sparrow_jax.attention import reference
+from sparrow_jax.sparsity import policy
 
 
 def _pool_inputs(seed, B, K, G, E, Z, X, N, dtype=jnp.float32):

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.mismatch import schedule as schedule_lib
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity import schedule as schedule_lib
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 # The tau-0.86 tables (and 1.7B at 0.80) as printed in the project brief.
 BRIEF_TABLES = {

@@ -18,8 +18,9 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     import sparrow_jax as sj
     from sparrow_jax.attention.select import SparseConfig
-    from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
-    from sparrow_jax.model import lora as lora_lib, sharding
+    from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
+    from sparrow_jax.model import lora as lora_lib
+    from sparrow_jax import sharding
     from sparrow_jax.rl import train_step as ts
     from sparrow_jax.rollout import sampler
     from tests.helpers import tiny_config

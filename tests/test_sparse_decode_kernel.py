@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kernels import sparse_decode
-from sparrow_jax.attention import policy, reference
+from sparrow_jax.attention import reference
+from sparrow_jax.sparsity import policy
 
 # bf16 inputs: both sides accumulate in float32 but sum in different orders and round the output to
 # bf16 (8 significant bits), so they may land one bf16 ulp apart: |diff| <= 2^-7 * |out| + 2^-9.

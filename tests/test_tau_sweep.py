@@ -12,7 +12,7 @@ import pytest
 
 from configs import tau_sweep as sweep_config
 from experiments import tau_sweep
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import trainer
 from tests.helpers import ROOT, SMALL, subprocess_env
 

@@ -12,7 +12,7 @@ import pytest
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import acceptance
-from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import advantages, train_step as ts
 from sparrow_jax.rollout import sampler

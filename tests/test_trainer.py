@@ -13,7 +13,7 @@ import pytest
 import sparrow_jax as sj
 from configs import default
 from sparrow_jax.data.tokenizer import load_tokenizer
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rl import trainer
 from sparrow_jax.rollout import engine

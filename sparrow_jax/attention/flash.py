@@ -24,7 +24,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from sparrow_jax.attention import blockwise
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 
 IMPLS = ("auto", "blockwise", "cudnn", "splash")
 SPLASH_BLOCK = 512  # query and key tile of the splash kernels (rows are padded to a multiple)

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from sparrow_jax.attention import paged_cache
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 
 TRASH_PAGE = 0
 POOL_AXES = ("batch", "kv_heads", "pages", "cache_len", "head_dim")

@@ -45,7 +45,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 
 
 def stored_dtype(dtype):

@@ -1,5 +1,5 @@
 """The jnp references: decode attention over the paged KV cache (dense, block-sparse), which the
-Pallas kernel in kernels/ twins (the dispatch between them is attention/policy.py), and the
+Pallas kernel in kernels/ twins (the dispatch between them is sparsity/policy.py), and the
 teacher-forced attention that materialises every score (`dense_attention`), which the blockwise
 attention (attention/blockwise.py) twins.
 

@@ -12,7 +12,7 @@ with by the `mask_BT` of the statistics functions.
 import jax.numpy as jnp
 from jax import lax
 
-from sparrow_jax.mismatch.schedule import position_bin
+from sparrow_jax.sparsity.schedule import position_bin
 
 PERCENTILES = (1, 5, 10, 50)
 HIGH_ALPHA = 0.999  # "frac_above_0999": tokens where p and q practically agree

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import policy
+from sparrow_jax.sparsity import policy
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.acceptance import (
   acceptance_rate,
@@ -51,7 +51,7 @@ from sparrow_jax.mismatch.acceptance import (
   tail_stats,
   topk_bound_from_logits,
 )
-from sparrow_jax.mismatch.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import engine, sampler

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention.paged_cache import page_score_fns
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 
 

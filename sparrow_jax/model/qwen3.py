@@ -23,7 +23,7 @@ The model knows Qwen3 only. Attention is the one pluggable piece: `forward` take
 `attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` (layer: a traced int32) and `decode_step`
 takes `attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a Python int); the sparsity policy
 (which layers stay dense, which pages the others read) builds both in
-sparrow_jax/attention/policy.py.
+sparrow_jax/sparsity/policy.py.
 """
 
 import math
@@ -37,7 +37,7 @@ import numpy as np
 from sparrow_jax.attention import blockwise, flash, paged_cache, reference
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 
 ACT_AXES = ("batch", "length", "act_embed")  # activations between layers: rows over data x fsdp
 
@@ -370,7 +370,7 @@ def forward(
 ):
   """Teacher-forced logits_BTV (float32) of every position: for short rows and tests (training
   uses `forward_hidden` + `map_logits`). mask_BT marks real tokens (HF's attention_mask); positions
-  default to skipping left padding. The sparse teacher-forced forward is `attention.policy.forward`
+  default to skipping left padding. The sparse teacher-forced forward is `sparsity.policy.forward`
   (`sj.forward`), which passes its `attention_fn` here."""
   x_BTD = forward_hidden(
     params,
@@ -483,7 +483,7 @@ def decode_step(
   params (and lora) are best split by `unstack_layers` before the loop; stacked ones work too.
   attention_fn(layer, q_BKGE, cache, lengths_B) -> out_BKGE: layer a Python int, cache that
   layer's own cache (`cache.keys(0)`), whose newest token is already written (lengths_B tokens
-  cached); dense by default, block-sparse from `attention.policy.decode_attention_fn`.
+  cached); dense by default, block-sparse from `sparsity.policy.decode_attention_fn`.
   """
   B = token_B.shape[0]
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim

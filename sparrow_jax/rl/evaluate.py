@@ -36,7 +36,7 @@ import numpy as np
 
 import sparrow_jax as sj
 from sparrow_jax import schema
-from sparrow_jax.mismatch.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import trainer
 
 

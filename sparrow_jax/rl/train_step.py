@@ -33,9 +33,11 @@ import jax.numpy as jnp
 import optax
 
 from sparrow_jax import schema
-from sparrow_jax.attention import policy
-from sparrow_jax.mismatch import acceptance, schedule
-from sparrow_jax.model import qwen3, sharding
+from sparrow_jax.sparsity import policy
+from sparrow_jax.mismatch import acceptance
+from sparrow_jax.sparsity import schedule
+from sparrow_jax.model import qwen3
+from sparrow_jax import sharding
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rollout import sampler

@@ -38,11 +38,11 @@ from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
 from sparrow_jax.data import tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.mismatch import schedule as schedule_lib
+from sparrow_jax.sparsity import schedule as schedule_lib
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf, save_hf
-from sparrow_jax.model import sharding
+from sparrow_jax import sharding
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler

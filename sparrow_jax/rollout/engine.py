@@ -30,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from sparrow_jax.attention import page_pool, paged_cache, policy
+from sparrow_jax.attention import page_pool, paged_cache
+from sparrow_jax.sparsity import policy
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch.schedule import BudgetTable
-from sparrow_jax.model import qwen3, sharding
+from sparrow_jax.sparsity.schedule import BudgetTable
+from sparrow_jax.model import qwen3
+from sparrow_jax import sharding
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import sampler
 
