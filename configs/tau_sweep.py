@@ -49,6 +49,8 @@ def get_config():
   c.quest_surface = "assets/pointer_chase_tiny/calibration_quest/surface.json"  # quest's surface
   c.seeds = "0,1"  # trainer seeds (init, rollout keys, prompt order) per setting
   c.window = 10  # steps averaged for the first / last figures and p5 per bin
+  c.record = ""  # also write the settings' summary (and, with two percentiles, the
+  #                                    quantile test's verdict) as a results record here
   c.base = ""  # a finished sweep.json whose other settings and runs this one
   #                                    keeps (a setting run here replaces its namesake), e.g. the
   #                                    shipped assets/pointer_chase_tiny/tau_sweep/sweep.json to

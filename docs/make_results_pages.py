@@ -217,11 +217,60 @@ def triton_page(records) -> str:
   return "\n".join(lines)
 
 
+def quantile_page(records) -> str:
+  """docs/results/quantile_sweep.md from tau_sweep's record of configs/quantile_sweep.py: the test
+  of docs/threshold_sweep.md ("Which tail predicts training"), decided by `quantile_verdict`."""
+  lines = [
+    "# Which tail predicts training: the quantile test (measured)",
+    "",
+    "The embedded default job (`configs/default.py`, 40 steps) with dense rollouts and with quest "
+    "tables calibrated from one surface to hold a percentile of exact alpha at tau, on seeds the "
+    "threshold sweep did not use; each trained policy scored on 128 held-out problems x 2 dense "
+    "samples. The rule was written before the runs "
+    "([threshold_sweep.md](../threshold_sweep.md#which-tail-predicts-training-the-test-written-"
+    "before-its-runs)): the line is dense's mean held-out score less its std over seeds (ddof 1); "
+    "confirmed if a p1 table reading at most 0.95 of the dense KV scores at least the line while "
+    "the p5 table is below it; refuted if every such p1 table is below the line, or the p5 table "
+    "is above it too.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    seeds = next(iter(r["settings"].values()))["seeds"]
+    lines += [
+      _provenance(record),
+      "",
+      f"Seeds {', '.join(map(str, seeds))}; mean +- std over them. KV read: pages read over pages "
+      "cached (layer 0 dense). p1 / p5: exact alpha's 1st / 5th percentile, mean over the steps "
+      f"/ the last {r['config']['window']}.",
+      "",
+      "| setting | holds | KV read | p1 | p5 | held-out score | held-out exact |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    cell = lambda d: "-" if d is None or d["mean"] is None else f"{d['mean']:.3f} +- {d['std']:.3f}"
+    for name, v in r["settings"].items():
+      holds = "-" if v["kind"] == "dense" else f"p{v['quantile']:g} >= {v['tau']:g}"
+      lines.append(
+        f"| {name} | {holds} | {v['kv_read']['mean']:.3f} | {v['p1']['mean']:.3f} | "
+        f"{v['p5']['mean']:.3f} | {cell(v['heldout_score'])} | {cell(v['heldout_accuracy'])} |"
+      )
+    verdict = r["verdict"]
+    if verdict:
+      lines += [
+        "",
+        f"The line: {verdict['dense_mean']:.3f} - {verdict['dense_std']:.3f} = "
+        f"{verdict['line']:.3f}. **Verdict: {verdict['verdict']}.**",
+      ]
+    lines.append("")
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
   "triton_sm90.md": ("triton_sm90.json", triton_page),
+  "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
 }
 
 

@@ -37,6 +37,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from configs import evaluate as evaluate_config
+from sparrow_jax import records as results_records
 from sparrow_jax.mismatch import calibrate
 from sparrow_jax.rl import evaluate, trainer
 
@@ -554,8 +555,9 @@ def sweep(c) -> dict:
   plot(out, os.path.join(c.sweep_dir, "tau_sweep.png"))
   print_table(out["settings"])
   quantiles = {v.get("quantile") for v in out["settings"].values() if v["kind"] == "quest"}
+  verdict = None
   if "dense" in out["settings"] and len(seeds) > 1 and len(quantiles) > 1:
-    v = quantile_verdict(out)
+    v = verdict = quantile_verdict(out)
     plot_quantiles(out, os.path.join(c.sweep_dir, "quantiles.png"))
     print(
       f"[tau_sweep] which tail predicts training: {v['verdict']} (line {v['line']:.3f}: "
@@ -564,6 +566,10 @@ def sweep(c) -> dict:
       )
       + "); quantiles.png",
       flush=True,
+    )
+  if c.record:
+    results_records.write_record(
+      c.record, {"config": out["config"], "settings": out["settings"], "verdict": verdict}
     )
   print(
     f"[tau_sweep] wrote {c.sweep_dir}/sweep.json and tau_sweep.png ({time.time() - t_start:.0f}s)",
