@@ -21,17 +21,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from kernels import sparse_decode_tpu
-from sparrow_jax import records
+from sparrow_jax import records, sharding
 from sparrow_jax.attention import flash
 from sparrow_jax.sparsity import policy
 
 UNLIMITED = 1 << 40
+
+
+def _one_device(device):
+  """(a one-device (data, fsdp, tensor) mesh of `device`, a ShapeDtypeStruct maker placing arrays
+  on it)."""
+  mesh = sharding.make_mesh(devices=[device])
+  on = NamedSharding(mesh, PartitionSpec())
+  return mesh, lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
 
 
 def compile_call(device, B, N, c, smem_bytes):
@@ -39,8 +46,7 @@ def compile_call(device, B, N, c, smem_bytes):
   the kernel at SMEM budget `smem_bytes`, or the engine's dispatch (smem_bytes None)."""
   K, G, E, Z = c.kv_heads, c.group, c.head_dim, c.page_size
   X = B * (c.context // Z) + 1  # every row's pages and the trash page, per KV head
-  on = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+  _, sds = _one_device(device)
   args = (
     sds((B, K, G, E), jnp.bfloat16),
     sds((K * X, Z, E), jnp.bfloat16),
@@ -70,10 +76,11 @@ def compile_call(device, B, N, c, smem_bytes):
 def compile_train_attention(device, c, impl):
   """(compiled?, error or "", splash in the program?, temporaries in GB) for the gradient of the
   model's dense teacher-forced attention (`flash.causal_attention` by `impl`: "auto" is what the
-  model runs) over c.train_rows rows of c.train_tokens tokens, as a train step's layer runs it."""
+  model runs) over c.train_rows rows of c.train_tokens tokens, as a train step's layer runs it.
+  Traced under the TPU mesh, so what is decided at trace time (the blockwise path's bf16 operands)
+  is decided for the TPU."""
   K, G, E, B, T = c.kv_heads, c.group, c.head_dim, c.train_rows, c.train_tokens
-  on = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+  mesh, sds = _one_device(device)
   args = (
     sds((B, T, K, G, E), jnp.bfloat16),
     sds((B, T, K, E), jnp.bfloat16),
@@ -83,7 +90,8 @@ def compile_train_attention(device, c, impl):
   attention = functools.partial(flash.causal_attention, impl=impl)
   loss = lambda q, k, v, mask: jnp.sum(attention(q, k, v, mask).astype(jnp.float32))
   try:
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   except Exception as e:  # the compiler's verdict is the measurement
     return False, str(e).strip().splitlines()[0][:300], False, None
   temp_gb = compiled.memory_analysis().temp_size_in_bytes / 1e9
