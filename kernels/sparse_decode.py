@@ -11,10 +11,13 @@ contract).
 Grid (B, K, num_splits): program (b, k, s) walks the s-th contiguous range of page slots, a block
 of pages at a time, with an online softmax, and writes partial (max, sum, acc) for its range; a
 jnp epilogue merges the splits (flash-decoding: splits give the GPU enough programs when B * K is
-small). Blocks past n_valid are never loaded, so a budget below the static maximum N costs only
-what it reads. The outputs pass an optimization_barrier before the merge (JAX's GPU decode ops
-found NaNs after jit without one: XLA may otherwise fuse the merge into the custom call's
-consumers in an order that reads the outputs before they are final).
+small). With one split the kernel normalises and writes the output itself: no epilogue. Blocks
+past n_valid are never loaded, so a budget below the static maximum N costs only what it reads.
+Each block's page ids are loaded one block ahead (carried in the loop), so its K and V gathers
+issue together at the top of the step without waiting on an id load. The outputs pass an
+optimization_barrier before the merge (JAX's GPU decode ops found NaNs after jit without one: XLA
+may otherwise fuse the merge into the custom call's consumers in an order that reads the outputs
+before they are final).
 
 Precision: both products read the cache in its own dtype and accumulate in float32. A bfloat16
 cache runs bfloat16 x bfloat16 tensor-core dots (q and the softmax weights p rounded to bfloat16,
@@ -63,11 +66,16 @@ class Tuning:
 # Per cache dtype. Not yet tuned on a GPU (none was at hand): values follow the shapes JAX's and
 # axlearn's GPU decode ops use for head_dim 128, with no register spill when compiled for sm_90
 # (docs/results/triton_sm90.md; at 2 stages the bfloat16 entry spilled); experiments/device_check.py
-# times `tuning_alternatives()` so this table can be set from measurements. 264 programs = two waves
-# on an H100/H200's 132 SMs.
+# times `tuning_alternatives()` so this table can be set from measurements. 1056 programs = 8 per SM
+# of an H100/H200's 132: several waves of the few programs an SM holds at once, so the last wave's
+# idle SMs cost little even at batch 16 (the split count stays at most one per block).
 TUNING = {
-  "bfloat16": Tuning(block_tokens=64, use_dot=True, num_warps=4, num_stages=3, target_programs=264),
-  "float32": Tuning(block_tokens=32, use_dot=False, num_warps=4, num_stages=2, target_programs=264),
+  "bfloat16": Tuning(
+    block_tokens=64, use_dot=True, num_warps=4, num_stages=3, target_programs=1056
+  ),
+  "float32": Tuning(
+    block_tokens=32, use_dot=False, num_warps=4, num_stages=2, target_programs=1056
+  ),
 }
 
 
@@ -95,6 +103,13 @@ def tuning(dtype, G: int) -> Tuning:
 def supports(head_dim: int) -> bool:
   """Whether the Triton dot can take this head size (a power of two >= 16)."""
   return head_dim >= _MIN_DOT and not head_dim & (head_dim - 1)
+
+
+def default_splits(programs: int, n_blocks: int, target_programs: int) -> int:
+  """Splits per (b, k) so that `programs` (b, k) pairs make about target_programs programs; at most
+  one per block, and no split left without a block of the static list."""
+  wanted = min(n_blocks, max(1, target_programs // programs))
+  return -(-n_blocks // -(-n_blocks // wanted))
 
 
 def _next_pow2(n: int) -> int:
@@ -125,17 +140,16 @@ def _kernel(
   q_ref,
   k_ref,
   v_ref,
-  m_ref,
-  l_ref,
-  acc_ref,
-  *,
+  *out_refs,
   scale,
   page_size,
   pages_per_block,
   blocks_per_split,
   use_dot,
 ):
-  """One (b, k, split): online softmax over this split's blocks of selected pages."""
+  """One (b, k, split): online softmax over this split's blocks of selected pages. Writes the
+  partial (max, sum, acc) for the merge, or with one output ref (a single split) the normalised
+  output itself."""
   split = pl.program_id(2)
   n_valid = n_valid_ref[0]
   length = length_ref[0]
@@ -148,14 +162,24 @@ def _kernel(
     jax.lax.div(remaining + pages_per_block - 1, pages_per_block), blocks_per_split
   )
 
+  def block_ids(j):
+    """Block j's physical page ids; past the split's last block, its last block's (the read stays
+    inside this program's id block, and the loop never uses them)."""
+    first = jnp.minimum(j, blocks_per_split - 1) * pages_per_block
+    return page_idx_ref[pl.ds(first, pages_per_block)]
+
   def body(j, carry):
-    m_G, l_G, acc_GE = carry
-    ids_N = page_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    m_G, l_G, acc_GE, ids_N = carry
+    # Block j's ids came with the carry, so its K and V gathers depend on no load of this step and
+    # issue together (Triton's software pipeliner can stage them a step ahead); block j+1's ids
+    # load while this block computes. The logical ids only feed the mask, after the score dot, so
+    # they load here: carrying them too would hold registers for no earlier use.
     k_TE = k_ref[ids_N].reshape(T, E)
     v_TE = v_ref[ids_N].reshape(T, E)
+    next_ids_N = block_ids(j + 1)
     s_GT = _scores(q_GE, k_TE, use_dot) * scale
-    slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
     logical_N = logical_idx_ref[pl.ds(j * pages_per_block, pages_per_block)]
+    slot_N = first_slot + j * pages_per_block + jnp.arange(pages_per_block)
     pos_NZ = logical_N[:, None] * page_size + jnp.arange(page_size)[None, :]
     valid_T = ((slot_N[:, None] < n_valid) & (pos_NZ < length)).reshape(T)
     s_GT = jnp.where(valid_T[None, :], s_GT, -jnp.inf)
@@ -166,17 +190,28 @@ def _kernel(
     p_GT = jnp.exp(s_GT - m_safe_G[:, None])
     l_G = l_G * corr_G + jnp.sum(p_GT, axis=1)
     acc_GE = acc_GE * corr_G[:, None] + _weighted_values(p_GT, v_TE, use_dot)
-    return m_new_G, l_G, acc_GE
+    return m_new_G, l_G, acc_GE, next_ids_N
 
   init = (
     jnp.full((G,), -jnp.inf, jnp.float32),
     jnp.zeros((G,), jnp.float32),
     jnp.zeros((G, E), jnp.float32),
+    block_ids(0),
   )
-  m_G, l_G, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
+  m_G, l_G, acc_GE, _ = jax.lax.fori_loop(0, n_blocks, body, init)
+  if len(out_refs) == 1:
+    [o_ref] = out_refs
+    o_ref[...] = _normalise(acc_GE, l_G[:, None]).astype(o_ref.dtype)
+    return
+  m_ref, l_ref, acc_ref = out_refs
   m_ref[...] = m_G
   l_ref[...] = l_G
   acc_ref[...] = acc_GE
+
+
+def _normalise(acc_XE, l_X1):
+  """acc / l; nothing valid (l = 0, acc = 0) stays 0."""
+  return acc_XE / jnp.where(l_X1 == 0.0, 1.0, l_X1)
 
 
 def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
@@ -187,7 +222,7 @@ def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
   w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
   l_BKG = jnp.sum(l_BKXG * w_BKXG, axis=2)
   acc_BKGE = jnp.sum(acc_BKXGE * w_BKXG[..., None], axis=2)
-  return acc_BKGE / jnp.where(l_BKG == 0.0, 1.0, l_BKG)[..., None]
+  return _normalise(acc_BKGE, l_BKG[..., None])
 
 
 def paged_decode_attention(
@@ -228,7 +263,7 @@ def paged_decode_attention(
   pages_per_block = max(config.block_tokens, _MIN_DOT, page_size) // page_size
   n_blocks = -(-N // pages_per_block)
   if num_splits is None:
-    num_splits = min(n_blocks, max(1, config.target_programs // (B * K)))
+    num_splits = default_splits(B * K, n_blocks, config.target_programs)
   if not isinstance(num_splits, int) or num_splits < 1:
     raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
   blocks_per_split = -(-n_blocks // num_splits)
@@ -255,7 +290,22 @@ def paged_decode_attention(
   # Every program sees the whole page array and gathers its pages by id (no per-row block).
   pages_spec = pl.BlockSpec((X, page_size, E), lambda b, k, s: (0, 0, 0))
   ids_spec = pl.BlockSpec((None, None, None, per_split), lambda b, k, s: (b, k, s, 0))
-  m_BKXG, l_BKXG, acc_BKXGE = pl.pallas_call(
+  # One split is the whole answer: the kernel normalises and writes q's dtype, no merge.
+  if num_splits == 1:
+    out_specs = [pl.BlockSpec((None, None, Gp, E), lambda b, k, s: (b, k, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, K, Gp, E), q_BKGE.dtype)]
+  else:
+    out_specs = [
+      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
+      pl.BlockSpec((None, None, None, Gp, E), lambda b, k, s: (b, k, s, 0, 0)),
+    ]
+    out_shape = [
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
+      jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
+    ]
+  outs = pl.pallas_call(
     kernel,
     grid=(B, K, num_splits),
     in_specs=[
@@ -267,16 +317,8 @@ def paged_decode_attention(
       pages_spec,
       pages_spec,
     ],
-    out_specs=[
-      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
-      pl.BlockSpec((None, None, None, Gp), lambda b, k, s: (b, k, s, 0)),
-      pl.BlockSpec((None, None, None, Gp, E), lambda b, k, s: (b, k, s, 0, 0)),
-    ],
-    out_shape=[
-      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
-      jax.ShapeDtypeStruct((B, K, num_splits, Gp), jnp.float32),
-      jax.ShapeDtypeStruct((B, K, num_splits, Gp, E), jnp.float32),
-    ],
+    out_specs=out_specs,
+    out_shape=out_shape,
     # Selects the Triton lowering on GPU (default would be Mosaic GPU); ignored in interpret mode.
     compiler_params=pltriton.CompilerParams(
       num_warps=config.num_warps, num_stages=config.num_stages
@@ -292,7 +334,7 @@ def paged_decode_attention(
     k_pages_XZE,
     v_pages_XZE,
   )
-  out_BKGE = _merge_splits(m_BKXG, l_BKXG, acc_BKXGE)
+  out_BKGE = outs[0] if num_splits == 1 else _merge_splits(*outs)
   return out_BKGE[:, :, :G].astype(q_BKGE.dtype)
 
 

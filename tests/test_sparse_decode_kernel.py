@@ -3,6 +3,7 @@ Pallas kernel (interpret mode on CPU) == the reference; the kernel lowers to Tri
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +163,38 @@ def test_kernel_matches_reference_bfloat16(G, E, Z, P, N, num_splits, use_dot):
   )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_kernel_ragged_selections_with_one_and_several_splits(num_splits, dtype):
+  """n_valid of 0, 1, one short of a block, a whole block, one past it and all N (blocks of 4
+  pages of 8): one split (normalised in the kernel, no merge) and several (merged), whose last
+  block's look-ahead id load stays in the split's own ids."""
+  q, kc, vc, page_idx, _, lengths = _inputs(7, B=2, K=3, G=2, E=32, Z=8, P=12, N=10, dtype=dtype)
+  n_valid = jnp.asarray([[0, 1, 3], [4, 5, 10]], jnp.int32)
+  args = (q, kc, vc, page_idx, n_valid, jnp.asarray([96, 93], jnp.int32))
+  want = _jit(reference.sparse_decode_attention, page_size=8)(*args)
+  name = jnp.dtype(dtype).name
+  got = _jit(
+    sparse_decode.sparse_decode_attention,
+    page_size=8,
+    num_splits=num_splits,
+    config=dataclasses.replace(sparse_decode.TUNING[name], block_tokens=32),
+  )(*args)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got)[0, 0], 0.0)
+  tol = dict(atol=1e-5) if dtype == jnp.float32 else dict(rtol=BF16_RTOL, atol=BF16_ATOL)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+
+
+def test_default_splits_aim_at_the_target_without_empty_splits():
+  assert sparse_decode.default_splits(16 * 8, 32, 1056) == 8  # batch 16: 1024 programs
+  assert sparse_decode.default_splits(64 * 8, 32, 1056) == 2
+  assert sparse_decode.default_splits(128 * 8, 32, 1056) == 1  # one split: no merge
+  assert sparse_decode.default_splits(4, 5, 1056) == 5  # at most one split per block
+  # 7 wanted over 10 blocks: 2 blocks a split, so 5 splits cover them all (7 would leave 2 empty)
+  assert sparse_decode.default_splits(150, 10, 1056) == 5
+
+
 def test_dispatch_and_budget_change_does_not_recompile():
   q, kc, vc, page_idx, n_valid, lengths = _inputs(3, B=2, K=2, G=2, E=16, Z=8, P=6, N=4)
   xla = _jit(reference.sparse_decode_attention, page_size=8)(q, kc, vc, page_idx, n_valid, lengths)
@@ -226,3 +259,22 @@ def test_kernel_lowers_to_triton_for_cuda(dtype, use_dot):
   assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in module  # (B, K, splits)
   assert f"num_warps = {config.num_warps} : i32" in module
   assert "stablehlo.optimization_barrier" in module  # between the kernel and the split merge
+  # One split: the kernel writes the normalised output in q's dtype, and nothing merges.
+  one = jax.export.export(
+    jax.jit(
+      functools.partial(
+        sparse_decode.sparse_decode_attention,
+        page_size=Z,
+        config=config,
+        num_splits=1,
+        interpret=False,
+      )
+    ),
+    platforms=["cuda"],
+    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*args)
+  module = one.mlir_module()
+  assert "grid_x = 4 : i32, grid_y = 8 : i32, grid_z = 1 : i32" in module
+  assert "stablehlo.optimization_barrier" not in module
+  out_type = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+  assert re.search(rf"@__gpu\$xla\.gpu\.triton\(.*-> tensor<4x8x\d+x128x{out_type}>", module)
