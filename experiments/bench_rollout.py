@@ -386,7 +386,7 @@ def bench_tunix(config):
           prompt_len_B,
           jax.random.PRNGKey(0),
           max_new_tokens=n,
-          temperature=0.0,
+          sampling=sj.Sampling(temperature=0.0),
         ).tokens
       )
 
@@ -517,12 +517,9 @@ def bench_engine(config):
       run = lambda max_new: engine.run(
         params,
         cfg,
-        prompt_BT,
-        prompt_len_B,
+        engine.Requests(prompt_BT, prompt_len_B, max_new, c.group_size),
         jax.random.PRNGKey(1),
-        max_new_tokens=max_new,
         engine=setting,
-        group_size=c.group_size,
         **kw,
       )
       # warm-up: the same compiled shapes (the cutoff sets the page tables' width), little decoding

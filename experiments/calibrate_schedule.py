@@ -6,10 +6,11 @@ calibration.png to config.out_dir.
 
 configs/calibrate.py documents every field and a smoke run. Prompts are synthetic pointer chasing
 (sparrow_jax.data.synthetic, config.task.min_hops..max_hops) or token ids from a .jsonl file
-(config.prompts). config.stats.alpha = "topk20" scores the reference code's top-20 lower bound on
-alpha (what the paper's tau was measured with); config.on_policy samples each candidate's rollouts
-under its own schedule instead of one set under the largest. A config.model.preset model is randomly
-initialised (std config.model.init_std): a smoke run of the pipeline, not a meaningful schedule.
+(config.prompts). config.calibration.alpha = "topk20" scores the reference code's top-20 lower bound
+on alpha (what the paper's tau was measured with); config.calibration.on_policy samples each
+candidate's rollouts under its own schedule instead of one set under the largest. A
+config.model.preset model is randomly initialised (std config.model.init_std): a smoke run of the
+pipeline, not a meaningful schedule.
 """
 
 import json
@@ -102,14 +103,15 @@ def calibrate(c):
   t0 = time.time()
   cfg, params, eos_ids, pad_id = load_model(c.model, c.seed)
   prompts, eos_ids, pad_id = load_prompts(c, parse_ints(c.eos_ids, "eos_ids") or eos_ids, pad_id)
-  r, s = c.rollout, c.stats
+  r = c.rollout
   sparse = schema.from_group(sj.SparseConfig, c, "rollout")
+  cc = schema.from_group(cal.CalibrationConfig, c, "calibration", "stats")
   print(
     f"[calibrate] model {c.model.hf_dir or c.model.preset + ' (random init)'}, {len(prompts)} "
-    f"prompts x {c.repeats}, max_new_tokens {r.max_new_tokens}, "
-    f"p{s.quantile:g} >= tau {s.tau} "
-    f"({s.alpha} alpha, {'on' if c.on_policy else 'off'}-policy), bins of "
-    f"{s.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores",
+    f"prompts x {cc.repeats}, max_new_tokens {r.max_new_tokens}, "
+    f"p{cc.quantile:g} >= tau {cc.tau} "
+    f"({cc.alpha} alpha, {'on' if cc.on_policy else 'off'}-policy), bins of "
+    f"{cc.bin_size} tokens, page size {r.page_size}, {r.page_score} page scores",
     flush=True,
   )
   result = cal.calibrate(
@@ -118,21 +120,9 @@ def calibrate(c):
     prompts,
     jax.random.PRNGKey(c.seed + 1),
     max_new_tokens=r.max_new_tokens,
-    tau=s.tau,
-    candidates=parse_ints(c.candidates, "candidates") or None,
-    repeats=c.repeats,
-    bin_size=s.bin_size,
+    calibration=cc,
     sparse=sparse,
-    sample_sparse=r.sparse,
-    sample_topk=r.sample_topk or None,
-    temperature=r.temperature,
-    eos_ids=eos_ids,
-    pad_id=pad_id,
-    batch_size=c.batch_size,
-    candidates_per_pass=c.candidates_per_pass,
-    alpha=s.alpha,
-    on_policy=c.on_policy,
-    quantile=s.quantile,
+    sampling=sj.Sampling(temperature=r.temperature, eos_ids=eos_ids, pad_id=pad_id),
   )
 
   os.makedirs(c.out_dir, exist_ok=True)

@@ -52,11 +52,11 @@ def sample(params, cfg, task, problems, key, sparse, schedule, c):
       lens_B,
       jax.random.fold_in(key, i),
       max_new_tokens=task.max_response_len + 8,
-      temperature=c.rollout.temperature,
-      eos_ids=(task.eos_id,),
+      sampling=sj.Sampling(
+        temperature=c.rollout.temperature, eos_ids=(task.eos_id,), pad_id=task.pad_id
+      ),
       sparse=sparse,
       schedule=schedule,
-      pad_id=task.pad_id,
     )
     out.append((prompt_BT, lens_B, rollout))
   return out

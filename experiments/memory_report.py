@@ -62,6 +62,7 @@ from sparrow_jax.rollout import engine, sampler
 GB = 1e9
 SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's
 SDS = jax.ShapeDtypeStruct
+SAMPLING = sampler.Sampling(eos_ids=(0,), num_top_logprobs=ts.TOP_K)  # the trainer's top-20 kept
 
 
 def _model(name, dtype, layers=None):
@@ -84,11 +85,13 @@ def _analysis(compiled):
 
 
 def _budget(schedule, model, length):
+  """The abstract BudgetTable of a schedule at `length` (its cap from the real table) and the
+  table."""
   spec = schedule.format(model=model)
   table = sampler.budget_table(
     KVSchedule.parse(spec, SPARSE.page_size, "config.schedule"), length, SPARSE
   )
-  return BudgetTable(SDS((length + 1,), jnp.int32)), table
+  return BudgetTable(SDS((length + 1,), jnp.int32), sampler.max_selected_pages(table)), table
 
 
 def make_mesh(spec: str, target: str = "cpu"):
@@ -168,10 +171,7 @@ def sampler_memory(model, length, c, dtype, mesh):
       rows((groups, G)),
       SDS((2,), jnp.uint32),
       cfg=cfg,
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,
-      num_top=ts.TOP_K,
+      sampling=SAMPLING,
     ).compile()
     S, PR = R * config.num_slots, -(-length // Z)
     slots = dict(
@@ -193,13 +193,7 @@ def sampler_memory(model, length, c, dtype, mesh):
       cfg=cfg,
       steps=c.engine_chunk,
       sparse=SPARSE,
-      max_selected=sampler.max_selected_pages(table),
-      eos_ids=(0,),
-      pad_id=0,
-      temperature=1.0,
-      top_p=1.0,
-      top_k=0,
-      num_top=ts.TOP_K,
+      sampling=SAMPLING,
     ).compile()
   out = _analysis(decode)
   insert = _analysis(insert)
@@ -256,13 +250,7 @@ def engine_memory(model, length, c, dtype):
     cfg=cfg,
     steps=c.engine_chunk,
     sparse=SPARSE,
-    max_selected=sampler.max_selected_pages(table),
-    eos_ids=(0,),
-    pad_id=0,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    num_top=ts.TOP_K,
+    sampling=SAMPLING,
   ).compile()
   out = _analysis(compiled)
   gen = length - c.prompt_len
@@ -323,9 +311,8 @@ def calibrate_run(c):
     np.array([T]),
     (61,),
     SPARSE,
-    bin_size=2048,
     num_bins=S // 2048,
-    batch_size=1,
+    calibration=calibrate.CalibrationConfig(batch_size=1),
   )[5]
   return {
     "model": c.run_model,

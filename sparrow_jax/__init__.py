@@ -8,12 +8,13 @@ from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.sparsity.policy import forward
 from sparrow_jax.model.qwen3 import init_params, token_logprobs
 from sparrow_jax.rollout.engine import generate
-from sparrow_jax.rollout.sampler import Rollout
+from sparrow_jax.rollout.sampler import Rollout, Sampling
 
 __all__ = [
   "KVSchedule",
   "Qwen3Config",
   "Rollout",
+  "Sampling",
   "SparseConfig",
   "acceptance_rate",
   "forward",

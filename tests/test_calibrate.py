@@ -2,6 +2,7 @@
 computation, one compilation across candidates, the top-20 bound against exact alpha, on-policy
 calibration, and the CLI end to end."""
 
+import dataclasses
 import json
 
 import jax
@@ -28,6 +29,7 @@ PROMPT = np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)) * (
   np.arange(21)[None] < PROMPT_LEN[:, None]
 )
 BIN = 16
+QUIET = cal.CalibrationConfig(bin_size=BIN, verbose=False)  # the tests' bins, no progress lines
 
 
 def brute_force_choice(p5_CB, cands, tau):
@@ -132,12 +134,8 @@ def test_tail_surface_matches_per_candidate_computation(rows):
     PROMPT_LEN,
     cands,
     SPARSE,
-    BIN,
-    num_bins,
-    batch_size=2,
-    candidates_per_pass=3,
-    verbose=False,
-    percentiles=(1, 5),
+    num_bins=num_bins,
+    calibration=dataclasses.replace(QUIET, batch_size=2, candidates_per_pass=3),
   )
   p5 = tails[5]
   assert (tails[1] <= p5 + 1e-6)[~np.isnan(p5)].all()
@@ -157,7 +155,14 @@ def test_sparse_pass_compiles_once_across_candidates(rows):
   before = cal._sparse_alpha._cache_size()
   # batch 3 x 1 candidate per pass: a shape no other test compiles
   cal.tail_surface(
-    PARAMS, CFG, *rows, PROMPT_LEN, (0, 1, 2, 5, 12), SPARSE, BIN, 4, batch_size=3, verbose=False
+    PARAMS,
+    CFG,
+    *rows,
+    PROMPT_LEN,
+    (0, 1, 2, 5, 12),
+    SPARSE,
+    num_bins=4,
+    calibration=dataclasses.replace(QUIET, batch_size=3),
   )
   assert cal._sparse_alpha._cache_size() == before + 1
 
@@ -201,11 +206,8 @@ def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
       PROMPT_LEN,
       cands,
       SPARSE,
-      BIN,
-      4,
-      candidates_per_pass=4,
-      alpha=a,
-      verbose=False,
+      num_bins=4,
+      calibration=dataclasses.replace(QUIET, candidates_per_pass=4, alpha=a),
     )[5]
     for a in ("exact", "topk20")
   )
@@ -221,12 +223,10 @@ def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
     assert all(t >= e for e, t in zip(*pick)), (tau, pick)
 
 
-def test_unknown_alpha_is_rejected_by_name(rows):
-  message = r"alpha must be one of \['exact', 'topk20'\], got 'top20'"
+def test_unknown_alpha_is_rejected_by_name():
+  message = r"CalibrationConfig.alpha must be one of \['exact', 'topk20'\], got 'top20'"
   with pytest.raises(ValueError, match=message):
-    cal.tail_surface(PARAMS, CFG, *rows, PROMPT_LEN, (1,), SPARSE, BIN, 4, alpha="top20")
-  with pytest.raises(ValueError, match=message):
-    cal.calibrate(PARAMS, CFG, [[1, 2]], jax.random.PRNGKey(0), max_new_tokens=4, alpha="top20")
+    cal.CalibrationConfig(alpha="top20")
 
 
 def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
@@ -238,13 +238,11 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
     prompts,
     key,
     max_new_tokens=30,
-    tau=0.9,
-    candidates=cands,
-    repeats=2,
-    bin_size=BIN,
+    calibration=cal.CalibrationConfig(
+      tau=0.9, candidates=cands, repeats=2, bin_size=BIN, on_policy=True
+    ),
     sparse=SPARSE,
-    eos_ids=(5, 6, 7),
-    on_policy=True,
+    sampling=sj.Sampling(eos_ids=(5, 6, 7)),
   )
   assert "ETA" in capsys.readouterr().out
   p5 = result.tail[5]
@@ -262,22 +260,30 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
     prompt_len_B,
     jax.random.fold_in(key, 0),
     max_new_tokens=30,
-    eos_ids=(5, 6, 7),
+    sampling=sj.Sampling(eos_ids=(5, 6, 7)),
     sparse=SPARSE,
     schedule=cal.candidate_schedule(3, SPARSE, BIN),
   )
   tokens_BS, gen_mask_BS = sampler.full_sequences(prompt_BT, prompt_len_B, out)
   np.testing.assert_array_equal(cal.bin_counts(gen_mask_BS, 4, BIN, num_bins), result.count[1])
   own = cal.tail_surface(
-    PARAMS, CFG, tokens_BS, gen_mask_BS, prompt_len_B, (3,), SPARSE, BIN, num_bins, verbose=False
+    PARAMS,
+    CFG,
+    tokens_BS,
+    gen_mask_BS,
+    prompt_len_B,
+    (3,),
+    SPARSE,
+    num_bins=num_bins,
+    calibration=QUIET,
   )
   np.testing.assert_allclose(p5[1], own[5][0], atol=1e-6)
   surface = cal.surface_dict(result)
   assert surface["on_policy"] and surface["alpha"] == "exact"
   assert surface["count_bin"] == result.count.max(0).tolist()
   assert surface["count_bin_by_candidate"]["3"] == result.count[1].tolist()
-  with pytest.raises(ValueError, match="sample_topk=5"):
-    cal.calibrate(PARAMS, CFG, prompts, key, max_new_tokens=4, on_policy=True, sample_topk=5)
+  with pytest.raises(ValueError, match="CalibrationConfig.on_policy .* sample_topk=5"):
+    cal.CalibrationConfig(on_policy=True, sample_topk=5)
 
 
 def test_default_candidates():
@@ -300,14 +306,14 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
       "model.preset": "tiny-untied",
       "prompts": prompts,
       "num_prompts": 2,
-      "repeats": 2,
+      "calibration.repeats": 2,
       "rollout.max_new_tokens": 24,
       "rollout.page_size": 4,
       "stats.bin_size": 16,
       "rollout.dense_layers": 1,
-      "candidates": "1,2,8",
+      "calibration.candidates": "(1,2,8)",
       "stats.tau": 0.9,
-      "stats.alpha": "topk20",
+      "calibration.alpha": "topk20",
       "out_dir": out,
     },
   )

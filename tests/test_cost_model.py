@@ -1,14 +1,18 @@
 """eFLOPs cost model: hand-computed cases, the paper's closed form, monotonicity, speedups."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 
 # I = 10 / 5 = 2 FLOPs per byte, 2-byte elements: small enough to check by hand.
 TOY_HW = cost_model.Hardware("toy", peak_flops=10.0, mem_bandwidth=5.0, dtype_bytes=2)
+TOY_SPARSE = SparseConfig(page_size=2, dense_layers=1)  # the toy cases: pages of 2, 1 dense layer
 
 
 def test_param_count_by_hand_and_against_model_cards():
@@ -61,7 +65,7 @@ def test_sparse_cost_by_hand():
   )
   expected = compute + 2 * (2 * elems)
   got = cost_model.sparse_rollout_cost(
-    "tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW, dense_layers=1
+    "tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW, sparse=TOY_SPARSE
   )
   assert got == expected
 
@@ -97,7 +101,13 @@ def test_budget_covering_context_costs_at_least_dense(n_samples, dense_layers):
   for hardware in ("h200", "tpu_v5e", TOY_HW):
     dense = cost_model.dense_rollout_cost("qwen3-4b", 700, 3000, n_samples, hardware)
     sparse = cost_model.sparse_rollout_cost(
-      "qwen3-4b", everything, 700, 3000, n_samples, hardware, dense_layers=dense_layers
+      "qwen3-4b",
+      everything,
+      700,
+      3000,
+      n_samples,
+      hardware,
+      SparseConfig(dense_layers=dense_layers),
     )
     assert sparse >= dense
 
@@ -105,7 +115,7 @@ def test_budget_covering_context_costs_at_least_dense(n_samples, dense_layers):
 def test_all_dense_layers_is_no_speedup():
   cfg = Qwen3Config.preset("qwen3-1.7b")
   speedup = cost_model.rollout_speedup(
-    cfg, KVSchedule.fixed(4), 100, 500, dense_layers=cfg.num_hidden_layers
+    cfg, KVSchedule.fixed(4), 100, 500, sparse=SparseConfig(dense_layers=cfg.num_hidden_layers)
   )
   assert speedup == pytest.approx(1.0, rel=1e-12)
 
@@ -136,8 +146,10 @@ def test_hardware_table_and_errors():
   assert cost_model.get_hardware(TOY_HW) is TOY_HW
   with pytest.raises(ValueError, match="h200"):
     cost_model.get_hardware("h300")
-  with pytest.raises(ValueError, match="dense_layers"):
-    cost_model.sparse_rollout_cost("tiny", KVSchedule.fixed(4), 10, 10, dense_layers=3)
+  with pytest.raises(ValueError, match="SparseConfig.dense_layers must be in \\[0, 2\\], got 3"):
+    cost_model.sparse_rollout_cost(
+      "tiny", KVSchedule.fixed(4), 10, 10, sparse=SparseConfig(dense_layers=3)
+    )
   with pytest.raises(ValueError, match="gen_len"):
     cost_model.dense_rollout_cost("tiny", 10, 0)
   with pytest.raises(ValueError, match="preset"):
@@ -196,7 +208,13 @@ def test_quest_scores_two_summaries_a_page():
   schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
   n = 2
   cost = lambda score: cost_model.sparse_rollout_cost(
-    "tiny", schedule, 3, 2, n_samples=2, hardware=TOY_HW, dense_layers=1, page_score=score
+    "tiny",
+    schedule,
+    3,
+    2,
+    n_samples=2,
+    hardware=TOY_HW,
+    sparse=dataclasses.replace(TOY_SPARSE, page_score=score),
   )
   scoring = n * 64 * 2 + n * 64 * 3 + 2 * 2 * (32 * (1 + n * 1) + 32 * (1 + n * 2))
   assert cost("quest") - cost("mean") == scoring
@@ -207,7 +225,7 @@ def test_quest_scores_two_summaries_a_page():
     32768,
     batch_per_device=60,
     mean_len_frac=0.5,
-    page_score=score,
+    sparse=SparseConfig(page_score=score),
   )
   assert roofline("quest") < roofline("mean")
   with pytest.raises(ValueError, match="page_score must be one of"):
@@ -235,7 +253,7 @@ def test_roofline_sparse_row_by_hand():
     mean_len_frac=1.0,
     n_samples=1,
     hardware=TOY_HW,
-    dense_layers=1,
+    sparse=TOY_SPARSE,
   )
   assert got == pytest.approx(steps + prefill, rel=1e-12)
 
@@ -282,7 +300,12 @@ def test_roofline_without_sparsity_is_no_speedup():
   cfg = Qwen3Config.preset("qwen3-1.7b")
   kw = dict(batch_per_device=60, mean_len_frac=0.5)
   all_dense = cost_model.roofline_speedup(
-    cfg, KVSchedule.fixed(4), 100, 500, dense_layers=cfg.num_hidden_layers, **kw
+    cfg,
+    KVSchedule.fixed(4),
+    100,
+    500,
+    sparse=SparseConfig(dense_layers=cfg.num_hidden_layers),
+    **kw,
   )
   assert all_dense == pytest.approx(1.0, rel=1e-12)
   everything = KVSchedule.fixed(10**6)

@@ -71,7 +71,7 @@ def rollout_batch(state, rng, key):
     prompt_len,
     key,
     max_new_tokens=cm.COMPLETION_LEN,
-    eos_ids=(cm.EOS,),
+    sampling=sj.Sampling(eos_ids=(cm.EOS,)),
     sparse=SPARSE,
     schedule=SCHEDULE,
     lora=state.lora,

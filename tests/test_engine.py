@@ -30,15 +30,30 @@ MAX_NEW = np.asarray([40, 7, 33, 40, 1, 25])  # per row; row 4 ends at its first
 EOS = (3, 5)
 
 
-def run(slots=6, chunk=64, pages=200, order=None, sparse=True, static=False, drain=0, **kw):
+def run(
+  slots=6,
+  chunk=64,
+  pages=200,
+  order=None,
+  sparse=True,
+  static=False,
+  drain=0,
+  max_new_tokens=MAX_NEW,
+  schedule=SCHEDULE,
+  **sampling,
+):
   config = engine.EngineConfig(
     num_slots=slots, num_pages=pages, chunk_steps=chunk, static=static, drain_slots=drain
   )
-  kw = dict(dict(max_new_tokens=MAX_NEW, eos_ids=EOS, group_size=2), **kw)
-  if sparse:
-    kw.update(sparse=SPARSE, schedule=SCHEDULE)
   return engine.run(
-    PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), engine=config, order=order, **kw
+    PARAMS,
+    CFG,
+    engine.Requests(PROMPT, PROMPT_LEN, max_new_tokens, group_size=2),
+    jax.random.PRNGKey(1),
+    engine=config,
+    sampling=sj.Sampling(**{"eos_ids": EOS, **sampling}),
+    order=order,
+    **(dict(sparse=SPARSE, schedule=schedule) if sparse else {}),
   )
 
 
@@ -154,9 +169,11 @@ def test_bad_requests_rejected():
     run(pages=8)
   with pytest.raises(ValueError, match="EngineConfig.num_slots"):
     engine.EngineConfig(num_slots=0)
-  with pytest.raises(ValueError, match="not runs of 3 identical"):
-    engine.run(
-      PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(0), max_new_tokens=3, group_size=3
-    )
+  with pytest.raises(ValueError, match="Requests.group_size = 3: the rows are not runs of 3"):
+    engine.Requests(PROMPT, PROMPT_LEN, 3, group_size=3)
+  with pytest.raises(ValueError, match=r"Requests.max_new_B \(max_new_tokens.*\) must be positive"):
+    engine.Requests(PROMPT, PROMPT_LEN, 0)
+  with pytest.raises(ValueError, match="Sampling.top_p must be in"):
+    sj.Sampling(top_p=0.0)
   with pytest.raises(ValueError, match="permutation"):
     run(order=[0, 1, 2])

@@ -39,11 +39,12 @@ SETUP = textwrap.dedent("""
       with jax.set_mesh(mesh):
         placed = sharding.place(params, sharding.param_shardings(params, mesh,
                                                                  sharding.ROLLOUT_RULES))
-        out, stats = engine.run(placed, CFG, prompt[rows], lens[rows], jax.random.PRNGKey(3),
-                                max_new_tokens=max_new[rows], group_size=2, eos_ids=(5,),
+        requests = engine.Requests(prompt[rows], lens[rows], max_new[rows], group_size=2,
+                                   first_row=rows.start or 0)
+        out, stats = engine.run(placed, CFG, requests, jax.random.PRNGKey(3),
+                                sampling=sj.Sampling(eos_ids=(5,)),
                                 engine=engine.EngineConfig(num_slots=2, num_pages=40,
-                                                           chunk_steps=6),
-                                first_row=rows.start or 0, **kw)
+                                                           chunk_steps=6), **kw)
       return np.asarray(out.tokens), np.asarray(out.logprobs), stats
 """)
 

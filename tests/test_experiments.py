@@ -44,12 +44,12 @@ def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
     {
       **SHORT,
       "num_prompts": 2,
-      "repeats": 2,
+      "calibration.repeats": 2,
       "rollout.max_new_tokens": 16,
       "rollout.page_size": 4,
       "stats.bin_size": 16,
-      "candidates": "1,4",
-      "on_policy": True,
+      "calibration.candidates": "(1,4)",
+      "calibration.on_policy": True,
       "out_dir": tmp_path,
     },
   )

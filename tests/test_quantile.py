@@ -73,8 +73,12 @@ def test_closed_loop_pools_against_the_quantile():
     min_tokens=10,
   )
   start = schedule_lib.LoopState.start((20,))
-  held = schedule_lib.adapt_topk(start, [1000], [30], [0.99], **rule, quantile=5)
-  raised = schedule_lib.adapt_topk(start, [1000], [30], [0.99], **rule, quantile=1)
+  held = schedule_lib.adapt_topk(
+    start, [1000], [30], [0.99], schedule_lib.LoopRule(**rule, quantile=5)
+  )
+  raised = schedule_lib.adapt_topk(
+    start, [1000], [30], [0.99], schedule_lib.LoopRule(**rule, quantile=1)
+  )
   assert held.topk == (20,) and held.steps == (1,)
   assert raised.topk == (21,) and raised.floor == (21,)
 

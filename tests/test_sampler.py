@@ -38,7 +38,7 @@ def test_dense_sampler_logprobs_match_forward():
 
 
 def test_full_budget_sparse_equals_dense():
-  kw = dict(max_new_tokens=40, temperature=0.0)
+  kw = dict(max_new_tokens=40, sampling=sj.Sampling(temperature=0.0))
   dense = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(2), **kw)
   sparse = sj.generate(
     PARAMS,
@@ -88,7 +88,7 @@ def test_sparse_sampler_matches_sparse_teacher_forcing(page_score, other):
 
 
 def test_eos_stops_rows_and_same_key_same_output():
-  kw = dict(max_new_tokens=25, eos_ids=(3, 5, 7, 11), pad_id=0)
+  kw = dict(max_new_tokens=25, sampling=sj.Sampling(eos_ids=(3, 5, 7, 11), pad_id=0))
   a = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(4), **kw)
   b = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(4), **kw)
   np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -100,18 +100,31 @@ def test_eos_stops_rows_and_same_key_same_output():
 
 def test_top_k_one_is_greedy_and_top_p_restricts():
   kw = dict(max_new_tokens=12)
-  greedy = sj.generate(
-    PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(5), temperature=0.0, **kw
+  generate = lambda seed, **sampling: sj.generate(
+    PARAMS,
+    CFG,
+    PROMPT,
+    PROMPT_LEN,
+    jax.random.PRNGKey(seed),
+    sampling=sj.Sampling(**sampling),
+    **kw,
   )
-  top1 = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(5), top_k=1, **kw)
+  greedy = generate(5, temperature=0.0)
+  top1 = generate(5, top_k=1)
   np.testing.assert_array_equal(greedy.tokens, top1.tokens)
-  tiny_p = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(6), top_p=1e-6, **kw)
+  tiny_p = generate(6, top_p=1e-6)
   np.testing.assert_array_equal(greedy.tokens, tiny_p.tokens)
 
 
 def test_top_logprobs_returned():
   out = sj.generate(
-    PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(7), max_new_tokens=6, num_top_logprobs=20
+    PARAMS,
+    CFG,
+    PROMPT,
+    PROMPT_LEN,
+    jax.random.PRNGKey(7),
+    max_new_tokens=6,
+    sampling=sj.Sampling(num_top_logprobs=20),
   )
   assert out.top_logprobs.shape == (3, 6, 20)
   assert bool(jnp.all(out.top_logprobs[..., :1] >= out.logprobs[..., None] - 1e-6))
@@ -183,9 +196,7 @@ def test_logprobs_are_of_the_truncated_distribution(trunc):
     PROMPT_LEN,
     jax.random.PRNGKey(9),
     max_new_tokens=20,
-    temperature=0.7,
-    num_top_logprobs=3,
-    **trunc,
+    sampling=sj.Sampling(temperature=0.7, num_top_logprobs=3, **trunc),
   )
   seq_BS, _ = sampler.full_sequences(PROMPT, PROMPT_LEN, out)
   logp_BSV = np.asarray(

@@ -256,7 +256,7 @@ RULE = dict(
 def loop_step(state, share, count=1000, p10=0.99):
   """adapt_topk on one bin, `share` of its `count` tokens under tau, judged on 3 steps."""
   return schedule_lib.adapt_topk(
-    state, [count], [round(share * count)], [p10], **{**RULE, "window": 3}
+    state, [count], [round(share * count)], [p10], schedule_lib.LoopRule(**{**RULE, "window": 3})
   )
 
 
@@ -290,12 +290,18 @@ def test_adaptive_rule_pools_a_window_before_judging():
 def test_adaptive_rule_fails_a_cliff_at_once_within_floor_and_cap():
   state = schedule_lib.LoopState.start((0, 4, 30, 36, 40))
   # every bin's step p10 under tau: raised at once (x1.5, >= +1 page, <= the cap 40)
-  state = schedule_lib.adapt_topk(state, [500] * 5, [300] * 5, [0.1] * 5, **RULE)
+  state = schedule_lib.adapt_topk(
+    state, [500] * 5, [300] * 5, [0.1] * 5, schedule_lib.LoopRule(**RULE)
+  )
   assert state.topk == (1, 6, 40, 40, 40) and state.floor == (1, 5, 31, 37, 40)
   # a NaN p10 (an empty bin) holds; a later bin is lifted to an earlier one (tables grow with
   # position), and the lift starts its pool anew
   lifted = schedule_lib.adapt_topk(
-    schedule_lib.LoopState.start((10, 10)), [500, 500], [0, 0], [0.1, np.nan], **RULE
+    schedule_lib.LoopState.start((10, 10)),
+    [500, 500],
+    [0, 0],
+    [0.1, np.nan],
+    schedule_lib.LoopRule(**RULE),
   )
   assert lifted.topk == (15, 15) and lifted.steps == (0, 0) and lifted.before == (10, 10)
 
@@ -314,7 +320,7 @@ def noisy_cliff_run(start, cliff, window, steps=80):
       [1000],
       [round(1000 * rs.beta(4, 4 / mean_share - 4))],
       [p10],
-      **{**RULE, "window": window},
+      schedule_lib.LoopRule(**{**RULE, "window": window}),
     )
     history.append(state.topk[0])
   return history, state

@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
                                          for x in prompts(seed))
           rollout = sj.generate(state.params, CFG, prompt, prompt_len, jax.random.PRNGKey(seed),
                                 max_new_tokens=N, sparse=sparse, schedule=budget, lora=state.lora,
-                                num_top_logprobs=20, prefill_group=4)
+                                sampling=sj.Sampling(num_top_logprobs=20), prefill_group=4)
           assert rollout.tokens.sharding.is_equivalent_to(rows, 2), rollout.tokens.sharding
           out["tokens"].append(sharding.to_host(rollout.tokens))
           if impl == "xla":

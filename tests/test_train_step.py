@@ -46,7 +46,7 @@ def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
     sparse=SPARSE,
     schedule=SCHEDULE,
     lora=lora,
-    num_top_logprobs=20 if top else 0,
+    sampling=sj.Sampling(num_top_logprobs=20 if top else 0),
   )
   if rewards is None:
     rewards = rng.randint(0, 2, n_prompts * SC.rollout.group_size).astype(np.float32)

@@ -397,7 +397,7 @@ def test_predicted_speedup_prices_the_runs_own_engine():
     pool_tokens=31706 * 16,
     mean_len_frac=0.5,
     hardware="h200",
-    dense_layers=2,
+    sparse=sj.SparseConfig(dense_layers=2),
   )[0]
   np.testing.assert_allclose(speedup(ours), rate(schedule) / rate(None), rtol=1e-6)
   assert speedup(ours) > 2.5

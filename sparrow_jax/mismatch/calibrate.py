@@ -34,9 +34,10 @@ teacher-forced pass per candidate, all candidates through a single compiled func
 a traced lookup table, not a static schedule), `candidates_per_pass` of them vmapped together.
 """
 
+import dataclasses
 import functools
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,50 @@ PAPER_CANDIDATES = (
 )
 # Per-token acceptance the tail is taken of: name -> fn(logits_p, logits_q, temperature=T).
 ALPHAS = {"exact": acceptance_rate, "topk20": functools.partial(topk_bound_from_logits, k=20)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationConfig:
+  """What a calibration holds and how it samples and scores (its model, sparsity and sampling
+  come beside it)."""
+
+  tau: float = 0.86  # the acceptance the schedule holds ...
+  quantile: float = 5  # ... at this tail percentile per bin (5: the paper's p5)
+  bin_size: int = 2048  # tokens of cached length per schedule bin
+  alpha: str = "exact"  # a key of ALPHAS (see the module docstring)
+  candidates: tuple = ()  # top-k pages scored, strictly increasing; (): default_candidates
+  repeats: int = 8  # samples per prompt (the paper: 8)
+  sample_sparse: bool = True  # rollouts sampled sparsely (the paper) or densely
+  sample_topk: int = 0  # the sparse sampler's top-k (0: the largest candidate)
+  on_policy: bool = False  # each candidate samples its own rollouts under its own schedule
+  batch_size: int = 8  # rows per teacher-forced pass
+  generate_batch_size: int = 64  # rows per rollout batch
+  candidates_per_pass: int = 1  # candidates vmapped together (memory grows with it)
+  verbose: bool = True  # a progress line per pass
+
+  def __post_init__(self):
+    object.__setattr__(self, "candidates", tuple(int(c) for c in self.candidates))
+    if self.candidates:
+      _check_candidates(self.candidates, "CalibrationConfig.candidates")
+    if not is_quantile(self.quantile):
+      raise ValueError(
+        f"CalibrationConfig.quantile = {self.quantile!r}: must be a percentile in (0, 50), "
+        "e.g. 5 (p5)"
+      )
+    if self.alpha not in ALPHAS:
+      raise ValueError(f"CalibrationConfig.alpha must be one of {list(ALPHAS)}, got {self.alpha!r}")
+    for name in ("repeats", "batch_size", "generate_batch_size", "candidates_per_pass"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"CalibrationConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.sample_topk < 0:
+      raise ValueError(f"CalibrationConfig.sample_topk must be >= 0, got {self.sample_topk}")
+    if self.on_policy and (not self.sample_sparse or self.sample_topk):
+      raise ValueError(
+        f"CalibrationConfig.on_policy samples each candidate under its own schedule: "
+        f"sample_sparse={self.sample_sparse} / sample_topk={self.sample_topk} do not apply "
+        "(leave them at True / 0)"
+      )
+    position_bin(0, 1, self.bin_size)  # a positive bin size
 
 
 class Calibration(NamedTuple):
@@ -167,19 +212,13 @@ def _tails_per_bin(alpha, mask, pos, bin_size, num_bins, page_size, percentiles)
   return jnp.stack([stats[percentile_name(p) + "_bin"] for p in percentiles])
 
 
-def _check_candidates(candidates):
+def _check_candidates(candidates, name: str = "candidates"):
   cands = tuple(int(c) for c in candidates)
   if not cands or any(c < 0 for c in cands) or any(b <= a for a, b in zip(cands, cands[1:])):
     raise ValueError(
-      f"candidates must be non-negative top-k page counts, strictly increasing; "
-      f"got {list(candidates)}"
+      f"{name} must be non-negative top-k page counts, strictly increasing; got {list(candidates)}"
     )
   return cands
-
-
-def _check_alpha(alpha):
-  if alpha not in ALPHAS:
-    raise ValueError(f"alpha must be one of {list(ALPHAS)}, got {alpha!r}")
 
 
 def _check_sparse_layers(cfg, sparse):
@@ -198,29 +237,24 @@ def tail_surface(
   prompt_len_B,
   candidates: Sequence[int],
   sparse: SparseConfig,
-  bin_size: int,
+  *,
   num_bins: int,
-  batch_size: int = 8,
-  candidates_per_pass: int = 1,
+  calibration: CalibrationConfig = CalibrationConfig(),
   temperature: float = 1.0,
-  alpha: str = "exact",
-  verbose: bool = True,
-  percentiles: Sequence[float] = (5,),
 ) -> dict:
   """Percentiles of the per-token acceptance per schedule bin for each candidate -> {percentile:
-  float [C, num_bins]}.
+  float [C, num_bins]}, the percentiles `acceptance.tail_percentiles(calibration.quantile)`.
 
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
   gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
-  candidates: top-k pages (paper form), strictly increasing. Each batch of `batch_size` rows gets
-  one dense pass; its final hidden states [batch_size, S, D] stay in memory while every
+  candidates: top-k pages (paper form), strictly increasing. Each batch of `calibration.batch_size`
+  rows gets one dense pass; its final hidden states [batch_size, S, D] stay in memory while every
   candidate's sparse pass is compared with them in sequence chunks, `candidates_per_pass`
-  candidates at a time (vmapped: memory grows with it). Memory is linear in S. `alpha`: "exact"
-  or "topk20" (see the module docstring). Empty bins are NaN.
-  Prints one progress line per pass when `verbose`.
+  candidates at a time (vmapped: memory grows with it). Memory is linear in S. Bins of
+  `calibration.bin_size` tokens; alpha as `calibration.alpha`. Empty bins are NaN.
   """
   cands = _check_candidates(candidates)
-  _check_alpha(alpha)
+  cc = calibration
   tokens_BS = np.asarray(tokens_BS, np.int32)
   gen_mask_BS = np.asarray(gen_mask_BS, bool)
   prompt_len_B = np.asarray(prompt_len_B, np.int32)
@@ -230,28 +264,23 @@ def tail_surface(
       f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
       f"prompt_len_B {prompt_len_B.shape} must be ({R},)"
     )
-  if batch_size < 1 or candidates_per_pass < 1:
-    raise ValueError(
-      f"batch_size ({batch_size}) and candidates_per_pass ({candidates_per_pass}) must be >= 1"
-    )
   if not temperature > 0:
     raise ValueError(
       f"temperature must be > 0 (acceptance compares sampling distributions), got {temperature}"
     )
   _check_sparse_layers(cfg, sparse)
-  position_bin(0, sparse.page_size, bin_size)  # checks the bin size before the expensive part
   stat_mask_BS, cached_len_BS = token_bins(gen_mask_BS)
 
   # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
   # (scored nowhere), the last candidate group with copies of the largest candidate.
-  batch_size = min(batch_size, R)
+  batch_size = min(cc.batch_size, R)
   pad_rows = -R % batch_size
   row_idx = np.concatenate([np.arange(R), np.zeros(pad_rows, int)])
   valid_BS = (np.arange(S)[None] < prompt_len_B[:, None]) | gen_mask_BS
   tables = np.stack(
-    [sampler.budget_table(candidate_schedule(c, sparse, bin_size), S, sparse) for c in cands]
+    [sampler.budget_table(candidate_schedule(c, sparse, cc.bin_size), S, sparse) for c in cands]
   )
-  per_pass = min(candidates_per_pass, len(cands))
+  per_pass = min(cc.candidates_per_pass, len(cands))
   groups = -(-len(cands) // per_pass)
   tables = np.concatenate([tables, np.repeat(tables[-1:], groups * per_pass - len(cands), 0)])
 
@@ -272,12 +301,12 @@ def tail_surface(
         jnp.float32(temperature),
         cfg=cfg,
         sparse=sparse,
-        alpha=alpha,
+        alpha=cc.alpha,
       )
       c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
       alpha_CBS[c0:c1, real] = np.asarray(alpha_GBS)[: c1 - c0, : len(real)]
       done += 1
-      if verbose:
+      if cc.verbose:
         elapsed = time.time() - start_time
         eta = elapsed / done * (batches * groups - done)
         print(
@@ -285,7 +314,7 @@ def tail_surface(
           f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
           flush=True,
         )
-  percentiles = tuple(percentiles)
+  percentiles = tail_percentiles(cc.quantile)
   tails_CQB = np.stack(
     [
       np.asarray(
@@ -293,7 +322,7 @@ def tail_surface(
           jnp.asarray(alpha_BS[:, :-1]),
           stat_mask_BS,
           cached_len_BS,
-          bin_size,
+          cc.bin_size,
           num_bins,
           sparse.page_size,
           percentiles,
@@ -358,16 +387,13 @@ def _rollouts(
   sparse: SparseConfig,
   *,
   max_new_tokens: int,
-  temperature: float,
-  eos_ids,
-  pad_id: int,
-  generate_batch_size: int,
-  verbose: bool,
+  sampling: sampler.Sampling,
+  calibration: CalibrationConfig,
 ):
   """Right-padded prompt + completion rows and their completion mask (tokens_BS, gen_mask_BS),
   sampled densely when `schedule` is None, else sparsely under it. The batch starting at row i
   draws with fold_in(key, i), so every schedule sees the same prompts and keys."""
-  R, gen_bs = len(prompt_len_B), min(generate_batch_size, len(prompt_len_B))
+  R, gen_bs = len(prompt_len_B), min(calibration.generate_batch_size, len(prompt_len_B))
   idx = np.concatenate([np.arange(R), np.zeros(-R % gen_bs, int)])  # same shape every batch
   seqs, masks, t0 = [], [], time.time()
   for i in range(0, len(idx), gen_bs):
@@ -379,16 +405,16 @@ def _rollouts(
       prompt_len_B[rows],
       jax.random.fold_in(key, i),
       max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      eos_ids=eos_ids,
-      pad_id=pad_id,
+      sampling=sampling,
       sparse=None if schedule is None else sparse,
       schedule=schedule,
     )
-    seq_BS, gen_mask_BS = sampler.full_sequences(prompt_BT[rows], prompt_len_B[rows], out, pad_id)
+    seq_BS, gen_mask_BS = sampler.full_sequences(
+      prompt_BT[rows], prompt_len_B[rows], out, sampling.pad_id
+    )
     seqs.append(np.asarray(seq_BS))
     masks.append(np.asarray(gen_mask_BS))
-    if verbose:
+    if calibration.verbose:
       print(
         f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
         f"({'dense' if schedule is None else 'sparse top-k ' + str(schedule.values[0])}, "
@@ -405,66 +431,41 @@ def calibrate(
   key,
   *,
   max_new_tokens: int,
-  tau: float = 0.86,
-  candidates: Optional[Sequence[int]] = None,
-  repeats: int = 8,
-  bin_size: int = 2048,
+  calibration: CalibrationConfig = CalibrationConfig(),
   sparse: SparseConfig = SparseConfig(),
-  sample_sparse: bool = True,
-  sample_topk: Optional[int] = None,
-  temperature: float = 1.0,
-  eos_ids: Sequence[int] = (),
-  pad_id: int = 0,
-  batch_size: int = 8,
-  generate_batch_size: int = 64,
-  candidates_per_pass: int = 1,
-  alpha: str = "exact",
-  on_policy: bool = False,
-  verbose: bool = True,
-  quantile: float = 5,
+  sampling: sampler.Sampling = sampler.Sampling(),
 ) -> Calibration:
-  """End to end: rollouts -> tail surface -> the schedule holding the `quantile`-th percentile.
+  """End to end: rollouts -> tail surface -> the schedule holding `calibration.quantile` at tau.
 
-  Each prompt (a list of token ids) is repeated `repeats` times and sampled at `temperature`: with
+  Each prompt (a list of token ids) is repeated `repeats` times and sampled under `sampling`: with
   the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
-  densely when `sample_sparse` is False; then `tail_surface` scores those rollouts under every one
-  of `candidates` (default `default_candidates` for the longest row). With `on_policy`, each
-  candidate samples its own rollouts under its own schedule and `tail_surface` scores them for that
-  candidate alone (the sample_* options do not apply). Then `choose_schedule` at `tau` on the
-  `quantile`-th percentile (the surface keeps `acceptance.tail_percentiles(quantile)`). `alpha`:
-  "exact" or "topk20" (see the module docstring).
+  densely when `sample_sparse` is False; then `tail_surface` scores those rollouts under every
+  candidate (default `default_candidates` for the longest row). With `on_policy`, each candidate
+  samples its own rollouts under its own schedule and `tail_surface` scores them for that
+  candidate alone. Then `choose_schedule` at `tau` on the quantile (the surface keeps
+  `acceptance.tail_percentiles(quantile)`).
   """
-  if not is_quantile(quantile):
-    raise ValueError(f"quantile = {quantile!r}: must be a percentile in (0, 50), e.g. 5 (p5)")
+  cc = calibration
   _check_sparse_layers(cfg, sparse)
-  _check_alpha(alpha)
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1 (samples per prompt), got {repeats}")
-  if on_policy and (not sample_sparse or sample_topk is not None):
-    raise ValueError(
-      f"on_policy samples each candidate under its own schedule: sample_sparse="
-      f"{sample_sparse} / sample_topk={sample_topk} do not apply (leave them at "
-      "True / None)"
-    )
-  prompt_BT, prompt_len_B = pad_prompts(prompts, pad_id)
-  prompt_BT, prompt_len_B = np.repeat(prompt_BT, repeats, 0), np.repeat(prompt_len_B, repeats)
+  prompt_BT, prompt_len_B = pad_prompts(prompts, sampling.pad_id)
+  prompt_BT = np.repeat(prompt_BT, cc.repeats, 0)
+  prompt_len_B = np.repeat(prompt_len_B, cc.repeats)
   max_len = prompt_BT.shape[1] + max_new_tokens
-  cands = _check_candidates(
-    candidates
-    if candidates is not None
-    else default_candidates(max_len, sparse.page_size, sparse.always_kept)
+  cands = cc.candidates or _check_candidates(
+    default_candidates(max_len, sparse.page_size, sparse.always_kept)
   )
   # runs of (candidates scored, the schedule their rollouts are sampled under; None: dense)
-  if on_policy:
-    runs = [((c,), candidate_schedule(c, sparse, bin_size)) for c in cands]
-  elif sample_sparse:
-    top = cands[-1] if sample_topk is None else sample_topk
-    runs = [(cands, candidate_schedule(top, sparse, bin_size))]
+  if cc.on_policy:
+    runs = [((c,), candidate_schedule(c, sparse, cc.bin_size)) for c in cands]
+  elif cc.sample_sparse:
+    runs = [(cands, candidate_schedule(cc.sample_topk or cands[-1], sparse, cc.bin_size))]
   else:
     runs = [(cands, None)]
+  # on-policy, one progress line per candidate instead of one per pass
+  quiet = dataclasses.replace(cc, verbose=cc.verbose and not cc.on_policy)
 
-  max_bins = max_len // bin_size + 2
-  percentiles = tail_percentiles(quantile)
+  max_bins = max_len // cc.bin_size + 2
+  quantile, percentiles = cc.quantile, tail_percentiles(cc.quantile)
   tails, count, t0 = [], [], time.time()
   for r, (run_cands, schedule) in enumerate(runs):
     tokens_BS, gen_mask_BS = _rollouts(
@@ -476,13 +477,10 @@ def calibrate(
       schedule,
       sparse,
       max_new_tokens=max_new_tokens,
-      temperature=temperature,
-      eos_ids=eos_ids,
-      pad_id=pad_id,
-      generate_batch_size=generate_batch_size,
-      verbose=verbose and not on_policy,
+      sampling=sampling,
+      calibration=quiet,
     )
-    count_B = bin_counts(gen_mask_BS, sparse.page_size, bin_size, max_bins)
+    count_B = bin_counts(gen_mask_BS, sparse.page_size, cc.bin_size, max_bins)
     count.append(np.repeat(count_B[None], len(run_cands), 0))
     tails.append(
       tail_surface(
@@ -493,17 +491,12 @@ def calibrate(
         prompt_len_B,
         run_cands,
         sparse,
-        bin_size,
-        max_bins,
-        batch_size,
-        candidates_per_pass,
-        temperature,
-        alpha,
-        verbose and not on_policy,
-        percentiles,
+        num_bins=max_bins,
+        calibration=quiet,
+        temperature=sampling.temperature,
       )
     )
-    if verbose and on_policy:
+    if cc.verbose and cc.on_policy:
       elapsed = time.time() - t0
       print(
         f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
@@ -522,10 +515,10 @@ def calibrate(
   schedule = choose_schedule(
     tail[quantile],
     cands,
-    tau,
+    cc.tau,
     page_size=sparse.page_size,
     always_kept=sparse.always_kept,
-    bin_size=bin_size,
+    bin_size=cc.bin_size,
     quantile=quantile,
   )
   return Calibration(
@@ -533,11 +526,11 @@ def calibrate(
     tail,
     count[:, :num_bins],
     cands,
-    float(tau),
+    float(cc.tau),
     quantile,
-    bin_size,
-    alpha,
-    bool(on_policy),
+    cc.bin_size,
+    cc.alpha,
+    bool(cc.on_policy),
   )
 
 

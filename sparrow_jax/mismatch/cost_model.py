@@ -8,12 +8,13 @@ tokens, so a schedule whose budget changes along the generation is integrated ex
 and sample, with P parameters, r = GQA ratio and D = K and V elements per token summed over layers:
   dense:  compute 2 P + 2 r D S_t;  memory: KV of the prompt (shared by the group, read once) and
           of the sample's own t generated tokens, at `dtype_bytes` per element.
-  sparse: the first `dense_layers` layers stay dense (as in Sparrow); the others attend to
-          B_t = min(budget_pages(S_t) * page_size, S_t) tokens, read per sample (compute 2 r D B_t,
-          memory D B_t elements), plus page scoring: one key centroid per page (D/2 elements, the
-          prompt's complete pages shared by the group) read and dotted with the group-mean query
-          (D/2 multiply-adds per page, i.e. D FLOPs); `page_score` "quest" keeps two summaries a
-          page (key max and min), so twice both.
+  sparse: the first `dense_layers` layers stay dense (as in Sparrow; the layout is a
+          `SparseConfig`'s); the others attend to B_t = min(budget_pages(S_t) * page_size, S_t)
+          tokens, read per sample (compute 2 r D B_t, memory D B_t elements), plus page scoring:
+          one key centroid per page (D/2 elements, the prompt's complete pages shared by the
+          group) read and dotted with the group-mean query (D/2 multiply-adds per page, i.e. D
+          FLOPs); `page_score` "quest" keeps two summaries a page (key max and min), so twice
+          both.
 Summed, the dense terms reproduce the paper's C_comp / C_mem up to O(gen_len) terms. Like the paper,
 parameter reads are left out: they are amortized over the whole rollout batch. The paper's scoring
 compute also multiplies the generated-token part by r (per-head scoring); Sparrow scores with the
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.attention.paged_cache import page_score_fns
+from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 
@@ -140,6 +142,20 @@ def _steps(prompt_len, gen_len, n_samples):
   return prompt_len + t, t
 
 
+def _sparse_or_paper(schedule: KVSchedule, sparse: SparseConfig | None) -> SparseConfig:
+  """The sparse attention priced: `sparse`, or by default the paper's (2 dense layers, mean-key
+  page scores) at the schedule's page size."""
+  return sparse or SparseConfig(page_size=schedule.page_size)
+
+
+def _check_dense_layers(cfg: Qwen3Config, sparse: SparseConfig):
+  if sparse.dense_layers > cfg.num_hidden_layers:
+    raise ValueError(
+      f"SparseConfig.dense_layers must be in [0, {cfg.num_hidden_layers}], got "
+      f"{sparse.dense_layers}"
+    )
+
+
 def _attended_tokens(schedule: KVSchedule, s_t, page_size: int):
   """Tokens a sparse layer reads at s_t cached tokens: the schedule's token budget rounded up to
   whole pages of `page_size` (so page sizes compare at equal budget), at most the whole cache."""
@@ -166,26 +182,26 @@ def sparse_rollout_cost(
   gen_len: int,
   n_samples: int = 8,
   hardware="h200",
-  page_size: int | None = None,
-  dense_layers: int = 2,
-  page_score: str = "mean",
+  sparse: SparseConfig | None = None,
 ) -> float:
-  """eFLOPs with block-sparse attention under `schedule` in all but the first `dense_layers`.
+  """eFLOPs with block-sparse attention under `schedule` in all but the first
+  `sparse.dense_layers` layers (default `_sparse_or_paper`).
 
-  `page_size` (default: the schedule's) is the page size of the sparse attention; the schedule's
-  token budget is kept, rounded up to whole pages, so other page sizes compare at equal budget.
+  `sparse.page_size` is the page size of the sparse attention; the schedule's token budget is kept,
+  rounded up to whole pages, so other page sizes compare at equal budget.
   """
   cfg, hw = _config(model), get_hardware(hardware)
-  if not 0 <= dense_layers <= cfg.num_hidden_layers:
-    raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
+  sparse = _sparse_or_paper(schedule, sparse)
+  _check_dense_layers(cfg, sparse)
+  dense_layers = sparse.dense_layers
   s_t, t = _steps(prompt_len, gen_len, n_samples)
-  z = page_size or schedule.page_size
+  z = sparse.page_size
   b_t = _attended_tokens(schedule, s_t, z)
   pages_t, prompt_pages = np.ceil(s_t / z), prompt_len // z
   d_dense = 2 * cfg.kv_width * dense_layers
   d_sparse = 2 * cfg.kv_width * (cfg.num_hidden_layers - dense_layers)
   attend = 2 * cfg.group_size * (d_dense * s_t + d_sparse * b_t)
-  rows = page_score_fns(page_score).rows  # summaries kept and scored per page
+  rows = page_score_fns(sparse.page_score).rows  # summaries kept and scored per page
   compute = n_samples * (2 * param_count(cfg) + attend + rows * d_sparse * pages_t)
   kv_elems = d_dense * (prompt_len + n_samples * t) + n_samples * d_sparse * b_t
   centroid_elems = rows * d_sparse / 2 * (prompt_pages + n_samples * (pages_t - prompt_pages))
@@ -200,16 +216,12 @@ def rollout_speedup(
   gen_len: int,
   n_samples: int = 8,
   hardware="h200",
-  page_size: int | None = None,
-  dense_layers: int = 2,
-  page_score: str = "mean",
+  sparse: SparseConfig | None = None,
 ) -> float:
   """Predicted dense / sparse rollout cost ratio (> 1 means sparse is faster)."""
   hw = get_hardware(hardware)  # measure "this_machine" once for both costs
   dense = dense_rollout_cost(model, prompt_len, gen_len, n_samples, hw)
-  return dense / sparse_rollout_cost(
-    model, schedule, prompt_len, gen_len, n_samples, hw, page_size, dense_layers, page_score
-  )
+  return dense / sparse_rollout_cost(model, schedule, prompt_len, gen_len, n_samples, hw, sparse)
 
 
 def page_size_comparison(
@@ -220,13 +232,15 @@ def page_size_comparison(
   page_sizes=(16, 32, 64, 128),
   n_samples: int = 8,
   hardware="h200",
-  dense_layers: int = 2,
+  sparse: SparseConfig | None = None,
 ) -> dict:
   """{page_size: predicted speedup} at the schedule's token budget: only the page-scoring term
   (one centroid per page) and the rounding to whole pages differ."""
-  hw = get_hardware(hardware)
+  hw, sparse = get_hardware(hardware), _sparse_or_paper(schedule, sparse)
   return {
-    z: rollout_speedup(model, schedule, prompt_len, gen_len, n_samples, hw, z, dense_layers)
+    z: rollout_speedup(
+      model, schedule, prompt_len, gen_len, n_samples, hw, dataclasses.replace(sparse, page_size=z)
+    )
     for z in page_sizes
   }
 
@@ -260,16 +274,7 @@ def running_fraction(gen_len: int, mean_len_frac: float = 1.0):
   return np.exp(np.arange(gen_len) * np.log1p(-p))
 
 
-def _row_step_work(
-  cfg: Qwen3Config,
-  hw: Hardware,
-  schedule,
-  s_t,
-  dense_layers: int,
-  page_size,
-  page_selection: bool,
-  page_score: str = "mean",
-):
+def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, sparse, page_selection: bool):
   """(FLOPs, bytes) that one running row adds to decode step t with s_t cached tokens, the weights
   aside. Its whole KV is read, the prompt's part too: paged-attention kernels read each row's pages
   even when a group shares them. schedule None: dense attention in every layer."""
@@ -277,17 +282,17 @@ def _row_step_work(
   if schedule is None:
     kv_elems_t = kv_layer * cfg.num_hidden_layers * s_t
     return 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
-  if not 0 <= dense_layers <= cfg.num_hidden_layers:
-    raise ValueError(f"dense_layers must be in [0, {cfg.num_hidden_layers}], got {dense_layers}")
+  sparse = _sparse_or_paper(schedule, sparse)
+  _check_dense_layers(cfg, sparse)
+  dense_layers, z = sparse.dense_layers, sparse.page_size
   sparse_layers = cfg.num_hidden_layers - dense_layers
-  z = page_size or schedule.page_size
   kv_elems_t = kv_layer * (dense_layers * s_t + sparse_layers * _attended_tokens(schedule, s_t, z))
   flops_t, bytes_t = 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
   if page_selection:
     # Per sparse layer and KV head, every complete page's centroid (head_dim elements; quest: two
     # rows) is read and dotted with the group-mean query, and its fp32 score is written and read
     # back by the top-k.
-    rows = page_score_fns(page_score).rows
+    rows = page_score_fns(sparse.page_score).rows
     scored_t = cfg.num_key_value_heads * sparse_layers * (s_t // z)
     flops_t = flops_t + 2 * rows * cfg.head_dim * scored_t
     bytes_t = bytes_t + (hw.dtype_bytes * rows * cfg.head_dim + 2 * 4) * scored_t
@@ -317,22 +322,19 @@ def roofline_rollout_time(
   mean_len_frac: float,
   n_samples: int = 8,
   hardware="h200",
-  dense_layers: int = 2,
-  page_size: int | None = None,
+  sparse: SparseConfig | None = None,
   page_selection: bool = True,
-  page_score: str = "mean",
 ) -> float:
   """Seconds one device takes to prefill and decode `batch_per_device` rows (`n_samples` per
   prompt) that start together and stop after lengths drawn as in `running_fraction`; schedule
   None is dense attention. Each decode step reads every weight once for all running rows, then
   each row's KV (and page selection) as in `_row_step_work`; it lasts max(FLOPs / peak FLOP/s,
-  bytes / bandwidth) (roofline). The running batch is its expected size at each step."""
+  bytes / bandwidth) (roofline). The running batch is its expected size at each step. sparse: as
+  `sparse_rollout_cost`; page_selection False leaves the selection's work out."""
   cfg, hw = _config(model), get_hardware(hardware)
   s_t, _ = _steps(prompt_len, gen_len, n_samples)
   rows_t = batch_per_device * running_fraction(gen_len, mean_len_frac)
-  row_flops_t, row_bytes_t = _row_step_work(
-    cfg, hw, schedule, s_t, dense_layers, page_size, page_selection, page_score
-  )
+  row_flops_t, row_bytes_t = _row_step_work(cfg, hw, schedule, s_t, sparse, page_selection)
   n_params = param_count(cfg)
   flops_t = rows_t * (2 * n_params + row_flops_t)
   bytes_t = hw.dtype_bytes * n_params + rows_t * row_bytes_t
@@ -350,10 +352,8 @@ def roofline_speedup(
   mean_len_frac: float,
   n_samples: int = 8,
   hardware="h200",
-  dense_layers: int = 2,
-  page_size: int | None = None,
+  sparse: SparseConfig | None = None,
   page_selection: bool = True,
-  page_score: str = "mean",
 ) -> float:
   """Dense / sparse `roofline_rollout_time` (> 1 means sparse is faster); the same rows and
   lengths on both sides, so it is also the ratio of generated tokens per second."""
@@ -368,10 +368,8 @@ def roofline_speedup(
     prompt_len,
     gen_len,
     **common,
-    dense_layers=dense_layers,
-    page_size=page_size,
+    sparse=sparse,
     page_selection=page_selection,
-    page_score=page_score,
   )
 
 
@@ -391,7 +389,8 @@ def roofline_static_rate(
   mean_len_frac: float,
   n_samples: int = 8,
   hardware="h200",
-  **sparse_kw,
+  sparse: SparseConfig | None = None,
+  page_selection: bool = True,
 ) -> tuple[float, float]:
   """(generated tokens/s, mean rows in flight) of one device running the static batch in a pool of
   `pool_tokens` cached tokens: every row is allocated at prompt + cutoff, so the batch is
@@ -412,7 +411,8 @@ def roofline_static_rate(
     mean_len_frac=mean_len_frac,
     n_samples=n_samples,
     hardware=hardware,
-    **sparse_kw,
+    sparse=sparse,
+    page_selection=page_selection,
   )
   return float(batch * alive_t.sum() / seconds), float(batch * alive_t.mean())
 
@@ -428,10 +428,8 @@ def roofline_engine_rate(
   mean_len_frac: float,
   n_samples: int = 8,
   hardware="h200",
-  dense_layers: int = 2,
-  page_size: int | None = None,
+  sparse: SparseConfig | None = None,
   page_selection: bool = True,
-  page_score: str = "mean",
 ) -> tuple[float, float]:
   """(generated tokens/s, rows in flight) of one device running the engine in steady state: a
   finished row's slot takes the next row at once, so the rows in flight are min(slots, what the
@@ -446,7 +444,7 @@ def roofline_engine_rate(
   held = prompt_len / n_samples + float(np.sum(w_t * t))
   rows = min(float(slots), pool_tokens / held)
   row_flops_t, row_bytes_t = _row_step_work(
-    cfg, hw, schedule, prompt_len + t, dense_layers, page_size, page_selection, page_score
+    cfg, hw, schedule, prompt_len + t, sparse, page_selection
   )
   n_params = param_count(cfg)
   flops = rows * (2 * n_params + float(np.sum(w_t * row_flops_t)))

@@ -131,12 +131,14 @@ def evaluate(c) -> dict:
       prompt_len_B,
       jax.random.fold_in(key, b),
       max_new_tokens=r.max_new_tokens,
-      temperature=r.temperature,
-      top_p=r.top_p,
-      eos_ids=tokenizer.eos_ids,
+      sampling=sj.Sampling(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        eos_ids=tokenizer.eos_ids,
+        pad_id=tokenizer.pad_id,
+      ),
       sparse=sparse,
       schedule=schedule,
-      pad_id=tokenizer.pad_id,
     )
     tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
     real = take[: min(batch_size, n_rows - start)]

@@ -273,26 +273,24 @@ def _adaptive(c):
   )
   ceiling = dataclasses.replace(base, values=(math.ceil(r.adaptive_headroom * max(base.values)),))
   unmeasured = len(first.values) - c.stats.num_bins
+  rule = schedule_lib.LoopRule(
+    tau,
+    ceiling.values[0],
+    r.adaptive_raise,
+    r.adaptive_lower,
+    r.adaptive_window,
+    r.adaptive_lower_share,
+    r.adaptive_min_tokens,
+    c.stats.quantile,
+  )
 
   def next_state(state, metrics):
     pad = lambda x, fill=0: np.pad(np.asarray(x, np.float64), (0, unmeasured), constant_values=fill)
     count_b = pad(metrics["acceptance/count_bin"]).astype(np.int64)
     # the step's tokens under tau per bin (an empty bin's NaN share: none)
     below_b = np.rint(np.nan_to_num(pad(metrics["acceptance/frac_below_tau_bin"])) * count_b)
-    return schedule_lib.adapt_topk(
-      state,
-      count_b,
-      below_b.astype(np.int64),
-      pad(metrics["acceptance/p10_bin"], np.nan),
-      tau,
-      ceiling.values[0],
-      r.adaptive_raise,
-      r.adaptive_lower,
-      r.adaptive_window,
-      r.adaptive_lower_share,
-      r.adaptive_min_tokens,
-      c.stats.quantile,
-    )
+    p10_b = pad(metrics["acceptance/p10_bin"], np.nan)
+    return schedule_lib.adapt_topk(state, count_b, below_b.astype(np.int64), p10_b, rule)
 
   return first, ceiling, next_state
 
@@ -352,9 +350,7 @@ def predicted_speedup(
     mean_len_frac=min(max(float(np.mean(lengths)) / r.max_new_tokens, 1 / r.max_new_tokens), 1.0),
     n_samples=r.group_size,
     hardware=hardware,
-    dense_layers=r.dense_layers,
-    page_size=r.page_size,
-    page_score=r.page_score,
+    sparse=_sparse(c),
   )[0]
   return rate(schedule) / rate(None)
 
@@ -835,24 +831,33 @@ def _train(c, mesh, run: contextlib.ExitStack):
     )
   logger = metrics_log.MetricsLogger(c.workdir, resume_step=start) if lead else None
   cache_len = r.max_prompt_len + r.max_new_tokens
+  sampling = sampler.Sampling(
+    temperature=r.temperature,
+    top_p=r.top_p,
+    eos_ids=tokenizer.eos_ids,
+    pad_id=tokenizer.pad_id,
+    num_top_logprobs=r.num_top_logprobs,
+  )
 
   # One static cap on selected pages for every table the run can use (all stages, or up to the
   # adaptive ceiling): a new stage or adaptive table changes only the traced BudgetTable, so
   # neither the sampler nor the train step recompiles.
   # Each distinct schedule's table is built and placed once (a stage's every step reuses it; an
   # adaptive table only when the budgets moved): -> (pages by length on the host, its BudgetTable).
-  @functools.cache
-  def budget_of(schedule):
-    table = sampler.budget_table(schedule, cache_len, sparse)
-    return table, sharding.place(schedule_lib.BudgetTable(table), sharding.replicated(mesh))
-
+  table_of = functools.cache(lambda schedule: sampler.budget_table(schedule, cache_len, sparse))
   max_selected = (
     sampler.max_selected_pages(
-      [budget_of(s)[0] for _, s in stages] + ([budget_of(adaptive[1])[0]] if adaptive else [])
+      [table_of(s) for _, s in stages] + ([table_of(adaptive[1])] if adaptive else [])
     )
     if sparse
-    else None
+    else 0
   )
+
+  @functools.cache
+  def budget_of(schedule):
+    table = schedule_lib.BudgetTable(table_of(schedule), max_selected)
+    return table_of(schedule), sharding.place(table, sharding.replicated(mesh))
+
   key = jax.random.PRNGKey(c.seed)
   rows, nonfinite = [], 0
   # wall time by part; the first step of a process also compiles (the sampler and the train step)
@@ -871,24 +876,17 @@ def _train(c, mesh, run: contextlib.ExitStack):
     local_prompts = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
     prompt, prompt_len = (sharding.from_local_rows(x, rows_sh, n_rows) for x in local_prompts)
     params, lora = rollout_weights(state.params, state.lora)
+    requests = engine.Requests(*local_prompts, r.max_new_tokens, r.group_size, first_row=lo)
     rollout, engine_stats = engine.run(
       params,
       cfg,
-      *local_prompts,
+      requests,
       np.asarray(jax.random.fold_in(key, step)),
-      max_new_tokens=r.max_new_tokens,
       engine=engine_cfg,
+      sampling=sampling,
       sparse=sparse,
       schedule=budget,
-      max_selected=max_selected,
       lora=lora,
-      temperature=r.temperature,
-      top_p=r.top_p,
-      eos_ids=tokenizer.eos_ids,
-      pad_id=tokenizer.pad_id,
-      num_top_logprobs=r.num_top_logprobs,
-      group_size=r.group_size,
-      first_row=lo,
     )
     rollout = jax.tree_util.tree_map(  # this process's rows -> the global rows
       lambda x: sharding.from_local_rows(np.asarray(x), rows_sh, n_rows), rollout

@@ -111,39 +111,23 @@ def row_key(key, row, t):
   return jax.random.fold_in(jax.random.fold_in(key, row), t)
 
 
-def _sample_rows(logits_BV, keys_B, temperature, top_p, top_k, num_top):
+def _sample_rows(logits_BV, keys_B, sampling: sampler.Sampling):
   """One token per row, each from its own key -> (token_B, logp_B, (top_lp, top_id) or None)."""
+  s = sampling
 
   def one(logits_V, key):
-    token, logp_V = sampler.sample_token(logits_V[None], key, temperature, top_p, top_k)
+    token, logp_V = sampler.sample_token(logits_V[None], key, s.temperature, s.top_p, s.top_k)
     return token[0], logp_V[0]
 
   token_B, logp_BV = jax.vmap(one)(logits_BV, keys_B)
   token_B = token_B.astype(jnp.int32)
   logp_B = jnp.take_along_axis(logp_BV, token_B[:, None], axis=1)[:, 0]
-  return token_B, logp_B, (jax.lax.top_k(logp_BV, num_top) if num_top else None)
+  top = jax.lax.top_k(logp_BV, s.num_top_logprobs) if s.num_top_logprobs else None
+  return token_B, logp_B, top
 
 
-_SAMPLING = ("temperature", "top_p", "top_k", "num_top")
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",) + _SAMPLING, donate_argnames=("pool",))
-def _insert(
-  params,
-  lora,
-  pool,
-  prompt_BT,
-  prompt_len_B,
-  dest_BP,
-  rows_BG,
-  key,
-  *,
-  cfg,
-  temperature,
-  top_p,
-  top_k,
-  num_top,
-):
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("pool",))
+def _insert(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_BG, key, *, cfg, sampling):
   """Prefills B prompts (each device its own: rows split like the pool's shards) into their
   shard's pool pages dest_BP and samples the first token of each prompt's G rows."""
   Z, T = pool.page_size, prompt_BT.shape[1]
@@ -159,7 +143,7 @@ def _insert(
   B, G = rows_BG.shape
   keys_N = jax.vmap(lambda r: row_key(key, r, 0))(rows_BG.reshape(B * G))
   logits_NV = jnp.repeat(logits_BV, G, axis=0)
-  token_N, logp_N, top = _sample_rows(logits_NV, keys_N, temperature, top_p, top_k, num_top)
+  token_N, logp_N, top = _sample_rows(logits_NV, keys_N, sampling)
   return pool, token_N.reshape(B, G), logp_N.reshape(B, G), top
 
 
@@ -169,38 +153,22 @@ def _copy_pages(pool, src_RN, dst_RN):
 
 
 @functools.partial(
-  jax.jit,
-  static_argnames=("cfg", "steps", "sparse", "max_selected", "eos_ids", "pad_id") + _SAMPLING,
-  donate_argnames=("pool",),
+  jax.jit, static_argnames=("cfg", "steps", "sparse", "sampling"), donate_argnames=("pool",)
 )
-def _decode_chunk(
-  params,
-  lora,
-  pool,
-  budget,
-  key,
-  slots,
-  *,
-  cfg,
-  steps,
-  sparse,
-  max_selected,
-  eos_ids,
-  pad_id,
-  temperature,
-  top_p,
-  top_k,
-  num_top,
-):
-  """Up to `steps` decode steps over every slot (stops early once no slot runs a row).
+def _decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, sampling):
+  """Up to `steps` decode steps over every slot (stops early once no slot runs a row), selecting
+  at most `budget.max_selected` pages (a static field: one compiled decode per cap).
 
   slots: dict of [S] arrays token (the last sampled, to append), length (tokens cached), n_gen
   (tokens generated), max_new, row, active, and page_table [S, PR]. Returns the pool, the slots
   after the chunk and what each step emitted per slot ([S, steps]; a slot's tokens are its first
   n_gen_after - n_gen_before columns)."""
   params, lora = qwen3.unstack_layers(params, lora)
-  attention_fn = policy.pool_decode_attention_fn(sparse, budget, max_selected)
-  eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+  attention_fn = policy.pool_decode_attention_fn(
+    sparse, budget, None if budget is None else budget.max_selected
+  )
+  pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
+  eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
   S = slots["token"].shape[0]
   out = dict(
     tokens=jnp.full((S, steps), pad_id, jnp.int32), logprobs=jnp.zeros((S, steps), jnp.float32)
@@ -218,7 +186,7 @@ def _decode_chunk(
       params, s["token"], cfg, layers, attention_fn=attention_fn, lora=lora
     )
     keys_S = jax.vmap(functools.partial(row_key, key))(s["row"], s["n_gen"])
-    token_S, logp_S, top = _sample_rows(logits_SV, keys_S, temperature, top_p, top_k, num_top)
+    token_S, logp_S, top = _sample_rows(logits_SV, keys_S, sampling)
     active = s["active"]
     out = dict(
       out,
@@ -357,32 +325,47 @@ class _Scheduler:
     return sum(max(self.pages_needed(r, ahead) - len(r.pages), 0) for r in self.running(shard))
 
 
-def _check_requests(prompt_BT, prompt_len_B, max_new_B, group_size, cfg):
-  B, T = prompt_BT.shape
-  if prompt_len_B.shape != (B,) or prompt_len_B.min() < 1 or prompt_len_B.max() > T:
-    raise ValueError(
-      f"prompt_len_B must be [{B}] lengths in [1, {T}] (the prompt width), got "
-      f"{prompt_len_B.tolist()}"
-    )
-  if max_new_B.shape != (B,) or max_new_B.min() < 1:
-    raise ValueError(
-      f"max_new_tokens must be positive (one per row or one for all), got {max_new_B.tolist()}"
-    )
-  if group_size < 1 or B % group_size:
-    raise ValueError(f"group_size must be >= 1 and divide the {B} rows, got {group_size}")
-  runs = lambda x: x.reshape(-1, group_size, *x.shape[1:])
-  if not (
-    np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
-    and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])
-  ):
-    raise ValueError(
-      f"group_size={group_size}: the rows are not runs of {group_size} identical prompts"
-    )
-  if T + int(max_new_B.max()) > cfg.max_position_embeddings:
-    raise ValueError(
-      f"prompt width ({T}) + max_new_tokens ({int(max_new_B.max())}) exceeds "
-      f"max_position_embeddings ({cfg.max_position_embeddings})"
-    )
+@dataclasses.dataclass(frozen=True, eq=False)
+class Requests:
+  """The rows a rollout samples, host arrays: right-padded prompts (row b's is
+  prompt_BT[b, :prompt_len_B[b]]) in runs of `group_size` copies of one prompt (GRPO groups, each
+  prefilled once)."""
+
+  prompt_BT: np.ndarray  # [B, T] int32
+  prompt_len_B: np.ndarray  # [B] int32 in [1, T]
+  max_new_B: np.ndarray  # [B] tokens each row may generate (an int: the same for every row)
+  group_size: int = 1
+  # With several processes, each passes its own rows (`sharding.process_rows`) and the index of
+  # its first row in the whole batch: the rows' keys are global.
+  first_row: int = 0
+
+  def __post_init__(self):
+    prompt_BT = np.asarray(self.prompt_BT, np.int32)
+    B, T = prompt_BT.shape
+    prompt_len_B = np.asarray(self.prompt_len_B, np.int32)
+    max_new_B = np.broadcast_to(np.asarray(self.max_new_B, np.int32), (B,)).copy()
+    for name, value in (("prompt_BT", prompt_BT), ("prompt_len_B", prompt_len_B)):
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, "max_new_B", max_new_B)
+    if prompt_len_B.shape != (B,) or prompt_len_B.min() < 1 or prompt_len_B.max() > T:
+      raise ValueError(
+        f"Requests.prompt_len_B must be [{B}] lengths in [1, {T}] (the prompt width), got "
+        f"{prompt_len_B.tolist()}"
+      )
+    if max_new_B.min() < 1:
+      raise ValueError(
+        f"Requests.max_new_B (max_new_tokens: one per row or one for all) must be positive, "
+        f"got {max_new_B.tolist()}"
+      )
+    g = self.group_size
+    if g < 1 or B % g:
+      raise ValueError(f"Requests.group_size must be >= 1 and divide the {B} rows, got {g}")
+    runs = lambda x: x.reshape(-1, g, *x.shape[1:])
+    if not (
+      np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
+      and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])
+    ):
+      raise ValueError(f"Requests.group_size = {g}: the rows are not runs of {g} identical prompts")
 
 
 def _any_process(flag: bool) -> bool:
@@ -393,9 +376,10 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
-def _budget(schedule, sparse, max_len: int, max_selected: Optional[int]):
-  """(BudgetTable over cached lengths 0..max_len, static cap on selected pages) for a schedule, or
-  a BudgetTable built once by the caller (the trainer's, one cap for all its stages) as it is."""
+def _budget(schedule, sparse, max_len: int) -> BudgetTable:
+  """The BudgetTable over cached lengths 0..max_len of a schedule, or a BudgetTable built once by
+  the caller (the trainer's, one cap for all its stages) as it is; its max_selected set (from the
+  table where it is 0)."""
   if schedule is None:
     raise ValueError("sparse generation needs a `schedule` (e.g. KVSchedule.fixed(pages))")
   if isinstance(schedule, BudgetTable):
@@ -408,72 +392,61 @@ def _budget(schedule, sparse, max_len: int, max_selected: Optional[int]):
   else:
     table = sampler.budget_table(schedule, max_len, sparse)
     budget = BudgetTable(jnp.asarray(table))
-  if max_selected is None:
-    max_selected = sampler.max_selected_pages(
-      sharding.to_host(budget.pages_by_len) if table is None else table
-    )
-  return budget, max_selected
+  if budget.max_selected:
+    return budget
+  cap = sampler.max_selected_pages(
+    sharding.to_host(budget.pages_by_len) if table is None else table
+  )
+  return budget.replace(max_selected=cap)
 
 
 def run(
   params,
   cfg: Qwen3Config,
-  prompt_BT,
-  prompt_len_B,
+  requests: Requests,
   key,
   *,
-  max_new_tokens,
   engine: EngineConfig = EngineConfig(),
+  sampling: sampler.Sampling = sampler.Sampling(),
   sparse: Optional[SparseConfig] = None,
   schedule=None,
-  max_selected: Optional[int] = None,
   lora=None,
-  temperature: float = 1.0,
-  top_p: float = 1.0,
-  top_k: int = 0,
-  eos_ids: Sequence[int] = (),
-  pad_id: int = 0,
-  num_top_logprobs: int = 0,
-  group_size: int = 1,
   order: Optional[Sequence[int]] = None,
-  dtype=None,
-  first_row: int = 0,
 ):
-  """Samples a completion for every right-padded prompt row (host arrays) through the engine.
+  """Samples a completion for every request row through the engine.
 
-  max_new_tokens: an int or one per row. group_size = n: the rows come in runs of n copies of one
-  prompt (GRPO groups), each prefilled once. order: the order rows are admitted in (a permutation
-  of the rows; default: row order); it changes nothing in the output. sparse / schedule / lora /
-  sampling arguments as `generate`; schedule may be a BudgetTable, used as is with
-  `max_selected` (default: its largest budget rounded up to a power of two). The pool keeps keys
-  and values in `dtype` (default: the embedding's).
+  order: the order rows are admitted in (a permutation of the rows; default: row order); it changes
+  nothing in the output. sparse / schedule / lora as `generate`; schedule may be a BudgetTable,
+  used as is (its max_selected, when 0, from its largest budget rounded up to a power of two). The
+  pool keeps keys and values in the embedding's dtype.
   On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of engine.num_pages pages
   and engine.num_slots slots, and a group runs on one device. With several processes each passes
-  the rows its devices hold (`sharding.process_rows`), `first_row` the index of its first row in
-  the whole batch (the rows' keys are global), schedules them on its own devices and gets them
+  the rows its devices hold (`Requests.first_row`), schedules them on its own devices and gets them
   back; the processes agree only on whether any has work left before each collective call.
-  Returns (sampler.Rollout with [B, max(max_new_tokens)] arrays, EngineStats)."""
-  prompt_BT = np.asarray(prompt_BT, np.int32)
-  prompt_len_B = np.asarray(prompt_len_B, np.int32)
+  Returns (sampler.Rollout with [B, max(max_new_B)] arrays, EngineStats)."""
+  prompt_BT, prompt_len_B, max_new_B = requests.prompt_BT, requests.prompt_len_B, requests.max_new_B
+  group_size, first_row = requests.group_size, requests.first_row
+  eos_ids, num_top = sampling.eos_ids, sampling.num_top_logprobs
   B, T = prompt_BT.shape
-  max_new_B = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (B,)).copy()
-  _check_requests(prompt_BT, prompt_len_B, max_new_B, group_size, cfg)
-  if temperature < 0 or not 0.0 < top_p <= 1.0:
-    raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-  eos_ids = tuple(int(e) for e in eos_ids)
+  if T + int(max_new_B.max()) > cfg.max_position_embeddings:
+    raise ValueError(
+      f"prompt width ({T}) + max_new_B ({int(max_new_B.max())}) exceeds "
+      f"max_position_embeddings ({cfg.max_position_embeddings})"
+    )
   Z = page_size(sparse)
   prompt_BT = np.pad(prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages: one prefill shape
   max_pages_per_row = -(-(T + int(max_new_B.max())) // Z)
-  budget, max_selected = (
-    (None, 0)
+  budget = (
+    None
     if sparse is None
-    else _budget(
-      schedule, sparse, max(max_pages_per_row * Z, T + int(max_new_B.max())), max_selected
-    )
+    else _budget(schedule, sparse, max(max_pages_per_row * Z, T + int(max_new_B.max())))
   )
-  dtype = dtype or params["embed"].dtype
   pool = page_pool.init_pool(
-    cfg, engine.num_pages, Z, dtype, sparse.page_score if sparse is not None else "mean"
+    cfg,
+    engine.num_pages,
+    Z,
+    params["embed"].dtype,
+    sparse.page_score if sparse is not None else "mean",
   )
   R, S, C = pool.shards, engine.num_slots, engine.chunk_steps
   # This process's shards of the pool: it schedules only them; arrays of every shard's slots are
@@ -487,12 +460,6 @@ def run(
   )
   to_local = lambda x: np.asarray(x) if rows_sh is None else sharding.local_rows(x)
   per_insert = max(1, S // group_size)  # groups a device prefills per insert call
-  sampling = dict(
-    temperature=float(temperature),
-    top_p=float(top_p),
-    top_k=int(top_k),
-    num_top=int(num_top_logprobs),
-  )
 
   rows = [_Row(b, b // group_size, int(prompt_len_B[b]), int(max_new_B[b])) for b in range(B)]
   groups = [
@@ -530,7 +497,13 @@ def run(
         prompts[i], lens[i], dest[i, : len(pages)] = prompt_BT[first.index], first.prompt_len, pages
         row_ids[i], at[g] = np.asarray(group.rows) + first_row, i
     pool, token, logp, top = _insert(
-      params, lora, pool, *map(to_global, (prompts, lens, dest, row_ids)), key, cfg=cfg, **sampling
+      params,
+      lora,
+      pool,
+      *map(to_global, (prompts, lens, dest, row_ids)),
+      key,
+      cfg=cfg,
+      sampling=sampling,
     )
     token, logp = to_local(token), to_local(logp)
     top = None if top is None else tuple(to_local(x).reshape(n, group_size, -1) for x in top)
@@ -668,10 +641,7 @@ def run(
       cfg=cfg,
       steps=C,
       sparse=sparse,
-      max_selected=max_selected,
-      eos_ids=eos_ids,
-      pad_id=pad_id,
-      **sampling,
+      sampling=sampling,
     )
     out = {k: to_local(v) for k, v in out.items()}
     n_gen_after, active_after = to_local(after["n_gen"]), to_local(after["active"])
@@ -685,12 +655,12 @@ def run(
       sched.stats.useful_row_steps += new
       r.tokens += out["tokens"][i, :new].tolist()
       r.logprobs += out["logprobs"][i, :new].tolist()
-      if num_top_logprobs:
+      if num_top:
         r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
       if not active_after[i]:
         r.done = True
         sched.release(r)
-  return _rollout(rows, int(max_new_B.max()), pad_id, num_top_logprobs), sched.stats
+  return _rollout(rows, int(max_new_B.max()), sampling), sched.stats
 
 
 def full_batch(
@@ -727,16 +697,10 @@ def generate(
   key,
   *,
   max_new_tokens: int,
-  temperature: float = 1.0,
-  top_p: float = 1.0,
-  top_k: int = 0,
-  eos_ids: Sequence[int] = (),
+  sampling: sampler.Sampling = sampler.Sampling(),
   sparse: Optional[SparseConfig] = None,
   schedule=None,
   lora=None,
-  num_top_logprobs: int = 0,
-  pad_id: int = 0,
-  max_selected: Optional[int] = None,
   prefill_group: int = 1,
 ) -> sampler.Rollout:
   """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]])
@@ -745,34 +709,32 @@ def generate(
   prefill_group = n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled once
   per run. sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
   `budget_pages(cached_len)`, checked by `budget_table`, or a BudgetTable used as is): block top-k
-  decoding. `lora` (a model.lora.LoRA) is applied in this actor only. Rows stop at their first EOS
-  (kept in the completion). Same key -> same output. On a mesh the prompts may be global arrays and
-  the rollout comes back as global arrays with rows over data x fsdp (each process's own)."""
+  decoding. `lora` (a model.lora.LoRA) is applied in this actor only. Rows stop at their first of
+  `sampling.eos_ids` (kept in the completion). Same key -> same output. On a mesh the prompts may
+  be global arrays and the rollout comes back as global arrays with rows over data x fsdp (each
+  process's own)."""
   B, T = np.shape(prompt_BT)
   mesh = jax.sharding.get_mesh()
   rows_sh = None if mesh.empty else sharding.rows(mesh)
   lo, hi = (0, B) if rows_sh is None else sharding.process_rows(rows_sh, B)
   engine = full_batch(B // page_pool.row_shards(), prefill_group, T + max_new_tokens, sparse)
+  requests = Requests(
+    _local_rows(prompt_BT, lo, hi),
+    _local_rows(prompt_len_B, lo, hi),
+    max_new_tokens,
+    group_size=prefill_group,
+    first_row=lo,
+  )
   rollout, _ = run(
     params,
     cfg,
-    _local_rows(prompt_BT, lo, hi),
-    _local_rows(prompt_len_B, lo, hi),
+    requests,
     key,
-    max_new_tokens=max_new_tokens,
     engine=engine,
+    sampling=sampling,
     sparse=sparse,
     schedule=schedule,
-    max_selected=max_selected,
     lora=lora,
-    temperature=temperature,
-    top_p=top_p,
-    top_k=top_k,
-    eos_ids=eos_ids,
-    pad_id=pad_id,
-    num_top_logprobs=num_top_logprobs,
-    group_size=prefill_group,
-    first_row=lo,
   )
   if rows_sh is None:
     return rollout
@@ -781,8 +743,8 @@ def generate(
   )
 
 
-def _rollout(rows, N: int, pad_id: int, num_top: int) -> sampler.Rollout:
-  B = len(rows)
+def _rollout(rows, N: int, sampling: sampler.Sampling) -> sampler.Rollout:
+  B, pad_id, num_top = len(rows), sampling.pad_id, sampling.num_top_logprobs
   tokens = np.full((B, N), pad_id, np.int32)
   logprobs = np.zeros((B, N), np.float32)
   lengths = np.asarray([len(r.tokens) for r in rows], np.int32)

@@ -1,6 +1,6 @@
-"""What every rollout shares: the Rollout record, token sampling with the behaviour log-probs, the
-KV budget table a schedule compiles to, and the full sequences the trainer re-scores. The engine
-(rollout/engine.py) samples with them.
+"""What every rollout shares: the Rollout record, how tokens are sampled (`Sampling`, with the
+behaviour log-probs), the KV budget table a schedule compiles to, and the full sequences the trainer
+re-scores. The engine (rollout/engine.py) samples with them.
 
 The KV budget enters the engine as a `schedule.BudgetTable` (a traced int32 table indexed by cached
 length, built from any schedule outside jit), so switching schedules never recompiles; only the
@@ -8,6 +8,7 @@ static cap on selected pages (`max_selected_pages`, the schedule's maximum round
 two) is part of the compiled shape.
 """
 
+import dataclasses
 from typing import Optional
 
 import flax.struct
@@ -25,6 +26,28 @@ class Rollout:
   lengths: jax.Array  # [B] completion lengths
   top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k of those log-probs per step (if asked)
   top_ids: Optional[jax.Array] = None  # [B, N, k] their token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How each token is drawn and how a row ends: a static argument of the compiled decode."""
+
+  temperature: float = 1.0  # softmax temperature; 0 = greedy
+  top_p: float = 1.0  # nucleus mass kept (1 = off)
+  top_k: int = 0  # most likely tokens kept (0 = off)
+  eos_ids: tuple = ()  # a row ends at its first one (kept in the completion)
+  pad_id: int = 0  # fills each row after its end
+  num_top_logprobs: int = 0  # each step's top-k log-probs kept in the Rollout (0 = off)
+
+  def __post_init__(self):
+    object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+    if not self.temperature >= 0:
+      raise ValueError(f"Sampling.temperature must be >= 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"Sampling.top_p must be in (0, 1], got {self.top_p}")
+    for name in ("top_k", "num_top_logprobs"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"Sampling.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
 
 
 def check_geometry(schedule, sparse: SparseConfig) -> None:

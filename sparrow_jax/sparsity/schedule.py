@@ -407,24 +407,24 @@ class LoopState(NamedTuple):
     return cls(tuple(topk), zeros, tuple(topk), zeros, zeros, zeros)
 
 
-def adapt_topk(
-  state: LoopState,
-  count_b,
-  below_b,
-  p10_b,
-  tau: float,
-  max_topk: int,
-  raise_factor: float,
-  lower_factor: float,
-  window: int,
-  lower_share: float,
-  min_tokens: int,
-  quantile: float = 5,
-) -> LoopState:
+class LoopRule(NamedTuple):
+  """How the closed loop moves each bin's top-k (`adapt_topk`; the module docstring)."""
+
+  tau: float  # the acceptance held ...
+  max_topk: int  # the ceiling of every bin
+  raise_factor: float  # a cliff multiplies the top-k by this (at least +1)
+  lower_factor: float  # a passed pool multiplies it by this (at least -1, never below the floor)
+  window: int  # steps a pool holds before it is judged
+  lower_share: float  # a pool passes with at most this share of its tokens under tau
+  min_tokens: int  # a step measures a bin only with this many tokens in it
+  quantile: float = 5  # ... at this percentile: a pool fails with more than quantile % under tau
+
+
+def adapt_topk(state: LoopState, count_b, below_b, p10_b, rule: LoopRule) -> LoopState:
   """One step of the closed loop (module docstring): the state after the step whose exact alpha
   had, per bin, `count_b` tokens, `below_b` of them under tau and p10 `p10_b` (a NaN p10 compares
-  false) -> the state for the next step. A pool fails when more than `quantile` percent of its
-  tokens are under tau."""
+  false) -> the state for the next step."""
+  tau, max_topk, raise_factor, lower_factor, window, lower_share, min_tokens, quantile = rule
   topk_b, floor_b, before_b, tokens_b, pool_below_b, steps_b = (
     np.asarray(x, np.int64) for x in state
   )
@@ -463,9 +463,12 @@ class BudgetTable:
   """A schedule evaluated at every cached length 0..max_len: the budget representation that
   crosses jit (train step, sparse teacher forcing, calibration). It is a traced int32 array, so a
   new schedule (a training stage, a calibration candidate) never recompiles; a `KVSchedule` is a
-  static argument and would."""
+  static argument and would. Decoding also needs a static cap on the pages it selects: tables that
+  share one cap share one compiled decode."""
 
   pages_by_len: jax.Array  # [max_len + 1] pages kept at each cached length
+  # the decode's static cap on selected pages (sampler.max_selected_pages); 0: from the table
+  max_selected: int = flax.struct.field(pytree_node=False, default=0)
 
   def budget_pages(self, cached_len):
     return self.pages_by_len[cached_len]
