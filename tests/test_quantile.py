@@ -10,7 +10,7 @@ from configs import default
 from sparrow_jax.mismatch import acceptance, calibrate
 from sparrow_jax.sparsity import schedule as schedule_lib
 from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rl import train_step, trainer
+from sparrow_jax.rl import run_config, train_step
 
 # 100 tokens of one bin: 3 at alpha 0.5, the rest at 0.99. p1 (0.5) is under tau 0.86, p5 (0.99)
 # is over it: p1 and p5 disagree on this bin.
@@ -94,9 +94,9 @@ def test_a_table_calibrated_for_another_quantile_is_refused(tmp_path):
     match=r"calibrated to hold p1 >= tau, but config.stats.quantile "
     r"is 5",
   ):
-    trainer.validate(c)
+    run_config.validate(c)
   c.stats.quantile = 1
-  trainer.validate(c)
+  run_config.validate(c)
   c.rollout.schedule = f"adaptive:0.86:{path}"
   c.rollout.adaptive_lower_share = 0.02
   with pytest.raises(
@@ -104,10 +104,10 @@ def test_a_table_calibrated_for_another_quantile_is_refused(tmp_path):
     match="adaptive_lower_share = 0.02 is invalid: must be in "
     r"\[0, 0.01\)",
   ):
-    trainer.validate(c)
+    run_config.validate(c)
   c.stats.quantile = 0
   with pytest.raises(ValueError, match="config.stats.quantile = 0.0 is invalid"):
-    trainer.validate(c)
+    run_config.validate(c)
 
 
 def _sweep(dense_scores, tables):

@@ -41,8 +41,8 @@ def test_real_config_has_every_trainer_field(name):
   import json
 
   from configs import default
-  from sparrow_jax.rl import trainer
+  from sparrow_jax.rl import run_config
 
-  fields = lambda c: set(trainer._flat(json.loads(c.to_json_best_effort())))
+  fields = lambda c: set(run_config._flat(json.loads(c.to_json_best_effort())))
   c = importlib.import_module(f"configs.{name}").get_config()
   assert fields(c) == fields(default.get_config())

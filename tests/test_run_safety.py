@@ -16,7 +16,7 @@ import pytest
 from sparrow_jax import checkpoint
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.data import tasks
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import run_config, trainer
 
 from tests.helpers import ROOT, SMALL
 from tests.test_trainer import small
@@ -163,7 +163,7 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
       rf"longer, the longest \('p{late}' of task 'math:toy'\) has 100 tokens"
     ),
   ):
-    trainer.check_inputs(c, dataset, trainer._model_config(c), tokenizer)
+    run_config.check_inputs(c, dataset, run_config.model_config(c), tokenizer)
 
 
 def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
@@ -182,8 +182,8 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
       r"of config\.model\.hf_dir = 'assets/pointer_chase_tiny'"
     ),
   ):
-    trainer.check_inputs(c, task, cfg, tokenizer)
-  trainer.check_inputs(c, trainer.make_task(config()), cfg, tokenizer)  # its own task reads
+    run_config.check_inputs(c, task, cfg, tokenizer)
+  run_config.check_inputs(c, trainer.make_task(config()), cfg, tokenizer)  # its own task reads
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from configs import tau_sweep as sweep_config
 from experiments import tau_sweep
 from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import run_config
 from tests.helpers import ROOT, SMALL, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
     f"adaptive:0.86:{tmp_path}/schedules/quest0.86.json"
   )
   for setting in settings.values():
-    trainer.validate(tau_sweep.run_config(c, setting, 0))  # adaptive: bins match, exact alpha on
+    run_config.validate(tau_sweep.run_config(c, setting, 0))  # adaptive: bins match, exact alpha on
 
   c.runs = "dense,tua"
   with pytest.raises(ValueError, match=r"config.runs = 'dense,tua': unknown \['tua'\]"):

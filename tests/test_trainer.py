@@ -15,7 +15,7 @@ from configs import default
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import train_step as ts
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import hooks, run_config, trainer
 from sparrow_jax.rollout import engine
 
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
@@ -120,7 +120,7 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
 )
 def test_bad_config_names_field(changes, field):
   with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-    trainer.validate(config(**changes))
+    run_config.validate(config(**changes))
 
 
 def test_schedule_geometry_other_than_the_sparse_configs_is_refused_up_front(tmp_path):
@@ -130,7 +130,7 @@ def test_schedule_geometry_other_than_the_sparse_configs_is_refused_up_front(tmp
   table.write_text(KVSchedule.table((4, 4), page_size=16, always_kept=2).to_json())
   for spec in (str(table), f"adaptive:0.86:{table}"):
     with pytest.raises(ValueError, match=r"rollout\.schedule.*always_kept = 2 differs"):
-      trainer.validate(config(rollout__schedule=spec))
+      run_config.validate(config(rollout__schedule=spec))
 
 
 def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
@@ -383,10 +383,10 @@ def test_predicted_speedup_prices_the_runs_own_engine():
   cfg = sj.Qwen3Config.preset("qwen3-1.7b")
   schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
   prompt_lens, lengths = [1024] * 32, [37 * 1024 // 2] * 32
-  speedup = lambda config: trainer.predicted_speedup(
-    c, cfg, schedule, config, "h200", prompt_lens, lengths
+  speedup = lambda config: hooks.predicted_speedup(
+    c, cfg, run_config.sparse_config(c), schedule, config, "h200", prompt_lens, lengths
   )
-  ours = trainer.engine_config(c, cfg, rows_per_device=32)
+  ours = run_config.engine_config(c, cfg, rows_per_device=32)
   assert (ours.num_slots, ours.num_pages) == (32, 31706)  # 60 GB of bf16 pages
   rate = lambda s: cost_model.roofline_engine_rate(
     cfg,

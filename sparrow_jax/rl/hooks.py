@@ -1,0 +1,242 @@
+"""What a training step does besides sample, reward and update, as hooks of the RL loop
+(rl/trainer.py). After each step's update a hook returns the metrics it adds (`metrics`), then acts
+on the logged metrics (`end_step`); what a resume needs of it goes in the checkpoint meta (`meta`,
+read back by `restore`).
+
+  Budgets      the KV budget each step samples and trains under: rollout.schedule's stage, or the
+               closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk)
+  KVMetrics    kv/read_fraction and kv/predicted_speedup of the step's rollouts
+  PerfMetrics  perf/* (tokens/s, the engine's occupancy, train step time) and the learning rate
+"""
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from sparrow_jax import sharding
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.sparsity import schedule as schedule_lib
+
+
+class StepBudget(NamedTuple):
+  """A step's KV budget (sparse runs)."""
+
+  stage: int  # the stage of rollout.schedule in force
+  schedule: schedule_lib.KVSchedule  # its schedule (the closed loop's table, when adaptive)
+  pages_by_len: np.ndarray  # its pages kept at each cached length, on the host
+  table: schedule_lib.BudgetTable  # the same, placed on the mesh, with the run's static cap
+
+
+@dataclasses.dataclass
+class StepOutput:
+  """What a step did, as the hooks see it."""
+
+  step: int  # 0-based
+  budget: Optional[StepBudget]  # None: dense rollouts
+  prompt_len_B: np.ndarray  # every row's, on the host
+  lengths_B: np.ndarray  # every row's completion length
+  engine_stats: engine.EngineStats  # this process's engine
+  rollout_s: float
+  train_s: float
+
+
+class Hook:
+  """The hook interface; each method's default does nothing."""
+
+  def metrics(self, out: StepOutput) -> dict:
+    return {}
+
+  def end_step(self, out: StepOutput, metrics: dict) -> None:
+    pass
+
+  def meta(self) -> dict:
+    return {}
+
+  def restore(self, meta: dict) -> None:
+    pass
+
+
+class Budgets(Hook):
+  """The budget tables of a sparse run. Every table the run can use (each stage, or up to the
+  closed loop's ceiling) selects at most one static number of pages, so a new stage or a moved
+  table changes only the traced BudgetTable: neither the sampler nor the train step recompiles.
+  Each distinct schedule's table is built and placed once."""
+
+  def __init__(self, c, cfg, sparse, mesh, cache_len: int):
+    r = c.rollout
+    self.loop = _ClosedLoop(c) if schedule_lib.parse_adaptive(r.schedule, r.page_size) else None
+    self.stages = (
+      ((0, self.loop.first),) if self.loop else schedule_lib.parse_stages(r.schedule, r.page_size)
+    )
+    self._host = functools.cache(lambda s: sampler.budget_table(s, cache_len, sparse))
+    largest = [s for _, s in self.stages] + ([self.loop.ceiling] if self.loop else [])
+    cap = sampler.max_selected_pages([self._host(s) for s in largest])
+    replicated = sharding.replicated(mesh)
+    self._placed = functools.cache(
+      lambda s: sharding.place(schedule_lib.BudgetTable(self._host(s), cap), replicated)
+    )
+    self.cfg, self.sparse = cfg, sparse
+
+  def for_step(self, step: int) -> StepBudget:
+    stage = schedule_lib.stage_index(self.stages, step)
+    schedule = self.stages[stage][1]
+    if self.loop:
+      schedule = dataclasses.replace(schedule, values=self.loop.state.topk)
+    return StepBudget(stage, schedule, self._host(schedule), self._placed(schedule))
+
+  def metrics(self, out: StepOutput) -> dict:
+    metrics = {"kv/schedule_stage": out.budget.stage}
+    if self.loop:
+      start = self._host(self.stages[out.budget.stage][1])
+      metrics.update(self.loop.metrics(out, start, self.cfg, self.sparse))
+    return metrics
+
+  def end_step(self, out: StepOutput, metrics: dict) -> None:
+    if self.loop:  # the next step's table, a function of this step's tail: a resume replays it
+      self.loop.advance(metrics)
+
+  def meta(self) -> dict:
+    return {"adaptive": self.loop.meta()} if self.loop else {}
+
+  def restore(self, meta: dict) -> None:
+    if self.loop:
+      self.loop.restore(meta["adaptive"])
+
+
+class _ClosedLoop:
+  """rollout.schedule = 'adaptive:TAU:BASE': the table in force, its floors and pools
+  (schedule.LoopState), moved after each step by schedule.adapt_topk.
+
+  The table has a bin per stats bin at least (BASE's last value repeated: the same budgets), so
+  every measured bin moves its own value; bins past stats.num_bins are never measured and hold."""
+
+  def __init__(self, c):
+    r, s = c.rollout, c.stats
+    tau, base = schedule_lib.parse_adaptive(r.schedule, r.page_size)
+    self.first = dataclasses.replace(
+      base, values=base.values + base.values[-1:] * (s.num_bins - len(base.values))
+    )
+    top = math.ceil(r.adaptive_headroom * max(base.values))
+    self.ceiling = dataclasses.replace(base, values=(top,))
+    self.unmeasured = len(self.first.values) - s.num_bins
+    self.rule = schedule_lib.LoopRule(
+      tau,
+      top,
+      r.adaptive_raise,
+      r.adaptive_lower,
+      r.adaptive_window,
+      r.adaptive_lower_share,
+      r.adaptive_min_tokens,
+      s.quantile,
+    )
+    self.state = schedule_lib.LoopState.start(self.first.values)
+
+  def metrics(self, out: StepOutput, start_by_len, cfg, sparse) -> dict:
+    return {
+      "kv/topk_bin": np.asarray(self.state.topk, np.int32),  # the table this step ran under
+      "kv/floor_bin": np.asarray(self.state.floor, np.int32),  # and its floors
+      # The start table's read of the same rollouts: the loop's saving (or cost) over the table it
+      # moved from, paired token for token (two runs' read fractions differ by their lengths).
+      "kv/read_fraction_start": cost_model.kv_read_fraction(
+        start_by_len, out.prompt_len_B, out.lengths_B, cfg, sparse
+      ),
+    }
+
+  def advance(self, metrics: dict) -> None:
+    pad = lambda x, fill=0: np.pad(
+      np.asarray(x, np.float64), (0, self.unmeasured), constant_values=fill
+    )
+    count_b = pad(metrics["acceptance/count_bin"]).astype(np.int64)
+    # the step's tokens under tau per bin (an empty bin's NaN share: none)
+    below_b = np.rint(np.nan_to_num(pad(metrics["acceptance/frac_below_tau_bin"])) * count_b)
+    p10_b = pad(metrics["acceptance/p10_bin"], np.nan)
+    self.state = schedule_lib.adapt_topk(
+      self.state, count_b, below_b.astype(np.int64), p10_b, self.rule
+    )
+
+  def meta(self) -> dict:
+    return {k: list(v) for k, v in self.state._asdict().items()}
+
+  def restore(self, meta: dict) -> None:
+    self.state = schedule_lib.LoopState(**{k: tuple(v) for k, v in meta.items()})
+
+
+class KVMetrics(Hook):
+  """The KV the step's rollouts read, relative to dense, and the speedup the roofline predicts for
+  them on `hardware`."""
+
+  def __init__(self, c, cfg, sparse, engine_cfg: engine.EngineConfig, hardware):
+    self.c, self.cfg, self.sparse, self.engine_cfg, self.hardware = (
+      c,
+      cfg,
+      sparse,
+      engine_cfg,
+      hardware,
+    )
+
+  def metrics(self, out: StepOutput) -> dict:
+    by_len = None if out.budget is None else out.budget.pages_by_len
+    metrics = {
+      "kv/read_fraction": cost_model.kv_read_fraction(
+        by_len, out.prompt_len_B, out.lengths_B, self.cfg, self.sparse
+      )
+    }
+    if out.budget is not None:
+      metrics["kv/predicted_speedup"] = predicted_speedup(
+        self.c,
+        self.cfg,
+        self.sparse,
+        out.budget.schedule,
+        self.engine_cfg,
+        self.hardware,
+        out.prompt_len_B,
+        out.lengths_B,
+      )
+    return metrics
+
+
+def predicted_speedup(
+  c, cfg, sparse, schedule, engine_cfg: engine.EngineConfig, hardware, prompt_len_B, lengths_B
+) -> float:
+  """Sparse over dense rollout tokens/s of one device of `hardware` running this run's engine
+  (its slots and pool) on the step's mean prompt and mean response length (the roofline of
+  cost_model.roofline_engine_rate: weights and KV read per decode step, each prompt prefilled
+  once)."""
+  r = c.rollout
+  mean_len_frac = float(np.mean(lengths_B)) / r.max_new_tokens
+  rate = lambda sched: cost_model.roofline_engine_rate(
+    cfg,
+    sched,
+    int(np.mean(prompt_len_B)),
+    r.max_new_tokens,
+    slots=engine_cfg.num_slots,
+    pool_tokens=engine_cfg.num_pages * r.page_size,
+    mean_len_frac=min(max(mean_len_frac, 1 / r.max_new_tokens), 1.0),
+    n_samples=r.group_size,
+    hardware=hardware,
+    sparse=sparse,
+  )[0]
+  return rate(schedule) / rate(None)
+
+
+class PerfMetrics(Hook):
+  """Wall-time rates and the engine's use of its slots (they depend on the devices and on this
+  process's engine, as timings do), and the learning rate."""
+
+  def __init__(self, learning_rate):
+    self.learning_rate = learning_rate
+
+  def metrics(self, out: StepOutput) -> dict:
+    stats = out.engine_stats
+    return {
+      "perf/rollout_tokens_per_s": int(np.sum(out.lengths_B)) / out.rollout_s,
+      "perf/engine_occupancy": stats.occupancy,
+      "perf/engine_rows_in_flight": stats.rows_in_flight,
+      "perf/engine_preemptions": stats.preemptions,
+      "perf/train_step_s": out.train_s,
+      "lr": float(self.learning_rate(out.step)),
+    }

@@ -1,0 +1,417 @@
+"""The experiment config of a training run: the checks that run before anything is written, the
+components it builds (the model's config, the sparsity config, each device's engine) and the rule
+for resuming a workdir. The components check their own fields (`schema.from_group`); what is left
+here is what only the whole config, the model or the data know.
+"""
+
+import dataclasses
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from sparrow_jax import schema
+from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.model.hf import load_config
+from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.sparsity import schedule as schedule_lib
+
+
+def require(ok: bool, field: str, value, allowed: str):
+  if not ok:
+    raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
+
+
+# Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+
+def _check_scalars(c) -> None:
+  """Each value alone: a workdir to write to, a seed a PRNG key holds, every int in int32 and
+  every float finite (an inf learning rate or NaN coefficient would train on nonsense)."""
+  require(
+    isinstance(c.workdir, str) and c.workdir.strip() != "",
+    "workdir",
+    c.workdir,
+    "must be a directory path (not empty)",
+  )
+  require(
+    isinstance(c.seed, int) and not isinstance(c.seed, bool) and 0 <= c.seed <= INT_MAX,
+    "seed",
+    c.seed,
+    f"must be an int in [0, {INT_MAX}]",
+  )
+  for field, value in _flat(c.to_dict()).items():
+    if isinstance(value, float):
+      require(math.isfinite(value), field, value, "must be a finite number")
+    elif isinstance(value, int) and not isinstance(value, bool):
+      require(
+        INT_MIN <= value <= INT_MAX, field, value, f"must be an int in [{INT_MIN}, {INT_MAX}]"
+      )
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Rejects a bad config up front, naming the field. The train step's own fields are checked by
+  `StepConfig.from_config` (its components validate themselves) and the sparse ones by
+  `SparseConfig`; what is left here is what only the whole config knows. What needs the data or
+  the model's vocabulary is `check_inputs`, also run before anything is written."""
+  r = c.rollout
+  _check_scalars(c)
+  ts.StepConfig.from_config(c)
+  p = r.page_size
+  require(
+    isinstance(p, int) and p > 0 and not p & (p - 1),
+    "rollout.page_size",
+    p,
+    "must be a power of two",
+  )
+  require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
+  for name in ("data", "fsdp", "tensor"):
+    ways = c.mesh[name]
+    require(
+      isinstance(ways, int) and (ways >= 1 or (name == "data" and ways == -1)),
+      f"mesh.{name}",
+      ways,
+      "a positive number of devices" + (" or -1 (the rest)" if name == "data" else ""),
+    )
+  batch = r.prompts_per_step * r.group_size
+  require(
+    batch % c.rl.num_minibatches == 0,
+    "rl.num_minibatches",
+    c.rl.num_minibatches,
+    f"must divide the batch of {batch} rollouts (prompts_per_step * group_size)",
+  )
+  require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be positive")
+  require(
+    r.top_p == 1.0,
+    "rollout.top_p",
+    r.top_p,
+    "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
+    "with the dense policy's full softmax, which a truncated sampler does not match",
+  )
+  require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
+  require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score, f"one of {PAGE_SCORES}")
+  require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
+  require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
+  require(
+    bool(c.model.hf_dir) != bool(c.model.preset),
+    "model.hf_dir / model.preset",
+    (c.model.hf_dir, c.model.preset),
+    "set exactly one of the two",
+  )
+  require(
+    c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "float32 | bfloat16"
+  )
+  require(
+    not c.distill.enabled or r.sparse,
+    "distill.enabled",
+    c.distill.enabled,
+    "DistillSparse adapts the sparse actor: needs rollout.sparse = True",
+  )
+  targets = tuple(t for t in c.distill.targets.split(",") if t)
+  require(
+    set(targets) <= set(lora_lib.TARGETS) and targets,
+    "distill.targets",
+    c.distill.targets,
+    f"comma-separated subset of {lora_lib.TARGETS}",
+  )
+  require(
+    schedule_lib.is_quantile(c.stats.quantile),
+    "stats.quantile",
+    c.stats.quantile,
+    "must be a percentile in (0, 50), e.g. 5 (p5, the paper's) or 1 (p1)",
+  )
+  adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
+  if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
+    stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
+    for _, schedule in stages:
+      require(
+        schedule.always_kept <= schedule.max_pages,
+        "rollout.schedule",
+        r.schedule,
+        "budget below the always-kept pages",
+      )
+      schedule.check_quantile(
+        c.stats.quantile, f"config.rollout.schedule = {r.schedule!r}", "config.stats.quantile"
+      )
+      try:
+        sampler.check_geometry(schedule, sparse_config(c))
+      except ValueError as e:
+        raise ValueError(f"config.rollout.schedule = {r.schedule!r} is invalid: {e}") from None
+  if adaptive:
+    _validate_adaptive(c, *adaptive)
+  for field, ok, allowed in (
+    ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
+    ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
+    ("rl.max_grad_norm", c.rl.max_grad_norm > 0, "must be > 0"),
+    ("rl.weight_decay", c.rl.weight_decay >= 0, "must be >= 0"),
+    ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
+    ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
+    ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
+    ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
+    ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
+    ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
+    ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
+    ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
+    ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
+    ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0, "must be > 0"),
+    (
+      "hardware",
+      c.hardware in (*cost_model.HARDWARE, cost_model.THIS_MACHINE),
+      f"one of {sorted(cost_model.HARDWARE) + [cost_model.THIS_MACHINE]}",
+    ),
+  ):
+    value = c
+    for name in field.split("."):
+      value = value[name]
+    require(ok, field, value, allowed)
+  _check_model_fits(c)
+
+
+def _validate_adaptive(c, tau, base):
+  """What 'adaptive:TAU:BASE' needs beyond its spec (which `parse_adaptive` checks)."""
+  r, s = c.rollout, c.stats
+  require(
+    s.exact_acceptance,
+    "stats.exact_acceptance",
+    s.exact_acceptance,
+    f"must be True with rollout.schedule = {r.schedule!r}: its budgets move by the tail of "
+    "exact alpha per bin (the sampled and top-20 estimators are biased low in the tail)",
+  )
+  require(
+    s.tau == tau,
+    "stats.tau",
+    s.tau,
+    f"must equal the TAU {tau:g} of rollout.schedule = {r.schedule!r}: the loop pools "
+    "each bin's share of tokens under stats.tau (acceptance/frac_below_tau_bin)",
+  )
+  require(
+    base.bin_size == s.bin_size,
+    "stats.bin_size",
+    s.bin_size,
+    f"must equal the bin_size {base.bin_size} of the BASE of {r.schedule!r}: the tail of "
+    "stats bin b moves table bin b, so both must bin the same tokens",
+  )
+  require(
+    max(base.values) >= 1,
+    "rollout.schedule",
+    r.schedule,
+    "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0",
+  )
+  q = c.stats.quantile / 100
+  for field, value, ok, allowed in (
+    ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
+    ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
+    ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
+    (
+      "adaptive_window",
+      r.adaptive_window,
+      isinstance(r.adaptive_window, int) and r.adaptive_window >= 1,
+      "an int >= 1",
+    ),
+    (
+      "adaptive_lower_share",
+      r.adaptive_lower_share,
+      0 <= r.adaptive_lower_share < q,
+      f"must be in [0, {q:g}): a share above {q:g} fails",
+    ),
+    (
+      "adaptive_min_tokens",
+      r.adaptive_min_tokens,
+      isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1,
+      "an int >= 1",
+    ),
+  ):
+    require(ok, f"rollout.{field}", value, allowed)
+
+
+def model_config(c) -> Qwen3Config:
+  """The model's config.json (read without its weights) or preset."""
+  return load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+
+
+def _check_model_fits(c):
+  """Checks against the model's config.json or preset."""
+  r = c.rollout
+  cfg = model_config(c)
+  if r.sparse:
+    require(
+      r.dense_layers < cfg.num_hidden_layers,
+      "rollout.dense_layers",
+      r.dense_layers,
+      f"must be below the model's {cfg.num_hidden_layers} layers (sparse rollouts need a "
+      "sparse layer)",
+    )
+  length = r.max_prompt_len + r.max_new_tokens
+  require(
+    length <= cfg.max_position_embeddings,
+    "rollout.max_prompt_len + max_new_tokens",
+    length,
+    f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})",
+  )
+  if r.pool_gb:
+    Z = engine.page_size(sparse_config(c))
+    need = -(-(length - 1) // Z) + 2  # a row at its cap, its prompt's template page, the trash page
+    have = engine_config(c, cfg, rows_per_device=1).num_pages
+    require(
+      have >= need,
+      "rollout.pool_gb",
+      r.pool_gb,
+      f"holds {have} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
+      f"{length} tokens needs {need}",
+    )
+
+
+def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineConfig:
+  """Each device's slots and pool from config.rollout: by default `engine.full_batch` (every row of
+  the device's step at once, no row waits or is preempted); engine_slots / pool_gb size them for
+  long-tailed lengths (more rows than slots: a finished row's slot is refilled at once)."""
+  r, sparse = c.rollout, sparse_config(c)
+  config = engine.full_batch(
+    rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens, sparse, r.chunk_steps
+  )
+  if r.engine_slots:
+    config = dataclasses.replace(config, num_slots=r.engine_slots)
+  if r.pool_gb:
+    config = dataclasses.replace(
+      config,
+      num_pages=engine.pages_for_bytes(
+        cfg,
+        r.pool_gb * 1e9,
+        engine.page_size(sparse),
+        jnp.dtype(c.model.dtype),
+        sparse.page_score if sparse else "mean",
+      ),
+    )
+  return config
+
+
+def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
+  """The checks that need the task, the model's config and its tokenizer, run before anything is
+  written: top-k log-probs within the vocabulary, and prompts within rollout.max_prompt_len."""
+  r = c.rollout
+  require(
+    r.num_top_logprobs <= cfg.vocab_size,
+    "rollout.num_top_logprobs",
+    r.num_top_logprobs,
+    f"must be <= the model's vocabulary of {cfg.vocab_size} tokens (0 = off)",
+  )
+  unknown_id = _unknown_id(tokenizer)
+  problems, lengths, unknown = _encode_prompts(task, tokenizer, r.prompts_per_step, unknown_id)
+  longest = int(np.argmax(lengths))
+  over = sum(n > r.max_prompt_len for n in lengths)
+  require(
+    over == 0,
+    "rollout.max_prompt_len",
+    r.max_prompt_len,
+    f"must hold every prompt: {over} of {len(lengths)} are longer, the longest "
+    f"({getattr(problems[longest], 'id', longest)!r} of task {task.name!r}) has "
+    f"{lengths[longest]} tokens",
+  )
+  # A vocabulary made for another task (the tiny pointer-chase model on math) encodes most of the
+  # text as its unknown token: the run would train on prompts it cannot see.
+  require(
+    unknown <= sum(lengths) / 2,
+    "task.name",
+    task.name,
+    f"must be a task the model's tokenizer can read: {unknown} of its {sum(lengths)} prompt "
+    f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
+    f"{c.model.hf_dir!r}; use a model made for this task",
+  )
+
+
+def _unknown_id(tokenizer):
+  """The id that text outside the vocabulary encodes to; None when there is none (a byte-level
+  BPE, as Qwen's, encodes any text)."""
+  unk = getattr(getattr(getattr(tokenizer, "tok", None), "model", None), "unk_token", None)
+  return tokenizer.tok.token_to_id(unk) if unk else None
+
+
+def _encode_prompts(task, tokenizer, first_step: int, unknown_id, batch: int = 1024):
+  """(problems, their prompts' token counts, how many of the tokens are `unknown_id`): every
+  problem of a dataset task (a tokenizer pass over the data, seconds for 10^5 prompts), or the
+  first step's of a generated task (an endless stream; a later, longer prompt stops the run at its
+  step, the workdir intact)."""
+  problems = getattr(task, "problems", None)
+  if problems is None:
+    problems = task.sample(first_step, 0)
+  lengths, unknown = [], 0
+  for i in range(0, len(problems), batch):
+    tokens, lengths_B = tokenizer.encode_batch([p.prompt for p in problems[i : i + batch]])
+    lengths += lengths_B.tolist()
+    if unknown_id is not None:  # padding is the same id in some vocabularies: real tokens only
+      real = np.arange(tokens.shape[1])[None, :] < lengths_B[:, None]
+      unknown += int(np.sum((tokens == unknown_id) & real))
+  return problems, lengths, unknown
+
+
+# Fields that may differ when a workdir is resumed: how long to run and what to keep, not what runs.
+# Also where it runs: a run may resume on another mesh or cluster (orbax reshards the state).
+RESUMABLE_FIELDS = (
+  "workdir",
+  "total_steps",
+  "ckpt_every",
+  "keep_checkpoints",
+  "export_hf",
+  "max_nonfinite_steps",
+  "mesh.data",
+  "mesh.fsdp",
+  "mesh.tensor",
+  "distributed.enabled",
+  "distributed.coordinator",
+  "distributed.num_processes",
+  "distributed.process_id",
+)
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def check_resume(c) -> None:
+  """A workdir holds one run: resuming it with another config (other than RESUMABLE_FIELDS) would
+  mix two runs in one set of curves and checkpoints, so it is refused, naming the fields. So are
+  checkpoints without a readable config.json: nothing says which config they belong to. Reads
+  only: a refusal changes nothing."""
+  path = os.path.join(c.workdir, "config.json")
+  put_back = "Nothing was changed; put back the run's config.json, or use a new config.workdir"
+  if not os.path.exists(path):
+    checkpoints = os.path.join(c.workdir, "checkpoints")
+    if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
+      raise ValueError(
+        f"config.workdir = {c.workdir!r} holds checkpoints ({checkpoints}) but no "
+        f"config.json to check this config against. {put_back}"
+      )
+    return
+  try:
+    with open(path) as f:
+      old = _flat(json.load(f))
+  except ValueError as e:
+    raise ValueError(
+      f"config.workdir = {c.workdir!r}: {path} is not JSON ({e}). {put_back}"
+    ) from None
+  new = _flat(json.loads(c.to_json_best_effort()))
+  changed = [
+    k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and k not in RESUMABLE_FIELDS
+  ]
+  if changed:
+    diffs = "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+    raise ValueError(
+      f"config.workdir = {c.workdir!r} holds a run with another config ({diffs}). "
+      f"Use a new config.workdir, or resume with the run's config ({path}); fields "
+      f"that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
+    )
+
+
+def sparse_config(c):
+  return schema.from_group(SparseConfig, c, "rollout") if c.rollout.sparse else None

@@ -1,0 +1,117 @@
+"""The RL loop's hooks (rl/hooks.py), each on its own: what it adds to a step's metrics, what it
+does after the step, and its checkpoint meta."""
+
+import numpy as np
+import pytest
+
+from configs import default
+from sparrow_jax import sharding
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.rl import hooks, run_config
+from sparrow_jax.rollout import engine, sampler
+
+TABLE = "assets/pointer_chase_tiny/calibration_quest/schedule.json"
+MESH = sharding.make_mesh(1, 1, 1)
+CACHE_LEN = 1024
+
+
+def config(schedule: str):
+  c = default.get_config()
+  c.rollout.schedule = schedule
+  return c
+
+
+def budgets(c):
+  cfg = run_config.model_config(c)
+  return hooks.Budgets(c, cfg, run_config.sparse_config(c), MESH, CACHE_LEN), cfg
+
+
+def output(step, budget, lengths=(300, 420, 17, 400)):
+  return hooks.StepOutput(
+    step=step,
+    budget=budget,
+    prompt_len_B=np.full(len(lengths), 460),
+    lengths_B=np.asarray(lengths),
+    engine_stats=engine.EngineStats(decode_steps=10, useful_row_steps=30, computed_row_steps=40),
+    rollout_s=2.0,
+    train_s=0.5,
+  )
+
+
+def test_budgets_follow_the_stages_under_one_static_cap():
+  hook, _ = budgets(config("0:fixed:8,3:" + TABLE))
+  first, later = hook.for_step(2), hook.for_step(3)
+  assert (first.stage, later.stage) == (0, 1)
+  assert first.schedule.kind == "fixed" and later.schedule.kind == "table"
+  np.testing.assert_array_equal(np.asarray(later.table.pages_by_len), later.pages_by_len)
+  cap = sampler.max_selected_pages([first.pages_by_len, later.pages_by_len])
+  assert first.table.max_selected == later.table.max_selected == cap  # one compiled decode
+  assert hook.for_step(7).table is later.table  # built and placed once
+  assert hook.metrics(output(3, later)) == {"kv/schedule_stage": 1}
+  assert hook.meta() == {}
+
+
+def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
+  c = config(f"adaptive:0.86:{TABLE}")
+  hook, cfg = budgets(c)
+  before = hook.for_step(0)
+  bins = len(before.schedule.values)
+  metrics = hook.metrics(output(0, before))
+  np.testing.assert_array_equal(metrics["kv/topk_bin"], before.schedule.values)
+  assert metrics["kv/read_fraction_start"] == pytest.approx(
+    cost_model.kv_read_fraction(
+      before.pages_by_len,
+      np.full(4, 460),
+      np.asarray((300, 420, 17, 400)),
+      cfg,
+      run_config.sparse_config(c),
+    )
+  )
+  # every measured bin fell off a cliff (p10 under tau): each is raised by adapt_topk's rule
+  n = c.stats.num_bins
+  tail = {
+    "acceptance/count_bin": [1000] * n,
+    "acceptance/frac_below_tau_bin": [0.5] * n,
+    "acceptance/p10_bin": [0.1] * n,
+  }
+  hook.end_step(output(0, before), tail)
+  after = hook.for_step(1)
+  assert all(a > b for a, b in zip(after.schedule.values[:n], before.schedule.values))
+  assert after.table.max_selected == before.table.max_selected
+  resumed, _ = budgets(c)
+  resumed.restore(hook.meta())
+  assert resumed.for_step(1).schedule.values == after.schedule.values
+  assert len(hook.meta()["adaptive"]["topk"]) == bins
+
+
+def test_kv_metrics_price_the_steps_rollouts():
+  c = config(TABLE)
+  hook_budgets, cfg = budgets(c)
+  sparse = run_config.sparse_config(c)
+  engine_cfg = run_config.engine_config(c, cfg, rows_per_device=16)
+  kv = hooks.KVMetrics(c, cfg, sparse, engine_cfg, "h200")
+  budget = hook_budgets.for_step(0)
+  out = output(0, budget)
+  metrics = kv.metrics(out)
+  assert metrics["kv/read_fraction"] == cost_model.kv_read_fraction(
+    budget.pages_by_len, out.prompt_len_B, out.lengths_B, cfg, sparse
+  )
+  assert 0 < metrics["kv/read_fraction"] < 1
+  assert metrics["kv/predicted_speedup"] == hooks.predicted_speedup(
+    c, cfg, sparse, budget.schedule, engine_cfg, "h200", out.prompt_len_B, out.lengths_B
+  )
+  dense = hooks.KVMetrics(c, cfg, None, engine_cfg, None).metrics(output(0, None))
+  assert dense == {"kv/read_fraction": 1.0}
+
+
+def test_perf_metrics_are_the_steps_rates():
+  perf = hooks.PerfMetrics(lambda step: 1e-5 * step).metrics(output(3, None))
+  assert perf["perf/rollout_tokens_per_s"] == (300 + 420 + 17 + 400) / 2.0
+  assert perf["perf/engine_occupancy"] == 30 / 40 and perf["perf/engine_rows_in_flight"] == 3.0
+  assert perf["perf/train_step_s"] == 0.5 and perf["lr"] == pytest.approx(3e-5)
+
+
+def test_hooks_default_to_nothing():
+  hook = hooks.Hook()
+  assert hook.metrics(output(0, None)) == {} and hook.meta() == {}
+  assert hook.end_step(output(0, None), {}) is None and hook.restore({}) is None
