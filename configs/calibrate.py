@@ -22,6 +22,15 @@ import ml_collections
 
 from configs import common
 
+# Where this config departs from the library's defaults (mismatch.calibrate.CalibrationConfig,
+# attention.select.SparseConfig, rollout.sampler.Sampling), and why; tests/test_config.py checks
+# that every other field they share agrees.
+DEPARTS_FROM_LIBRARY = {
+  "stats.bin_size": "the shipped model's rows of ~850 tokens: bins of 128, as it trains with",
+  "rollout.dense_layers": "1 of the tiny model's 2 layers (the paper: 2 of 28)",
+  "rollout.page_score": "quest: the shipped schedule is quest's (configs/default.py)",
+}
+
 
 def get_config():
   c = ml_collections.ConfigDict()

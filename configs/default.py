@@ -19,8 +19,9 @@ from configs import common
 
 
 # Where this config departs from the library's defaults (the train step's components in
-# sparrow_jax/rl/train_step.py and attention.select.SparseConfig, which follow the paper's Qwen3
-# recipe), and why; tests/test_config.py checks that every other field they share agrees.
+# sparrow_jax/rl/train_step.py, attention.select.SparseConfig, rollout.sampler.Sampling and
+# rollout.engine.EngineConfig, which follow the paper's Qwen3 recipe), and why;
+# tests/test_config.py checks that every other field they share agrees.
 DEPARTS_FROM_LIBRARY = {
   "rl.num_minibatches": "4 updates per rollout batch, as the reference interleaves them",
   "rl.remat": "short rows: keeping the attention's output is cheap and saves its second pass",
@@ -30,6 +31,7 @@ DEPARTS_FROM_LIBRARY = {
   "stats.num_bins": "7 bins of 128 tokens cover the rows",
   "rollout.dense_layers": "1 of the tiny model's 2 layers (the paper: 2 of 28)",
   "rollout.page_score": "quest: the tiny model's table reads less KV than mean's at tau 0.86",
+  "rollout.num_top_logprobs": "the top-20 acceptance bound (the reference's statistic) is logged",
 }
 
 

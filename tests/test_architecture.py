@@ -1,6 +1,6 @@
-"""The import structure docs/architecture.md describes: packages import one way (LAYERS),
-module-level imports between the library's modules form no cycle, the model knows nothing of the
-sparsity policy, and the kernels import only their jnp twin from the library."""
+"""The structure docs/architecture.md describes: packages import one way (LAYERS), module-level
+imports between the library's modules form no cycle, the model knows nothing of the sparsity
+policy, the kernels import only their jnp twin from the library, and no signature is long."""
 
 import ast
 import os
@@ -123,3 +123,21 @@ def test_layer_check_sees_an_upward_import():
   assert layer_of("sparrow_jax.model.qwen3") < layer_of("sparrow_jax.rl.trainer")
   assert layer_of("sparrow_jax.sharding") == 0 and layer_of("sparrow_jax") == len(LAYERS) - 1
   assert [d for m, ds in graph.items() for d in ds if layer_of(d) > layer_of(m)]
+
+
+MAX_PARAMS = 11  # "about ten": more is a signature that wants a component config
+
+
+def test_no_long_signatures():
+  """No library function takes more than MAX_PARAMS parameters; the grouped ones live in the
+  component configs (Sampling, Requests, EngineConfig, CalibrationConfig, SparseConfig, ...).
+  Pallas kernel bodies (`_kernel`) take what pallas_call hands them, one ref per operand."""
+  long = []
+  for module, path in _modules().items():
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.FunctionDef) and node.name != "_kernel":
+        a = node.args
+        count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+        if count > MAX_PARAMS:
+          long.append(f"{module}.{node.name} ({count})")
+  assert not long, long

@@ -5,10 +5,13 @@ import dataclasses
 
 import pytest
 
-from configs import default
+from configs import calibrate, default
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch.calibrate import CalibrationConfig
 from sparrow_jax.rl import train_step
+from sparrow_jax.rollout import engine
+from sparrow_jax.rollout.sampler import Sampling
 from sparrow_jax.model.config import PRESETS
 from sparrow_jax.model.hf import hf_tensor_specs
 
@@ -53,18 +56,39 @@ def test_bad_fields_named():
     sj.Qwen3Config.from_hf_dict({"model_type": "llama"})
 
 
-def test_default_config_agrees_with_the_library_defaults():
-  """Each field the default config shares with a library component (the train step's, the sparsity
-  config) has the library's default, or is listed, with why, in default.DEPARTS_FROM_LIBRARY."""
-  c = default.get_config()
-  components = [(f.name, f.default_factory()) for f in dataclasses.fields(train_step.StepConfig)]
+def departures(c, components) -> dict:
+  """ "group.field" -> (config value, library default) where they differ, for the fields a config
+  group shares with a library component."""
   departs = {}
-  for group, library in components + [("rollout", SparseConfig())]:
+  for group, library in components:
     for f in dataclasses.fields(library):
       if f.name in c[group] and c[group][f.name] != getattr(library, f.name):
         departs[f"{group}.{f.name}"] = (c[group][f.name], getattr(library, f.name))
+  return departs
+
+
+def test_default_config_agrees_with_the_library_defaults():
+  """Each field the default config shares with a library component (the train step's, the sparsity
+  config, sampling, the engine) has the library's default, or is listed, with why, in
+  default.DEPARTS_FROM_LIBRARY."""
+  steps = [(f.name, f.default_factory()) for f in dataclasses.fields(train_step.StepConfig)]
+  rollout = [("rollout", x) for x in (SparseConfig(), Sampling(), engine.EngineConfig())]
+  departs = departures(default.get_config(), steps + rollout)
   assert set(departs) == set(default.DEPARTS_FROM_LIBRARY), departs
   assert all(default.DEPARTS_FROM_LIBRARY.values())  # each says why
+
+
+def test_calibrate_config_agrees_with_the_library_defaults():
+  """configs/calibrate.py's calibration and stats groups hold CalibrationConfig's fields, its
+  rollout group the sparsity config's and sampling's: the library's defaults, or listed with why."""
+  components = [("calibration", CalibrationConfig()), ("stats", CalibrationConfig())]
+  components += [("rollout", SparseConfig()), ("rollout", Sampling())]
+  departs = departures(calibrate.get_config(), components)
+  assert set(departs) == set(calibrate.DEPARTS_FROM_LIBRARY), departs
+  assert all(calibrate.DEPARTS_FROM_LIBRARY.values())
+  assert set(calibrate.get_config().calibration) <= {
+    f.name for f in dataclasses.fields(CalibrationConfig)
+  }  # no field the library does not read
 
 
 def test_step_config_reads_its_groups_and_names_the_bad_field():
