@@ -7,22 +7,27 @@ pool; padding slots hold a valid page id and are masked), each page's positions 
 logical id in the row, tokens at positions >= lengths_B[b] masked. An empty selection gives zeros.
 `sparse_decode_attention` reads per-row caches through it (a free reshape).
 
-Grid (B, K): program (b, k) walks its selected pages a block of pages_per_block at a time in an
-in-kernel loop with an online softmax (float32) and writes its [G, E] output. The page list,
-its logical ids, n_valid and lengths are scalar-prefetch operands (SMEM): page ids are scalars the
-kernel turns into DMA addresses. SMEM is small (1 MiB), so a batch whose lists need more than
-SMEM_PREFETCH_BYTES runs as a `lax.map` of calls over row chunks. The caches stay in HBM; each
-block's pages are DMA'd (one copy per page) into one slot of a two-slot VMEM buffer while the
-other slot's block is computed on (double buffering), and only the first
-ceil(n_valid / pages_per_block) blocks are ever copied, so a budget below the static N costs only
-what it reads. Both dots take the common dtype of q and the cache (bf16 stays
-bf16 on the MXU) and accumulate in float32; float32 dots ask for full precision.
+Grid (2, ceil(B * K / 2)): the (row, KV head) pairs in order, split into two contiguous halves,
+one per TensorCore on chips with two (v4, v5p: the "parallel" axis; on one-core chips the halves
+run one after the other). Each program walks its pair's selected pages a block of
+pages_per_block at a time in an in-kernel loop with an online softmax (float32) and writes its
+[G, E] output. The page list, its logical ids, n_valid and lengths are scalar-prefetch operands
+(SMEM): page ids are scalars the kernel turns into DMA addresses. SMEM is small (1 MiB), so a
+batch whose lists need more than SMEM_PREFETCH_BYTES runs as a `lax.map` of calls over row
+chunks. The caches stay in HBM; each block's pages are DMA'd (one copy per page: pages are
+scattered over the pool, so a block of many pages is what puts many bytes in flight) into one
+slot of a two-slot VMEM buffer while the other slot's block is computed on (double buffering).
+Only the listed pages are ever copied (slots past n_valid are skipped, and their V rows zeroed,
+since p = 0 times a stale NaN is NaN), so a budget below the static N costs only what it reads.
+Both dots take the common dtype of q and the cache (bf16 stays bf16 on the MXU) and accumulate in
+float32; float32 dots ask for full precision.
 
-Why the block loop is inside the program, not a grid axis: the block count is dynamic (n_valid),
-and a per-program loop keeps the prefetch chain inside one program, so no DMA or buffer-slot
-state crosses grid steps and both grid axes are independent ("parallel": chips with two
-TensorCores split them). Prefetching across grid steps (as JAX's own paged_attention does) would
-also hide each row's first copy, but forces sequential ("arbitrary") grid semantics.
+Prefetch across grid steps (as JAX's own paged_attention does): a core runs its half of the
+pairs in order (the "arbitrary" axis), and the step that computes a pair's last block starts the
+DMA of the next pair's first block, so only a core's first program waits for a cold copy. An
+empty pair passes its buffer slot on to the next pair's first block; a one-word SMEM scratch
+carries the slot across grid steps. The block loop stays inside the program (the block count is
+dynamic: n_valid).
 
 Padding: nothing requires it (a block equal to the full array dims is legal for any G), but G is
 zero-padded to the sublane tile of q's dtype (8 rows for 32-bit, 16 for bf16) and sliced off
@@ -39,7 +44,9 @@ generic `interpret=True` also runs the kernel, but completes each copy when it s
 passes a kernel that forgets to wait.
 """
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +55,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sparrow_jax.attention import reference
 
-_BLOCK_TOKENS = 128  # default tokens per block: a lane-dense [G, 128] score tile
+_BLOCK_TOKENS = 512  # default tokens per block: 32 pages of 16 in flight per cache and slot
+_CORES = 2  # TensorCores a chip may split a call over (v4, v5p; one on v5e, v6e: a no-op there)
 _SUBLANES = 8  # 32-bit sublane tile; packed dtypes hold 32 // bits rows per sublane
 # Scalar-prefetch bytes one pallas_call may take: half of the 1 MiB of SMEM that v4, v5e, v5p, v6e
 # and TPU7x have (the compiler keeps its own scalars there too). A batch whose page lists need more
@@ -58,19 +66,6 @@ SMEM_PREFETCH_BYTES = 512 * 1024
 
 def _sublane_tile(dtype) -> int:
   return _SUBLANES * 4 // jnp.dtype(dtype).itemsize
-
-
-def _page_copies(
-  j, slot, page_idx_ref, hbm_ref, buf_ref, sem_ref, *, row, page_size, pages_per_block
-):
-  """The DMA descriptors of block j's pages of one (b, k) into buffer slot `slot`."""
-  copies = []
-  for i in range(pages_per_block):
-    page = page_idx_ref[row + j * pages_per_block + i]
-    src = hbm_ref.at[page]
-    dst = buf_ref.at[slot, pl.ds(i * page_size, page_size)]
-    copies.append(pltpu.make_async_copy(src, dst, sem_ref.at[slot]))
-  return copies
 
 
 def _block_mask(logical_idx_ref, first, end, length, *, page_size, pages_per_block):
@@ -110,6 +105,71 @@ def _softmax_step(carry, q_GE, k_TE, v_TE, valid_1T, scale):
   return m_new_G1, l_G1, acc_GE * corr_G1 + pv_GE
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pages:
+  """The page DMAs of one call: block j of (row, KV head) pair p into buffer slot `slot`, one copy
+  per listed page of K and of V. Pages at slots >= the pair's n_valid are neither copied nor
+  waited for, so the tail of a last block reads nothing."""
+
+  page_idx_ref: Any
+  n_valid_ref: Any
+  lengths_ref: Any
+  hbm_refs: tuple  # (K, V) page arrays in HBM
+  buf_refs: tuple  # (K, V) two-slot VMEM buffers
+  sem_refs: tuple  # (K, V) one DMA semaphore per slot
+  kv_heads: int
+  slots_per_row: int
+  page_size: int
+  pages_per_block: int
+
+  def blocks(self, p):
+    """Blocks pair p copies: none for a row with nothing cached (its n_valid alone would fetch)."""
+    n = self.n_valid_ref[p]
+    count = jax.lax.div(n + self.pages_per_block - 1, self.pages_per_block)
+    return jnp.where(self.lengths_ref[jax.lax.div(p, self.kv_heads)] > 0, count, 0)
+
+  def _each_page(self, p, j, act, listed=True):
+    """act(i) for each page i of block j at a listed slot (or, listed=False, at a slot past
+    n_valid)."""
+    first = j * self.pages_per_block
+    for i in range(self.pages_per_block):
+      is_listed = first + i < self.n_valid_ref[p]
+      pl.when(is_listed if listed else ~is_listed)(functools.partial(act, i))
+
+  def _copies(self, p, j, slot, i):
+    page = self.page_idx_ref[p * self.slots_per_row + j * self.pages_per_block + i]
+    rows = pl.ds(i * self.page_size, self.page_size)
+    return [
+      pltpu.make_async_copy(hbm.at[page], buf.at[slot, rows], sem.at[slot])
+      for hbm, buf, sem in zip(self.hbm_refs, self.buf_refs, self.sem_refs)
+    ]
+
+  def start(self, p, j, slot):
+    def act(i):
+      for copy in self._copies(p, j, slot, i):
+        copy.start()
+
+    self._each_page(p, j, act)
+
+  def wait(self, p, j, slot):
+    def act(i):
+      for copy in self._copies(p, j, slot, i):
+        copy.wait()
+
+    self._each_page(p, j, act)
+
+  def zero_unlisted_values(self, p, j, slot):
+    """V rows of the pages not copied hold whatever the slot held (NaN at first, or stale rows):
+    zero them, since p = 0 times NaN is NaN. K needs nothing: masked scores are replaced."""
+    v_buf = self.buf_refs[1]
+
+    def act(i):
+      rows = pl.ds(i * self.page_size, self.page_size)
+      v_buf[slot, rows] = jnp.zeros((self.page_size, v_buf.shape[2]), v_buf.dtype)
+
+    self._each_page(p, j, act, listed=False)
+
+
 def _kernel(
   page_idx_ref,
   logical_idx_ref,
@@ -123,65 +183,88 @@ def _kernel(
   v_buf_ref,
   k_sem_ref,
   v_sem_ref,
+  slot_ref,
   *,
   scale,
   page_size,
   pages_per_block,
   slots_per_row,
+  kv_heads,
+  pairs,
 ):
-  """One (b, k): double-buffered DMA of the selected pages, online softmax over the blocks."""
-  b, k = pl.program_id(0), pl.program_id(1)
-  bk = b * pl.num_programs(1) + k
-  row = bk * slots_per_row
-  n_valid = n_valid_ref[bk]
-  length = lengths_ref[b]
-  # A row with nothing cached copies nothing (n_valid alone would still fetch its pages).
-  n_blocks = jnp.where(length > 0, jax.lax.div(n_valid + pages_per_block - 1, pages_per_block), 0)
-  copies = functools.partial(
-    _page_copies,
-    page_idx_ref=page_idx_ref,
-    row=row,
+  """Program (core, i) computes the (row, KV head) pair core * num_programs(1) + i. Its blocks
+  are double-buffered; its first block was started by the program before it on this core (the
+  first program of a core starts its own), and its last block's step starts the next program's
+  first, so no program waits cold. slot_ref carries across grid steps the buffer slot in which
+  the next program's first block lands."""
+  core, i = pl.program_id(0), pl.program_id(1)
+  per_core = pl.num_programs(1)
+  pair = core * per_core + i
+  pages = _Pages(
+    page_idx_ref,
+    n_valid_ref,
+    lengths_ref,
+    (k_hbm_ref, v_hbm_ref),
+    (k_buf_ref, v_buf_ref),
+    (k_sem_ref, v_sem_ref),
+    kv_heads=kv_heads,
+    slots_per_row=slots_per_row,
     page_size=page_size,
     pages_per_block=pages_per_block,
   )
+  # Pairs past the call's (the last core's padding) have nothing; reads stay in bounds.
+  last = pairs - 1
+  n_blocks = jnp.where(pair < pairs, pages.blocks(jnp.minimum(pair, last)), 0)
+  following = pair + 1
+  next_blocks = jnp.where(
+    (i + 1 < per_core) & (following < pairs), pages.blocks(jnp.minimum(following, last)), 0
+  )
 
-  def start(j, slot):
-    for copy in copies(j, slot, hbm_ref=k_hbm_ref, buf_ref=k_buf_ref, sem_ref=k_sem_ref) + copies(
-      j, slot, hbm_ref=v_hbm_ref, buf_ref=v_buf_ref, sem_ref=v_sem_ref
-    ):
-      copy.start()
-
-  def wait(j, slot, hbm_ref, buf_ref, sem_ref):
-    for copy in copies(j, slot, hbm_ref=hbm_ref, buf_ref=buf_ref, sem_ref=sem_ref):
-      copy.wait()
-
-  @pl.when(n_blocks > 0)
+  @pl.when(i == 0)
   def _():
-    start(0, 0)
+    slot_ref[0] = 0  # a core's first program: nothing in flight
+
+  first_slot = slot_ref[0]
+
+  @pl.when((i == 0) & (n_blocks > 0))
+  def _():
+    pages.start(pair, 0, first_slot)
+
+  # An empty program hands its slot straight to the next program's first block.
+  @pl.when((n_blocks == 0) & (next_blocks > 0))
+  def _():
+    pages.start(following, 0, first_slot)
 
   # Dots in the common type of q and the cache: bf16 with bf16 stays bf16 on the MXU.
   dot_dtype = jnp.promote_types(q_ref.dtype, k_buf_ref.dtype)
   q_GE = q_ref[...].astype(dot_dtype)
   G, E = q_GE.shape
+  length = lengths_ref[jax.lax.div(jnp.minimum(pair, last), kv_heads)]
+  row = pair * slots_per_row
 
   def body(j, carry):
-    slot = j % 2
+    slot = (first_slot + j) & 1
 
-    # The other slot's block was consumed last iteration: refill it while this one computes.
+    # The other slot's block was consumed last step: refill it (this pair's next block, or after
+    # the last one the next program's first) while this one computes.
     @pl.when(j + 1 < n_blocks)
     def _():
-      start(j + 1, 1 - slot)
+      pages.start(pair, j + 1, 1 - slot)
+
+    @pl.when((j + 1 == n_blocks) & (next_blocks > 0))
+    def _():
+      pages.start(following, 0, 1 - slot)
 
     valid_1T = _block_mask(
       logical_idx_ref,
       row + j * pages_per_block,
-      row + n_valid,
+      row + n_valid_ref[jnp.minimum(pair, last)],
       length,
       page_size=page_size,
       pages_per_block=pages_per_block,
     )
-    wait(j, slot, k_hbm_ref, k_buf_ref, k_sem_ref)
-    wait(j, slot, v_hbm_ref, v_buf_ref, v_sem_ref)
+    pages.wait(pair, j, slot)
+    pages.zero_unlisted_values(pair, j, slot)
     return _softmax_step(
       carry,
       q_GE,
@@ -197,11 +280,12 @@ def _kernel(
     jnp.zeros((G, E), jnp.float32),
   )
   _, l_G1, acc_GE = jax.lax.fori_loop(0, n_blocks, body, init)
+  slot_ref[0] = (first_slot + n_blocks) & 1
   o_ref[...] = (acc_GE / jnp.where(l_G1 == 0.0, 1.0, l_G1)).astype(o_ref.dtype)
 
 
 def default_pages_per_block(N: int, page_size: int) -> int:
-  """Pages per DMA / compute block unless the caller says: 128 tokens, at most the N listed."""
+  """Pages per DMA / compute block unless the caller says: 512 tokens, at most the N listed."""
   return max(1, min(N, _BLOCK_TOKENS // page_size))
 
 
@@ -233,7 +317,7 @@ def paged_decode_attention(
 ):
   """Pallas TPU twin of reference.paged_decode_attention (same arguments, same result).
 
-  Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 128 tokens, at
+  Kernel-only knobs: pages_per_block (pages per DMA/compute block; default fills 512 tokens, at
   most N), interpret (pallas_call's; default: TPU interpret mode, pltpu.InterpretParams(),
   unless the backend is a TPU) and smem_bytes (the scalar prefetch one call may take; a batch
   that needs more runs as a loop of calls over row chunks, `rows_per_call`).
@@ -269,29 +353,39 @@ def paged_decode_attention(
   q_BKGE_padded = jnp.pad(q_BKGE, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   T = pages_per_block * page_size
 
+  pairs = rows * K
+  per_core = -(-pairs // _CORES)
   kernel = functools.partial(
     _kernel,
     scale=scale,
     page_size=page_size,
     pages_per_block=pages_per_block,
     slots_per_row=slots_per_row,
+    kv_heads=K,
+    pairs=pairs,
   )
-  qo_spec = pl.BlockSpec((None, None, Gp, E), lambda b, k, *_: (b, k, 0, 0))
+  qo_spec = pl.BlockSpec((None, Gp, E), lambda core, i, *_: (core * per_core + i, 0, 0))
   hbm_spec = pl.BlockSpec(memory_space=pl.ANY)
   buf = pltpu.VMEM((2, T, E), k_pages_XZE.dtype)  # two slots: one DMA'd into, one computed on
+  dma = pltpu.SemaphoreType.DMA((2,))
   call = pl.pallas_call(
     kernel,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=4,
-      grid=(rows, K),
+      grid=(_CORES, per_core),
       in_specs=[qo_spec, hbm_spec, hbm_spec],
       out_specs=qo_spec,
-      scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
+      scratch_shapes=[buf, buf, dma, dma, pltpu.SMEM((1,), jnp.int32)],
     ),
-    out_shape=jax.ShapeDtypeStruct((rows, K, Gp, E), q_BKGE.dtype),
-    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+    out_shape=jax.ShapeDtypeStruct((_CORES * per_core, Gp, E), q_BKGE.dtype),
+    # A core walks its pairs in order (the prefetch crosses its grid steps); the cores are apart.
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
     interpret=interpret,
     name="sparse_decode_tpu",
+  )
+  # The pairs of a call in grid order, the last core's tail padded with empty pairs.
+  to_pairs = lambda q_RKGE: jnp.pad(
+    q_RKGE.reshape(pairs, Gp, E), ((0, _CORES * per_core - pairs), (0, 0), (0, 0))
   )
 
   def one_chunk(args):
@@ -301,10 +395,10 @@ def paged_decode_attention(
       flat(logical_idx),
       n_valid.astype(jnp.int32).reshape(-1),
       lengths.astype(jnp.int32),
-      q,
+      to_pairs(q),
       k_pages_XZE,
       v_pages_XZE,
-    )
+    )[:pairs].reshape(rows, K, Gp, E)
 
   args = (page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B, q_BKGE_padded)
   if chunks == 1:

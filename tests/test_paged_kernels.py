@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from kernels import sparse_decode, sparse_decode_tpu
 from sparrow_jax.attention import reference
@@ -141,3 +142,63 @@ def test_tpu_kernel_splits_a_batch_whose_page_lists_overflow_smem():
   assert sparse_decode_tpu.rows_per_call(64, 8, 2048, sparse_decode_tpu.SMEM_PREFETCH_BYTES) == 3
   with pytest.raises(ValueError, match="exceed the 1000 bytes of SMEM"):
     sparse_decode_tpu.rows_per_call(4, 8, 2048, 1000)
+
+
+def _tpu_edge_inputs(n_valid_P, lengths_B, K, seed=3, G=2, E=16, Z=8, X=24, N=7):
+  """Random pool and page lists (any ids and logical ids: the twin masks exactly what the kernel
+  must) with the given n_valid per (row, KV head) pair in grid order and row lengths."""
+  rng = np.random.default_rng(seed)
+  B = len(lengths_B)
+  q = rng.standard_normal((B, K, G, E))
+  k_pages, v_pages = rng.standard_normal((2, X, Z, E))
+  return (
+    jnp.asarray(q, jnp.float32),
+    jnp.asarray(k_pages, jnp.float32),
+    jnp.asarray(v_pages, jnp.float32),
+    jnp.asarray(rng.integers(0, X, (B, K, N)), jnp.int32),
+    jnp.asarray(rng.integers(0, X // 2, (B, K, N)), jnp.int32),
+    jnp.asarray(n_valid_P, jnp.int32).reshape(B, K),
+    jnp.asarray(lengths_B, jnp.int32),
+  )
+
+
+# n_valid per pair in grid order, blocks of 3 pages, 9 pairs = 2 cores x 5 (the last one padding):
+# core 0 starts empty, then 1 page, a whole block, an empty pair between two with pages, and ends
+# short of a block; core 1 starts with a row that lists pages but caches nothing, then an empty
+# pair, one page past a block, and all 7 (3 blocks, the last with 1 page).
+EDGE_N_VALID = [0, 1, 3, 0, 2, 5, 0, 4, 7]
+EDGE_LENGTHS = [90, 17, 60, 1, 96, 0, 40, 96, 70]
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_tpu_kernel_prefetch_crosses_programs_at_every_edge(cores):
+  """Each program's first block is started by the program before it on its core (a core's first
+  program starts its own; an empty program passes its slot on): equal to the twin with the grid's
+  two halves on one simulated core or on two, DMAs landing only when waited for."""
+  args = _tpu_edge_inputs(EDGE_N_VALID, EDGE_LENGTHS, K=1)
+  want = jax.jit(reference.paged_decode_attention)(*args)
+  kernel = functools.partial(
+    sparse_decode_tpu.paged_decode_attention,
+    pages_per_block=3,
+    interpret=pltpu.InterpretParams(num_cores_or_threads=cores),
+  )
+  got = np.asarray(jax.jit(kernel)(*args))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_array_equal(got[[0, 3, 5, 6]], 0.0)  # empty pairs give zeros
+  # The same pairs as 3 rows of 3 KV heads: pairs of one row on both cores.
+  args3 = _tpu_edge_inputs(EDGE_N_VALID, EDGE_LENGTHS[::3], K=3)
+  got3 = jax.jit(kernel)(*args3)
+  np.testing.assert_allclose(got3, jax.jit(reference.paged_decode_attention)(*args3), atol=1e-5)
+
+
+def test_tpu_kernel_copies_no_page_past_n_valid_inside_a_block():
+  """Page 5 holds NaN and sits only in slots past n_valid inside the last block (3 pages a block):
+  it is not copied, and the V rows it would fill are zeroed, so the output stays the twin's."""
+  args = list(_tpu_edge_inputs([2, 4], [96, 96], K=1, X=8))
+  args[3] = jnp.asarray([[[0, 1, 5, 5, 5, 5, 5]], [[2, 3, 4, 6, 5, 5, 5]]], jnp.int32)
+  want = jax.jit(reference.paged_decode_attention)(*args)
+  args[1], args[2] = (pages.at[5].set(jnp.nan) for pages in args[1:3])
+  got = jax.jit(functools.partial(sparse_decode_tpu.paged_decode_attention, pages_per_block=3))(
+    *args
+  )
+  np.testing.assert_allclose(got, want, atol=1e-5)

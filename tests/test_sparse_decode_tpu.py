@@ -133,15 +133,18 @@ def test_kernel_lowers_to_mosaic_for_tpu():
   module = exported.mlir_module()
   assert module.count("@tpu_custom_call(") == 1
   kernel = _mosaic_text(module)
-  assert "iteration_bounds = array<i64: 4, 8>" in kernel  # grid (B, K)
-  assert "#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<parallel>" in kernel
+  # grid (cores, B * K / cores): the pair axis in order, for the prefetch across programs
+  assert "iteration_bounds = array<i64: 2, 16>" in kernel
+  assert "#tpu.dimension_semantics<parallel>, #tpu.dimension_semantics<arbitrary>" in kernel
   assert "scalar_prefetch = 4" in kernel  # page ids, their logical ids, n_valid, lengths
+  assert "memref<1xi32, #tpu.memory_space<smem>>" in kernel  # the slot carried across programs
   # the caches as one flat page array (B * K * P pages), in HBM
   assert kernel.count("memref<2048x16x128xbf16, #tpu.memory_space<any>>, ") >= 2
-  assert "memref<2x128x128xbf16, #tpu.memory_space<vmem>>" in kernel  # 2 slots x 8 pages x 16
+  assert "memref<2x256x128xbf16, #tpu.memory_space<vmem>>" in kernel  # 2 slots x 16 pages x 16
   page_dma = r"tpu.enqueue_dma source\(%\w+ : memref<16x128xbf16, #tpu.memory_space<any>>\)"
   assert re.search(page_dma, kernel)
   assert "tpu.wait_dma2" in kernel
   # Both dots: bf16 operands, float32 accumulation; G padded to 16 rows (one bf16 sublane tile).
-  bf16_dot = "vector<16x128xbf16>, vector<128x128xbf16>, vector<16x128xf32> -> vector<16x128xf32>"
-  assert kernel.count(bf16_dot) >= 2
+  scores = "vector<16x128xbf16>, vector<256x128xbf16>, vector<16x256xf32> -> vector<16x256xf32>"
+  weighted = "vector<16x256xbf16>, vector<256x128xbf16>, vector<16x128xf32> -> vector<16x128xf32>"
+  assert scores in kernel and weighted in kernel
