@@ -1,7 +1,8 @@
 """experiments/cost_report.py: predicted sparse-rollout speedups (the paper's eFLOPs model and a
 roofline time model) vs the paper's measured ones.
 
-  python experiments/cost_report.py --config=configs/cost_report.py [--config.measure=False]
+  python experiments/cost_report.py --config=configs/cost_report.py [--config.measure=False] \\
+      [--config.out=docs/results/cost_model.json]
 """
 
 import ml_collections
@@ -31,4 +32,6 @@ def get_config():
   #                                    working memory (the 14B's bf16 weights are 30 GB)
   c.engine_slots = 256  # the engine's slots per device: enough that the pool, not the
   #                                    slot count, bounds the rows in flight
+  c.out = ""  # also write the figures here, a results record (JSON with
+  #                                    the command, commit, machine and date); "" = print only
   return c

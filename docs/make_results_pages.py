@@ -265,12 +265,183 @@ def quantile_page(records) -> str:
   return "\n".join(lines)
 
 
+def _cost_setting(r) -> list:
+  """The settings line of a cost_report record: what every table of the page assumes."""
+  c, a = r["config"], r["assumptions"]
+  lines = [
+    f"tau {c['tau']:g} (the published schedules; pages of 16 tokens, the first 2 layers dense, "
+    f"mean-key page scores), prompt {c['prompt_len']} tokens, cutoff "
+    f"{c['gen_len']} tokens, {c['n_samples']} samples per prompt. Roofline on {a['hardware']} "
+    f"({a['peak_tflops']:.0f} TFLOP/s, {a['bandwidth_gbs']:.0f} GB/s), one device: "
+    f"{c['batch_per_device']:g} rows start together; response lengths geometric with mean "
+    f"{c['mean_len_frac']:g} x cutoff = {a['mean_tokens']:.0f} tokens, the "
+    f"{a['cut_share']:.0%} still running cut at the cutoff; page selection "
+    f"{'counted' if c['page_selection'] else 'left out'}. Error = predicted / measured - 1.",
+  ]
+  if c["gen_len"] != r["paper_cutoff"]:
+    lines.append(
+      f"The measured speedups are at a {r['paper_cutoff']}-token cutoff: the errors compare "
+      "different settings."
+    )
+  return lines
+
+
+def _cost_comparison(r) -> list:
+  f = r["comparison"]
+  lines = [
+    "## Predicted vs measured",
+    "",
+    "| model | params | eFLOPs (paper's model) | roofline | measured (paper, 4x H200) | "
+    "peak GB / device |",
+    "|---|---|---|---|---|---|",
+  ]
+  for model, m in f["models"].items():
+    lines.append(
+      f"| {model} | {m['params_b']:.2f}B | {m['eflops']:.2f}x ({m['eflops_error']:+.0%}) | "
+      f"{m['roofline']:.2f}x ({m['roofline_error']:+.0%}) | {m['measured']:.2f}x | "
+      f"{m['peak_gb']:.0f} |"
+    )
+  within = ", ".join(f"{name} {n} of {len(f['models'])}" for name, n in f["within"].items())
+  a = r["absolute_rate"]
+  gpus = a["gpus"]
+  return lines + [
+    "",
+    f"Within {f['aim']:.0%} of the measured speedup: **{within}**. Peak GB: weights + the "
+    "largest KV the running rows hold at once (an H200 has 141 GB).",
+    "",
+    f"Absolute rate, {a['model']}, generated tokens/s per GPU: roofline dense "
+    f"{a['roofline_dense']:.0f}, sparse {a['roofline_sparse']:.0f}; measured "
+    f"{a['measured_dense'] / gpus:.0f}, {a['measured_sparse'] / gpus:.0f} (the paper: "
+    f"{a['measured_dense']} and {a['measured_sparse']} on {gpus} GPUs), so the real rollouts "
+    f"run at **{a['share_dense']:.0%}** (dense) and **{a['share_sparse']:.0%}** (sparse) of "
+    "the roofline.",
+    "",
+  ]
+
+
+def _cost_sensitivity(r) -> list:
+  f, c = r["sensitivity"], r["config"]
+  mark = lambda value, configured: f"{value:g}{'*' if value == configured else ''}"
+  means = [f"mean {mark(m, c['mean_len_frac'])}" for m in f["mean_len_fracs"]]
+  batches = [f"rows {mark(b, c['batch_per_device'])}" for b in f["batches"]]
+  heads = means + batches + ["no selection"]
+  lines = [
+    "## Roofline speedup as its assumptions change",
+    "",
+    "Mean response length / cutoff, rows per device, and page selection left out, one at a "
+    "time (* = the configured value, the table above).",
+    "",
+    "| model | " + " | ".join(heads) + " |",
+    "|---" * (len(heads) + 1) + "|",
+  ]
+  for model, m in f["models"].items():
+    cells = [f"{s:.2f}x" for s in m["by_mean"] + m["by_batch"] + [m["no_selection"]]]
+    lines.append(f"| {model} | " + " | ".join(cells) + " |")
+  return lines + [""]
+
+
+def _cost_engine(r) -> list:
+  f, c, a = r["engine"], r["config"], r["absolute_rate"]
+  rate = lambda m, s, n: m[s][n]["tokens_per_s"]
+  lines = [
+    "## Static batch vs engine",
+    "",
+    f"Roofline on {c['roofline_hardware']}, one device in steady state, {c['pool_gb']:g} GB of "
+    "KV pool: the static batch allocates every row at the cutoff (finished rows stop costing, "
+    f"the batch waits for its longest); the engine ({c['engine_slots']} slots) refills slots "
+    "and takes pages as rows grow. Generated tokens/s per device (rows in flight).",
+    "",
+    "| model | static dense | static sparse | engine dense | engine sparse | engine / static "
+    "(dense, sparse) | sparse / dense (static, engine) |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for model, m in f.items():
+    cell = lambda s, n: f"{rate(m, s, n):.0f} ({m[s][n]['rows']:.1f})"
+    ratio = lambda a, b: f"{rate(m, *a) / rate(m, *b):.2f}x"
+    lines.append(
+      f"| {model} | {cell('static', 'dense')} | {cell('static', 'sparse')} | "
+      f"{cell('engine', 'dense')} | {cell('engine', 'sparse')} | "
+      f"{ratio(('engine', 'dense'), ('static', 'dense'))}, "
+      f"{ratio(('engine', 'sparse'), ('static', 'sparse'))} | "
+      f"{ratio(('static', 'sparse'), ('static', 'dense'))}, "
+      f"{ratio(('engine', 'sparse'), ('engine', 'dense'))} |"
+    )
+  m, gpus = f[a["model"]], a["gpus"]
+  return lines + [
+    "",
+    f"{a['model']} per GPU, measured by the paper ({gpus}x H200): dense "
+    f"{a['measured_dense'] / gpus:.0f}, sparse {a['measured_sparse'] / gpus:.0f} tok/s; "
+    f"predicted static {rate(m, 'static', 'dense'):.0f} / {rate(m, 'static', 'sparse'):.0f}, "
+    f"engine {rate(m, 'engine', 'dense'):.0f} / {rate(m, 'engine', 'sparse'):.0f}.",
+    "",
+  ]
+
+
+def _cost_hardware(r) -> list:
+  f, p = r["eflops_by_hardware"], r["page_sizes"]
+  names = list(f["hardware"])
+  lines = [
+    "## eFLOPs model per hardware",
+    "",
+    "Every sample to the cutoff; I = peak FLOP/s / bandwidth, the FLOPs a byte moved costs.",
+    "",
+    "| hardware | TFLOP/s | GB/s | I (FLOP/byte) | KV element bytes |",
+    "|---|---|---|---|---|",
+  ]
+  for name, hw in f["hardware"].items():
+    lines.append(
+      f"| {name} | {hw['peak_tflops']:.3f} | {hw['bandwidth_gbs']:.1f} | "
+      f"{hw['intensity']:.1f} | {hw['dtype_bytes']} |"
+    )
+  lines += [
+    "",
+    "| model | max pages | " + " | ".join(names) + " |",
+    "|---" * (len(names) + 2) + "|",
+  ]
+  for model, m in f["models"].items():
+    cells = " | ".join(f"{m['speedups'][name]:.2f}x" for name in names)
+    lines.append(f"| {model} | {m['max_pages']} | {cells} |")
+  lines += [
+    "",
+    "## Page sizes",
+    "",
+    "eFLOPs speedup on h200 at the same token budget, rounded up to whole pages.",
+    "",
+    "| model | " + " | ".join(f"page {z}" for z in p["page_sizes"]) + " |",
+    "|---" * (len(p["page_sizes"]) + 1) + "|",
+  ]
+  for model, by_size in p["models"].items():
+    lines.append(f"| {model} | " + " | ".join(f"{s:.2f}x" for s in by_size) + " |")
+  return lines + [""]
+
+
+def cost_model_page(records) -> str:
+  """docs/results/cost_model.md from experiments/cost_report.py's record."""
+  lines = [
+    "# Predicted rollout speedups: cost models vs the paper (predicted)",
+    "",
+    "`experiments/cost_report.py` prices dense and sparse rollouts of the paper's four models "
+    "with two analytic models, the paper's eFLOPs model (`cost_model.rollout_speedup`) and a "
+    "roofline time model of one device's batch (`cost_model.roofline_speedup`), beside the "
+    "speedups Sparrow measured (4x H200, AIME24 x 8 samples, 32K cutoff). Nothing here is "
+    "timed; the assumptions and why the models differ are in "
+    "[cost_model.md](../cost_model.md).",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    lines += [_provenance(record), "", *_cost_setting(r), ""]
+    lines += _cost_comparison(r) + _cost_sensitivity(r) + _cost_engine(r) + _cost_hardware(r)
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
   "triton_sm90.md": ("triton_sm90.json", triton_page),
   "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
+  "cost_model.md": ("cost_model.json", cost_model_page),
 }
 
 

@@ -1,7 +1,8 @@
 """Predicted sparse-rollout speedups from two cost models, beside the paper's measurements.
 
   python experiments/cost_report.py --config=configs/cost_report.py \\
-      [--config.batch_per_device=60 --config.mean_len_frac=0.5 --config.measure=False]
+      [--config.batch_per_device=60 --config.mean_len_frac=0.5 --config.measure=False] \\
+      [--config.out=docs/results/cost_model.json]
 
 The paper's eFLOPs model (`cost_model.rollout_speedup`) prices one prompt's samples all running to
 the cutoff, without weight reads or prefill. The roofline model (`cost_model.roofline_speedup`)
@@ -10,13 +11,16 @@ rows stopping at different lengths, prefill. Both are printed with their relativ
 the measured speedups (Sparrow, 4x H200, AIME24 x 8 samples, 32K cutoff), then the roofline's
 sensitivity to its two stated assumptions, the eFLOPs model per hardware, and page sizes. The
 static batch and the engine are priced side by side (`cost_model.roofline_static_rate`,
-`roofline_engine_rate`) in one pool of KV memory per device.
+`roofline_engine_rate`) in one pool of KV memory per device. Each part is computed as a dict of
+figures, printed from it, and with `--config.out` written as a results record
+(docs/make_results_pages.py renders docs/results/cost_model.md from it).
 """
 
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from sparrow_jax import records
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.sparsity.schedule import KVSchedule
 
@@ -49,9 +53,20 @@ def _roofline(config, model, **overrides):
   )
 
 
-def _print_assumptions(config):
+def assumptions(config) -> dict:
+  """The roofline's hardware and the response lengths its stated assumptions give."""
   hw = cost_model.get_hardware(config.roofline_hardware)
   alive = cost_model.running_fraction(config.gen_len, config.mean_len_frac)
+  return dict(
+    hardware=hw.name,
+    peak_tflops=hw.peak_flops / 1e12,
+    bandwidth_gbs=hw.mem_bandwidth / 1e9,
+    mean_tokens=float(alive.sum()),
+    cut_share=float(alive[-1]),
+  )
+
+
+def _print_assumptions(config, fig):
   print(
     f"Predicted rollout speedup at tau {config.tau:.2f} (published schedules, page size 16, "
     f"first 2 layers dense), prompt {config.prompt_len} tokens, generation {config.gen_len} "
@@ -62,8 +77,8 @@ def _print_assumptions(config):
     "reaching the cutoff; no weight reads, no prefill."
   )
   print(
-    f"  roofline on {hw.name} ({hw.peak_flops / 1e12:.0f} TFLOP/s, "
-    f"{hw.mem_bandwidth / 1e9:.0f} GB/s), one device: each decode step lasts "
+    f"  roofline on {fig['hardware']} ({fig['peak_tflops']:.0f} TFLOP/s, "
+    f"{fig['bandwidth_gbs']:.0f} GB/s), one device: each decode step lasts "
     "max(FLOPs / peak, bytes / bandwidth), summed over steps, plus prefill."
   )
   print(
@@ -73,8 +88,8 @@ def _print_assumptions(config):
   )
   print(
     f"    - response lengths: a constant chance of stopping per token, mean "
-    f"{config.mean_len_frac:.2f} x cutoff = {alive.sum():.0f} tokens, the {alive[-1]:.0%} "
-    "still running cut at the cutoff; the batch shrinks as rows finish."
+    f"{config.mean_len_frac:.2f} x cutoff = {fig['mean_tokens']:.0f} tokens, the "
+    f"{fig['cut_share']:.0%} still running cut at the cutoff; the batch shrinks as rows finish."
   )
   print(
     f"    - page selection {'on' if config.page_selection else 'OFF'}: per sparse layer and KV "
@@ -91,12 +106,10 @@ def _print_assumptions(config):
     )
 
 
-def _print_comparison(config):
-  print(
-    f"\n{'model':11s} {'params':>7s} {'eFLOPs':>7s} {'error':>6s} {'roofline':>8s} "
-    f"{'error':>6s} {'paper (4x H200)':>15s} {'peak GB/device':>15s}"
-  )
-  within = {"eFLOPs": 0, "roofline": 0}
+def comparison(config) -> dict:
+  """Per model: both predictions, their relative errors against the paper's measured speedup, and
+  the peak memory the roofline's batch holds; `within` counts the errors within AIM."""
+  models = {}
   for model, measured in PAPER_SPEEDUP.items():
     eflops = cost_model.rollout_speedup(
       model,
@@ -107,9 +120,6 @@ def _print_comparison(config):
       config.roofline_hardware,
     )
     roofline = _roofline(config, model)
-    errors = {"eFLOPs": eflops / measured - 1, "roofline": roofline / measured - 1}
-    for name, error in errors.items():
-      within[name] += abs(error) <= AIM
     peak = cost_model.peak_memory_bytes(
       model,
       config.prompt_len,
@@ -118,25 +128,48 @@ def _print_comparison(config):
       mean_len_frac=config.mean_len_frac,
       hardware=config.roofline_hardware,
     )
+    models[model] = dict(
+      params_b=cost_model.param_count(model) / 1e9,
+      eflops=eflops,
+      eflops_error=eflops / measured - 1,
+      roofline=roofline,
+      roofline_error=roofline / measured - 1,
+      measured=measured,
+      peak_gb=float(peak) / 1e9,
+    )
+  within = {
+    name: sum(abs(m[f"{key}_error"]) <= AIM for m in models.values())
+    for name, key in (("eFLOPs", "eflops"), ("roofline", "roofline"))
+  }
+  return dict(aim=AIM, models=models, within=within)
+
+
+def _print_comparison(fig):
+  print(
+    f"\n{'model':11s} {'params':>7s} {'eFLOPs':>7s} {'error':>6s} {'roofline':>8s} "
+    f"{'error':>6s} {'paper (4x H200)':>15s} {'peak GB/device':>15s}"
+  )
+  for model, m in fig["models"].items():
     print(
-      f"{model:11s} {cost_model.param_count(model) / 1e9:6.2f}B {eflops:6.2f}x "
-      f"{errors['eFLOPs']:+6.0%} {roofline:7.2f}x {errors['roofline']:+6.0%} "
-      f"{measured:14.2f}x {peak / 1e9:15.0f}"
+      f"{model:11s} {m['params_b']:6.2f}B {m['eflops']:6.2f}x "
+      f"{m['eflops_error']:+6.0%} {m['roofline']:7.2f}x {m['roofline_error']:+6.0%} "
+      f"{m['measured']:14.2f}x {m['peak_gb']:15.0f}"
     )
   print(
-    f"Within {AIM:.0%} of the measured speedup: "
-    + ", ".join(f"{name} {n} of {len(PAPER_SPEEDUP)}" for name, n in within.items())
+    f"Within {fig['aim']:.0%} of the measured speedup: "
+    + ", ".join(f"{name} {n} of {len(fig['models'])}" for name, n in fig["within"].items())
     + ". Peak GB: weights + the largest KV the running rows hold at once (H200: 141 GB)."
   )
 
 
-def _print_absolute_rate(config):
+def absolute_rate(config) -> dict:
+  """The roofline's generated tokens/s per GPU for PAPER_RATE's model beside the paper's rate."""
   model, dense_rate, sparse_rate, gpus = PAPER_RATE
   tokens = config.batch_per_device * np.sum(
     cost_model.running_fraction(config.gen_len, config.mean_len_frac)
   )
   rates = [
-    tokens
+    float(tokens)
     / cost_model.roofline_rollout_time(
       model,
       schedule,
@@ -150,25 +183,66 @@ def _print_absolute_rate(config):
     )
     for schedule in (None, KVSchedule.paper(model, config.tau))
   ]
+  return dict(
+    model=model,
+    gpus=gpus,
+    measured_dense=dense_rate,
+    measured_sparse=sparse_rate,
+    roofline_dense=rates[0],
+    roofline_sparse=rates[1],
+    share_dense=dense_rate / gpus / rates[0],
+    share_sparse=sparse_rate / gpus / rates[1],
+  )
+
+
+def _print_absolute_rate(fig):
+  gpus = fig["gpus"]
   print(
-    f"Absolute rate, {model}, generated tokens/s per GPU: roofline dense {rates[0]:.0f}, "
-    f"sparse {rates[1]:.0f}; measured {dense_rate / gpus:.0f}, {sparse_rate / gpus:.0f} "
-    f"({dense_rate} and {sparse_rate} on {gpus} GPUs). Under these assumptions the real "
-    f"rollouts run at {dense_rate / gpus / rates[0]:.0%} and "
-    f"{sparse_rate / gpus / rates[1]:.0%} of the roofline: costs it leaves out are large, and "
+    f"Absolute rate, {fig['model']}, generated tokens/s per GPU: roofline dense "
+    f"{fig['roofline_dense']:.0f}, sparse {fig['roofline_sparse']:.0f}; measured "
+    f"{fig['measured_dense'] / gpus:.0f}, {fig['measured_sparse'] / gpus:.0f} "
+    f"({fig['measured_dense']} and {fig['measured_sparse']} on {gpus} GPUs). Under these "
+    f"assumptions the real rollouts run at {fig['share_dense']:.0%} and "
+    f"{fig['share_sparse']:.0%} of the roofline: costs it leaves out are large, and "
     "those that do not scale with the bytes read (per-step launches, sampling, scheduling) "
     "lower the speedup most where steps are shortest."
   )
 
 
-def _print_engine(config):
-  """Static batch vs engine per model, and the paper's absolute rate beside both."""
+def engine(config) -> dict:
+  """Per model, {"static"|"engine": {"dense"|"sparse": {tokens_per_s, rows}}}: generated tokens/s
+  per device and rows in flight of the static batch and the engine in one pool."""
   kw = dict(
     mean_len_frac=config.mean_len_frac,
     n_samples=config.n_samples,
     hardware=config.roofline_hardware,
     page_selection=config.page_selection,
   )
+  models = {}
+  for model in PAPER_SPEEDUP:
+    pool = config.pool_gb * 1e9 / cost_model.kv_bytes_per_token(model, config.roofline_hardware)
+    rates = {"static": {}, "engine": {}}
+    for name, schedule in (("dense", None), ("sparse", KVSchedule.paper(model, config.tau))):
+      rates["static"][name] = cost_model.roofline_static_rate(
+        model, schedule, config.prompt_len, config.gen_len, pool_tokens=pool, **kw
+      )
+      rates["engine"][name] = cost_model.roofline_engine_rate(
+        model,
+        schedule,
+        config.prompt_len,
+        config.gen_len,
+        slots=config.engine_slots,
+        pool_tokens=pool,
+        **kw,
+      )
+    models[model] = {
+      setting: {name: dict(tokens_per_s=r[0], rows=r[1]) for name, r in by_name.items()}
+      for setting, by_name in rates.items()
+    }
+  return models
+
+
+def _print_engine(config, fig, rate):
   print(
     f"\nStatic batch vs engine (rollout/engine.py), roofline on {config.roofline_hardware}, one "
     f"device in steady state, {config.pool_gb:g} GB of KV pool, prompt {config.prompt_len}, "
@@ -181,24 +255,9 @@ def _print_engine(config):
     f"{'model':11s} {'static dense':>16s} {'static sparse':>16s} {'engine dense':>16s} "
     f"{'engine sparse':>16s} {'engine/static':>15s} {'sparse/dense':>15s}"
   )
-  rates = {}
-  for model in PAPER_SPEEDUP:
-    pool = config.pool_gb * 1e9 / cost_model.kv_bytes_per_token(model, config.roofline_hardware)
-    for name, schedule in (("dense", None), ("sparse", KVSchedule.paper(model, config.tau))):
-      rates[model, "static", name] = cost_model.roofline_static_rate(
-        model, schedule, config.prompt_len, config.gen_len, pool_tokens=pool, **kw
-      )
-      rates[model, "engine", name] = cost_model.roofline_engine_rate(
-        model,
-        schedule,
-        config.prompt_len,
-        config.gen_len,
-        slots=config.engine_slots,
-        pool_tokens=pool,
-        **kw,
-      )
-    cell = lambda s, n: f"{rates[model, s, n][0]:7.0f} ({rates[model, s, n][1]:5.1f})"
-    ratio = lambda a, b: rates[model, *a][0] / rates[model, *b][0]
+  for model, m in fig.items():
+    cell = lambda s, n: f"{m[s][n]['tokens_per_s']:7.0f} ({m[s][n]['rows']:5.1f})"
+    ratio = lambda a, b: m[a[0]][a[1]]["tokens_per_s"] / m[b[0]][b[1]]["tokens_per_s"]
     print(
       f"{model:11s} {cell('static', 'dense'):>16s} {cell('static', 'sparse'):>16s} "
       f"{cell('engine', 'dense'):>16s} {cell('engine', 'sparse'):>16s} "
@@ -207,20 +266,36 @@ def _print_engine(config):
       f"{ratio(('static', 'sparse'), ('static', 'dense')):6.2f}/"
       f"{ratio(('engine', 'sparse'), ('engine', 'dense')):.2f}x"
     )
-  model, dense_rate, sparse_rate, gpus = PAPER_RATE
+  m, gpus = fig[rate["model"]], rate["gpus"]
   print(
-    f"  {model} per GPU, measured by the paper (Table 2, {gpus}x H200, AIME24 x 8, 32K): "
-    f"dense {dense_rate / gpus:.0f}, sparse {sparse_rate / gpus:.0f} tok/s; predicted static "
-    f"{rates[model, 'static', 'dense'][0]:.0f} / {rates[model, 'static', 'sparse'][0]:.0f}, "
-    f"engine {rates[model, 'engine', 'dense'][0]:.0f} / "
-    f"{rates[model, 'engine', 'sparse'][0]:.0f} (engine/static ratios read as cells above; "
+    f"  {rate['model']} per GPU, measured by the paper (Table 2, {gpus}x H200, AIME24 x 8, "
+    f"32K): dense {rate['measured_dense'] / gpus:.0f}, sparse "
+    f"{rate['measured_sparse'] / gpus:.0f} tok/s; predicted static "
+    f"{m['static']['dense']['tokens_per_s']:.0f} / {m['static']['sparse']['tokens_per_s']:.0f}, "
+    f"engine {m['engine']['dense']['tokens_per_s']:.0f} / "
+    f"{m['engine']['sparse']['tokens_per_s']:.0f} (engine/static ratios read as cells above; "
     "sparse/dense: static / engine)."
   )
 
 
-def _print_sensitivity(config):
+def sensitivity(config) -> dict:
+  """The roofline speedup per model over mean lengths and rows per device (each with the
+  configured value), and without page selection."""
   means = sorted(set(MEAN_LEN_FRACS) | {config.mean_len_frac}, reverse=True)
   batches = sorted(set(BATCHES) | {config.batch_per_device})
+  models = {
+    model: dict(
+      by_mean=[_roofline(config, model, mean_len_frac=m) for m in means],
+      by_batch=[_roofline(config, model, batch_per_device=b) for b in batches],
+      no_selection=_roofline(config, model, page_selection=False),
+    )
+    for model in PAPER_SPEEDUP
+  }
+  return dict(mean_len_fracs=means, batches=batches, models=models)
+
+
+def _print_sensitivity(config, fig):
+  means, batches = fig["mean_len_fracs"], fig["batches"]
 
   def mark(value, configured):
     return f"{value:g}{'*' if value == configured else ''}"
@@ -237,45 +312,63 @@ def _print_sensitivity(config):
     + " ".join(f"{mark(b, config.batch_per_device):>6s}" for b in batches)
     + " |"
   )
-  for model in PAPER_SPEEDUP:
-    by_mean = [_roofline(config, model, mean_len_frac=m) for m in means]
-    by_batch = [_roofline(config, model, batch_per_device=b) for b in batches]
-    no_selection = _roofline(config, model, page_selection=False)
+  for model, m in fig["models"].items():
     print(
       f"{model:11s} "
-      + " ".join(f"{s:5.2f}x" for s in by_mean)
+      + " ".join(f"{s:5.2f}x" for s in m["by_mean"])
       + " | "
-      + " ".join(f"{s:5.2f}x" for s in by_batch)
-      + f" | {no_selection:11.2f}x"
+      + " ".join(f"{s:5.2f}x" for s in m["by_batch"])
+      + f" | {m['no_selection']:11.2f}x"
     )
 
 
-def _print_eflops_by_hardware(config):
+def eflops_by_hardware(config) -> dict:
+  """Each hardware's figures (this machine's measured ones with `measure`) and the eFLOPs speedup
+  per model on each."""
   hardware = dict(cost_model.HARDWARE)
   if config.measure:
     hardware[cost_model.THIS_MACHINE] = cost_model.measure_this_machine()
-  print("\neFLOPs model per hardware (dense / sparse eFLOPs, every sample to the cutoff)")
-  for name, hw in hardware.items():
-    print(
-      f"  {name:14s} {hw.peak_flops / 1e12:9.3f} TFLOP/s {hw.mem_bandwidth / 1e9:8.1f} GB/s "
-      f"I = {hw.intensity:6.1f} FLOP/byte  ({hw.dtype_bytes}-byte KV elements)"
-    )
-  header = " ".join(f"{h:>9.9s}" for h in hardware)
-  print(f"{'model':11s} {'max pages':>9s} {header}")
+  models = {}
   for model in PAPER_SPEEDUP:
     schedule = KVSchedule.paper(model, config.tau)
-    cells = [
-      cost_model.rollout_speedup(
-        model, schedule, config.prompt_len, config.gen_len, config.n_samples, hw
-      )
-      for hw in hardware.values()
-    ]
-    print(f"{model:11s} {schedule.max_pages:9d} " + " ".join(f"{c:8.2f}x" for c in cells))
+    models[model] = dict(
+      max_pages=int(schedule.max_pages),
+      speedups={
+        name: cost_model.rollout_speedup(
+          model, schedule, config.prompt_len, config.gen_len, config.n_samples, hw
+        )
+        for name, hw in hardware.items()
+      },
+    )
+  hardware = {
+    name: dict(
+      peak_tflops=hw.peak_flops / 1e12,
+      bandwidth_gbs=hw.mem_bandwidth / 1e9,
+      intensity=hw.intensity,
+      dtype_bytes=hw.dtype_bytes,
+    )
+    for name, hw in hardware.items()
+  }
+  return dict(hardware=hardware, models=models)
 
 
-def _print_page_sizes(config):
-  print("\nPage-size comparison on h200 at the same token budget (eFLOPs speedup)")
-  print(f"{'model':11s} " + " ".join(f"{'page ' + str(z):>9s}" for z in PAGE_SIZES))
+def _print_eflops_by_hardware(fig):
+  print("\neFLOPs model per hardware (dense / sparse eFLOPs, every sample to the cutoff)")
+  for name, hw in fig["hardware"].items():
+    print(
+      f"  {name:14s} {hw['peak_tflops']:9.3f} TFLOP/s {hw['bandwidth_gbs']:8.1f} GB/s "
+      f"I = {hw['intensity']:6.1f} FLOP/byte  ({hw['dtype_bytes']}-byte KV elements)"
+    )
+  header = " ".join(f"{h:>9.9s}" for h in fig["hardware"])
+  print(f"{'model':11s} {'max pages':>9s} {header}")
+  for model, m in fig["models"].items():
+    cells = m["speedups"].values()
+    print(f"{model:11s} {m['max_pages']:9d} " + " ".join(f"{c:8.2f}x" for c in cells))
+
+
+def page_sizes(config) -> dict:
+  """The eFLOPs speedup on h200 per model at each of PAGE_SIZES, the token budget kept."""
+  models = {}
   for model in PAPER_SPEEDUP:
     by_size = cost_model.page_size_comparison(
       model,
@@ -286,10 +379,33 @@ def _print_page_sizes(config):
       config.n_samples,
       "h200",
     )
-    print(f"{model:11s} " + " ".join(f"{by_size[z]:8.2f}x" for z in PAGE_SIZES))
+    models[model] = [by_size[z] for z in PAGE_SIZES]
+  return dict(page_sizes=list(PAGE_SIZES), models=models)
+
+
+def _print_page_sizes(fig):
+  print("\nPage-size comparison on h200 at the same token budget (eFLOPs speedup)")
+  print(f"{'model':11s} " + " ".join(f"{'page ' + str(z):>9s}" for z in fig["page_sizes"]))
+  for model, by_size in fig["models"].items():
+    print(f"{model:11s} " + " ".join(f"{s:8.2f}x" for s in by_size))
   print(
     "Larger pages only save page scoring (one centroid per page) in this model; the paper "
     "picks 16 because at equal cost it keeps the acceptance tail higher."
+  )
+
+
+def report(config) -> dict:
+  """Every figure the script prints, by part, with the config that made them."""
+  return dict(
+    config=config.to_dict(),
+    paper_cutoff=PAPER_CUTOFF,
+    assumptions=assumptions(config),
+    comparison=comparison(config),
+    absolute_rate=absolute_rate(config),
+    engine=engine(config),
+    sensitivity=sensitivity(config),
+    eflops_by_hardware=eflops_by_hardware(config),
+    page_sizes=page_sizes(config),
   )
 
 
@@ -297,13 +413,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
-  _print_assumptions(config)
-  _print_comparison(config)
-  _print_absolute_rate(config)
-  _print_engine(config)
-  _print_sensitivity(config)
-  _print_eflops_by_hardware(config)
-  _print_page_sizes(config)
+  fig = report(config)
+  _print_assumptions(config, fig["assumptions"])
+  _print_comparison(fig["comparison"])
+  _print_absolute_rate(fig["absolute_rate"])
+  _print_engine(config, fig["engine"], fig["absolute_rate"])
+  _print_sensitivity(config, fig["sensitivity"])
+  _print_eflops_by_hardware(fig["eflops_by_hardware"])
+  _print_page_sizes(fig["page_sizes"])
+  if config.out:
+    records.write_record(config.out, fig)
 
 
 if __name__ == "__main__":

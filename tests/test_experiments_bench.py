@@ -1,6 +1,7 @@
 """experiments/bench_attention.py, bench_rollout.py and cost_report.py end to end: each script run
 as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
-ratio lines are printed and that bad settings fail naming the value."""
+ratio lines are printed and that bad settings fail naming the value; cost_report's `--config.out`
+record holds the rows it prints."""
 
 import importlib.util
 import json
@@ -55,6 +56,47 @@ def test_cost_report_prints_both_tables():
   for model in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
     rows = sum(line.startswith(model + " ") for line in out.splitlines())
     assert rows == 5, model  # a row in each of the five tables
+
+
+def test_cost_report_writes_its_tables_as_a_record(tmp_path):
+  path = tmp_path / "cost_model.json"
+  out = _run(
+    "cost_report", "--config.measure=False", "--config.gen_len=4096", f"--config.out={path}"
+  ).stdout
+  record = json.load(open(path))
+  assert {"command", "commit", "machine", "date"} <= set(record)
+  r = record["results"]
+  assert r["config"]["gen_len"] == 4096 and r["config"]["out"] == str(path)
+  models = ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"]
+  for part in (r["comparison"]["models"], r["engine"], r["sensitivity"]["models"]):
+    assert list(part) == models
+  assert list(r["eflops_by_hardware"]["models"]) == models
+  assert list(r["page_sizes"]["models"]) == models
+  lines = out.splitlines()
+  for model, m in r["comparison"]["models"].items():  # the printed rows are the record's
+    row = next(line for line in lines if line.startswith(model + " "))
+    assert f"{m['roofline']:.2f}x" in row and f"{m['roofline_error']:+.0%}" in row, row
+  for model, m in r["sensitivity"]["models"].items():
+    assert len(m["by_mean"]) == len(r["sensitivity"]["mean_len_fracs"])
+    assert len(m["by_batch"]) == len(r["sensitivity"]["batches"])
+  for m in r["engine"].values():
+    assert {name: set(v) for name, v in m.items()} == {
+      "static": {"dense", "sparse"},
+      "engine": {"dense", "sparse"},
+    }
+  assert len(r["page_sizes"]["models"]["qwen3-4b"]) == len(r["page_sizes"]["page_sizes"])
+  page = _load_pages().cost_model_page([record])
+  assert "different settings" in page  # a 4096-token cutoff is not the paper's
+  assert f"{r['comparison']['models']['qwen3-8b']['roofline']:.2f}x" in page
+
+
+def _load_pages():
+  spec = importlib.util.spec_from_file_location(
+    "make_results_pages", os.path.join(ROOT, "docs", "make_results_pages.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def test_bench_attention_prints_a_row_per_context():
