@@ -397,9 +397,11 @@ def prefill(
   params, prompt_BT, prompt_len_B, cfg: Qwen3Config, cache, *, lora=None, chunk: int = PREFILL_CHUNK
 ):
   """Dense pass over right-padded prompts that fills the cache, `chunk` tokens at a time (each
-  chunk attends blockwise to the cache written so far, so memory is linear in the prompt). Returns
-  the logits_BV of each row's last prompt token (which predict the first generated token) and the
-  cache."""
+  chunk attends blockwise to the cache written so far, so memory is linear in the prompt). The
+  first chunk has nothing cached before it: its attention is plain causal attention over its own
+  keys, the backend's fused kernel (`flash.causal_attention`), which is all of a prompt that fits
+  one chunk. Returns the logits_BV of each row's last prompt token (which predict the first
+  generated token) and the cache."""
   B, T = prompt_BT.shape
   Z, K, G, E = cache.page_size, cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
   C = min(-(-chunk // Z) * Z, -(-T // Z) * Z)
@@ -413,7 +415,7 @@ def prefill(
   valid_BS = jnp.arange(cache.max_len)[None] < prompt_len_B[:, None]
   xs, scale = _layer_xs(params, lora)
 
-  def chunk_step(carry, c):
+  def chunk_step(carry, c, first=False):
     cache, last_BD = carry
     start = c * C
     pos_BC = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
@@ -424,9 +426,13 @@ def prefill(
       layer, lora_layer, i = xs
       q_BCHE, k_BCKE, v_BCKE = qkv(layer, x_BCD, pos_BC, cfg, lora_layer, scale)
       cache = paged_cache.write_chunk(cache, i, start, k_BCKE, v_BCKE, valid_BC)
-      attn = blockwise.attention(
-        q_BCHE.reshape(B, C, K, G, E), cache.keys(i), cache.values(i), valid_BS, q_offset=start
-      )
+      q_BCKGE = q_BCHE.reshape(B, C, K, G, E)
+      if first:
+        attn = flash.causal_attention(q_BCKGE, k_BCKE, v_BCKE, valid_BC)
+      else:
+        attn = blockwise.attention(
+          q_BCKGE, cache.keys(i), cache.values(i), valid_BS, q_offset=start
+        )
       x_BCD = finish_layer(layer, x_BCD, attn.reshape(B, C, K * G, E), cfg, lora_layer, scale)
       return (sharding.constrain(x_BCD, ACT_AXES), paged_cache.constrain(cache)), None
 
@@ -437,7 +443,8 @@ def prefill(
     return (cache, jnp.where((last // C == c)[:, None], x_last_BD, last_BD)), None
 
   last_BD = jnp.zeros((B, cfg.hidden_size), params["embed"].dtype)
-  (cache, last_BD), _ = jax.lax.scan(chunk_step, (cache, last_BD), jnp.arange(n, dtype=jnp.int32))
+  carry, _ = chunk_step((cache, last_BD), jnp.int32(0), first=True)
+  (cache, last_BD), _ = jax.lax.scan(chunk_step, carry, jnp.arange(1, n, dtype=jnp.int32))
   cache = cache.replace(lengths=prompt_len_B.astype(jnp.int32))
   return unembed(params, last_BD[:, None], cfg)[:, 0], cache
 
