@@ -47,11 +47,16 @@ def machine() -> str:
 _COMMIT_AT_START = _commit()
 
 
+def commit_at_start() -> str:
+  """The commit this process started from (`_commit`)."""
+  return _COMMIT_AT_START
+
+
 def write_record(path: str, results: dict) -> dict:
   """Writes {command, commit, machine, date, results} to `path` (JSON) and returns it."""
   record = dict(
     command=" ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-    commit=_COMMIT_AT_START,
+    commit=commit_at_start(),
     machine=machine(),
     date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     results=results,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax import checkpoint
+from sparrow_jax import checkpoint, records
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.data import tasks
 from sparrow_jax.rl import run_config, trainer
@@ -261,6 +261,8 @@ def test_summary_without_the_last_row_is_written_not_a_traceback(tmp_path):
     "steps": 3,
     "time_s": None,
     "last": None,
+    "commit": records.commit_at_start(),
+    "machine": records.machine(),
   }
 
 

@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from sparrow_jax import checkpoint
+from sparrow_jax import checkpoint, records
 from sparrow_jax import logging as metrics_log
 from sparrow_jax import sharding
 from sparrow_jax.attention import page_pool
@@ -528,7 +528,14 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
     metrics_log.write_atomic(
       os.path.join(c.workdir, "summary.json"),
       json.dumps(
-        {"steps": c.total_steps, "time_s": times, "last": _strict_json(last_row)},
+        {
+          "steps": c.total_steps,
+          "time_s": times,
+          "last": _strict_json(last_row),
+          # float results follow the code and the CPU type (docs/configuration.md)
+          "commit": records.commit_at_start(),
+          "machine": records.machine(),
+        },
         indent=2,
         allow_nan=False,
       ),
