@@ -26,9 +26,9 @@ wall time of one device decoding a finite batch of rows, each decode step costin
 max(FLOPs / peak FLOP/s, bytes / bandwidth). Beside the terms above it counts the weights read once
 per step for the whole running batch, page selection (centroid reads and the top-k), rows that stop
 at different lengths (the batch shrinks as they finish) and prefill. With every row at the cutoff,
-an unbounded batch and free compute it gives the eFLOPs ratio (within 0.3%, the top-k's scores). On
-an H200 it then runs 5-12% above it: eFLOPs adds the compute (mostly 2P per token) to the memory
-term, while in a memory-bound decode step the compute hides behind the reads.
+an unbounded batch and free compute it gives the eFLOPs ratio (up to the top-k's scores). On an
+H200 it then runs above it: eFLOPs adds the compute (mostly 2P per token) to the memory term, while
+in a memory-bound decode step the compute hides behind the reads (docs/results/cost_model.md).
 
 `roofline_static_rate` and `roofline_engine_rate` price the two ways rollout/engine.py runs rows
 in a pool of KV memory: the static batch (every row allocated at the cutoff, a batch decoded until
