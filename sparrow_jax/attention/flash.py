@@ -1,7 +1,7 @@
-"""Dense causal attention for teacher forcing (the policy's forward in training and calibration), by
-backend: cuDNN flash attention on GPU, splash attention on TPU, the blockwise jnp path
-(attention/blockwise.py) elsewhere. Sparse teacher forcing stays blockwise whatever the backend: it
-must keep the sampler's page choice, which neither fused kernel can take.
+"""Dense causal attention for teacher forcing (the policy's forward in training and calibration)
+and the prefill's first chunk, by backend: cuDNN flash attention on GPU, splash attention on TPU,
+the blockwise jnp path (attention/blockwise.py) elsewhere. Sparse teacher forcing stays blockwise
+whatever the backend: it must keep the sampler's page choice, which neither fused kernel can take.
 
 Rows hold one run of valid tokens each (right padding, as the trainer's rows; or left padding, as an
 HF attention_mask). Splash takes the mask as segment ids (valid 1, padding 0), so any mask works;
