@@ -271,14 +271,14 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     warnings.simplefilter("ignore", RuntimeWarning)
     p5_bin = np.nanmean(p5_step_bin[-window:], 0)
     under_tau_bin = np.nanmean(np.where(np.isnan(p5_step_bin), np.nan, p5_step_bin < tau), 0)
-  below_tau_bin = None  # runs from before the metric was logged
-  if "acceptance/frac_below_tau_bin" in rows[0]:  # the share of the run's tokens under tau per
-    count_step_bin = series(rows, "acceptance/count_bin")  # bin, pooled over all steps: at most
-    below_step_bin = np.nan_to_num(series(rows, "acceptance/frac_below_tau_bin")) * count_step_bin
-    with np.errstate(invalid="ignore"):  # 5% is the run's p5 >= tau
-      below_tau_bin = [
-        None if np.isnan(v) else float(v) for v in below_step_bin.sum(0) / count_step_bin.sum(0)
-      ]
+  # the share of the run's tokens under tau per bin, pooled over all steps: at most 5% is the
+  # run's p5 >= tau
+  count_step_bin = series(rows, "acceptance/count_bin")
+  below_step_bin = np.nan_to_num(series(rows, "acceptance/frac_below_tau_bin")) * count_step_bin
+  with np.errstate(invalid="ignore"):
+    below_tau_bin = [
+      None if np.isnan(v) else float(v) for v in below_step_bin.sum(0) / count_step_bin.sum(0)
+    ]
   p1 = series(
     rows, "acceptance/p1"
   )  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
@@ -357,7 +357,7 @@ def print_table(summary) -> None:
   for name, s in summary.items():
     bins = [v for v in s["p5_bin"]["mean"] if v is not None]
     under = [v for v in s["under_tau_bin"]["mean"] if v is not None]
-    # figures a base sweep's older settings may not have recorded: "-"
+    # figures the shipped sweep's earlier settings did not record (assets/.../tau_sweep): "-"
     meas, p1, start, below = (
       (s.get(f) or {}).get("mean")
       for f in ("measured_speedup", "p1", "kv_read_start", "below_tau_bin")

@@ -65,6 +65,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   r = c.rollout
   _check_scalars(c)
   ts.StepConfig.from_config(c)
+  schema.from_group(sampler.Sampling, c, "rollout")
   p = r.page_size
   require(
     isinstance(p, int) and p > 0 and not p & (p - 1),
@@ -411,6 +412,15 @@ def check_resume(c) -> None:
       f"Use a new config.workdir, or resume with the run's config ({path}); fields "
       f"that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
     )
+
+
+def sampling(c, tokenizer) -> sampler.Sampling:
+  """How the run samples: the rollout group's fields, the tokenizer's EOS and pad ids."""
+  return dataclasses.replace(
+    schema.from_group(sampler.Sampling, c, "rollout"),
+    eos_ids=tokenizer.eos_ids,
+    pad_id=tokenizer.pad_id,
+  )
 
 
 def sparse_config(c):

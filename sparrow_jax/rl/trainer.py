@@ -44,7 +44,7 @@ from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import hooks, run_config
 from sparrow_jax.rl import train_step as ts
-from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.rollout import engine
 from sparrow_jax.sparsity import schedule as schedule_lib
 
 
@@ -395,13 +395,7 @@ def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
   n_rows = r.prompts_per_step * r.group_size
   lo, _ = sharding.process_rows(sharding.rows(mesh), n_rows)
   weights = _rollout_weights(state, mesh)
-  sampling = sampler.Sampling(
-    temperature=r.temperature,
-    top_p=r.top_p,
-    eos_ids=tokenizer.eos_ids,
-    pad_id=tokenizer.pad_id,
-    num_top_logprobs=r.num_top_logprobs,
-  )
+  sampling = run_config.sampling(c, tokenizer)
 
   def sample(state, local_prompts, key, budget):
     params, lora = weights(state.params, state.lora)
