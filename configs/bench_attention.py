@@ -1,7 +1,8 @@
 """experiments/bench_attention.py: one decode step of Qwen3-1.7B attention, dense vs block-sparse.
 
   python experiments/bench_attention.py --config=configs/bench_attention.py \\
-      [--config.contexts=4096,16384 --config.select=False]
+      [--config.contexts=4096,16384 --config.select=False
+       --config.out=docs/results/decode_attention.json]
 """
 
 import ml_collections
@@ -19,4 +20,6 @@ def get_config():
   c.runs = 7  # timed calls per cell (median), after one warm-up call
   c.dtype = "float32"  # q / k / v dtype: float32 | bfloat16
   c.select = True  # also time sparse+select (page selection + sparse attention)
+  c.out = ""  # also write the table here, a results record (JSON with the command,
+  #                                    commit, machine and date); "" = print only
   return c

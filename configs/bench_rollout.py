@@ -5,6 +5,8 @@
       [--config.decode.contexts=16384 --config.decode.dense_layers=0]
   python experiments/bench_rollout.py --config=configs/bench_rollout.py --config.parts=c \\
       --config.tunix.python=VENV/bin/python
+  python experiments/bench_rollout.py --config=configs/bench_rollout.py --config.parts=b,c \\
+      --config.tunix.python=VENV/bin/python --config.out=docs/results/decode_rollout.json
 """
 
 import ml_collections
@@ -16,6 +18,8 @@ def get_config():
   # d (long-tail rollouts, engine vs static batch)
   c.batch = 4  # sequences decoded together, in both parts
   c.runs = 5  # timed calls per cell (median), after one warm-up call
+  c.out = ""  # also write (b) and (c)'s figures here, one results record (JSON with the
+  # command, commit, machine and date); "" = print only. (d) writes engine.record.
 
   c.decode = ml_collections.ConfigDict()  # (b): Qwen3-1.7B shapes, random weights, decode only
   c.decode.layers = 4  # decoder layers kept of the 1.7B shape (28 in the real model)

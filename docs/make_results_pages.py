@@ -435,6 +435,145 @@ def cost_model_page(records) -> str:
   return "\n".join(lines)
 
 
+def decode_attention_page(records) -> str:
+  """docs/results/decode_attention.md from experiments/bench_attention.py's record."""
+  lines = [
+    "# Sparse decode attention on CPU (measured)",
+    "",
+    "`experiments/bench_attention.py`: one decode step of attention only, Qwen3-1.7B attention "
+    "shapes, every row in one preallocated cache. dense (fair): each row's cached tokens only "
+    "([the fair dense baseline](../kernels.md#fair-dense-baseline)); whole cache: dense attention "
+    "over the whole preallocated cache, masked by length; sparse: the budget's pages, selection "
+    "not timed; sparse + selection: page selection and sparse attention. ms per decode step, "
+    "GB/s = bytes each step must read / time. ratio = dense (fair) / the column; min ratio "
+    "divides the fastest calls; selection share = page selection's part of the sparse + "
+    "selection step. What the figures mean: [decode_speed.md](../decode_speed.md).",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    c, shape = r["config"], r["shape"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{r['backend']} x{r['cores']} cores, impl {c['impl']}, {c['dtype']}, batch {c['batch']}, "
+      f"cache {r['cache_tokens']} tokens a row, {shape['query_heads']} query / "
+      f"{shape['kv_heads']} KV heads, head dim {shape['head_dim']}, budget {c['budget']} tokens "
+      f"({c['budget'] // r['page_size']} pages of {r['page_size']}); median of {c['runs']} "
+      f"calls of {c['steps']} steps; 1-min load average at start {r['load_average']:.1f}.",
+      "",
+      "| context | dense (fair) | GB/s | whole cache | sparse | GB/s | ratio | min ratio | "
+      "whole cache / sparse | sparse + selection | ratio | selection share |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+      select = (
+        f"{row['select_ms']:.3f} | {row['select_ratio']:.1f}x | "
+        f"{1 - row['sparse_ms'] / row['select_ms']:.0%}"
+        if "select_ms" in row
+        else "- | - | -"
+      )
+      lines.append(
+        f"| {row['context']} | {row['dense_ms']:.3f} | {row['dense_gbs']:.1f} | "
+        f"{row['whole_cache_ms']:.3f} | {row['sparse_ms']:.3f} | {row['sparse_gbs']:.1f} | "
+        f"**{row['ratio']:.1f}x** | {row['min_ratio']:.1f}x | {row['whole_cache_ratio']:.1f}x | "
+        f"{select} |"
+      )
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _decode_section(r, config) -> list:
+  """bench_rollout (b): end-to-end decode, dense vs sparse, beside the cost model's prediction."""
+  c, hw, batch, runs = config["decode"], r["hardware"], config["batch"], config["runs"]
+  read_s = r["params"] * hw["dtype_bytes"] / hw["mem_bandwidth"]
+  lines = [
+    "## End-to-end decode",
+    "",
+    f"{r['backend']} x{r['cores']} cores, {c['dtype']}: Qwen3-1.7B shapes truncated to "
+    f"{r['layers']} layers, vocab {r['vocab_size']}, {r['params'] / 1e6:.0f}M params, random "
+    f"weights; batch {batch}; sparse = the paper's tau-0.86 Qwen3-1.7B table, pages of 16, the "
+    f"first `dense layers` dense; tok/s = batch x steps / median of {runs} calls of "
+    f"{c['steps']} steps ({r['seconds']:.0f} s in all). This machine: "
+    f"{hw['peak_flops'] / 1e9:.0f} GFLOP/s, {hw['mem_bandwidth'] / 1e9:.1f} GB/s (I = "
+    f"{hw['intensity']:.1f} FLOP/byte), KV {hw['dtype_bytes']} bytes an element; reading the "
+    f"weights once takes {read_s:.3f} s at that bandwidth, what \"+ weight reads\" adds to each "
+    "step of both costs.",
+    "",
+    "| context | budget | dense layers | dense tok/s | sparse tok/s | measured | cost model | "
+    "+ weight reads |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for row in r["rows"]:
+    lines.append(
+      f"| {row['context']} | {row['budget']} | {row['dense_layers']} of {r['layers']} | "
+      f"{row['dense_tok_s']:.2f} | {row['sparse_tok_s']:.2f} | **{row['ratio']:.2f}x** | "
+      f"{row['cost_model']:.2f}x | {row['with_weights']:.2f}x |"
+    )
+  return lines + [""]
+
+
+TUNIX_AIM = 1.3  # the decode speed against tunix docs/decode_speed.md aims for
+
+
+def _tunix_section(r) -> list:
+  """bench_rollout (c): our dense sampler against google-tunix's, and the weight-read roofline."""
+  m, v, (short, long) = r["model"], r["versions"], r["gen"]
+  tunix_step = r["samplers"]["tunix generate.Sampler"]["step_ms"]
+  aim_step = tunix_step / TUNIX_AIM
+  met = r["ours_over_tunix"] >= TUNIX_AIM
+  lines = [
+    "## Against tunix",
+    "",
+    f"google-tunix {v['tunix']} (jax {v['jax']}, Python {v['python']}), dense decode of a tiny "
+    f"Qwen3 ({m['layers']} layers, width {m['hidden_size']}, {m['heads']} / {m['kv_heads']} "
+    f"heads, vocab {m['vocab_size']}, float32, random weights shared by both), batch "
+    f"{r['batch']}, prompt {r['prompt']}, greedy; decode tok/s = batch x ({long} - {short}) / "
+    f"(time({long}) - time({short})), medians of {r['runs']} calls. Reading the "
+    f"{r['weight_bytes'] / 1e6:.1f} MB of weights once takes {r['weight_read_ms']:.2f} ms "
+    "(measured), the floor of a decode step at this batch.",
+    "",
+    f"| sampler | {short} tokens (s) | {long} tokens (s) | decode tok/s | ms per step | "
+    "x the weight read |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, s in r["samplers"].items():
+    lines.append(
+      f"| {name} | {s['short_s']:.3f} | {s['long_s']:.3f} | {s['tok_s']:.1f} | "
+      f"{s['step_ms']:.2f} | {s['per_read']:.2f}x |"
+    )
+  return lines + [
+    "",
+    f"Ours / tunix: **{r['ours_over_tunix']:.2f}x**; same greedy tokens: {r['same_tokens']}/"
+    f"{r['tokens']}. {TUNIX_AIM:g}x tunix needs a step of {aim_step:.2f} ms, "
+    f"{aim_step / r['weight_read_ms']:.2f}x the weight read: {'met' if met else 'not met'}.",
+    "",
+  ]
+
+
+def decode_rollout_page(records) -> str:
+  """docs/results/decode_rollout.md from experiments/bench_rollout.py's (b) and (c) record."""
+  lines = [
+    "# Sparse decode end to end on CPU, and against tunix (measured)",
+    "",
+    "`experiments/bench_rollout.py` parts (b) and (c): decode steps of a truncated "
+    "Qwen3-1.7B-shaped model from a filled cache, the sampler's fair dense decode against its "
+    "sparse decode, with the cost model's prediction for the same setting (\"+ weight reads\" "
+    "adds one read of the weights a step, which a small batch on a CPU pays); and our dense "
+    "sampler against google-tunix's on one tiny model. What the figures mean: "
+    "[decode_speed.md](../decode_speed.md).",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    lines += [_provenance(record), ""]
+    if "decode" in r:
+      lines += _decode_section(r["decode"], r["config"])
+    if "tunix" in r:
+      lines += _tunix_section(r["tunix"])
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -442,6 +581,8 @@ PAGES = {
   "triton_sm90.md": ("triton_sm90.json", triton_page),
   "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
   "cost_model.md": ("cost_model.json", cost_model_page),
+  "decode_attention.md": ("decode_attention.json", decode_attention_page),
+  "decode_rollout.md": ("decode_rollout.json", decode_rollout_page),
 }
 
 

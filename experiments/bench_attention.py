@@ -2,7 +2,8 @@
 
   python experiments/bench_attention.py --config=configs/bench_attention.py \\
       [--config.contexts=4096,16384,32768 --config.budget=2048 --config.batch=4 --config.steps=8
-       --config.runs=7 --config.dtype=float32 --config.impl=auto --config.select=False]
+       --config.runs=7 --config.dtype=float32 --config.impl=auto --config.select=False
+       --config.out=docs/results/decode_attention.json]
 
 Qwen3-1.7B attention shapes (16 query heads, 8 KV heads, head dim 128), `batch` rows holding
 `context` tokens each in a cache preallocated for `cache_tokens` (default the largest context), as
@@ -26,10 +27,13 @@ next step's query (and the page list shifting by one page per step, so XLA canno
 out of the loop); a cell is the median over `runs` calls (after a warm-up call) divided by `steps`,
 the columns' calls interleaved run by run so that they share whatever else loads the machine;
 "min ratio" divides the fastest dense call by the fastest sparse one (less sensitive to that load);
-"old ratio" is whole cache / sparse, the inflated ratio the old baseline gave.
+"old ratio" is whole cache / sparse, the inflated ratio a baseline reading the whole cache gives.
 Why a loop: a decode loop reuses its buffers, while a lone jitted call allocates its outputs and
-temporaries afresh, and on this VM first-touching fresh memory costs ~1.5 us per 4 KiB page, which
-would dominate the sparse step (--config.steps=1 shows that single-call regime).
+temporaries afresh, and on a CPU first-touching fresh memory costs enough per 4 KiB page to
+dominate the sparse step (--config.steps=1 shows that single-call regime).
+With `out` set, the table and its settings are also written there as a results record
+(sparrow_jax/records.py), from which docs/make_results_pages.py makes
+docs/results/decode_attention.md.
 """
 
 import os
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from sparrow_jax import records
 from sparrow_jax.attention import paged_cache, reference, select
 from sparrow_jax.sparsity import policy
 
@@ -170,39 +175,77 @@ def check_config(config) -> None:
     )
 
 
+def row_figures(context, cells) -> dict:
+  """The figures of one table row from `measure`'s cells: ms per step, GB/s read, and the ratios
+  (dense / sparse is the speedup over the fair baseline; whole cache / sparse the one a baseline
+  reading the whole preallocated cache gives)."""
+  (dense_ms, dense_min, dense_b), (sparse_ms, sparse_min, sparse_b) = (
+    cells["dense"],
+    cells["sparse"],
+  )
+  whole_ms = cells["whole cache"][0]
+  row = dict(
+    context=context,
+    dense_ms=dense_ms,
+    dense_gbs=dense_b / dense_ms / 1e6,
+    whole_cache_ms=whole_ms,
+    sparse_ms=sparse_ms,
+    sparse_gbs=sparse_b / sparse_ms / 1e6,
+    ratio=dense_ms / sparse_ms,
+    min_ratio=dense_min / sparse_min,
+    whole_cache_ratio=whole_ms / sparse_ms,
+  )
+  if "sparse+select" in cells:
+    row["select_ms"] = cells["sparse+select"][0]
+    row["select_ratio"] = dense_ms / row["select_ms"]
+  return row
+
+
+def format_row(row) -> str:
+  text = (
+    f"{row['context']:>8} {row['dense_ms']:>9.3f} {row['dense_gbs']:>7.1f} "
+    f"{row['whole_cache_ms']:>12.3f} {row['sparse_ms']:>9.3f} {row['sparse_gbs']:>7.1f} "
+    f"{row['ratio']:>6.1f}x {row['min_ratio']:>9.1f}x {row['whole_cache_ratio']:>9.1f}x"
+  )
+  if "select_ms" in row:
+    text += f" {row['select_ms']:>14.3f} {row['select_ratio']:>6.1f}x"
+  return text
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   check_config(config)
+  load = os.getloadavg()[0]
   print(
     f"{jax.default_backend()} x{os.cpu_count()} cores, impl {config.impl}, {config.dtype}, "
     f"batch {config.batch}, cache {config.cache_tokens or max(config.contexts)} tokens, "
     f"{KV_HEADS * GROUP} query / {KV_HEADS} KV heads, head dim "
     f"{HEAD_DIM}, budget {config.budget} tokens ({config.budget // PAGE_SIZE} pages of "
     f"{PAGE_SIZE}); ms per decode step (median of {config.runs} calls of {config.steps} "
-    f"steps), GB/s read; 1-min load average at start {os.getloadavg()[0]:.1f}"
+    f"steps), GB/s read; 1-min load average at start {load:.1f}"
   )
   print(
     f"{'context':>8} {'dense':>9} {'GB/s':>7} {'whole cache':>12} {'sparse':>9} {'GB/s':>7} "
     f"{'ratio':>7} {'min ratio':>10} {'old ratio':>10} {'sparse+select':>14} {'ratio':>7}"
   )
+  rows = []
   for context in config.contexts:
-    cells = measure(config, context)
-    (dense_ms, dense_min, dense_b), (sparse_ms, sparse_min, sparse_b) = (
-      cells["dense"],
-      cells["sparse"],
+    rows.append(row_figures(context, measure(config, context)))
+    print(format_row(rows[-1]), flush=True)
+  if config.out:
+    results = dict(
+      config=config.to_dict(),
+      backend=jax.default_backend(),
+      cores=os.cpu_count(),
+      load_average=load,
+      cache_tokens=config.cache_tokens or max(config.contexts),
+      shape=dict(query_heads=KV_HEADS * GROUP, kv_heads=KV_HEADS, head_dim=HEAD_DIM),
+      page_size=PAGE_SIZE,
+      rows=rows,
     )
-    whole_ms = cells["whole cache"][0]
-    row = (
-      f"{context:>8} {dense_ms:>9.3f} {dense_b / dense_ms / 1e6:>7.1f} {whole_ms:>12.3f} "
-      f"{sparse_ms:>9.3f} {sparse_b / sparse_ms / 1e6:>7.1f} {dense_ms / sparse_ms:>6.1f}x "
-      f"{dense_min / sparse_min:>9.1f}x {whole_ms / sparse_ms:>9.1f}x"
-    )
-    if "sparse+select" in cells:
-      select_ms = cells["sparse+select"][0]
-      row += f" {select_ms:>14.3f} {dense_ms / select_ms:>6.1f}x"
-    print(row, flush=True)
+    records.write_record(os.path.join(records.ROOT, config.out), results)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ tunix.
       [--config.decode.contexts=16384,32768 --config.decode.dense_layers=2,0 --config.batch=4 ...]
   python experiments/bench_rollout.py --config=configs/bench_rollout.py --config.parts=c \\
       --config.tunix.python=VENV/bin/python   # (c): needs google-tunix in VENV
+  python experiments/bench_rollout.py --config=configs/bench_rollout.py --config.parts=b,c \\
+      --config.tunix.python=VENV/bin/python --config.out=docs/results/decode_rollout.json
 
 (a) attention only (one decode step of Qwen3-1.7B attention shapes, dense vs sparse) is
 experiments/bench_attention.py, a script with its own config, run on its own.
@@ -48,14 +50,22 @@ tokens of both are compared as a check that the two run the same model. tunix is
 not a project dependency and lives in a separate venv (google-tunix 0.1.7 installs from PyPI with
 jax 0.10.2 and runs offline on CPU), named by `tunix.python`; (c) then reruns this script under
 that interpreter. Without it (c) prints how to make that venv.
+
+With `out` set, the figures (b) and (c) print, with the config, are written there as one results
+record (sparrow_jax/records.py; a part that did not run, or (c) without tunix, is left out), from
+which docs/make_results_pages.py makes docs/results/decode_rollout.md. (d) writes its own record,
+`engine.record`, one per model shape.
 """
 
 import dataclasses
 import functools
 import os
 import statistics
+import importlib.metadata
+import json
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -153,7 +163,17 @@ def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, s
   return jax.lax.fori_loop(0, steps, body, (token_B, caches))
 
 
+def format_decode_row(row) -> str:
+  return (
+    f"{row['context']:>8} {row['budget']:>7} {row['dense_layers']:>12} "
+    f"{row['dense_tok_s']:>12.2f} {row['sparse_tok_s']:>13.2f} {row['ratio']:>6.2f}x "
+    f"{row['cost_model']:>10.2f}x {row['with_weights']:>8.2f}x"
+  )
+
+
 def bench_decode(config):
+  """(b): prints a row per (context, dense layers) and returns the figures (settings, this
+  machine's roofline, the rows)."""
   c = config.decode
   if c.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"decode.dtype must be float32 or bfloat16, got {c.dtype!r}")
@@ -164,6 +184,7 @@ def bench_decode(config):
     raise ValueError(
       f"decode.dense_layers must lie in [0, decode.layers={c.layers}], got {c.dense_layers}"
     )
+  start = time.perf_counter()
   dtype = jnp.dtype(c.dtype)
   cfg = model_config(c.layers, c.vocab_size)
   schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
@@ -188,6 +209,7 @@ def bench_decode(config):
     f"{'context':>8} {'budget':>7} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
     f"{'ratio':>7} {'cost model':>11} {'+weights':>9}"
   )
+  rows = []
   for context in c.contexts:
     caches = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
     budget_np = sampler.budget_table(schedule, caches[0].max_len, sparse_configs[0])
@@ -220,18 +242,41 @@ def bench_decode(config):
     dense1 = cost_model.dense_rollout_cost(cfg, context, c.steps, 1, hw)
     weights = c.steps * hw.intensity * n_params * hw.dtype_bytes
     budget_tokens = int(budget_np[context + 1]) * 16
-    for d, seconds in zip(c.dense_layers, sparse_s):
+    for sparse, seconds in zip(sparse_configs, sparse_s):
       sparse_tps = config.batch * c.steps / seconds
       predicted = cost_model.rollout_speedup(
-        cfg, schedule, context, c.steps, n_samples=1, hardware=hw, dense_layers=d
+        cfg, schedule, context, c.steps, n_samples=1, hardware=hw, sparse=sparse
       )
       sparse1 = dense1 / predicted
       with_weights = (config.batch * dense1 + weights) / (config.batch * sparse1 + weights)
-      print(
-        f"{context:>8} {budget_tokens:>7} {d:>12} {dense_tps:>12.2f} {sparse_tps:>13.2f} "
-        f"{sparse_tps / dense_tps:>6.2f}x {predicted:>10.2f}x {with_weights:>8.2f}x",
-        flush=True,
+      rows.append(
+        dict(
+          context=context,
+          budget=budget_tokens,
+          dense_layers=sparse.dense_layers,
+          dense_tok_s=dense_tps,
+          sparse_tok_s=sparse_tps,
+          ratio=sparse_tps / dense_tps,
+          cost_model=predicted,
+          with_weights=with_weights,
+        )
       )
+      print(format_decode_row(rows[-1]), flush=True)
+  return dict(
+    backend=jax.default_backend(),
+    cores=os.cpu_count(),
+    layers=cfg.num_hidden_layers,
+    vocab_size=cfg.vocab_size,
+    params=n_params,
+    hardware=dict(
+      peak_flops=hw.peak_flops,
+      mem_bandwidth=hw.mem_bandwidth,
+      intensity=hw.intensity,
+      dtype_bytes=hw.dtype_bytes,
+    ),
+    rows=rows,
+    seconds=time.perf_counter() - start,
+  )
 
 
 # --------------------------------------------------------------- (c) our dense sampler vs tunix's
@@ -321,21 +366,84 @@ def weight_read_ms(params, runs):
   return _median_s([lambda: jax.block_until_ready(passes(leaves))], runs)[0] * 1e3 / 16
 
 
-def bench_tunix(config):
-  if config.tunix.python:
-    # tunix lives in its own venv: rerun this script there with the same config, (c) only.
-    sys.stdout.flush()
+SAMPLERS = ("sparrow_jax sj.generate", "tunix generate.Sampler")
+
+
+def sampler_figures(batch, gen, seconds, read_ms) -> dict:
+  """Each sampler's decode tok/s and ms per decode step from its median call times at the two
+  generation lengths (`seconds`: name -> (short, long)); the difference cancels prefill and
+  per-call overheads. `per_read` holds a step against the time to read the weights once."""
+  short, long = gen
+  figures = {}
+  for name, (short_s, long_s) in seconds.items():
+    tok_s = batch * (long - short) / (long_s - short_s)
+    step_ms = 1e3 * batch / tok_s
+    figures[name] = dict(
+      short_s=short_s, long_s=long_s, tok_s=tok_s, step_ms=step_ms, per_read=step_ms / read_ms
+    )
+  return figures
+
+
+def print_tunix(fig) -> None:
+  m, (short, long) = fig["model"], fig["gen"]
+  ours, theirs = (fig["samplers"][name] for name in SAMPLERS)
+  print(
+    f"(c) dense decode, tiny Qwen3 ({m['layers']} layers, width {m['hidden_size']}, "
+    f"{m['heads']}/{m['kv_heads']} heads, vocab {m['vocab_size']}, float32, random weights "
+    f"shared by both), batch {fig['batch']}, prompt {fig['prompt']}, greedy; decode tok/s = "
+    f"batch x ({long} - {short}) / (time({long}) - time({short})), medians of {fig['runs']} "
+    "calls (prefill and per-call overheads cancel)"
+  )
+  print(f"{'sampler':>28} {f'{short} tok s':>9} {f'{long} tok s':>9} {'decode tok/s':>13}")
+  for name, s in fig["samplers"].items():
+    print(f"{name:>28} {s['short_s']:>9.3f} {s['long_s']:>9.3f} {s['tok_s']:>13.1f}")
+  print(
+    f"    roofline: reading the {fig['weight_bytes'] / 1e6:.1f} MB of weights once takes "
+    f"{fig['weight_read_ms']:.2f} ms (measured); a decode step takes {ours['step_ms']:.2f} ms "
+    f"here ({ours['per_read']:.2f}x the read), {theirs['step_ms']:.2f} ms in tunix"
+  )
+  print(
+    f"    ours / tunix: {fig['ours_over_tunix']:.2f}x; same greedy tokens: "
+    f"{fig['same_tokens']}/{fig['tokens']} (tunix returned {fig['tokens_per_row']['tunix']} "
+    f"tokens per row, ours {fig['tokens_per_row']['ours']})"
+  )
+
+
+def _tunix_version() -> str:
+  try:
+    return importlib.metadata.version("google-tunix")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown"
+
+
+def _tunix_elsewhere(python):
+  """(c) rerun under `python` (tunix's venv) with the same config; its figures, or None when it
+  skipped. They come back through a results record written to a temporary file."""
+  sys.stdout.flush()
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "tunix.json")
     subprocess.run(
       [
-        config.tunix.python,
+        python,
         os.path.abspath(__file__),
         *sys.argv[1:],
         "--config.parts=c",
         "--config.tunix.python=",
+        f"--config.out={out}",
       ],
       check=True,
     )
-    return
+    if not os.path.exists(out):
+      return None
+    with open(out) as f:
+      return json.load(f)["results"].get("tunix")
+
+
+def bench_tunix(config):
+  """(c): prints our sampler against tunix's and returns the figures, or None when google-tunix is
+  not importable (it prints how to make a venv for it)."""
+  if config.tunix.python:
+    return _tunix_elsewhere(config.tunix.python)
   try:
     from flax import nnx
     from tunix.generate import sampler as tunix_sampler
@@ -348,7 +456,7 @@ def bench_tunix(config):
       "ml_collections && VENV/bin/pip install --no-deps -e .) and set "
       "--config.tunix.python=VENV/bin/python."
     )
-    return
+    return None
   if len(config.tunix.gen) != 2 or not 0 < config.tunix.gen[0] < config.tunix.gen[1]:
     raise ValueError(f"tunix.gen must be two lengths 0 < short < long, got {config.tunix.gen}")
   B, P = config.batch, config.tunix.prompt
@@ -408,31 +516,34 @@ def bench_tunix(config):
   ours_s, ours_l, tunix_s, tunix_l = _median_s(
     [ours(short), ours(long), theirs(short), theirs(long)], config.runs
   )
-  ours_tps = B * (long - short) / (ours_l - ours_s)
-  tunix_tps = B * (long - short) / (tunix_l - tunix_s)
+  read_ms = weight_read_ms(params, config.runs)
+  seconds = dict(zip(SAMPLERS, [(ours_s, ours_l), (tunix_s, tunix_l)]))
+  by_sampler = sampler_figures(B, (short, long), seconds, read_ms)
   a, b = outputs["ours", long], outputs["tunix", long]
   same = int(np.sum(a[:, : b.shape[1]] == b)) if a.shape[0] == b.shape[0] else 0
-  print(
-    f"(c) dense decode, tiny Qwen3 ({cfg.num_hidden_layers} layers, width "
-    f"{cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, vocab "
-    f"{cfg.vocab_size}, float32, random weights shared by both), batch {B}, prompt {P}, greedy; "
-    f"decode tok/s = batch x ({long} - {short}) / (time({long}) - time({short})), medians of "
-    f"{config.runs} calls (prefill and per-call overheads cancel)"
+  fig = dict(
+    model=dict(
+      layers=cfg.num_hidden_layers,
+      hidden_size=cfg.hidden_size,
+      heads=cfg.num_attention_heads,
+      kv_heads=cfg.num_key_value_heads,
+      vocab_size=cfg.vocab_size,
+    ),
+    batch=B,
+    prompt=P,
+    gen=[short, long],
+    runs=config.runs,
+    samplers=by_sampler,
+    weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
+    weight_read_ms=read_ms,
+    ours_over_tunix=by_sampler[SAMPLERS[0]]["tok_s"] / by_sampler[SAMPLERS[1]]["tok_s"],
+    same_tokens=same,
+    tokens=int(b.size),
+    tokens_per_row=dict(ours=int(a.shape[1]), tunix=int(b.shape[1])),
+    versions=dict(tunix=_tunix_version(), jax=jax.__version__, python=sys.version.split()[0]),
   )
-  print(f"{'sampler':>28} {f'{short} tok s':>9} {f'{long} tok s':>9} {'decode tok/s':>13}")
-  print(f"{'sparrow_jax sj.generate':>28} {ours_s:>9.3f} {ours_l:>9.3f} {ours_tps:>13.1f}")
-  print(f"{'tunix generate.Sampler':>28} {tunix_s:>9.3f} {tunix_l:>9.3f} {tunix_tps:>13.1f}")
-  read_ms = weight_read_ms(params, config.runs)
-  n_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-  print(
-    f"    roofline: reading the {n_bytes / 1e6:.1f} MB of weights once takes {read_ms:.2f} ms "
-    f"(measured); a decode step takes {1e3 * B / ours_tps:.2f} ms here "
-    f"({B * 1e3 / ours_tps / read_ms:.2f}x the read), {1e3 * B / tunix_tps:.2f} ms in tunix"
-  )
-  print(
-    f"    ours / tunix: {ours_tps / tunix_tps:.2f}x; same greedy tokens: {same}/{b.size} "
-    f"(tunix returned {b.shape[1]} tokens per row, ours {a.shape[1]})"
-  )
+  print_tunix(fig)
+  return fig
 
 
 # ------------------------------------------------- (d) long-tail rollouts: engine vs static batch
@@ -571,12 +682,17 @@ def main(argv):
   parts = config.parts.split(",")
   if set(parts) - {"b", "c", "d"}:
     raise ValueError(f"parts takes b, c and/or d, got {config.parts!r}")
+  results = {}
   if "b" in parts:
-    bench_decode(config)
+    results["decode"] = bench_decode(config)
   if "c" in parts:
-    bench_tunix(config)
+    results["tunix"] = bench_tunix(config)
   if "d" in parts:
     bench_engine(config)
+  results = {part: fig for part, fig in results.items() if fig is not None}
+  if config.out and results:
+    records.write_record(os.path.join(ROOT, config.out), dict(config=config.to_dict(), **results))
+    print(f"    record: {config.out}")
 
 
 if __name__ == "__main__":

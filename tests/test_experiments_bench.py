@@ -1,7 +1,7 @@
 """experiments/bench_attention.py, bench_rollout.py and cost_report.py end to end: each script run
 as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
-ratio lines are printed and that bad settings fail naming the value; cost_report's `--config.out`
-record holds the rows it prints."""
+ratio lines are printed and that bad settings fail naming the value; each `--config.out` record
+holds the rows its script prints, and docs/make_results_pages.py renders those rows."""
 
 import importlib.util
 import json
@@ -119,6 +119,30 @@ def test_bench_attention_prints_a_row_per_context():
   assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows  # GB/s
 
 
+def test_bench_attention_writes_its_rows_as_a_record(tmp_path):
+  path = tmp_path / "decode_attention.json"
+  out = _run(
+    "bench_attention",
+    "--config.contexts=256,512",
+    "--config.budget=64",
+    "--config.steps=2",
+    "--config.runs=1",
+    f"--config.out={path}",
+  ).stdout
+  record = json.load(open(path))
+  assert {"command", "commit", "machine", "date"} <= set(record)
+  r = record["results"]
+  assert r["config"]["budget"] == 64 and r["cache_tokens"] == 512
+  assert [row["context"] for row in r["rows"]] == [256, 512]
+  printed = out.splitlines()[2:]
+  assert printed == [_load("bench_attention").format_row(row) for row in r["rows"]]
+  page = _load_pages().decode_attention_page([record])
+  for row in r["rows"]:
+    assert f"| {row['context']} | {row['dense_ms']:.3f} | " in page
+    assert f"**{row['ratio']:.1f}x** | {row['min_ratio']:.1f}x | " in page
+    assert f"| {row['select_ms']:.3f} | {row['select_ratio']:.1f}x | " in page
+
+
 def test_bench_rollout_filled_cache_is_a_prefilled_cache():
   """The random cache (b) decodes from: keys/values in slots [0, context), page centroids of
   exactly those keys, nothing after, lengths = context."""
@@ -156,6 +180,81 @@ def test_bench_rollout_decode_prints_a_row_per_dense_layers():
   rows = [line.split() for line in lines[header + 1 :]]
   assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
   assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
+
+
+def test_bench_rollout_writes_its_decode_rows_as_a_record(tmp_path):
+  """(b) and (c) with `out`: (b)'s printed rows are the record's; (c) without google-tunix in the
+  configured Python is left out of the record, and of the page."""
+  path = tmp_path / "decode_rollout.json"
+  out = _run(
+    "bench_rollout",
+    "--config.parts=b,c",
+    f"--config.tunix.python={sys.executable}",
+    "--config.tunix.prompt=8",
+    "--config.tunix.gen=2,4",
+    "--config.decode.layers=1",
+    "--config.decode.dense_layers=1,0",
+    "--config.decode.contexts=256",
+    "--config.decode.steps=2",
+    "--config.batch=1",
+    "--config.runs=1",
+    f"--config.out={path}",
+  ).stdout
+  record = json.load(open(path))
+  assert {"command", "commit", "machine", "date"} <= set(record)
+  r = record["results"]
+  assert ("tunix" in r) == ("ours / tunix:" in out)
+  assert r["config"]["decode"]["contexts"] == [256] and r["decode"]["layers"] == 1
+  rows = r["decode"]["rows"]
+  assert [(row["context"], row["dense_layers"]) for row in rows] == [(256, 1), (256, 0)]
+  bench_rollout = _load("bench_rollout")
+  lines = out.splitlines()
+  assert all(bench_rollout.format_decode_row(row) in lines for row in rows), out
+  page = _load_pages().decode_rollout_page([record])
+  assert "## End-to-end decode" in page and ("## Against tunix" in page) == ("tunix" in r)
+  for row in rows:
+    assert (
+      f"| 256 | {row['budget']} | {row['dense_layers']} of 1 | {row['dense_tok_s']:.2f} | "
+      f"{row['sparse_tok_s']:.2f} | **{row['ratio']:.2f}x** | {row['cost_model']:.2f}x | "
+      f"{row['with_weights']:.2f}x |"
+    ) in page
+
+
+def test_tunix_figures_print_and_render_alike(capsys):
+  """(c)'s figures, from made-up call times (google-tunix is not a dependency): what the script
+  prints and what the page shows are the same figures."""
+  bench_rollout = _load("bench_rollout")
+  ours, theirs = bench_rollout.SAMPLERS
+  samplers = bench_rollout.sampler_figures(
+    4, (32, 160), {ours: (0.5, 1.2), theirs: (0.6, 1.5)}, read_ms=4.0
+  )
+  assert samplers[ours]["tok_s"] == pytest.approx(4 * 128 / 0.7)
+  assert samplers[theirs]["step_ms"] == pytest.approx(1e3 * 0.9 / 128)
+  fig = dict(
+    model=dict(layers=4, hidden_size=512, heads=8, kv_heads=4, vocab_size=8192),
+    batch=4,
+    prompt=64,
+    gen=[32, 160],
+    runs=5,
+    samplers=samplers,
+    weight_bytes=67_100_000,
+    weight_read_ms=4.0,
+    ours_over_tunix=samplers[ours]["tok_s"] / samplers[theirs]["tok_s"],
+    same_tokens=640,
+    tokens=640,
+    tokens_per_row=dict(ours=160, tunix=160),
+    versions=dict(tunix="0.0", jax="0.0", python="3"),
+  )
+  bench_rollout.print_tunix(fig)
+  printed = capsys.readouterr().out
+  record = dict(command="python x", commit="0" * 40, machine="m", date="d")
+  page = _load_pages().decode_rollout_page([record | dict(results=dict(config={}, tunix=fig))])
+  assert "## End-to-end decode" not in page and "## Against tunix" in page
+  for s in samplers.values():
+    assert f"{s['tok_s']:.1f}" in printed and f"| {s['tok_s']:.1f} | {s['step_ms']:.2f} |" in page
+  ratio = f"{fig['ours_over_tunix']:.2f}x"
+  assert f"ours / tunix: {ratio}" in printed and f"Ours / tunix: **{ratio}**" in page
+  assert "same greedy tokens: 640/640" in printed and "same greedy tokens: 640/640" in page
 
 
 def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
