@@ -101,6 +101,8 @@ def _fake_run(workdir, p5_by_step):
         "response_length/mean": 300.0 + step,
         "acceptance/p5": p5,
         "acceptance/p5_bin": np.array([np.nan, p5, p5 - 0.1]),
+        "acceptance/count_bin": np.array([0, 100, 50]),
+        "acceptance/frac_below_tau_bin": np.array([np.nan, 0.01, 0.2]),
         "kv/read_fraction": 0.8,
         "kv/predicted_speedup": 0.7,
         "perf/rollout_tokens_per_s": 1000.0 + step,
