@@ -54,7 +54,8 @@ def get_config():
   c.base = ""  # a finished sweep.json whose other settings and runs this one
   #                                    keeps (a setting run here replaces its namesake), e.g. the
   #                                    shipped assets/pointer_chase_tiny/tau_sweep/sweep.json to
-  #                                    re-run some settings only; "" = none
+  #                                    re-run some settings only (with runs="": report it as is,
+  #                                    docs/results/threshold_sweep.md); "" = none
 
   # The RL job, configs/default.py as is; each run sets workdir, seed, rollout.sparse and
   # rollout.schedule (so they are not here), and dense runs turn distill off (it adapts the

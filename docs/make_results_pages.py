@@ -265,6 +265,83 @@ def quantile_page(records) -> str:
   return "\n".join(lines)
 
 
+def _sweep_cell(d, digits=3) -> str:
+  """mean +- std of a sweep figure; "-" where the setting did not record it."""
+  if d is None or d["mean"] is None:
+    return "-"
+  return f"{d['mean']:.{digits}f} +- {d['std']:.{digits}f}"
+
+
+def _sweep_mean(v, field, digits=3) -> str:
+  return "-" if not v.get(field) or v[field]["mean"] is None else f"{v[field]['mean']:.{digits}f}"
+
+
+def _sweep_row(names, v) -> str:
+  """One table row: the settings `names` that share one run (taus that pick the same table)."""
+  label = names[0]
+  if len(names) > 1:
+    label = "tau " + " / ".join(n[len("tau") :] for n in names) + " (one run)"
+  bins = [x for x in v["p5_bin"]["mean"] if x is not None]
+  under = [x for x in v["under_tau_bin"]["mean"] if x is not None]
+  lowest = f"{min(bins):.3f}" if bins else "-"
+  steps_under = f"{min(under):.0%}-{max(under):.0%}" if under else "-"
+  cells = [
+    label,
+    v["schedule"] or "all pages",
+    f"{_sweep_cell(v['reward_first'])} -> {_sweep_cell(v['reward_last'])}",
+    _sweep_cell(v["heldout_score"]),
+    _sweep_cell(v["heldout_accuracy"], 2),
+    f"{v['length_first']['mean']:.0f} -> {v['length_last']['mean']:.0f}",
+    f"{_sweep_mean(v, 'p5')} ({lowest})",
+    steps_under,
+    _sweep_mean(v, "p1"),
+    _sweep_mean(v, "kv_read"),
+    _sweep_mean(v, "predicted_speedup", 2),
+    _sweep_mean(v, "measured_speedup", 2),
+  ]
+  return "| " + " | ".join(cells) + " |"
+
+
+def threshold_sweep_page(records) -> str:
+  """docs/results/threshold_sweep.md from tau_sweep's record of the shipped threshold sweep
+  (configs/tau_sweep.py, reported from assets/pointer_chase_tiny/tau_sweep/sweep.json)."""
+  lines = [
+    "# The threshold sweep (measured)",
+    "",
+    "The embedded default job (`configs/default.py`, 40 steps) under dense rollouts, calibrated "
+    "tables at several tau, fixed budgets, closed loops and quest page scores; each trained "
+    "policy scored on held-out problems with dense samples. What the columns mean and what the "
+    "sweep shows: [threshold_sweep.md](../threshold_sweep.md).",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    window = r["config"]["window"]
+    seeds = next(iter(r["settings"].values()))["seeds"]
+    lines += [
+      _provenance(record),
+      "",
+      f"Seeds {', '.join(map(str, seeds))}; mean +- std over them. Reward and length over the "
+      f"first / last {window} steps; p5 over the last {window} (its lowest bin in brackets); "
+      "steps under tau: per bin the share of steps whose p5 fell under tau, lowest-highest over "
+      "the bins; p1: mean over the steps; KV read: pages read over pages cached; predicted: the "
+      "cost model's speedup on an H200; measured: rollout tokens/s over the same seed's dense run "
+      "on the CPU the runs shared with other runs (not a benchmark: "
+      "[decode_speed.md](../decode_speed.md)).",
+      "",
+      "| setting | schedule | reward first -> last | held-out score | held-out exact | length "
+      "first -> last | p5 (lowest bin) | steps under tau | p1 | KV read | predicted x | "
+      "measured x |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_run = {}
+    for name, v in r["settings"].items():
+      by_run.setdefault(v["run"], []).append(name)
+    lines += [_sweep_row(names, r["settings"][names[0]]) for names in by_run.values()]
+    lines.append("")
+  return "\n".join(lines)
+
+
 def _cost_setting(r) -> list:
   """The settings line of a cost_report record: what every table of the page assumes."""
   c, a = r["config"], r["assumptions"]
@@ -580,6 +657,7 @@ PAGES = {
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
   "triton_sm90.md": ("triton_sm90.json", triton_page),
   "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
+  "threshold_sweep.md": ("threshold_sweep.json", threshold_sweep_page),
   "cost_model.md": ("cost_model.json", cost_model_page),
   "decode_attention.md": ("decode_attention.json", decode_attention_page),
   "decode_rollout.md": ("decode_rollout.json", decode_rollout_page),

@@ -23,7 +23,8 @@ loop's saving, paired token for token), the cost model's predicted rollout speed
 the measured rollout tokens/s (median over the steps after the first, which compiles) with its
 ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
 seed) of each over seeds. Then tau_sweep.png and a printed table. With `base`, a finished sweep's
-other settings and runs are kept beside the ones run here (re-running a few settings only).
+other settings and runs are kept beside the ones run here (re-running a few settings only); with
+`base` and no `runs`, nothing runs: the finished sweep is reported (its table, plot and record).
 """
 
 import json
@@ -113,7 +114,7 @@ def settings(c) -> list:
   """The sweep's settings, in config.runs order: dicts of name, kind, tau, schedule (a trainer
   rollout.schedule spec; None: dense) and run (the workdir prefix; taus with the same table share
   the first one's run). Writes each tau's table to <sweep_dir>/schedules/tau<T>.json."""
-  kinds = parse_list(c.runs, "runs", str)
+  kinds = parse_list(c.runs, "runs", str) if c.runs or not c.base else []
   bad = sorted(set(kinds) - set(KINDS))
   if bad:
     raise ValueError(f"config.runs = {c.runs!r}: unknown {bad}; allowed: {list(KINDS)}")
@@ -546,7 +547,8 @@ def sweep(c) -> dict:
   merged = {**base["settings"], **summarize(sweep_settings, records, seeds)}
   order = lambda n: (KINDS.index(merged[n]["kind"]), merged[n]["tau"] or 0, len(n), n)  # plot order
   out = {
-    "config": json.loads(c.to_json_best_effort()),
+    # a report of the base alone describes the base's runs: its config
+    "config": json.loads(c.to_json_best_effort()) if sweep_settings else base["config"],
     "settings": {name: merged[name] for name in sorted(merged, key=order)},
     "runs": records,
   }

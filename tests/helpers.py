@@ -1,5 +1,6 @@
 """Shared test helpers: tiny configs and a transformers twin of our params."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -196,3 +197,13 @@ def rescored_logprobs(params, cfg, prompt, prompt_len, out, **forward_kwargs):
   )
   valid = jnp.arange(out.tokens.shape[1])[None] < out.lengths[:, None]
   return jnp.take_along_axis(logp_BS, idx, 1), valid
+
+
+def load_file(path: str):
+  """The module of a script that is not a package module (experiments/*.py run as scripts,
+  docs/make_results_pages.py), from its path under ROOT."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

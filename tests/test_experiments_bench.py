@@ -3,7 +3,6 @@ as its README command (`--config=configs/X.py`) with tiny overrides, checking th
 ratio lines are printed and that bad settings fail naming the value; each `--config.out` record
 holds the rows its script prints, and docs/make_results_pages.py renders those rows."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 import sparrow_jax as sj
+from tests.helpers import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(script):
-  spec = importlib.util.spec_from_file_location(
-    script, os.path.join(ROOT, "experiments", f"{script}.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file(f"experiments/{script}.py")
 
 
 def _run(script, *overrides, check=True):
@@ -91,12 +86,7 @@ def test_cost_report_writes_its_tables_as_a_record(tmp_path):
 
 
 def _load_pages():
-  spec = importlib.util.spec_from_file_location(
-    "make_results_pages", os.path.join(ROOT, "docs", "make_results_pages.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_file("docs/make_results_pages.py")
 
 
 def test_bench_attention_prints_a_row_per_context():

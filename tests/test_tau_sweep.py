@@ -14,7 +14,7 @@ from configs import tau_sweep as sweep_config
 from experiments import tau_sweep
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import run_config
-from tests.helpers import ROOT, SMALL, subprocess_env
+from tests.helpers import ROOT, SMALL, load_file, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -250,3 +250,23 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   (sweep_dir / "fixed4_seed0" / "summary.json").unlink()
   tau_sweep.sweep(c)
   assert calls == [("train", str(sweep_dir / "fixed4_seed0"))]
+
+
+def test_a_finished_sweep_is_reported_without_running(tmp_path):
+  """runs="" with a base: nothing runs; the record holds the base's config and settings, and its
+  page has a row per run (taus that share one table in one row)."""
+  base_path = os.path.join(ROOT, "assets/pointer_chase_tiny/tau_sweep/sweep.json")
+  base = json.load(open(base_path))
+  c = sweep_config.get_config()
+  c.runs, c.base, c.sweep_dir = "", base_path, str(tmp_path / "sweep")
+  c.record = str(tmp_path / "threshold_sweep.json")
+  out = tau_sweep.sweep(c)
+  assert out["config"] == base["config"] and out["settings"] == base["settings"]
+  assert not [p for p in os.listdir(c.sweep_dir) if p.endswith("_seed0")]  # nothing trained
+  page = load_file("docs/make_results_pages.py").threshold_sweep_page([json.load(open(c.record))])
+  rows = [line for line in page.splitlines() if line.startswith("| ") and "---" not in line][1:]
+  assert len(rows) == len({v["run"] for v in base["settings"].values()})
+  assert any(row.startswith("| tau 0.5 / 0.7 / 0.86 / 0.94 (one run) |") for row in rows)
+  with pytest.raises(ValueError, match="config.runs is empty"):
+    c.base = ""
+    tau_sweep.settings(c)
