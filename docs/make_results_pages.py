@@ -118,21 +118,9 @@ def tpu_compile_page(records) -> str:
   return "\n".join(lines)
 
 
-def memory_page(records) -> str:
-  """docs/results/memory_tpu.md from experiments/memory_report.py's records for a TPU target."""
-  lines = [
-    "# Memory on TPU, from the TPU compiler (measured)",
-    "",
-    "`experiments/memory_report.py` with `--config.target` set to a TPU topology lowers and "
-    "compiles the train step and the rollout for compile-only TPU devices on a CPU host "
-    "(libtpu's XLA:TPU compiler; nothing is allocated) and reads "
-    "`compiled.memory_analysis()`: per device, the arguments and the temporaries (all XLA "
-    "allocates besides arguments and outputs). train: the fused GRPO + TIS + DistillSparse "
-    "step, weights and Adam states sharded over fsdp. sampler: the engine's full batch, "
-    "each group's prompt prefilled into the pool (prefill temps) and the decode chunk (args "
-    "hold the pool, KV, and the weights gathered over fsdp, params).",
-    "",
-  ]
+def _memory_tables(records) -> list:
+  """Each memory_report record's provenance, setting and a row per (part, model, length)."""
+  lines = []
   for record in records:
     c = record["results"]["config"]
     lines += [
@@ -158,7 +146,45 @@ def memory_page(records) -> str:
         f"{cell('kv_gb')} | {cell('params_gb')} |"
       )
     lines.append("")
-  return "\n".join(lines)
+  return lines
+
+
+_MEMORY_PARTS = (
+  "train: the fused GRPO + TIS + DistillSparse step, weights and Adam states sharded over fsdp. "
+  "sampler: the engine's full batch, each group's prompt prefilled into the pool (prefill temps) "
+  "and the decode chunk (args hold the pool, KV, and the weights gathered over fsdp, params)."
+)
+
+
+def memory_page(records) -> str:
+  """docs/results/memory_tpu.md from experiments/memory_report.py's records for a TPU target."""
+  intro = [
+    "# Memory on TPU, from the TPU compiler (measured)",
+    "",
+    "`experiments/memory_report.py` with `--config.target` set to a TPU topology lowers and "
+    "compiles the train step and the rollout for compile-only TPU devices on a CPU host "
+    "(libtpu's XLA:TPU compiler; nothing is allocated) and reads "
+    "`compiled.memory_analysis()`: per device, the arguments and the temporaries (all XLA "
+    "allocates besides arguments and outputs). " + _MEMORY_PARTS,
+    "",
+  ]
+  return "\n".join(intro + _memory_tables(records))
+
+
+def memory_cpu_page(records) -> str:
+  """docs/results/memory_cpu.md from experiments/memory_report.py's records for this CPU."""
+  intro = [
+    "# Memory at the paper's scale on the CPU backend (compiled, not run)",
+    "",
+    "`experiments/memory_report.py` lowers and compiles each jitted function with "
+    "`jax.ShapeDtypeStruct` inputs at full width and depth and reads XLA's buffer assignment "
+    "(`compiled.memory_analysis()`; nothing is allocated). On the CPU backend XLA keeps float32 "
+    "copies of bfloat16 weights (it has no bfloat16 matmul), which the TPU compiler does not "
+    "([memory_tpu.md](memory_tpu.md)); what the figures mean: [memory.md](../memory.md). "
+    + _MEMORY_PARTS,
+    "",
+  ]
+  return "\n".join(intro + _memory_tables(records))
 
 
 def triton_page(records) -> str:
@@ -654,6 +680,7 @@ def decode_rollout_page(records) -> str:
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
+  "memory_cpu.md": ("memory_cpu*.json", memory_cpu_page),
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
   "triton_sm90.md": ("triton_sm90.json", triton_page),
   "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
