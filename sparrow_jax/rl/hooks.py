@@ -165,18 +165,16 @@ class _ClosedLoop:
     self.state = schedule_lib.LoopState(**{k: tuple(v) for k, v in meta.items()})
 
 
+@dataclasses.dataclass
 class KVMetrics(Hook):
   """The KV the step's rollouts read, relative to dense, and the speedup the roofline predicts for
   them on `hardware`."""
 
-  def __init__(self, c, cfg, sparse, engine_cfg: engine.EngineConfig, hardware):
-    self.c, self.cfg, self.sparse, self.engine_cfg, self.hardware = (
-      c,
-      cfg,
-      sparse,
-      engine_cfg,
-      hardware,
-    )
+  c: object  # the run's config
+  cfg: object  # the model's Qwen3Config
+  sparse: object  # its SparseConfig; None: dense rollouts
+  engine_cfg: engine.EngineConfig
+  hardware: object  # a cost_model.Hardware (sparse runs)
 
   def metrics(self, out: StepOutput) -> dict:
     by_len = None if out.budget is None else out.budget.pages_by_len
@@ -223,12 +221,12 @@ def predicted_speedup(
   return rate(schedule) / rate(None)
 
 
+@dataclasses.dataclass
 class PerfMetrics(Hook):
   """Wall-time rates and the engine's use of its slots (they depend on the devices and on this
   process's engine, as timings do), and the learning rate."""
 
-  def __init__(self, learning_rate):
-    self.learning_rate = learning_rate
+  learning_rate: object  # step -> learning rate (the optimizer's schedule)
 
   def metrics(self, out: StepOutput) -> dict:
     stats = out.engine_stats

@@ -18,7 +18,6 @@ nothing (sparrow_jax.checkpoint).
 
 import contextlib
 import fcntl
-import functools
 import json
 import os
 import shutil
@@ -375,16 +374,14 @@ def _train(c, mesh, run: contextlib.ExitStack):
       hook.end_step(out, metrics)
     if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
       meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
-      checkpoint.save(mgr, step + 1, state, functools.reduce(_merge, step_hooks, meta))
+      for hook in step_hooks:
+        meta.update(hook.meta())
+      checkpoint.save(mgr, step + 1, state, meta)
   mgr.wait_until_finished()
   log.close()
   _finish(c, cfg, state, task, log.rows[-1], log.times)
   log.done()
   return log.rows
-
-
-def _merge(meta: dict, hook: hooks.Hook) -> dict:
-  return {**meta, **hook.meta()}
 
 
 def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
