@@ -112,7 +112,7 @@ class CalibrationConfig:
       )
     if self.alpha not in ALPHAS:
       raise ValueError(f"CalibrationConfig.alpha must be one of {list(ALPHAS)}, got {self.alpha!r}")
-    for name in ("repeats", "batch_size", "generate_batch_size", "candidates_per_pass"):
+    for name in ("repeats", "bin_size", "batch_size", "generate_batch_size", "candidates_per_pass"):
       if getattr(self, name) < 1:
         raise ValueError(f"CalibrationConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.sample_topk < 0:
@@ -123,7 +123,6 @@ class CalibrationConfig:
         f"sample_sparse={self.sample_sparse} / sample_topk={self.sample_topk} do not apply "
         "(leave them at True / 0)"
       )
-    position_bin(0, 1, self.bin_size)  # a positive bin size
 
 
 class Calibration(NamedTuple):
@@ -269,6 +268,7 @@ def tail_surface(
       f"temperature must be > 0 (acceptance compares sampling distributions), got {temperature}"
     )
   _check_sparse_layers(cfg, sparse)
+  position_bin(0, sparse.page_size, cc.bin_size)  # whole pages a bin, before the expensive part
   stat_mask_BS, cached_len_BS = token_bins(gen_mask_BS)
 
   # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
@@ -447,6 +447,7 @@ def calibrate(
   """
   cc = calibration
   _check_sparse_layers(cfg, sparse)
+  position_bin(0, sparse.page_size, cc.bin_size)  # whole pages a bin, before the rollouts
   prompt_BT, prompt_len_B = pad_prompts(prompts, sampling.pad_id)
   prompt_BT = np.repeat(prompt_BT, cc.repeats, 0)
   prompt_len_B = np.repeat(prompt_len_B, cc.repeats)

@@ -349,7 +349,9 @@ def _train(c, mesh, run: contextlib.ExitStack):
     budget = budgets.for_step(step) if budgets else None
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size : hi // r.group_size]
     local_prompts = _prompts(problems, tokenizer, r.group_size, r.max_prompt_len)
-    rollout, engine_stats = sample(state, local_prompts, jax.random.fold_in(key, step), budget)
+    requests = engine.Requests(*local_prompts, r.max_new_tokens, r.group_size, first_row=lo)
+    rollout, engine_stats = sample(state, requests, jax.random.fold_in(key, step), budget)
+    rollout = jax.tree_util.tree_map(global_rows, rollout)  # this process's rows -> all rows
     rollout_s = time.time() - t0
     grouped = [p for p in problems for _ in range(r.group_size)]
     rewards = task.reward(_responses(rollout, tokenizer), grouped)
@@ -385,19 +387,15 @@ def _train(c, mesh, run: contextlib.ExitStack):
 
 
 def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
-  """sample(state, this process's prompts, key, StepBudget or None) -> (the rollout as global rows,
-  this process's EngineStats): the engine over the policy's weights (gathered over fsdp once per
-  rollout: `_rollout_weights`), each process sampling its own rows."""
-  r = c.rollout
-  n_rows = r.prompts_per_step * r.group_size
-  lo, _ = sharding.process_rows(sharding.rows(mesh), n_rows)
+  """sample(state, this process's engine.Requests, key, StepBudget or None) -> (its rollout,
+  EngineStats): the engine over the policy's weights (gathered over fsdp once per rollout:
+  `_rollout_weights`)."""
   weights = _rollout_weights(state, mesh)
   sampling = run_config.sampling(c, tokenizer)
 
-  def sample(state, local_prompts, key, budget):
+  def sample(state, requests, key, budget):
     params, lora = weights(state.params, state.lora)
-    requests = engine.Requests(*local_prompts, r.max_new_tokens, r.group_size, first_row=lo)
-    rollout, stats = engine.run(
+    return engine.run(
       params,
       cfg,
       requests,
@@ -408,8 +406,6 @@ def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
       schedule=None if budget is None else budget.table,
       lora=lora,
     )
-    to_global = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
-    return jax.tree_util.tree_map(to_global, rollout), stats
 
   return sample
 
