@@ -36,6 +36,8 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0  # synthetic prompt position, random init; sampling key seed + 1
   c.out_dir = "workdir/calibrate"  # schedule.json, surface.json and calibration.png go here
+  c.record = ""  # also write the chosen table, its tokens and the time as a results record
+  #                                    (JSON with the command, commit, machine and date); "" = none
 
   c.model = common.model()  # the shipped tiny model, or a random preset with its own
   #                                    vocabulary (a smoke run)

@@ -136,7 +136,7 @@ def _memory_tables(records) -> list:
       "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, fig in record["results"].items():
-      if key == "config":
+      if "/" not in key:  # config, calibrate_run
         continue
       part, model, tokens = key.split("/")
       cell = lambda name: f"{fig[name]:.2f}" if name in fig else "-"
@@ -146,6 +146,15 @@ def _memory_tables(records) -> list:
         f"{cell('kv_gb')} | {cell('params_gb')} |"
       )
     lines.append("")
+    run = record["results"].get("calibrate_run")
+    if run:
+      lines += [
+        f"calibrate_run: a real p5 pass on this CPU over one {run['tokens']}-token row of a "
+        f"{run['model']}-shaped model (random float32 weights, all layers, one candidate): "
+        f"**{run['seconds'] / 60:.1f} min**, peak RSS **{run['peak_rss_gib']:.2f} GiB** "
+        f"({run['rss_before_gib']:.2f} GiB of it before the pass: the loaded params).",
+        "",
+      ]
   return lines
 
 
@@ -677,6 +686,203 @@ def decode_rollout_page(records) -> str:
   return "\n".join(lines)
 
 
+def _cells(values, digits=3) -> str:
+  """A per-bin list as one cell ("-": a bin without tokens)."""
+  return " ".join("-" if v is None else f"{v:.{digits}f}" for v in values)
+
+
+def _calibration_table(records) -> list:
+  """experiments/calibrate_schedule.py --config.record records: the table each picked."""
+  lines = [
+    "## Calibration",
+    "",
+    "`experiments/calibrate_schedule.py --config.record`: the schedule calibrated on the "
+    "calibration prompts' rollouts, per page score; \"shipped\" says whether it is the table "
+    "in `assets/pointer_chase_tiny/` that the configs use.",
+    "",
+  ]
+  shipped_dir = {"mean": "calibration", "quest": "calibration_quest"}
+  for record in records:
+    r = record["results"]
+    shipped_path = os.path.join(
+      ROOT, "assets", "pointer_chase_tiny", shipped_dir[r["page_score"]], "schedule.json"
+    )
+    with open(shipped_path) as f:
+      shipped = json.load(f)["values"]
+    lines += [
+      _provenance(record),
+      "",
+      "| page score | rule | alpha | rollouts | top-k per bin (+ always kept) | generated tokens"
+      " per bin | shipped | minutes |",
+      "|---|---|---|---|---|---|---|---|",
+      f"| {r['page_score']} | p{r['quantile']} >= {r['tau']} | {r['alpha']}"
+      f"{', on-policy' if r['on_policy'] else ''} | {r['prompts']} x {r['repeats']} | "
+      f"{' '.join(map(str, r['chosen_topk']))} (+{r['always_kept']}) | "
+      f"{' '.join(map(str, r['count_bin']))} | {'yes' if r['chosen_topk'] == shipped else 'no'} "
+      f"| {r['seconds'] / 60:.1f} |",
+      "",
+    ]
+  return lines
+
+
+def _heldout_tables(records) -> list:
+  """experiments/measure_tiny.py records: dense and sparse acceptance on held-out problems."""
+  lines = [
+    "## Held-out problems",
+    "",
+    "`experiments/measure_tiny.py`: dense sampling on held-out problems, then the first of them "
+    "sampled under fixed budgets and under the calibrated schedule, each token's exact alpha "
+    "against the dense policy. Budgets count pages of 16 tokens, the always-kept ones included; "
+    "layer 0 is dense. Step score: the task's per-step reward; accuracy: exact answers.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    d, small, cal = r["dense"], r["small_budget"], r["calibrated"]
+    lines += [
+      f"### {cal['schedule']}",
+      "",
+      _provenance(record),
+      "",
+      f"{r['n']} problems of {r['hops']} hops (seed {r['held_out_seed']}): prompts of "
+      f"{r['mean_prompt_len']:.0f} tokens and sampled responses of {r['mean_response_len']:.0f} "
+      f"on average. Dense: step score **{d['step_score']:.3f} +- {d['step_score_stderr']:.3f}**, "
+      f"accuracy {d['accuracy']:.3f}. At {small['pages']} pages: step score "
+      f"{small['step_score']:.3f} (drop {small['score_drop']:.3f} +- "
+      f"{small['score_drop_stderr']:.3f}). The rows below sample the first problems again "
+      f"(dense step score on them {cal['dense_step_score_same_problems']:.3f}).",
+      "",
+      "| budget | share of context | step score | accuracy | mean alpha | p5 | p1 | p5 per "
+      "128-token bin (from bin 3) |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [(f"fixed {k}", v) for k, v in r["sparse"]["budgets"].items()]
+    for name, row in rows + [("calibrated", cal)]:
+      share = f"{row['share_of_context']:.2f}" if "share_of_context" in row else "-"
+      p5_bin = [None if n == 0 else v for v, n in zip(row["p5_bin"], row["count_bin"])]
+      lines.append(
+        f"| {name} | {share} | {row['step_score']:.3f} | {row['accuracy']:.3f} | "
+        f"{row['mean']:.3f} | {row['p5']:.3f} | {row['p1']:.4f} | {_cells(p5_bin[3:])} |"
+      )
+    lines += [
+      "",
+      f"The calibrated schedule's lowest bin: p5 {cal['min_p5_bin']:.3f}, "
+      f"{'at or above' if cal['all_bins_at_tau'] else 'under'} tau {cal['tau']}.",
+      "",
+    ]
+  return lines
+
+
+_RUN_FIGURES = (  # (label, the cell from a run's figures)
+  ("steps", lambda r: f"{r['steps']}"),
+  ("wall time (min)", lambda r: f"{r['summary']['time_s']['total'] / 60:.1f}"),
+  ("first step, with compilation (s)", lambda r: f"{r['summary']['time_s']['first_step']:.0f}"),
+  (
+    "rollouts / train steps (s)",
+    lambda r: "{rollout:.0f} / {train_step:.0f}".format(**r["summary"]["time_s"]),
+  ),
+  ("median train step (s)", lambda r: f"{r['train_step_median_s']:.1f}"),
+  ("peak RSS (GiB)", lambda r: f"{r['summary']['peak_rss_gib']:.2f}"),
+  ("reward, first / last window", lambda r: f"{r['reward_first']:.3f} / {r['reward_last']:.3f}"),
+  ("exact p5, first / last window", lambda r: f"{r['p5_first']:.3f} / {r['p5']:.3f}"),
+  ("exact p5, median step", lambda r: f"{r['p5_median']:.3f}"),
+  ("exact p1, mean step", lambda r: "-" if r["p1"] is None else f"{r['p1']:.3f}"),
+  ("p5 per bin, first window", lambda r: _cells(r["p5_bin_first"][3:])),
+  ("p5 per bin, last window", lambda r: _cells(r["p5_bin"][3:])),
+  ("steps with p5 under tau, per bin", lambda r: _cells(r["under_tau_bin"][3:], 2)),
+  ("tokens under tau, per bin", lambda r: _cells(r["below_tau_bin"][3:])),
+  ("KV read (of dense)", lambda r: f"{r['kv_read']:.3f}"),
+  (
+    "engine occupancy / rows in flight",
+    lambda r: f"{r['occupancy']:.2f} / {r['rows_in_flight']:.1f}",
+  ),
+  (
+    "held-out score / accuracy",
+    lambda r: (
+      "-"
+      if r["heldout_score"] is None
+      else f"{r['heldout_score']:.3f} / {r['heldout_accuracy']:.3f}"
+    ),
+  ),
+)
+
+
+def _run_report_tables(record) -> list:
+  """experiments/run_report.py's record: a column per run, a row per figure; the evaluations."""
+  r = record["results"]
+  runs, window = r["runs"], r["config"]["window"]
+  lines = [_provenance(record), ""]
+  if runs:
+    lines += [
+      f"Windows of {window} steps; per-bin figures from 128-token bin 3 (the first generated "
+      f"tokens) on; tau {r['config']['tau']}.",
+      "",
+      "| | " + " | ".join(runs) + " |",
+      "|---" * (len(runs) + 1) + "|",
+    ]
+    lines += [
+      f"| {label} | " + " | ".join(cell(v) for v in runs.values()) + " |"
+      for label, cell in _RUN_FIGURES
+    ]
+    lines += [""]
+    lines += [
+      f"- {name}: `{v['summary']['command']}`, commit `{v['summary']['commit'][:12]}`, "
+      f"{v['summary']['machine']}"
+      for name, v in runs.items()
+    ]
+    lines += [""]
+  if r["evals"]:
+    lines += [
+      "| policy | model dir | problems x samples | step score | accuracy | response length | "
+      "truncated |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for name, e in r["evals"].items():
+      m = e["metrics"]
+      lines.append(
+        f"| {name} | `{e['model_dir']}` | {e['num_problems']} x {e['samples']} | "
+        f"{m['mean@1']:.3f} | {m['pass@1']:.3f} | {m['response_length/mean']:.0f} | "
+        f"{m['truncated_fraction']:.2f} |"
+      )
+    lines.append("")
+  return lines
+
+
+def embedded_default_page(records) -> str:
+  """docs/results/embedded_default.md from the embedded_*.json records: calibration
+  (calibrate_schedule), held-out acceptance (measure_tiny), the default run (run_report)."""
+  lines = [
+    "# The embedded default: calibration, held-out acceptance and the default run (measured)",
+    "",
+    "The shipped tiny model (`assets/pointer_chase_tiny`) on 128-hop pointer chasing; what the "
+    "figures mean: [embedded_default.md](../embedded_default.md).",
+    "",
+  ]
+  script = lambda record: os.path.basename(record["command"].split()[1])
+  lines += _calibration_table([r for r in records if script(r) == "calibrate_schedule.py"])
+  lines += _heldout_tables([r for r in records if script(r) == "measure_tiny.py"])
+  lines += ["## The default run", ""]
+  for record in records:
+    if script(record) == "run_report.py":
+      lines += _run_report_tables(record)
+  return "\n".join(lines)
+
+
+def distill_sparse_page(records) -> str:
+  """docs/results/distill_sparse.md from run_report's record of the runs with and without it."""
+  lines = [
+    "# DistillSparse at a fixed budget (measured)",
+    "",
+    "The default job at `rollout.schedule = fixed:32` with mean page scores, with and without "
+    "DistillSparse; the commands and what the figures mean: "
+    "[distill_sparse.md](../distill_sparse.md).",
+    "",
+  ]
+  for record in records:
+    lines += _run_report_tables(record)
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -688,6 +894,8 @@ PAGES = {
   "cost_model.md": ("cost_model.json", cost_model_page),
   "decode_attention.md": ("decode_attention.json", decode_attention_page),
   "decode_rollout.md": ("decode_rollout.json", decode_rollout_page),
+  "embedded_default.md": ("embedded_*.json", embedded_default_page),
+  "distill_sparse.md": ("distill_sparse.json", distill_sparse_page),
 }
 
 

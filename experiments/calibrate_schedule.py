@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 
 import sparrow_jax as sj
-from sparrow_jax import schema
+from sparrow_jax import records, schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import calibrate as cal
 
@@ -141,10 +141,26 @@ def calibrate(c):
     f"[calibrate] chosen top-k per bin: {list(result.schedule.values)} "
     f"(+{result.schedule.always_kept} always kept)"
   )
+  seconds = time.time() - t0
   print(
     f"[calibrate] wrote schedule.json, surface.json, calibration.png to {c.out_dir} "
-    f"({time.time() - t0:.0f}s)"
+    f"({seconds:.0f}s)"
   )
+  if c.record:
+    surface = cal.surface_dict(result)
+    records.write_record(
+      c.record,
+      {
+        "model": c.model.hf_dir or c.model.preset,
+        "prompts": len(prompts),
+        "repeats": cc.repeats,
+        "max_new_tokens": r.max_new_tokens,
+        "page_score": sparse.page_score,
+        "seconds": seconds,
+        **{k: surface[k] for k in ("tau", "quantile", "alpha", "on_policy", "bin_size")},
+        **{k: surface[k] for k in ("candidates", "count_bin", "chosen_topk", "always_kept")},
+      },
+    )
   return result
 
 

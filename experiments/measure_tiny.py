@@ -15,10 +15,10 @@
 4. With config.rollout.schedule (the calibrated KVSchedule; "" skips it): the same acceptance
    figures under it, and whether p5 >= config.stats.tau holds in every position bin on these
    held-out problems.
-Prints a table and writes the figures to config.out (default <model.hf_dir>/measurements.json).
+Prints a table and writes the figures to config.out (default <model.hf_dir>/measurements.json) as a
+results record (sparrow_jax/records.py).
 """
 
-import json
 import os
 import time
 
@@ -29,7 +29,7 @@ from ml_collections import config_flags
 import numpy as np
 
 import sparrow_jax as sj
-from sparrow_jax import schema
+from sparrow_jax import records, schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
@@ -243,8 +243,7 @@ def measure(c) -> dict:
   )
   results["seconds"] = round(time.time() - t0, 1)
   out = c.out or os.path.join(c.model.hf_dir, "measurements.json")
-  with open(out, "w") as f:
-    json.dump(results, f, indent=1)
+  records.write_record(out, results)
   print(f"wrote {out}")
   return results
 

@@ -36,7 +36,6 @@ device prefilling and decoding only its own groups.
 """
 
 import dataclasses
-import resource
 import time
 
 from absl import app, flags
@@ -301,7 +300,7 @@ def calibrate_run(c):
   S, T = c.run_len, c.prompt_len
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, S)).astype(np.int32)
   gen_mask = np.arange(S)[None] >= T
-  rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+  rss_before = records.peak_rss_gib()
   start = time.time()
   p5 = calibrate.tail_surface(
     params,
@@ -318,8 +317,8 @@ def calibrate_run(c):
     "model": c.run_model,
     "tokens": S,
     "seconds": time.time() - start,
-    "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-    "rss_before_gb": rss_before,
+    "peak_rss_gib": records.peak_rss_gib(),
+    "rss_before_gib": rss_before,
     "p5_bin0": float(p5[0, 0]),
   }
 
@@ -466,7 +465,7 @@ def main(argv):
     print(
       f"\ncalibration run, {fig['model']}-shaped (random float32 weights), one "
       f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
-      f"{fig['peak_rss_gb']:.2f} GB (params loaded: {fig['rss_before_gb']:.2f} GB)",
+      f"{fig['peak_rss_gib']:.2f} GiB (params loaded: {fig['rss_before_gib']:.2f} GiB)",
       flush=True,
     )
   if c.out:

@@ -285,15 +285,16 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
   )  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
   kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
   timed = rows[1:] or rows  # the first step compiles
-  heldout = _read_json(os.path.join(workdir, "eval.json"))["metrics"]
+  # a run evaluated on held-out problems (every sweep run is) has eval.json beside its metrics
+  heldout = (_read_json(os.path.join(workdir, "eval.json")) or {}).get("metrics", {})
   return {
     "workdir": workdir,
     "steps": len(rows),
     "reward_curve": series(rows, "reward/mean").tolist(),
     "reward_first": float(np.mean(series(first, "reward/mean"))),
     "reward_last": float(np.mean(series(last, "reward/mean"))),
-    "heldout_score": heldout["mean@1"],
-    "heldout_accuracy": heldout["pass@1"],
+    "heldout_score": heldout.get("mean@1"),
+    "heldout_accuracy": heldout.get("pass@1"),
     "length_first": float(np.mean(series(first, "response_length/mean"))),
     "length_last": float(np.mean(series(last, "response_length/mean"))),
     "p5": float(np.mean(series(last, "acceptance/p5"))),

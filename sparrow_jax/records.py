@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 
@@ -52,10 +53,20 @@ def commit_at_start() -> str:
   return _COMMIT_AT_START
 
 
+def command() -> str:
+  """This process's command line, its script relative to the repository."""
+  return " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident memory so far, GiB (Linux counts ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def write_record(path: str, results: dict) -> dict:
   """Writes {command, commit, machine, date, results} to `path` (JSON) and returns it."""
   record = dict(
-    command=" ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+    command=command(),
     commit=commit_at_start(),
     machine=machine(),
     date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

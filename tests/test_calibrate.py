@@ -315,6 +315,7 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
       "stats.tau": 0.9,
       "calibration.alpha": "topk20",
       "out_dir": out,
+      "record": tmp_path / "record.json",
     },
   )
   assert "ETA" in stdout
@@ -333,6 +334,10 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   }
   assert sum(surface["count_bin"]) > 0
   assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  record = json.loads((tmp_path / "record.json").read_text())
+  assert record["command"].startswith("python experiments/calibrate_schedule.py")
+  assert record["results"]["chosen_topk"] == surface["chosen_topk"]
+  assert record["results"]["count_bin"] == surface["count_bin"] and record["results"]["seconds"] > 0
 
 
 def test_cli_rejects_bad_prompt_row(tmp_path):

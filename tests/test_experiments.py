@@ -102,7 +102,9 @@ def test_measure_tiny_shipped_model(tmp_path, run_experiment):
     },
   )
   assert "calibrated assets/pointer_chase_tiny/calibration_quest/schedule.json" in stdout
-  results = json.loads(out.read_text())
+  record = json.loads(out.read_text())
+  assert record["command"].startswith("python experiments/measure_tiny.py")
+  results = record["results"]
   assert results["n"] == 4 and results["held_out_seed"] == 1234 and results["hops"] == 4
   assert 0 < results["dense"]["step_score"] <= 1
   assert set(results["sparse"]["budgets"]) == {"3", "4"}

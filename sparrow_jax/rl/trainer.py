@@ -519,7 +519,9 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
           "steps": c.total_steps,
           "time_s": times,
           "last": _strict_json(last_row),
+          "peak_rss_gib": records.peak_rss_gib(),  # this process's, the lead's
           # float results follow the code and the CPU type (docs/configuration.md)
+          "command": records.command(),
           "commit": records.commit_at_start(),
           "machine": records.machine(),
         },
