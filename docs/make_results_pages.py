@@ -122,30 +122,9 @@ def _memory_tables(records) -> list:
   """Each memory_report record's provenance, setting and a row per (part, model, length)."""
   lines = []
   for record in records:
-    c = record["results"]["config"]
-    lines += [
-      _provenance(record),
-      "",
-      f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
-      f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
-      f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
-      f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
-      "per device.",
-      "",
-      "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params |",
-      "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for key, fig in record["results"].items():
-      if "/" not in key:  # config, calibrate_run
-        continue
-      part, model, tokens = key.split("/")
-      cell = lambda name: f"{fig[name]:.2f}" if name in fig else "-"
-      lines.append(
-        f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
-        f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
-        f"{cell('kv_gb')} | {cell('params_gb')} |"
-      )
-    lines.append("")
+    lines += [_provenance(record), ""]
+    if any("/" in key for key in record["results"]):  # a table of compiled parts
+      lines += _memory_rows(record)
     run = record["results"].get("calibrate_run")
     if run:
       lines += [
@@ -156,6 +135,32 @@ def _memory_tables(records) -> list:
         "",
       ]
   return lines
+
+
+def _memory_rows(record) -> list:
+  """A memory_report record's setting and a row per (part, model, length)."""
+  c = record["results"]["config"]
+  lines = [
+    f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
+    f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
+    f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
+    f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
+    "per device.",
+    "",
+    "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for key, fig in record["results"].items():
+    if "/" not in key:  # config, calibrate_run
+      continue
+    part, model, tokens = key.split("/")
+    cell = lambda name: f"{fig[name]:.2f}" if name in fig else "-"
+    lines.append(
+      f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
+      f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
+      f"{cell('kv_gb')} | {cell('params_gb')} |"
+    )
+  return lines + [""]
 
 
 _MEMORY_PARTS = (
@@ -698,7 +703,10 @@ def _calibration_table(records) -> list:
     "",
     "`experiments/calibrate_schedule.py --config.record`: the schedule calibrated on the "
     "calibration prompts' rollouts, per page score; \"shipped\" says whether it is the table "
-    "in `assets/pointer_chase_tiny/` that the configs use.",
+    "in `assets/pointer_chase_tiny/` that the configs use (if not, the shipped table follows). A "
+    "re-run picks another budget most easily in a bin with few tokens, whose p5 rests on a few "
+    "alphas that a code change or another CPU type's last-bit float differences "
+    "([configuration.md](../configuration.md#repeating-a-run)) can move.",
     "",
   ]
   shipped_dir = {"mean": "calibration", "quest": "calibration_quest"}
@@ -715,10 +723,11 @@ def _calibration_table(records) -> list:
       "| page score | rule | alpha | rollouts | top-k per bin (+ always kept) | generated tokens"
       " per bin | shipped | minutes |",
       "|---|---|---|---|---|---|---|---|",
-      f"| {r['page_score']} | p{r['quantile']} >= {r['tau']} | {r['alpha']}"
+      f"| {r['page_score']} | p{r['quantile']:g} >= {r['tau']} | {r['alpha']}"
       f"{', on-policy' if r['on_policy'] else ''} | {r['prompts']} x {r['repeats']} | "
       f"{' '.join(map(str, r['chosen_topk']))} (+{r['always_kept']}) | "
-      f"{' '.join(map(str, r['count_bin']))} | {'yes' if r['chosen_topk'] == shipped else 'no'} "
+      f"{' '.join(map(str, r['count_bin']))} | "
+      f"{'yes' if r['chosen_topk'] == shipped else 'no: ' + ' '.join(map(str, shipped))} "
       f"| {r['seconds'] / 60:.1f} |",
       "",
     ]

@@ -54,8 +54,11 @@ def commit_at_start() -> str:
 
 
 def command() -> str:
-  """This process's command line, its script relative to the repository."""
-  return " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+  """This process's command line as typed: `python -m MODULE ...`, or `python SCRIPT ...` with the
+  script relative to the repository."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # None for a script
+  program = ["-m", spec.name] if spec is not None else [os.path.relpath(sys.argv[0], ROOT)]
+  return " ".join(["python", *program, *sys.argv[1:]])
 
 
 def peak_rss_gib() -> float:

@@ -1,7 +1,8 @@
 """The README stays a first screen and the docs stay true: README.md is at most 200 lines, every
 relative link in README.md and docs/ resolves to a file, the README keeps the command .ci/run runs,
-README.md and docs/*.md state what is, not how it came to be (no history phrases), and code comments
-quote no measured times or speedups (those live in docs/)."""
+README.md and docs/*.md state what is, not how it came to be (no history phrases), code comments
+quote no measured times or speedups (those live in docs/), and the pages that explain a results
+page quote none of its figures (those are rendered from records)."""
 
 import glob
 import io
@@ -26,6 +27,23 @@ MEASURED_FIGURE = re.compile(
   r"(?<!< )(?<!under )\b\d+(\.\d+)?\s?(ms|min)\b|\b\d+(\.\d+)?x (faster|slower)\b"
   r"|\b\d+(\.\d+)?\s?tok/s\b|\b\d+(\.\d+)? s (on|here|alone|beside)\b"
 )
+# The pages that explain a results page say what its figures mean; the figures come from the
+# records (docs/results/). A measured figure there is a number with two or more decimals, or one
+# with a unit of time or memory; the settings the pages name (thresholds, an HBM size) are not.
+RESULTS_TOPICS = (
+  "correctness",
+  "cost_model",
+  "decode_speed",
+  "distill_sparse",
+  "embedded_default",
+  "memory",
+  "rollout_engine",
+  "threshold_sweep",
+)
+HAND_FIGURE = re.compile(
+  r"(?<![\w.])(\d+\.\d{2,}|\d+(?:\.\d+)? ?(?:min|minutes|GB|GiB|s|ms|tok/s)\b)"
+)
+SETTINGS = {"0.85", "0.86", "0.94", "0.95", "0.99", "95 GB", "141 GB"}
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
 
@@ -127,6 +145,18 @@ def test_figure_check_sees_figures():
   source = 'x = 1  # 3.0 ms per step\n"""Runs 2.1x faster; < 8 min budget."""\ny = "9 ms"\n'
   found = [n for n, line in comment_and_docstring_lines(source) if MEASURED_FIGURE.search(line)]
   assert found == [1, 2]  # the code string on line 3 is not a comment; "< 8 min" is a budget
+
+
+def test_results_topics_quote_no_measured_figures():
+  for name in RESULTS_TOPICS:
+    prose = LINK.sub("", _prose(_read(os.path.join(ROOT, "docs", f"{name}.md"))))
+    figures = set(HAND_FIGURE.findall(prose)) - SETTINGS
+    assert not figures, f"docs/{name}.md quotes {sorted(figures)}: render them from a record"
+
+
+def test_hand_figure_check_sees_figures():
+  prose = LINK.sub("", _prose("took 7.9 min, 2.23 GiB, p5 0.913; `0.123` and [a](x/0.45.md) not"))
+  assert HAND_FIGURE.findall(prose) == ["7.9 min", "2.23", "0.913"]
 
 
 def test_readme_keeps_the_ci_command():
