@@ -1,8 +1,9 @@
 """The README stays a first screen and the docs stay true: README.md is at most 200 lines, every
-relative link in README.md and docs/ resolves to a file, the README keeps the command .ci/run runs,
-README.md and docs/*.md state what is, not how it came to be (no history phrases), code comments
-quote no measured times or speedups (those live in docs/), and the pages that explain a results
-page quote none of its figures (those are rendered from records)."""
+relative link in README.md and docs/ resolves to a file (and a heading, when it names one), the
+README keeps the command .ci/run runs, README.md and docs/*.md state what is, not how it came to
+be (no history phrases), code comments quote no measured times or speedups (those live in docs/),
+and the pages that explain a results page quote none of its figures (those are rendered from
+records)."""
 
 import glob
 import io
@@ -57,10 +58,13 @@ def _markdown_files():
   return [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
 
 
+def _without_code_blocks(text):
+  return re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
+
+
 def _prose(text):
   """The text without fenced code blocks and inline code spans, where `](` is code, not a link."""
-  text = re.sub(r"^(```|~~~).*?^\1[^\n]*$", "", text, flags=re.S | re.M)
-  return re.sub(r"`[^`\n]*`", "", text)
+  return re.sub(r"`[^`\n]*`", "", _without_code_blocks(text))
 
 
 def relative_links(text):
@@ -71,6 +75,34 @@ def relative_links(text):
       continue  # http(s), mailto, ...; an anchor on the same page
     targets.append(target.split("#", 1)[0].split("?", 1)[0])
   return targets
+
+
+def heading_anchors(text):
+  """The anchors GitHub gives the headings of a markdown page: lower case, punctuation dropped,
+  spaces as hyphens."""
+  headings = re.findall(r"^#+ (.*)$", _without_code_blocks(text), re.M)
+  return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_anchors_resolve(path):
+  """A link to a page's heading (page.md#heading, or #heading on the same page) names one that
+  exists."""
+  missing = []
+  for target in LINK.findall(_prose(_read(path))):
+    page, sep, anchor = target.partition("#")
+    if not sep or re.match(r"^[a-z][a-z0-9+.-]*:", page, re.I):
+      continue
+    linked = os.path.normpath(os.path.join(os.path.dirname(path), page)) if page else path
+    if linked.endswith(".md") and os.path.exists(linked):
+      if anchor not in heading_anchors(_read(linked)):
+        missing.append(target)
+  assert not missing, f"{os.path.relpath(path, ROOT)} links to missing headings: {missing}"
+
+
+def test_anchor_names_follow_github():
+  text = "# What RL does, measured\n## p5 >= tau (the rule)\n## GPU: `a/b.py`\n```\n# no\n```\n"
+  assert heading_anchors(text) == {"what-rl-does-measured", "p5--tau-the-rule", "gpu-abpy"}
 
 
 def test_readme_is_a_first_screen():
