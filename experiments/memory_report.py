@@ -296,7 +296,8 @@ def calibrate_memory(model, length, c, dtype):
 def calibrate_run(c):
   """A real p5 pass over one long row: random weights, random tokens (memory and time only)."""
   cfg = sj.Qwen3Config.preset(c.run_model)
-  params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.float32)
+  # initialised before the RSS is read (dispatch is asynchronous)
+  params = jax.block_until_ready(sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.float32))
   S, T = c.run_len, c.prompt_len
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (1, S)).astype(np.int32)
   gen_mask = np.arange(S)[None] >= T
