@@ -131,7 +131,8 @@ def _memory_tables(records) -> list:
         f"calibrate_run: a real p5 pass on this CPU over one {run['tokens']}-token row of a "
         f"{run['model']}-shaped model (random float32 weights, all layers, one candidate): "
         f"**{run['seconds'] / 60:.1f} min**, peak RSS **{run['peak_rss_gib']:.2f} GiB** "
-        f"({run['rss_before_gib']:.2f} GiB of it before the pass: the loaded params).",
+        f"(peak RSS before the pass, once the random weights were made: "
+        f"{run['rss_before_gib']:.2f} GiB).",
         "",
       ]
   return lines

@@ -466,7 +466,8 @@ def main(argv):
     print(
       f"\ncalibration run, {fig['model']}-shaped (random float32 weights), one "
       f"{fig['tokens']}-token row, one candidate: {fig['seconds']:.0f}s, peak RSS "
-      f"{fig['peak_rss_gib']:.2f} GiB (params loaded: {fig['rss_before_gib']:.2f} GiB)",
+      f"{fig['peak_rss_gib']:.2f} GiB (before the pass, weights made: "
+      f"{fig['rss_before_gib']:.2f} GiB)",
       flush=True,
     )
   if c.out:
