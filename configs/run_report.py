@@ -2,8 +2,8 @@
 results record, which docs/make_results_pages.py renders.
 
   python experiments/run_report.py --config=configs/run_report.py \\
-      --config.runs=default=/tmp/default --config.evals=start=/tmp/eval_base.json \\
-      --config.out=docs/results/default_run.json
+      --config.runs=default=/tmp/runs/default --config.evals=start=/tmp/runs/eval_start.json \\
+      --config.out=docs/results/embedded_default_run.json
 """
 
 import ml_collections

@@ -2,7 +2,8 @@
 copying them by hand.
 
   python experiments/run_report.py --config=configs/run_report.py \\
-      --config.runs=default=/tmp/default --config.out=docs/results/default_run.json
+      --config.runs=default=/tmp/runs/default \\
+      --config.out=docs/results/embedded_default_run.json
 
 Per run: what the threshold sweep keeps of a run (`tau_sweep.run_record`: reward and length over
 the first and last `window` steps, exact-alpha p5 overall and per bin over the last `window`,
