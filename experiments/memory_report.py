@@ -56,7 +56,7 @@ from sparrow_jax import sharding
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.attention import page_pool
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.rollout import engine, programs, sampler
 
 GB = 1e9
 SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's
@@ -144,7 +144,7 @@ def train_step(model, length, c, dtype, mesh, layers=None):
 
 def sampler_memory(model, length, c, dtype, mesh):
   """The rollout as the trainer runs it by default (`engine.full_batch`: every row of a device in a
-  slot, a pool that holds them at full length): the group prefill into the pool (`engine._insert`)
+  slot, a pool that holds them at full length): the group prefill into the pool (`programs.prefill`)
   and the decode chunk, compiled on the mesh with the weights gathered over fsdp."""
   cfg, params, lora = _model(model, dtype, c.layers or None)
   rules = sharding.ROLLOUT_RULES  # the trainer's rollout weights: gathered over fsdp
@@ -160,7 +160,7 @@ def sampler_memory(model, length, c, dtype, mesh):
     )
     rows = lambda shape, dt=jnp.int32: SDS(shape, dt, sharding=sharding.rows(mesh))
     groups = R * max(1, config.num_slots // G)  # what one insert prefills, across devices
-    insert = engine._insert.lower(
+    insert = programs.prefill.lower(
       params,
       lora,
       pool,
@@ -182,7 +182,7 @@ def sampler_memory(model, length, c, dtype, mesh):
       active=rows((S,), bool),
       page_table=rows((S, PR)),
     )
-    decode = engine._decode_chunk.lower(
+    decode = programs.decode_chunk.lower(
       params,
       lora,
       pool,
@@ -239,7 +239,7 @@ def engine_memory(model, length, c, dtype):
     page_table=ints(S, PR),
   )
   budget, table = _budget(c.schedule, model, PR * SPARSE.page_size)
-  compiled = engine._decode_chunk.lower(
+  compiled = programs.decode_chunk.lower(
     params,
     None,
     pool,

@@ -10,7 +10,7 @@ import pytest
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.rollout import engine, programs, sampler
 from tests import helpers
 from tests.helpers import tiny_config
 
@@ -157,11 +157,11 @@ def test_top_logprobs_and_no_recompilation_across_lengths():
   valid = np.arange(out.tokens.shape[1])[None] < np.asarray(out.lengths)[:, None]
   assert out.top_logprobs.shape == (6, 40, 3)
   assert np.all(np.where(valid, out.top_logprobs[..., 0] >= out.logprobs - 1e-6, True))
-  before = engine._decode_chunk._cache_size()
+  before = programs.decode_chunk._cache_size()
   # other per-row lengths under the same cap, another schedule under the same max_selected
   run(num_top_logprobs=3, slots=3, chunk=8, max_new_tokens=MAX_NEW[::-1])
   run(num_top_logprobs=3, slots=3, chunk=8, schedule=KVSchedule.fixed(3, page_size=4))
-  assert engine._decode_chunk._cache_size() == before
+  assert programs.decode_chunk._cache_size() == before
 
 
 def test_bad_requests_rejected():

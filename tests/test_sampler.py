@@ -11,7 +11,7 @@ import pytest
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.rollout import programs, sampler
 from tests import helpers
 from tests.helpers import tiny_config
 
@@ -141,14 +141,14 @@ def test_changing_schedule_does_not_recompile():
     schedule=KVSchedule.fixed(5, page_size=4),
     **kw,
   )
-  programs = lambda: (engine._insert._cache_size(), engine._decode_chunk._cache_size())
-  before = programs()
+  compiled = lambda: (programs.prefill._cache_size(), programs.decode_chunk._cache_size())
+  before = compiled()
   for schedule in (
     KVSchedule.fixed(6, page_size=4),
     KVSchedule.table([1, 2, 3], page_size=4, bin_size=8),
   ):
     sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(8), schedule=schedule, **kw)
-  assert programs() == before
+  assert compiled() == before
 
 
 def test_bad_input_rejected():

@@ -16,7 +16,7 @@ from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rl import hooks, run_config, trainer
-from sparrow_jax.rollout import engine
+from sparrow_jax.rollout import programs
 
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
@@ -179,7 +179,9 @@ def test_export_policy_round_trips(tmp_path):
 
 def engine_programs():
   """Compiled programs of the engine's jitted parts (insert, decode chunk, page copy)."""
-  return tuple(f._cache_size() for f in (engine._insert, engine._decode_chunk, engine._copy_pages))
+  return tuple(
+    f._cache_size() for f in (programs.prefill, programs.decode_chunk, programs.copy_pages)
+  )
 
 
 def test_schedule_stages_switch_without_recompiling(tmp_path):

@@ -1,0 +1,495 @@
+"""The rollout engine's host scheduler: which rows run in which slots on which pool pages.
+
+Plain host code (numpy, no JAX), so the scheduling policy is tested without compiling anything
+(tests/test_scheduler.py). The engine (rollout/engine.py) asks it what to run, runs the compiled
+programs (rollout/programs.py) and hands their results back:
+
+  admit()          plans admissions: rows into free slots, new groups onto a device, pages taken
+  prefill_inputs() the planned groups' prompts and pages, as the prefill program takes them
+  set_first()      the first token each prefilled row sampled
+  start()          the admitted rows restarted and placed; the prompt-template page copies
+  grow()           pages for every running row's next chunk, preempting the least advanced if short
+  width() compact() the slots a chunk decodes (all, or `drain_slots` once few rows are left)
+  chunk_inputs()   the slots' state, as the decode-chunk program takes it
+  finish_chunk()   the chunk's tokens appended, ended rows released
+
+Every decision that decides whether a collective program runs is returned as a flag: with several
+processes the engine agrees on it across processes before it acts (each process schedules only
+its own devices' shards).
+"""
+
+import collections
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+TRASH_PAGE = 0  # page_pool.TRASH_PAGE: what free slots and table padding point at
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  num_slots: int = 8  # rows decoding together: the decode step's batch
+  num_pages: int = 1024  # pages in the pool, page_pool.TRASH_PAGE included (`pages_for_bytes`)
+  chunk_steps: int = 16  # decode steps per jitted chunk; the scheduler runs between chunks
+  reserve_chunks: int = 2  # admission keeps back the pages running rows fill in this many chunks
+  static: bool = False  # the static batch: full-length pages, admission only into an empty batch
+  # Once every device runs at most this many rows, chunks decode that many slots only (the rows
+  # moved to the first slots), so a rollout's last long rows stop paying for the empty slots
+  # beside them. 0: off. A second compiled decode program, built on first use.
+  drain_slots: int = 0
+
+  def __post_init__(self):
+    for name, low in (
+      ("num_slots", 1),
+      ("num_pages", 2),
+      ("chunk_steps", 1),
+      ("reserve_chunks", 0),
+      ("drain_slots", 0),
+    ):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < low:
+        raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+    if self.drain_slots >= self.num_slots:
+      raise ValueError(
+        f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
+        f"({self.num_slots}), or 0 (off)"
+      )
+
+
+@dataclasses.dataclass
+class EngineStats:
+  decode_steps: int = 0  # decode steps run (every slot computes in each)
+  chunks: int = 0
+  useful_row_steps: int = 0  # decoded tokens the rollout keeps (a preempted row's are not)
+  computed_row_steps: int = 0  # slots decoded x decode steps
+  preemptions: int = 0
+  peak_pages: int = 0  # most pool pages in use at once
+
+  @property
+  def occupancy(self) -> float:
+    return self.useful_row_steps / max(self.computed_row_steps, 1)
+
+  @property
+  def rows_in_flight(self) -> float:
+    return self.useful_row_steps / max(self.decode_steps, 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Requests:
+  """The rows a rollout samples, host arrays: right-padded prompts (row b's is
+  prompt_BT[b, :prompt_len_B[b]]) in runs of `group_size` copies of one prompt (GRPO groups, each
+  prefilled once)."""
+
+  prompt_BT: np.ndarray  # [B, T] int32
+  prompt_len_B: np.ndarray  # [B] int32 in [1, T]
+  max_new_B: np.ndarray  # [B] tokens each row may generate (an int: the same for every row)
+  group_size: int = 1
+  # With several processes, each passes its own rows (`sharding.process_rows`) and the index of
+  # its first row in the whole batch: the rows' keys are global.
+  first_row: int = 0
+
+  def __post_init__(self):
+    prompt_BT = np.asarray(self.prompt_BT, np.int32)
+    B, T = prompt_BT.shape
+    prompt_len_B = np.asarray(self.prompt_len_B, np.int32)
+    max_new_B = np.broadcast_to(np.asarray(self.max_new_B, np.int32), (B,)).copy()
+    for name, value in (("prompt_BT", prompt_BT), ("prompt_len_B", prompt_len_B)):
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, "max_new_B", max_new_B)
+    if prompt_len_B.shape != (B,) or prompt_len_B.min() < 1 or prompt_len_B.max() > T:
+      raise ValueError(
+        f"Requests.prompt_len_B must be [{B}] lengths in [1, {T}] (the prompt width), got "
+        f"{prompt_len_B.tolist()}"
+      )
+    if max_new_B.min() < 1:
+      raise ValueError(
+        f"Requests.max_new_B (max_new_tokens: one per row or one for all) must be positive, "
+        f"got {max_new_B.tolist()}"
+      )
+    g = self.group_size
+    if g < 1 or B % g:
+      raise ValueError(f"Requests.group_size must be >= 1 and divide the {B} rows, got {g}")
+    runs = lambda x: x.reshape(-1, g, *x.shape[1:])
+    if not (
+      np.all(runs(prompt_BT) == runs(prompt_BT)[:, :1])
+      and np.all(runs(prompt_len_B) == runs(prompt_len_B)[:, :1])
+    ):
+      raise ValueError(f"Requests.group_size = {g}: the rows are not runs of {g} identical prompts")
+
+
+@dataclasses.dataclass
+class Row:
+  index: int  # the row's index in the request: its key and its place in the output
+  group: int
+  prompt_len: int
+  max_new: int
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  top: list = dataclasses.field(default_factory=list)
+  pages: list = dataclasses.field(default_factory=list)  # its own pool pages, in logical order
+  first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
+  slot: Optional[int] = None  # its slot on its group's shard while it runs
+  done: bool = False
+
+
+@dataclasses.dataclass
+class Group:
+  rows: list
+  shard: Optional[int] = None  # the device whose pool holds its prompt (set at its prefill)
+  shared: list = dataclasses.field(default_factory=list)  # full prompt pages, shared by the rows
+  template: Optional[int] = None  # the partial last prompt page
+  unfinished: int = 0
+
+
+class Shard:
+  """One device's slots and free pages."""
+
+  def __init__(self, engine: EngineConfig, max_pages_per_row: int):
+    self.free_pages = collections.deque(range(1, engine.num_pages))
+    self.slots = [None] * engine.num_slots
+    self.page_table = np.zeros((engine.num_slots, max_pages_per_row), np.int32)
+
+
+@dataclasses.dataclass
+class Admission:
+  """One admission round's plan: the groups each shard prefills, the rows admitted (slots held,
+  pages taken)."""
+
+  planned: list  # [shards] lists of group indices
+  rows: list  # Rows
+
+
+class Scheduler:
+  """Every shard's slots and pages for one rollout of `requests` (this process's rows).
+
+  page_size: tokens per pool page; shards: this process's pool shards (devices); order: the
+  order rows are admitted in (a permutation of the rows; default: row order); eos_ids: tokens
+  that end a row."""
+
+  def __init__(
+    self,
+    engine: EngineConfig,
+    requests: Requests,
+    page_size: int,
+    shards: int = 1,
+    order: Optional[Sequence[int]] = None,
+    eos_ids: Sequence[int] = (),
+  ):
+    B, T = requests.prompt_BT.shape
+    G, Z = requests.group_size, page_size
+    self.engine, self.Z, self.eos_ids = engine, Z, tuple(eos_ids)
+    self.group_size, self.first_row = G, requests.first_row
+    self.prompt_BT = np.pad(requests.prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages
+    self.max_new = int(requests.max_new_B.max())
+    self.max_pages_per_row = -(-(T + self.max_new) // Z)
+    # groups a device prefills per prefill call
+    self.per_prefill = max(1, engine.num_slots // G)
+    self.rows = [
+      Row(b, b // G, int(requests.prompt_len_B[b]), int(requests.max_new_B[b])) for b in range(B)
+    ]
+    self.groups = [Group(list(range(g * G, (g + 1) * G)), unfinished=G) for g in range(B // G)]
+    order = list(range(B)) if order is None else [int(b) for b in order]
+    if sorted(order) != list(range(B)):
+      raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
+    for row in self.rows:  # a row that cannot fit alone in a pool would wait forever
+      need = -(-(row.prompt_len + row.max_new - 1) // Z) + 1
+      if need > engine.num_pages - 1:
+        raise ValueError(
+          f"EngineConfig.num_pages = {engine.num_pages} cannot hold row {row.index} "
+          f"({row.prompt_len} prompt + {row.max_new} new tokens need {need} pages "
+          f"with the trash page and a prompt template)"
+        )
+    self.queue = collections.deque(order)
+    self.shards = [Shard(engine, self.max_pages_per_row) for _ in range(shards)]
+    self.stats = EngineStats()
+    self._preempted = set()  # states preempted from (`_check_not_cycling`)
+
+  # -- pages and slots
+
+  def shared_count(self, row) -> int:
+    return row.prompt_len // self.Z
+
+  def pages_needed(self, row, steps_ahead: int, n_gen: Optional[int] = None) -> int:
+    """Own pages the row needs to hold its cache `steps_ahead` decode steps from now, with n_gen
+    tokens generated (default: its own count), capped at its last cached token (the final sampled
+    token is never appended); the static batch takes them all at once."""
+    cached = row.prompt_len + (len(row.tokens) if n_gen is None else n_gen) - 1
+    last = row.prompt_len + row.max_new - 1
+    horizon = last if self.engine.static else min(cached + steps_ahead, last)
+    return -(-horizon // self.Z) - self.shared_count(row)
+
+  def running(self, shard=None) -> list:
+    shards = range(len(self.shards)) if shard is None else (shard,)
+    return [self.rows[i] for r in shards for i in self.shards[r].slots if i is not None]
+
+  def shard_of(self, row) -> int:
+    return self.groups[row.group].shard
+
+  def take_pages(self, shard: int, n: int) -> list:
+    free = self.shards[shard].free_pages
+    pages = [free.popleft() for _ in range(n)]
+    used = self.engine.num_pages - 1 - len(free)
+    self.stats.peak_pages = max(self.stats.peak_pages, used)
+    return pages
+
+  def place(self, row, slot):
+    shard = self.shards[self.shard_of(row)]
+    row.slot = slot
+    shard.slots[slot] = row.index
+    table = self.groups[row.group].shared + row.pages
+    shard.page_table[slot] = 0
+    shard.page_table[slot, : len(table)] = table
+
+  def release(self, row):
+    """The row leaves its slot and gives back its own pages; a finished group's shared pages
+    go back too."""
+    group = self.groups[row.group]
+    shard = self.shards[group.shard]
+    if row.slot is not None:
+      shard.slots[row.slot] = None
+      shard.page_table[row.slot] = 0
+      row.slot = None
+    shard.free_pages.extend(row.pages)
+    row.pages = []
+    if row.done:
+      group.unfinished -= 1
+      if group.unfinished == 0:
+        shard.free_pages.extend(group.shared + ([group.template] if group.template else []))
+        group.shared, group.template = [], None
+
+  def reserve(self, shard: int) -> int:
+    """Pages the shard's running rows will still take over `reserve_chunks` more chunks."""
+    ahead = self.engine.chunk_steps * (1 + self.engine.reserve_chunks)
+    return sum(max(self.pages_needed(r, ahead) - len(r.pages), 0) for r in self.running(shard))
+
+  # -- admission
+
+  def admit(self) -> Admission:
+    """Plans what fits from the queue: rows of prefilled groups into their device's free slots,
+    new groups (up to per_prefill a device) onto the device with the most free slots, as long as
+    each device keeps its reserve. The admitted rows hold their slots and pages; they start once
+    their first tokens are known (`set_first`, `start`)."""
+    engine, Z, C, R = self.engine, self.Z, self.engine.chunk_steps, len(self.shards)
+    planned = [[] for _ in range(R)]
+    free_slots = [sh.slots.count(None) for sh in self.shards]
+    busy = [bool(self.running(r)) for r in range(R)]  # the static batch waits for empty
+    admitted = []
+    for b in list(self.queue):
+      row, group = self.rows[b], self.groups[self.rows[b].group]
+      new_group = group.shard is None
+      need = self.pages_needed(row, C, n_gen=1) + (
+        self.shared_count(row) + (1 if row.prompt_len % Z else 0) if new_group else 0
+      )
+      fits = lambda r: (
+        free_slots[r] > 0
+        and not (engine.static and busy[r])
+        and len(self.shards[r].free_pages) >= need + (0 if engine.static else self.reserve(r))
+      )
+      if new_group:
+        options = [r for r in range(R) if len(planned[r]) < self.per_prefill and fits(r)]
+        if not options:
+          continue
+        r = max(options, key=lambda r: (free_slots[r], len(self.shards[r].free_pages), -r))
+        group.shard = r
+        group.shared = self.take_pages(r, self.shared_count(row))
+        if row.prompt_len % Z:
+          group.template = self.take_pages(r, 1)[0]
+        planned[r].append(row.group)
+      elif not fits(group.shard):
+        continue
+      r = group.shard
+      self.queue.remove(b)
+      row.pages = self.take_pages(r, self.pages_needed(row, C, n_gen=1))
+      row.slot = self.shards[r].slots.index(None)
+      self.shards[r].slots[row.slot] = row.index  # held; placed once its first token is known
+      free_slots[r] -= 1
+      admitted.append(row)
+    return Admission(planned, admitted)
+
+  def prefill_inputs(self, planned) -> tuple:
+    """(prompts [n, T], lengths [n], destination pages [n, T / Z], row indices [n, G], {group:
+    its place}) for the planned groups, per_prefill places a shard (unused places: length-1
+    prompts written to the trash page)."""
+    n, T = len(self.shards) * self.per_prefill, self.prompt_BT.shape[1]
+    prompts = np.zeros((n, T), np.int32)
+    lens = np.ones(n, np.int32)
+    dest = np.zeros((n, T // self.Z), np.int32)
+    row_ids = np.zeros((n, self.group_size), np.int32)
+    at = {}
+    for r, group_ids in enumerate(planned):
+      for j, g in enumerate(group_ids):
+        i, group = r * self.per_prefill + j, self.groups[g]
+        first = self.rows[group.rows[0]]
+        pages = group.shared + ([group.template] if group.template is not None else [])
+        prompts[i], lens[i] = self.prompt_BT[first.index], first.prompt_len
+        dest[i, : len(pages)] = pages
+        row_ids[i], at[g] = np.asarray(group.rows) + self.first_row, i
+    return prompts, lens, dest, row_ids, at
+
+  def set_first(self, at, token_nG, logp_nG, top=None):
+    """The first token (log-prob, top log-probs) of each prefilled group's rows."""
+    for g, i in at.items():
+      for j, b in enumerate(self.groups[g].rows):
+        self.rows[b].first = (
+          int(token_nG[i, j]),
+          float(logp_nG[i, j]),
+          None if top is None else (top[0][i, j], top[1][i, j]),
+        )
+
+  def restart(self, row):
+    """The row back to its first token (at admission and after a preemption)."""
+    token, logp, top = row.first
+    row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
+    row.done = token in self.eos_ids or row.max_new == 1
+
+  def start(self, admitted) -> list:
+    """Restarts and places the admitted rows (a row done at its first token leaves at once).
+    Returns each shard's (template page, row's first page) copies."""
+    copies = [[] for _ in self.shards]
+    for row in admitted:
+      self.restart(row)
+      if row.done:
+        self.release(row)
+        continue
+      group = self.groups[row.group]
+      if group.template is not None:
+        copies[group.shard].append((group.template, row.pages[0]))
+      self.place(row, row.slot)
+    return copies
+
+  def copy_pairs(self, copies) -> np.ndarray:
+    """[2, shards, num_slots] source and destination pages (unused: the trash page)."""
+    pairs = np.full((2, len(self.shards), self.engine.num_slots), TRASH_PAGE, np.int32)
+    for r, shard_copies in enumerate(copies):
+      for j, (src, dst) in enumerate(shard_copies):
+        pairs[:, r, j] = src, dst
+    return pairs
+
+  def check_progress(self):
+    if self.queue and not self.running():
+      raise ValueError(
+        f"EngineConfig.num_pages = {self.engine.num_pages} is too small to admit "
+        f"row {self.queue[0]} while other groups hold their prompt pages"
+      )
+
+  # -- decoding
+
+  def grow(self):
+    """Pages for every running row's next chunk; preempt the least advanced rows if short."""
+    C = self.engine.chunk_steps
+    for r in range(len(self.shards)):
+      while True:
+        short = {x.index: self.pages_needed(x, C) - len(x.pages) for x in self.running(r)}
+        if sum(max(n, 0) for n in short.values()) <= len(self.shards[r].free_pages):
+          break
+        victim = min(self.running(r), key=lambda x: (len(x.tokens), -x.index))
+        self._check_not_cycling(victim)
+        self.release(victim)
+        self.stats.preemptions += 1
+        self.stats.useful_row_steps -= len(victim.tokens) - 1  # decoded again on readmission
+        self.queue.appendleft(victim.index)
+      for x in self.running(r):
+        if short[x.index] > 0:
+          x.pages += self.take_pages(r, short[x.index])
+          self.place(x, x.slot)
+
+  def _check_not_cycling(self, victim):
+    """Raises if this preemption repeats one from the same state: the scheduler is deterministic,
+    so the rollout would cycle forever (a pool too small for a row while other groups hold their
+    prompt pages)."""
+    state = (
+      victim.index,
+      tuple(len(r.tokens) if not r.done else -1 for r in self.rows),
+      tuple(self.queue),
+      tuple(tuple(sh.slots) for sh in self.shards),
+    )
+    if state in self._preempted:
+      raise ValueError(
+        f"EngineConfig.num_pages = {self.engine.num_pages} is too small: row {victim.index} is "
+        f"preempted again at {len(victim.tokens)} tokens with nothing else advanced, while "
+        f"other groups hold their prompt pages"
+      )
+    self._preempted.add(state)
+
+  def wants_all_slots(self) -> bool:
+    """Whether some shard runs more rows than `drain_slots` (always, with drain off)."""
+    drain = self.engine.drain_slots
+    return not drain or max(len(self.running(r)) for r in range(len(self.shards))) > drain
+
+  def compact(self, width: int):
+    """Moves every shard's running rows into its first `width` slots."""
+    for shard in self.shards:
+      free = [i for i in range(width) if shard.slots[i] is None]
+      for i in range(width, len(shard.slots)):
+        if shard.slots[i] is not None:
+          row = self.rows[shard.slots[i]]
+          shard.slots[i] = None
+          shard.page_table[i] = 0
+          self.place(row, free.pop(0))
+
+  def width(self, all_slots: bool) -> int:
+    """The slots the next chunk decodes per shard, given whether any process wants them all;
+    with drain, the rows move into the first ones."""
+    if all_slots:
+      return self.engine.num_slots
+    self.compact(self.engine.drain_slots)
+    return self.engine.drain_slots
+
+  def chunk_inputs(self, width: int) -> tuple:
+    """The first `width` slots of every shard as the decode-chunk program takes them: dict of
+    [shards * width] arrays token, length, n_gen, max_new, row, active and the page_table; and
+    {row index: its place}."""
+    n = len(self.shards) * width
+    slots = dict(
+      token=np.zeros(n, np.int32),
+      length=np.zeros(n, np.int32),
+      n_gen=np.zeros(n, np.int32),
+      max_new=np.ones(n, np.int32),
+      row=np.zeros(n, np.int32),
+      active=np.zeros(n, bool),
+      page_table=np.concatenate([sh.page_table[:width] for sh in self.shards]),
+    )
+    at = {r.index: self.shard_of(r) * width + r.slot for r in self.running()}
+    for r in self.running():
+      i = at[r.index]
+      slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
+      slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
+      slots["row"][i], slots["active"][i] = self.first_row + r.index, True
+    return slots, at
+
+  def finish_chunk(self, at, width: int, steps_run: int, out, n_gen_after, active_after):
+    """Appends each running row's new tokens (out: host [shards * width, steps] arrays tokens,
+    logprobs and, with top log-probs, top_lp / top_id) and releases the rows that ended."""
+    self.stats.chunks += 1
+    self.stats.decode_steps += steps_run
+    self.stats.computed_row_steps += steps_run * len(self.shards) * width
+    for r in self.running():
+      i = at[r.index]
+      new = int(n_gen_after[i]) - len(r.tokens)
+      self.stats.useful_row_steps += new
+      r.tokens += out["tokens"][i, :new].tolist()
+      r.logprobs += out["logprobs"][i, :new].tolist()
+      if "top_lp" in out:
+        r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
+      if not active_after[i]:
+        r.done = True
+        self.release(r)
+
+  def outputs(self, num_top: int, pad_id: int) -> tuple:
+    """Host [B, max_new] tokens, logprobs, [B] lengths and [B, max_new, k] top_lp, top_id (None
+    without top log-probs) of every row."""
+    B, N = len(self.rows), self.max_new
+    tokens = np.full((B, N), pad_id, np.int32)
+    logprobs = np.zeros((B, N), np.float32)
+    lengths = np.asarray([len(r.tokens) for r in self.rows], np.int32)
+    top_lp = np.zeros((B, N, num_top), np.float32) if num_top else None
+    top_id = np.zeros((B, N, num_top), np.int32) if num_top else None
+    for r in self.rows:
+      n = len(r.tokens)
+      tokens[r.index, :n] = r.tokens
+      logprobs[r.index, :n] = r.logprobs
+      if num_top:
+        top_lp[r.index, :n] = np.stack([t[0] for t in r.top])
+        top_id[r.index, :n] = np.stack([t[1] for t in r.top])
+    return tokens, logprobs, lengths, top_lp, top_id
