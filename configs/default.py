@@ -99,6 +99,9 @@ def get_config():
   # setting: 1.0 / 1e-3.
   c.distill.kl_coef = 1.0  # lambda of the k3 term to the dense log-probs
   c.distill.ppo_coef = 0.0  # weight of the sparse actor's own PPO term
+  # Base params of the sparse actor in each LoRA update: pre_update (the teacher's) | updated
+  # (the reference's order); docs/configuration.md#paper-exact-details.
+  c.distill.base = "pre_update"
 
   c.stats = common.stats()  # tau and the position bin size
   c.stats.exact_acceptance = True  # log exact alpha as acceptance/* (a no-grad sparse pass

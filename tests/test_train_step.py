@@ -297,3 +297,70 @@ def test_a_new_budget_table_does_not_recompile():
   for seed, budget in ((20, BUDGET), (21, other)):
     state, _ = step(state, make_batch(state.params, state.lora, seed=seed), budget)
   assert step._cache_size() == 1
+
+
+def test_dense_update_is_one_optimizer_step_of_the_policy_loss():
+  params, lora, opt, _ = setup()
+  batch = make_batch(params, lora, seed=1)
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
+  rows = (batch, adv, None)
+  new, _, aux, row, finite = ts.dense_update(params, opt.init(params), opt, rows, CFG, SC)
+  (loss, ref_aux), g = jax.value_and_grad(ts.policy_loss, has_aux=True)(params, batch, adv, CFG, SC)
+  upd, _ = opt.update(g, opt.init(params), params)
+  expected = optax.apply_updates(params, upd)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), new, expected)
+  assert bool(finite) and set(row) == {"loss/policy", "grad_norm/policy", "ppo/clip_frac"}
+  np.testing.assert_allclose(row["loss/policy"], loss, rtol=1e-6)
+  np.testing.assert_allclose(aux["logp"], ref_aux["logp"], atol=1e-6)
+
+
+@pytest.mark.parametrize("base", ["pre_update", "updated"])
+def test_distill_base_is_where_the_adapter_gradient_is_taken(base):
+  """The fused step's LoRA update is distill_update's on the base `distill.base` names (the
+  pre-update params, or those after the minibatch's base update: the reference's order), with the
+  pre-update dense log-probs as teacher; SGD(1): the LoRA moves by minus its gradient."""
+  params, lora, opt, _ = setup()
+  lora_opt = optax.sgd(1.0)
+  batch = make_batch(params, lora, seed=1)
+  sc = dataclasses.replace(SC, distill=dataclasses.replace(SC.distill, base=base))
+  fused, _ = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)(
+    state_of(params, opt, lora, lora_opt), batch, BUDGET
+  )
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
+  teacher = ts.policy_loss(params, batch, adv, CFG, SC)[1]["logp"]
+  fit = lambda at: ts.distill_update(
+    lora, lora_opt.init(lora), lora_opt, at, (batch, adv, teacher), CFG, SC, SPARSE, BUDGET
+  )[0]
+  right, wrong = (params, fused.params) if base == "pre_update" else (fused.params, params)
+  err = lambda other: max(
+    float(jnp.abs(a - b).max())
+    for a, b in zip(*map(jax.tree_util.tree_leaves, (fused.lora, other)))
+  )
+  assert err(fit(right)) < 0.1 * err(fit(wrong)), (err(fit(right)), err(fit(wrong)))
+  with pytest.raises(ValueError, match="DistillConfig.base = 'after'"):
+    ts.DistillConfig(base="after")
+
+
+def test_update_metrics_weigh_the_minibatches_by_tokens():
+  rows = [({"loss/policy": jnp.float32(1.0)}, 3), ({"loss/policy": jnp.float32(4.0)}, 1)]
+  m = ts.update_metrics(rows, [], [jnp.bool_(False), jnp.bool_(True)], [])
+  np.testing.assert_allclose(m["loss/policy"], 1.75, rtol=1e-6)
+  assert int(m["skipped_updates"]) == 1 and bool(m["skipped"]) and "skipped_lora" not in m
+  lora_rows = [({"loss/distill": jnp.float32(2.0)}, 1), ({"loss/distill": jnp.float32(6.0)}, 1)]
+  m = ts.update_metrics(rows, lora_rows, [jnp.bool_(False)] * 2, [jnp.bool_(False)] * 2)
+  np.testing.assert_allclose(m["loss/distill"], 4.0, rtol=1e-6)
+  assert not bool(m["skipped"]) and not bool(m["skipped_lora"])
+
+
+def test_rollout_metrics_of_the_dense_policy():
+  params, lora, *_ = setup()
+  batch = make_batch(params, lora, seed=3)
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
+  dense = ts.policy_loss(params, batch, adv, CFG, SC)[1]
+  m = ts.rollout_metrics(batch, dense, SC)
+  mask = np.asarray(batch.gen_mask)
+  w = np.minimum(np.exp(np.where(mask, dense["logp"] - batch.logp_rollout, 0.0)), SC.rl.tis_cap)
+  np.testing.assert_allclose(m["tis/weight_mean"], (w * mask).sum() / mask.sum(), rtol=1e-5)
+  assert float(m["response_length/max"]) == mask.sum(1).max()
+  np.testing.assert_allclose(m["reward/mean"], np.mean(batch.rewards), rtol=1e-6)
+  np.testing.assert_allclose(m["entropy"], (dense["entropy_BS"] * mask).sum() / mask.sum(), 1e-5)

@@ -2,11 +2,14 @@
 
   pre-update passes (full batch) -> the dense policy p (PPO "old" log-probs, TIS numerator,
                                     DistillSparse teacher, top-20) and the rollout policy q
-  per minibatch (x ppo_epochs)   -> GRPO/DAPO x TIS: optax update of the base params, then
-                                    DistillSparse: PPO on the sparse actor + lambda * k3(p || q):
-                                    optax update of the LoRA only, on the frozen pre-update base
-  metrics (full batch)           -> acceptance tail stats (exact alpha, the sampled estimator and
-                                    the top-20 bound), TIS, losses averaged over minibatches
+  per minibatch (x ppo_epochs)   -> `dense_update`: GRPO/DAPO x TIS, optax update of the base
+                                    params; then `distill_update`: PPO on the sparse actor +
+                                    lambda * k3(p || q), optax update of the LoRA only, on the
+                                    frozen base `distill.base` names (pre-update by default)
+  metrics (full batch)           -> `update_metrics` (losses averaged over minibatches),
+                                    `rollout_metrics` (TIS, entropy, rewards, lengths) and
+                                    `_acceptance_metrics`: acceptance tail stats (exact alpha, the
+                                    sampled estimator and the top-20 bound)
 With one PPO update per batch (the default) p comes out of the gradient pass itself (ratio =
 exp(logp - stop_grad(logp)) = 1 with the right gradient), and q out of the DistillSparse gradient
 pass, so nothing is computed twice. With several updates, a no-grad pass fixes p first, and exact
@@ -42,6 +45,7 @@ from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rollout import sampler
 
+DISTILL_BASES = ("pre_update", "updated")  # DistillConfig.base
 TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)
 
 
@@ -101,10 +105,18 @@ class DistillConfig:
   enabled: bool = True
   kl_coef: float = 1e-3  # lambda of the k3 term
   ppo_coef: float = 1.0  # weight of the sparse actor's own PPO term (the paper: 1)
+  # The base params the sparse actor runs on in each LoRA update; the teacher is always the dense
+  # policy before that minibatch's base update. pre_update: the same base as the teacher, so the
+  # adapter fits only the sparse/dense gap (fitting sparse(updated base) + LoRA to dense(old
+  # base) also teaches the adapter to undo the base update). updated: the reference's order
+  # (Infini-AI-Lab/Sparrow's dp_sparseloraactor.py runs the LoRA pass after the base
+  # optimizer step).
+  base: str = "pre_update"
 
   def __post_init__(self):
     _require(self, self.kl_coef >= 0, "kl_coef", "must be >= 0")
     _require(self, self.ppo_coef >= 0, "ppo_coef", "must be >= 0")
+    _require(self, self.base in DISTILL_BASES, "base", f"one of {DISTILL_BASES}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +150,9 @@ class RolloutConfig:
     require = functools.partial(_require, self)
     require(self.group_size >= 2, "group_size", "must be >= 2 (GRPO groups)")
     require(
-      self.page_size >= 1 and not self.page_size & (self.page_size - 1),
+      isinstance(self.page_size, int)
+      and self.page_size >= 1
+      and not self.page_size & (self.page_size - 1),
       "page_size",
       "must be a power of two",
     )
@@ -465,6 +479,82 @@ def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> T
   )
 
 
+def dense_update(params, opt_state, optimizer, rows, cfg, sc: StepConfig, ref_params=None):
+  """One update of the base params on a minibatch rows = (batch, adv_B, logp_old_BS or None: the
+  old policy is `params` itself, one update per batch). Returns (params, opt_state, aux of
+  `policy_loss`, its metrics row, finite: whether the update was applied)."""
+  loss_fn = lambda p, rows, w: policy_loss(p, rows[0], rows[1], cfg, sc, rows[2], ref_params, w)
+  (loss, aux), grads = accumulated_grad(loss_fn, params, rows, sc.rl.micro_batches, sc.rl.loss_agg)
+  params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params, loss)
+  metrics = {"loss/policy": loss, "grad_norm/policy": grad_norm, "ppo/clip_frac": aux["clip_frac"]}
+  return params, opt_state, aux, metrics, finite
+
+
+def distill_update(
+  lora, lora_opt_state, lora_optimizer, base_params, rows, cfg, sc: StepConfig, sparse, budget
+):
+  """One DistillSparse update of the LoRA on a minibatch rows = (batch, adv_B, dense teacher
+  log-probs), the sparse actor run on `base_params` (frozen). Returns (lora, lora_opt_state, aux of
+  `distill_loss`, its metrics row, finite)."""
+  loss_fn = lambda lora, rows, w: distill_loss(
+    lora, base_params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w
+  )
+  (loss, aux), grads = accumulated_grad(loss_fn, lora, rows, sc.rl.micro_batches, sc.rl.loss_agg)
+  lora, lora_opt_state, grad_norm, finite = _guarded_update(
+    lora_optimizer, grads, lora_opt_state, lora, loss
+  )
+  metrics = {"loss/distill": loss, "distill/k3": aux["distill_kl"], "grad_norm/lora": grad_norm}
+  return lora, lora_opt_state, aux, metrics, finite
+
+
+def update_metrics(base_rows, lora_rows, skipped, skipped_lora):
+  """The updates' metrics: each row [(metrics, tokens), ...] token-weighted over the minibatches,
+  and the skipped-update counts (skipped: [~finite] of each base update, skipped_lora of each LoRA
+  update; empty without DistillSparse)."""
+  metrics = _token_weighted(base_rows)
+  metrics["skipped_updates"] = jnp.sum(jnp.stack(skipped))
+  metrics["skipped"] = metrics["skipped_updates"] > 0
+  if lora_rows:
+    metrics.update(_token_weighted(lora_rows))
+    metrics["skipped_lora"] = jnp.any(jnp.stack(skipped_lora))
+  return metrics
+
+
+def rollout_metrics(batch, dense, sc: StepConfig):
+  """The batch's metrics under the pre-update dense policy `dense` (logp, entropy_BS): entropy,
+  TIS weights, rewards, lengths (the acceptance tail stats: `_acceptance_metrics`)."""
+  mask = batch.gen_mask
+  w = losses.tis_weight(dense["logp"], batch.logp_rollout, mask, sc.rl.tis_cap, sc.rl.tis_level)
+  n_gen = jnp.maximum(jnp.sum(mask), 1)
+  lengths = jnp.sum(mask, 1)
+  metrics = {
+    "entropy": losses.aggregate(dense["entropy_BS"], mask),
+    "tis/weight_mean": jnp.sum(w * mask) / n_gen,
+    "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
+    "tis/clipped_frac": jnp.sum((w >= sc.rl.tis_cap) * mask) / n_gen,
+    "reward/mean": jnp.mean(batch.rewards),
+    "reward/std": jnp.std(batch.rewards),
+    "response_length/mean": jnp.mean(lengths),
+    "response_length/max": jnp.max(lengths),
+  }
+  return metrics
+
+
+def _rollout_acceptance(state, batch, dense, x_q_BSD, cfg, sc, sparse, budget, pass_slices):
+  """Exact alpha_BS between the pre-update dense policy and the rollout policy q (the state's
+  params and LoRA under the sparse budget: x_q_BSD when a gradient pass computed it, else a no-grad
+  pass)."""
+  if sparse is None:
+    return jnp.where(batch.gen_mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
+  if x_q_BSD is None:
+    x_q_BSD = map_row_slices(
+      lambda b: hidden_states(state.params, b, cfg, sc, state.lora, sparse, budget),
+      batch,
+      pass_slices,
+    )
+  return exact_acceptance(state.params, dense["hidden"], x_q_BSD, cfg, sc)
+
+
 def make_train_step(
   cfg,
   sc: StepConfig,
@@ -497,107 +587,61 @@ def make_train_step(
         advantages.informative_groups(batch.rewards, sc.rollout.group_size), sc.rollout.group_size
       )
       batch = batch.replace(gen_mask=batch.gen_mask & keep_B[:, None])
-    mask = batch.gen_mask
     adv_B = advantages.advantages(
       batch.rewards, sc.rollout.group_size, sc.rl.estimator, std_ddof=sc.rl.grpo_std_ddof
     )
-    with_top = batch.top_logp is not None
     single = sc.rl.ppo_epochs * sc.rl.num_minibatches == 1
-    pass_slices = (
-      sc.rl.num_minibatches * sc.rl.micro_batches
-    )  # no-grad passes: a gradient pass's rows
-    old = None  # pre-update dense policy over the full batch (from the gradient pass if single)
+    # no-grad passes over the full batch run in slices of a gradient pass's rows
+    pass_slices = sc.rl.num_minibatches * sc.rl.micro_batches
+    # The pre-update dense policy p over the full batch (hidden, logp, entropy_BS, top): with one
+    # update it comes out of that update's gradient pass, else out of a no-grad pass first.
+    dense = None
     if not single:
       x_p = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc), batch, pass_slices)
-      old = dict(hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, with_top))
-
-    params, opt_state, lora, lora_opt_state = (
-      state.params,
-      state.opt_state,
-      state.lora,
-      state.lora_opt_state,
-    )
+      dense = dict(
+        hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, batch.top_logp is not None)
+      )
+    params, opt_state = state.params, state.opt_state
+    lora, lora_opt_state = state.lora, state.lora_opt_state
     base_rows, lora_rows, skipped, skipped_lora, x_q = [], [], [], [], None
     for _ in range(sc.rl.ppo_epochs):
-      for mb, adv_mb, old_mb in _minibatches(
-        batch, adv_B, None if single else old["logp"], sc.rl.num_minibatches
+      for mb, adv_mb, logp_p_mb in _minibatches(
+        batch, adv_B, None if single else dense["logp"], sc.rl.num_minibatches
       ):
-        base_loss = lambda p, rows, w: policy_loss(
-          p, rows[0], rows[1], cfg, sc, rows[2], state.ref_params, w
+        params, opt_state, aux, row, finite = dense_update(
+          params, opt_state, optimizer, (mb, adv_mb, logp_p_mb), cfg, sc, state.ref_params
         )
-        (loss, aux), grads = accumulated_grad(
-          base_loss, params, (mb, adv_mb, old_mb), sc.rl.micro_batches, sc.rl.loss_agg
-        )
-        params, opt_state, grad_norm, finite = _guarded_update(
-          optimizer, grads, opt_state, params, loss
-        )
-        old = aux if single else old
+        dense = aux if single else dense
         n_tokens = jnp.sum(mb.gen_mask)
-        base_rows.append(
-          (
-            {"loss/policy": loss, "grad_norm/policy": grad_norm, "ppo/clip_frac": aux["clip_frac"]},
-            n_tokens,
-          )
-        )
+        base_rows.append((row, n_tokens))
         skipped.append(~finite)
         if sc.distill.enabled:
-          # The teacher log-probs are those of the pre-update base, so the adapter is fitted on
-          # that same base: fitting sparse(new base) + LoRA to dense(old base) would teach the
-          # adapter to undo each policy update, and the actor would drift from the policy.
-          teacher = old["logp"] if single else old_mb
-          lora_loss = lambda lora, rows, w: distill_loss(
-            lora, state.params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w
+          # The teacher is the pre-update dense policy; the sparse actor runs on the base the
+          # `distill.base` option names (DistillConfig).
+          teacher = dense["logp"] if single else logp_p_mb
+          base = state.params if sc.distill.base == "pre_update" else params
+          lora, lora_opt_state, d_aux, row, d_finite = distill_update(
+            lora,
+            lora_opt_state,
+            lora_optimizer,
+            base,
+            (mb, adv_mb, teacher),
+            cfg,
+            sc,
+            sparse,
+            budget,
           )
-          (d_loss, d_aux), d_grads = accumulated_grad(
-            lora_loss, lora, (mb, adv_mb, teacher), sc.rl.micro_batches, sc.rl.loss_agg
-          )
-          lora, lora_opt_state, d_norm, d_finite = _guarded_update(
-            lora_optimizer, d_grads, lora_opt_state, lora, d_loss
-          )
-          x_q = d_aux["hidden"] if single else None
-          lora_rows.append(
-            (
-              {"loss/distill": d_loss, "distill/k3": d_aux["distill_kl"], "grad_norm/lora": d_norm},
-              n_tokens,
-            )
-          )
+          # With one update on the pre-update base, its pass is exactly the rollout policy q's.
+          x_q = d_aux["hidden"] if single and sc.distill.base == "pre_update" else None
+          lora_rows.append((row, n_tokens))
           skipped_lora.append(~d_finite)
 
-    metrics = _token_weighted(base_rows)
-    metrics["skipped_updates"] = jnp.sum(jnp.stack(skipped))
-    metrics["skipped"] = metrics["skipped_updates"] > 0
-    if lora_rows:
-      metrics.update(_token_weighted(lora_rows))
-      metrics["skipped_lora"] = jnp.any(jnp.stack(skipped_lora))
-
-    w = losses.tis_weight(old["logp"], batch.logp_rollout, mask, sc.rl.tis_cap, sc.rl.tis_level)
-    n_gen = jnp.maximum(jnp.sum(mask), 1)
-    lengths = jnp.sum(mask, 1)
-    metrics.update(
-      {
-        "entropy": losses.aggregate(old["entropy_BS"], mask),
-        "tis/weight_mean": jnp.sum(w * mask) / n_gen,
-        "tis/weight_min": jnp.min(jnp.where(mask, w, jnp.inf)),
-        "tis/clipped_frac": jnp.sum((w >= sc.rl.tis_cap) * mask) / n_gen,
-        "reward/mean": jnp.mean(batch.rewards),
-        "reward/std": jnp.std(batch.rewards),
-        "response_length/mean": jnp.mean(lengths),
-        "response_length/max": jnp.max(lengths),
-      }
-    )
+    metrics = update_metrics(base_rows, lora_rows, skipped, skipped_lora)
+    metrics.update(rollout_metrics(batch, dense, sc))
     alpha = None
     if sc.stats.exact_acceptance:
-      if sparse is None:
-        alpha = jnp.where(mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
-      else:
-        if x_q is None:
-          x_q = map_row_slices(
-            lambda b: hidden_states(state.params, b, cfg, sc, state.lora, sparse, budget),
-            batch,
-            pass_slices,
-          )
-        alpha = exact_acceptance(state.params, old["hidden"], x_q, cfg, sc)
-    metrics.update(_acceptance_metrics(batch, old["logp"], old.get("top"), alpha, sc))
+      alpha = _rollout_acceptance(state, batch, dense, x_q, cfg, sc, sparse, budget, pass_slices)
+    metrics.update(_acceptance_metrics(batch, dense["logp"], dense.get("top"), alpha, sc))
     new_state = state.replace(
       step=state.step + 1,
       params=params,
