@@ -1,14 +1,17 @@
 """The RL loop's hooks (rl/hooks.py), each on its own: what it adds to a step's metrics, what it
 does after the step, and its checkpoint meta."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from configs import default
-from sparrow_jax import sharding
+from sparrow_jax import schema, sharding
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.rl import hooks, run_config
 from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.sparsity import schedule as schedule_lib
 
 TABLE = "assets/pointer_chase_tiny/calibration_quest/schedule.json"
 MESH = sharding.make_mesh(1, 1, 1)
@@ -115,3 +118,43 @@ def test_hooks_default_to_nothing():
   hook = hooks.Hook()
   assert hook.metrics(output(0, None)) == {} and hook.meta() == {}
   assert hook.end_step(output(0, None), {}) is None and hook.restore({}) is None
+
+
+class _Counter(hooks.Hook):
+  every = 3
+
+  def __init__(self):
+    self.steps = []
+
+  def end_step(self, out, metrics):
+    self.steps.append(out.step)
+
+  def meta(self):
+    return {"counted": list(self.steps)}
+
+
+def test_a_hook_runs_every_n_steps_and_the_checkpoint_also_at_the_end(monkeypatch):
+  counter = _Counter()
+  saved = []
+  monkeypatch.setattr(hooks.checkpoint, "save", lambda *a: saved.append(a))
+  saver = hooks.Checkpoint("mgr", every=4, total_steps=10, prompts_per_step=5, hooks=[counter])
+  for step in range(10):
+    out = dataclasses.replace(output(step, None), state=f"state{step}")
+    for hook in (counter, saver):  # as the trainer's loop runs them
+      if hook.due(step):
+        hook.end_step(out, {})
+  assert counter.steps == [2, 5, 8]
+  assert [(s[1], s[2]) for s in saved] == [(4, "state3"), (8, "state7"), (10, "state9")]
+  assert saved[1][3] == {"step": 8, "data_position": 40, "counted": [2, 5]}
+
+
+def test_the_loop_rule_is_a_config_component():
+  """rollout.adaptive_* and stats.quantile build LoopConfig by name; its checks name the field."""
+  c = default.get_config()
+  c.rollout.adaptive_window, c.rollout.adaptive_lower_share, c.stats.quantile = 6, 0.005, 1
+  loop = schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")
+  rule = loop.rule(0.86, loop.ceiling((3, 5)))
+  assert (rule.window, rule.quantile, rule.max_topk, rule.tau) == (6, 1, 10, 0.86)
+  c.rollout.adaptive_lower_share = 0.02  # above quantile 1 %
+  with pytest.raises(ValueError, match=r"config.rollout.adaptive_lower_share = 0.02 is invalid"):
+    schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")

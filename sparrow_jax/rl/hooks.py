@@ -7,16 +7,18 @@ read back by `restore`).
                closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk)
   KVMetrics    kv/read_fraction and kv/predicted_speedup of the step's rollouts
   PerfMetrics  perf/* (tokens/s, the engine's occupancy, train step time) and the learning rate
+  Checkpoint   the train state and every other hook's meta, every `ckpt_every` steps and at the end
+
+A hook runs after every `every`-th step only (`due`; 1: each step), as levanter's hooks do.
 """
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import numpy as np
 
-from sparrow_jax import sharding
+from sparrow_jax import checkpoint, schema, sharding
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -42,10 +44,17 @@ class StepOutput:
   engine_stats: engine.EngineStats  # this process's engine
   rollout_s: float
   train_s: float
+  state: object = None  # the train state after the step's update
 
 
 class Hook:
-  """The hook interface; each method's default does nothing."""
+  """The hook interface; each method's default does nothing. The loop calls `metrics` and
+  `end_step` on the steps the hook is `due`."""
+
+  every: int = 1  # runs after steps every - 1, 2 * every - 1, ... (0-based)
+
+  def due(self, step: int) -> bool:
+    return (step + 1) % self.every == 0
 
   def metrics(self, out: StepOutput) -> dict:
     return {}
@@ -120,19 +129,11 @@ class _ClosedLoop:
     self.first = dataclasses.replace(
       base, values=base.values + base.values[-1:] * (s.num_bins - len(base.values))
     )
-    top = math.ceil(r.adaptive_headroom * max(base.values))
+    loop = schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")
+    top = loop.ceiling(base.values)
     self.ceiling = dataclasses.replace(base, values=(top,))
     self.unmeasured = len(self.first.values) - s.num_bins
-    self.rule = schedule_lib.LoopRule(
-      tau,
-      top,
-      r.adaptive_raise,
-      r.adaptive_lower,
-      r.adaptive_window,
-      r.adaptive_lower_share,
-      r.adaptive_min_tokens,
-      s.quantile,
-    )
+    self.rule = loop.rule(tau, top)
     self.state = schedule_lib.LoopState.start(self.first.values)
 
   def metrics(self, out: StepOutput, start_by_len, cfg, sparse) -> dict:
@@ -238,3 +239,23 @@ class PerfMetrics(Hook):
       "perf/train_step_s": out.train_s,
       "lr": float(self.learning_rate(out.step)),
     }
+
+
+class Checkpoint(Hook):
+  """Saves the train state after every `every`-th step and after the last, with the data position
+  and the meta of `hooks` (placed after them in the loop: the meta of the state they end the step
+  in), for `_restore` in rl/trainer.py."""
+
+  def __init__(self, mgr, every: int, total_steps: int, prompts_per_step: int, hooks=()):
+    self.mgr, self.every, self.total_steps = mgr, every, total_steps
+    self.prompts_per_step, self.hooks = prompts_per_step, list(hooks)
+
+  def due(self, step: int) -> bool:
+    return super().due(step) or step + 1 == self.total_steps
+
+  def end_step(self, out: StepOutput, metrics: dict) -> None:
+    step = out.step + 1
+    meta = {"step": step, "data_position": step * self.prompts_per_step}
+    for hook in self.hooks:
+      meta.update(hook.meta())
+    checkpoint.save(self.mgr, step, out.state, meta)

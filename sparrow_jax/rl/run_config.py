@@ -66,13 +66,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_scalars(c)
   ts.StepConfig.from_config(c)
   schema.from_group(sampler.Sampling, c, "rollout")
-  p = r.page_size
-  require(
-    isinstance(p, int) and p > 0 and not p & (p - 1),
-    "rollout.page_size",
-    p,
-    "must be a power of two",
-  )
+  p = r.page_size  # a power of two: RolloutConfig checked it
   require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
   for name in ("data", "fsdp", "tensor"):
     ways = c.mesh[name]
@@ -122,12 +116,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "distill.targets",
     c.distill.targets,
     f"comma-separated subset of {lora_lib.TARGETS}",
-  )
-  require(
-    schedule_lib.is_quantile(c.stats.quantile),
-    "stats.quantile",
-    c.stats.quantile,
-    "must be a percentile in (0, 50), e.g. 5 (p5, the paper's) or 1 (p1)",
   )
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
   if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
@@ -206,31 +194,7 @@ def _validate_adaptive(c, tau, base):
     r.schedule,
     "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0",
   )
-  q = c.stats.quantile / 100
-  for field, value, ok, allowed in (
-    ("adaptive_headroom", r.adaptive_headroom, r.adaptive_headroom >= 1, "must be >= 1"),
-    ("adaptive_raise", r.adaptive_raise, r.adaptive_raise > 1, "must be > 1"),
-    ("adaptive_lower", r.adaptive_lower, 0 < r.adaptive_lower < 1, "must be in (0, 1)"),
-    (
-      "adaptive_window",
-      r.adaptive_window,
-      isinstance(r.adaptive_window, int) and r.adaptive_window >= 1,
-      "an int >= 1",
-    ),
-    (
-      "adaptive_lower_share",
-      r.adaptive_lower_share,
-      0 <= r.adaptive_lower_share < q,
-      f"must be in [0, {q:g}): a share above {q:g} fails",
-    ),
-    (
-      "adaptive_min_tokens",
-      r.adaptive_min_tokens,
-      isinstance(r.adaptive_min_tokens, int) and r.adaptive_min_tokens >= 1,
-      "an int >= 1",
-    ),
-  ):
-    require(ok, f"rollout.{field}", value, allowed)
+  schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")  # its own checks
 
 
 def model_config(c) -> Qwen3Config:

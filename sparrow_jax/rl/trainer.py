@@ -1,7 +1,7 @@
 """The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log,
 checkpoint. What a step does beside that (the KV budgets and the closed loop, the kv and perf
-metrics, their checkpoint meta) are hooks (rl/hooks.py); the config's checks and the components it
-builds are rl/run_config.py.
+metrics, the checkpoint with their meta) are hooks (rl/hooks.py); the config's checks and the
+components it builds are rl/run_config.py.
 
 Everything a step needs is a pure function of (config, step, restored state): the data position is
 `step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
@@ -338,6 +338,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
     run_config.check_resume(c)  # again under the lock: a run may have written it meanwhile
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   state, start = _restore(c, mgr, state, step_hooks)
+  saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, n_prompts, step_hooks)
   if start >= c.total_steps:
     _at_the_end(c, cfg, state, task, start)
     return []
@@ -368,17 +369,15 @@ def _train(c, mesh, run: contextlib.ExitStack):
       engine_stats,
       rollout_s,
       time.time() - t1,
+      state,
     )
     for hook in step_hooks:
-      metrics.update(hook.metrics(out))
+      if hook.due(step):
+        metrics.update(hook.metrics(out))
     log.write(out, metrics, t0)
-    for hook in step_hooks:
-      hook.end_step(out, metrics)
-    if (step + 1) % c.ckpt_every == 0 or step + 1 == c.total_steps:
-      meta = {"step": step + 1, "data_position": (step + 1) * n_prompts}
-      for hook in step_hooks:
-        meta.update(hook.meta())
-      checkpoint.save(mgr, step + 1, state, meta)
+    for hook in step_hooks + [saver]:
+      if hook.due(step):
+        hook.end_step(out, metrics)
   mgr.wait_until_finished()
   log.close()
   _finish(c, cfg, state, task, log.rows[-1], log.times)

@@ -53,6 +53,7 @@ table's invariant: mismatch grows with position, so a bin is lifted to its prede
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import NamedTuple, Optional
@@ -499,3 +500,54 @@ def is_quantile(quantile) -> bool:
 
 def _is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The closed loop's settings, a config component (`schema.from_group(LoopConfig, c, "rollout",
+  "stats")`: the rollout group's adaptive_* fields, stats.quantile), checked here; `rule` is the
+  LoopRule they make with the spec's tau and the ceiling."""
+
+  adaptive_headroom: float = 2.0  # the ceiling of every bin: this x BASE's largest top-k
+  adaptive_raise: float = 1.5  # LoopRule.raise_factor
+  adaptive_lower: float = 0.95  # LoopRule.lower_factor
+  adaptive_window: int = 4  # LoopRule.window
+  adaptive_lower_share: float = 0.04  # LoopRule.lower_share
+  adaptive_min_tokens: int = 200  # LoopRule.min_tokens
+  quantile: float = 5  # LoopRule.quantile (stats.quantile, which StatsConfig checks)
+
+  def __post_init__(self):
+    q = self.quantile / 100
+    for name, ok, allowed in (
+      ("adaptive_headroom", self.adaptive_headroom >= 1, "must be >= 1"),
+      ("adaptive_raise", self.adaptive_raise > 1, "must be > 1"),
+      ("adaptive_lower", 0 < self.adaptive_lower < 1, "must be in (0, 1)"),
+      ("adaptive_window", _int_at_least(self.adaptive_window, 1), "an int >= 1"),
+      (
+        "adaptive_lower_share",
+        0 <= self.adaptive_lower_share < q,
+        f"must be in [0, {q:g}): a share above {q:g} fails",
+      ),
+      ("adaptive_min_tokens", _int_at_least(self.adaptive_min_tokens, 1), "an int >= 1"),
+    ):
+      if not ok:
+        raise ValueError(f"LoopConfig.{name} = {getattr(self, name)!r} is invalid: {allowed}")
+
+  def ceiling(self, base_values) -> int:
+    return math.ceil(self.adaptive_headroom * max(base_values))
+
+  def rule(self, tau: float, max_topk: int) -> LoopRule:
+    return LoopRule(
+      tau,
+      max_topk,
+      self.adaptive_raise,
+      self.adaptive_lower,
+      self.adaptive_window,
+      self.adaptive_lower_share,
+      self.adaptive_min_tokens,
+      self.quantile,
+    )
+
+
+def _int_at_least(value, low: int) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= low
