@@ -1,7 +1,7 @@
 """A pool of KV pages per device, shared by the running rows of a rollout (continuous batching):
 rows take pages as they grow and give them back when they end, and a GRPO group's prompt pages
 are shared by its rows. Which page belongs to whom is the host scheduler's business
-(rollout/engine.py); on the device a row is its page table (logical page -> physical page of its
+(rollout/scheduler.py); on the device a row is its page table (logical page -> physical page of its
 device's pool) and its length.
 
 Layout, one array per layer (decoding runs its layers unrolled, each on its own buffer, as with

@@ -35,8 +35,10 @@ Why summaries of the cached slots: the trainer scores pages with the same summar
 keys in the same dtype (`page_summaries`, `page_scores`), so the sampler picks the pages the
 trainer picks; a running float32 sum would cost twice the bytes and a bfloat16 one would round
 sixteen additions per page.
-Sequences are independent (no shared page pool): RL rollouts have one static maximum length per
-batch.
+Here every sequence owns its P pages: this is the prefill's cache. The engine's prefill program
+writes it into the shared page pool (attention/page_pool.py: rows take pages as they grow, a GRPO
+group's rows share its prompt pages), and decoding reads the pool through per-layer views that
+stand in for a single-layer cache of this module (`page_pool.layer_views`).
 """
 
 from typing import Callable, NamedTuple
