@@ -328,9 +328,11 @@ def test_distill_base_is_where_the_adapter_gradient_is_taken(base):
   )
   adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
   teacher = ts.policy_loss(params, batch, adv, CFG, SC)[1]["logp"]
-  fit = lambda at: ts.distill_update(
-    lora, lora_opt.init(lora), lora_opt, at, (batch, adv, teacher), CFG, SC, SPARSE, BUDGET
-  )[0]
+  fit = jax.jit(
+    lambda at: ts.distill_update(
+      lora, lora_opt.init(lora), lora_opt, at, (batch, adv, teacher), CFG, SC, SPARSE, BUDGET
+    )[0]
+  )
   right, wrong = (params, fused.params) if base == "pre_update" else (fused.params, params)
   err = lambda other: max(
     float(jnp.abs(a - b).max())
