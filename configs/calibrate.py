@@ -76,4 +76,12 @@ def get_config():
   c.calibration.batch_size = 8  # rows per teacher-forced pass
   c.calibration.generate_batch_size = 64  # rows per rollout batch
   c.calibration.candidates_per_pass = 1  # candidates vmapped together (memory grows with it)
+
+  c.speculative = ml_collections.ConfigDict()  # lossless rollouts (calibrate.speculative_plan)
+  c.speculative.report = False  # also print and write (speculative.json, the record) per
+  #                                    bin the budget and draft count k that maximise predicted
+  #                                    throughput, from each candidate's mean acceptance
+  c.speculative.ks = (1, 2, 4, 8)  # draft tokens per round compared
+  c.speculative.rows = 64  # rows decoding together, at each bin's middle length
+  c.speculative.hardware = "h200"  # a cost_model.HARDWARE key or "this_machine"
   return c

@@ -32,6 +32,14 @@ def get_config():
   #                                    working memory (the 14B's bf16 weights are 30 GB)
   c.engine_slots = 256  # the engine's slots per device: enough that the pool, not the
   #                                    slot count, bounds the rows in flight
+  # Lossless (speculative) rollouts, the engine's pool and slots above:
+  c.speculate_ks = (2, 4, 8)  # draft tokens per round priced
+  c.speculate_alphas = (0.968, 0.977)  # mean per-token acceptance of the drafts: the
+  #                                    means Sparrow reports for a collapsing and a stable sparse
+  #                                    run (where it argues means cannot tell them apart, the p5
+  #                                    can); the report adds the lower bound the tables' p5 >= tau
+  #                                    implies, 0.95 tau. No record here holds a measured mean
+  #                                    alpha of these models
   c.out = ""  # also write the figures here, a results record (JSON with
   #                                    the command, commit, machine and date); "" = print only
   return c

@@ -533,6 +533,40 @@ def _cost_hardware(r) -> list:
   return lines + [""]
 
 
+def _cost_speculative(r) -> list:
+  f, c = r["speculative"], r["config"]
+  heads = [f"k = {k}" for k in f["ks"]]
+  lines = [
+    "## Lossless (speculative) rollouts",
+    "",
+    f"The engine's roofline as above ({c['roofline_hardware']}, {c['pool_gb']:g} GB of KV pool, "
+    f"{c['engine_slots']} slots), each round k sparse draft steps under the published table and "
+    "one dense verification pass over the k + 1 new positions (`cost_model."
+    "roofline_speculative_rate`); every row is then sampled from the dense policy. Drafts are "
+    "accepted independently at the mean per-token acceptance alpha, so a round yields "
+    "(1 - alpha^(k+1)) / (1 - alpha) tokens. Alpha: the lower bound on the mean that the tables' "
+    f"p{f['quantile']:g} >= tau {c['tau']:g} implies ((1 - {f['quantile']:g}%) x tau), and the "
+    "mean acceptances Sparrow reports for a collapsing and a stable sparse run "
+    "(`configs/cost_report.py`); none is measured on these models here. Each cell: speedup over "
+    "the dense engine (tokens per round); lossy: the sparse engine's speedup (the table above).",
+    "",
+    "| model | alpha | alpha from | lossy | " + " | ".join(heads) + " |",
+    "|---" * (len(heads) + 4) + "|",
+  ]
+  for model, m in f["models"].items():
+    for a in m["by_alpha"]:
+      cells = [
+        f"{a['by_k'][str(k)]['speedup']:.2f}x ({a['by_k'][str(k)]['tokens_per_round']:.2f})"
+        for k in f["ks"]
+      ]
+      lines.append(
+        f"| {model} | {a['alpha']:.3f} | {a['source']} | {m['lossy_speedup']:.2f}x | "
+        + " | ".join(cells)
+        + " |"
+      )
+  return lines + [""]
+
+
 def cost_model_page(records) -> str:
   """docs/results/cost_model.md from experiments/cost_report.py's record."""
   lines = [
@@ -549,7 +583,8 @@ def cost_model_page(records) -> str:
   for record in records:
     r = record["results"]
     lines += [_provenance(record), "", *_cost_setting(r), ""]
-    lines += _cost_comparison(r) + _cost_sensitivity(r) + _cost_engine(r) + _cost_hardware(r)
+    lines += _cost_comparison(r) + _cost_sensitivity(r) + _cost_engine(r)
+    lines += (_cost_speculative(r) if "speculative" in r else []) + _cost_hardware(r)
   return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ configs/calibrate.py documents every field and a smoke run. Prompts are syntheti
 on alpha (what the paper's tau was measured with); config.calibration.on_policy samples each
 candidate's rollouts under its own schedule instead of one set under the largest. A
 config.model.preset model is randomly initialised (std config.model.init_std): a smoke run of the
-pipeline, not a meaningful schedule.
+pipeline, not a meaningful schedule. config.speculative.report also prints and writes
+(speculative.json) per bin the budget and draft count that maximise the predicted throughput of
+lossless (speculative) rollouts.
 """
 
 import json
@@ -98,6 +100,40 @@ def load_prompts(c, eos_ids, pad_id):
   return prompts, eos_ids or [task.eos_id], task.pad_id
 
 
+def speculative_report(c, result, cfg, sparse):
+  """Per bin, the budget and draft count k that maximise predicted lossless throughput
+  (`calibrate.speculative_plan` on the calibration's mean acceptance), printed and written to
+  c.out_dir/speculative.json."""
+  s = c.speculative
+  plan = cal.speculative_plan(
+    result.mean,
+    result.candidates,
+    cfg,
+    sparse,
+    bin_size=result.bin_size,
+    ks=s.ks,
+    rows=s.rows,
+    hardware=s.hardware,
+  )
+  print(
+    f"[calibrate] lossless (speculative) rollouts on {plan['hardware']}, {s.rows} rows, k in "
+    f"{list(plan['ks'])}, from the mean acceptance per bin (k 0: dense decoding):"
+  )
+  for b, (topk, k, per_round, speedup) in enumerate(
+    zip(plan["topk"], plan["k"], plan["tokens_per_round"], plan["speedup"])
+  ):
+    if k is None:
+      print(f"[calibrate]   bin {b}: no tokens")
+    else:
+      print(
+        f"[calibrate]   bin {b}: top-k {topk}, k {k}, {per_round:.2f} tokens a round, "
+        f"{speedup:.2f}x dense predicted"
+      )
+  with open(os.path.join(c.out_dir, "speculative.json"), "w") as f:
+    json.dump(plan, f, indent=1)
+  return plan
+
+
 def calibrate(c):
   """Config -> calibration -> the three files in c.out_dir."""
   t0 = time.time()
@@ -141,16 +177,18 @@ def calibrate(c):
     f"[calibrate] chosen top-k per bin: {list(result.schedule.values)} "
     f"(+{result.schedule.always_kept} always kept)"
   )
+  plan = speculative_report(c, result, cfg, sparse) if c.speculative.report else None
   seconds = time.time() - t0
   print(
-    f"[calibrate] wrote schedule.json, surface.json, calibration.png to {c.out_dir} "
-    f"({seconds:.0f}s)"
+    f"[calibrate] wrote schedule.json, surface.json, calibration.png"
+    f"{', speculative.json' if plan else ''} to {c.out_dir} ({seconds:.0f}s)"
   )
   if c.record:
     surface = cal.surface_dict(result)
     records.write_record(
       c.record,
       {
+        **({"speculative": plan} if plan else {}),
         "model": c.model.hf_dir or c.model.preset,
         "prompts": len(prompts),
         "repeats": cc.repeats,

@@ -13,7 +13,7 @@ import pytest
 import sparrow_jax as sj
 from experiments import calibrate_schedule
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch import calibrate as cal
+from sparrow_jax.mismatch import calibrate as cal, cost_model
 from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats, topk_bound_from_logits
 from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rollout import sampler
@@ -99,7 +99,7 @@ def rows():
 
 def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
   """One sj.forward per candidate, then acceptance_rate and tail_stats, nothing shared (jitted
-  whole by the caller: eager would take long)."""
+  whole by the caller: eager would take long) -> (p5, mean) per candidate per bin."""
   S = tokens_BS.shape[1]
   valid_BS = (jnp.arange(S)[None] < PROMPT_LEN[:, None]) | gen_mask_BS
   dense = sj.forward(PARAMS, tokens_BS, CFG, mask_BT=valid_BS)
@@ -117,8 +117,8 @@ def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
       prompt_len_B=jnp.asarray(PROMPT_LEN),
     )
     alpha_BS = acceptance_rate(dense, sparse)[:, :-1]
-    rows.append(tail_stats(alpha_BS, gen_mask_BS[:, 1:], pos_BS, BIN, num_bins)["p5_bin"])
-  return jnp.stack(rows)
+    rows.append(tail_stats(alpha_BS, gen_mask_BS[:, 1:], pos_BS, BIN, num_bins))
+  return tuple(jnp.stack([r[name] for r in rows]) for name in ("p5_bin", "mean_bin"))
 
 
 def test_tail_surface_matches_per_candidate_computation(rows):
@@ -126,7 +126,7 @@ def test_tail_surface_matches_per_candidate_computation(rows):
   cands = (0, 1, 3, 16)  # 16 top-k + 3 covers all 16 pages of 61 tokens
   num_bins = 5
   # 3 rows in batches of 2 and 4 candidates in groups of 3: both get topped up.
-  tails = cal.tail_surface(
+  tails, mean = cal.tail_surface(
     PARAMS,
     CFG,
     tokens_BS,
@@ -136,12 +136,16 @@ def test_tail_surface_matches_per_candidate_computation(rows):
     SPARSE,
     num_bins=num_bins,
     calibration=dataclasses.replace(QUIET, batch_size=2, candidates_per_pass=3),
+    with_mean=True,
   )
   p5 = tails[5]
   assert (tails[1] <= p5 + 1e-6)[~np.isnan(p5)].all()
   assert p5.shape == (4, num_bins)
   reference = jax.jit(reference_surface, static_argnums=(2, 3))
-  np.testing.assert_allclose(p5, reference(tokens_BS, gen_mask_BS, cands, num_bins), atol=1e-5)
+  p5_ref, mean_ref = reference(tokens_BS, gen_mask_BS, cands, num_bins)
+  np.testing.assert_allclose(p5, p5_ref, atol=1e-5)
+  np.testing.assert_allclose(mean, mean_ref, atol=1e-5)
+  assert (mean >= p5 - 1e-6)[~np.isnan(p5)].all()
   count = cal.bin_counts(gen_mask_BS, 4, BIN, num_bins)
   assert count.sum() == gen_mask_BS[:, 1:].sum() and (count[:4] > 0).all() and count[4] == 0
   np.testing.assert_allclose(p5[-1, :4], 1.0, atol=1e-5)  # whole context: sparse == dense
@@ -286,6 +290,72 @@ def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
     cal.CalibrationConfig(on_policy=True, sample_topk=5)
 
 
+QWEN = sj.Qwen3Config.preset("qwen3-1.7b")  # the planner prices, nothing runs it
+PLAN_CANDS = (29, 61, 125, 253)
+
+
+def _plan(mean_CB, ks=(1, 2, 4, 8, 16)):
+  return cal.speculative_plan(mean_CB, PLAN_CANDS, QWEN, SparseConfig(), bin_size=2048, ks=ks)
+
+
+def test_speculative_plan_moves_the_way_the_algebra_says():
+  bins = 12
+  # One budget's acceptance raised in every bin at once: the chosen k never falls, no acceptance
+  # is dense decoding, full acceptance drafts the most tokens.
+  by_alpha = {}
+  for alpha in (0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, 1.0):
+    mean_CB = np.full((len(PLAN_CANDS), bins), np.nan)
+    mean_CB[1] = alpha
+    by_alpha[alpha] = _plan(mean_CB)
+  assert by_alpha[0.0]["k"] == [0] * bins and by_alpha[0.0]["topk"] == [None] * bins
+  assert by_alpha[0.0]["speedup"] == [1.0] * bins
+  assert by_alpha[1.0]["k"][1:] == [16] * (bins - 1)  # bin 0 (1K cached) is all dense
+  assert by_alpha[1.0]["tokens_per_round"][-1] == 17
+  plans = list(by_alpha.values())
+  for b in range(bins):
+    ks = [p["k"][b] for p in plans]
+    speedups = [p["speedup"][b] for p in plans]
+    assert all(x <= y for x, y in zip(ks, ks[1:])), (b, ks)
+    assert all(x <= y for x, y in zip(speedups, speedups[1:])), (b, speedups)
+  # Equal acceptance: the smallest budget, which reads least.
+  same = _plan(np.full((len(PLAN_CANDS), bins), 0.95))
+  assert same["topk"][1:] == [29] * (bins - 1)
+  # A larger budget that accepts far more wins where its cost is small against the context.
+  mean_CB = np.full((len(PLAN_CANDS), bins), 0.5)
+  mean_CB[2] = 0.99
+  assert _plan(mean_CB)["topk"][-1] == 125
+  # Longer contexts gain more from the same drafts.
+  assert all(x < y for x, y in zip(same["speedup"][1:], same["speedup"][2:]))
+  # Each bin's pick is the best of every (budget, k) pair priced alone.
+  plan = _plan(mean_CB, ks=(2, 4))
+  b = bins - 1
+  rates = {
+    (c, k): cost_model.roofline_round_rate(
+      QWEN,
+      cal.candidate_schedule(c, SparseConfig(), 2048),
+      plan["cached_len"][b],
+      k=k,
+      alpha=mean_CB[i, b],
+      rows=64,
+    )
+    for i, c in enumerate(PLAN_CANDS)
+    for k in (2, 4)
+  }
+  assert max(rates, key=rates.get) == (plan["topk"][b], plan["k"][b])
+
+
+def test_speculative_plan_empty_bins_and_errors():
+  mean_CB = np.full((len(PLAN_CANDS), 3), 0.9)
+  mean_CB[:, 1] = np.nan
+  plan = _plan(mean_CB)
+  assert plan["topk"][1] is None and plan["k"][1] is None and plan["speedup"][1] is None
+  assert plan["cached_len"] == [1024.0, 3072.0, 5120.0] and plan["candidates"] == list(PLAN_CANDS)
+  with pytest.raises(ValueError, match="mean_CB must be \\[num_candidates=4, num_bins\\]"):
+    _plan(mean_CB[:2])
+  with pytest.raises(ValueError, match="ks .* must be integers >= 1, got \\[0, 2\\]"):
+    _plan(mean_CB, ks=(0, 2))
+
+
 def test_default_candidates():
   assert cal.default_candidates(40960) == cal.PAPER_CANDIDATES
   small = cal.default_candidates(340)
@@ -316,9 +386,10 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
       "calibration.alpha": "topk20",
       "out_dir": out,
       "record": tmp_path / "record.json",
+      "speculative.report": True,
     },
   )
-  assert "ETA" in stdout
+  assert "ETA" in stdout and "lossless (speculative) rollouts on h200" in stdout
   sched = KVSchedule.from_json((out / "schedule.json").read_text())
   surface = json.loads((out / "surface.json").read_text())
   assert sched.kind == "table" and sched.page_size == 4 and sched.bin_size == 16
@@ -338,6 +409,15 @@ def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   assert record["command"].startswith("python experiments/calibrate_schedule.py")
   assert record["results"]["chosen_topk"] == surface["chosen_topk"]
   assert record["results"]["count_bin"] == surface["count_bin"] and record["results"]["seconds"] > 0
+  # The mean acceptance per bin sits above the p5; the plan has an entry a bin, None where empty.
+  for c in ("1", "2", "8"):
+    for mean, p5, n in zip(surface["mean"][c], surface["tail"]["5"][c], surface["count_bin"]):
+      assert (mean is None) == (p5 is None) == (n == 0) and (mean is None or mean >= p5)
+  plan = json.loads((out / "speculative.json").read_text())
+  assert record["results"]["speculative"] == plan and plan["ks"] == [1, 2, 4, 8]
+  assert len(plan["k"]) == len(surface["count_bin"])
+  assert [k is None for k in plan["k"]] == [n == 0 for n in surface["count_bin"]]
+  assert all(s is None or s >= 1 for s in plan["speedup"])  # dense decoding is always there
 
 
 def test_cli_rejects_bad_prompt_row(tmp_path):

@@ -353,3 +353,154 @@ def test_engine_and_static_rooflines_agree_where_the_batches_are_the_same():
     )[1]
     == pool / held
   )
+
+
+# --- lossless (speculative) rollouts -------------------------------------------------------------
+
+
+def _tokens_per_round_moments(alpha, k):
+  """Exact mean and variance of the tokens of a round under i.i.d. acceptance: j + 1 tokens with
+  probability alpha^j (1 - alpha) for j < k, k + 1 with probability alpha^k."""
+  j = np.arange(k + 1)
+  prob = alpha**j * np.where(j < k, 1 - alpha, 1.0)
+  mean = np.sum(prob * (j + 1))
+  return mean, np.sum(prob * (j + 1) ** 2) - mean**2
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.8, 0.97])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_expected_tokens_per_round_matches_monte_carlo(alpha, k):
+  """Rounds simulated with the speculative acceptance rule itself: each draft x ~ q accepted with
+  probability min(1, p(x) / q(x)), every token's (p, q) drawn i.i.d. from a fixed set of pairs whose
+  exact mean acceptance sum_x min(p, q) is the alpha the formula is given. The tolerance is 5
+  standard errors of the mean of n rounds, from the exact variance."""
+  rng = np.random.default_rng(k * 100 + int(alpha * 100))
+  pairs, vocab, n = 64, 8, 40_000
+  p_NV = rng.dirichlet(np.ones(vocab), pairs)
+  # q_i = p_i mixed with noise so that the pairs' acceptances spread around `alpha`.
+  mix = np.clip(rng.normal(1 - alpha, 0.1, (pairs, 1)), 0, 1)
+  q_NV = (1 - mix) * p_NV + mix * rng.dirichlet(np.ones(vocab), pairs)
+  mean_alpha = np.minimum(p_NV, q_NV).sum(1).mean()
+  pair_RK = rng.integers(0, pairs, (n, k))
+  cdf_RKV = np.cumsum(q_NV, 1)[pair_RK]
+  x_RK = np.minimum((cdf_RKV < rng.random((n, k, 1))).sum(-1), vocab - 1)
+  ratio_RK = p_NV[pair_RK, x_RK] / q_NV[pair_RK, x_RK]
+  accepted_RK = rng.random((n, k)) < np.minimum(1.0, ratio_RK)
+  tokens_R = np.cumprod(accepted_RK, 1).sum(1) + 1  # the accepted prefix + the token after it
+  assert np.mean(accepted_RK) == pytest.approx(mean_alpha, abs=5 * np.sqrt(0.25 / (n * k)))
+  mean, var = _tokens_per_round_moments(mean_alpha, k)
+  assert cost_model.expected_tokens_per_round(mean_alpha, k) == pytest.approx(mean, rel=1e-12)
+  assert abs(tokens_R.mean() - mean) < 5 * np.sqrt(var / n)
+
+
+def test_expected_tokens_per_round_limits_and_errors():
+  for k in (0, 1, 4, 8):
+    assert cost_model.expected_tokens_per_round(1.0, k) == k + 1
+    assert cost_model.expected_tokens_per_round(0.0, k) == 1
+  alpha = np.array([0.2, 0.5, 0.9])
+  np.testing.assert_allclose(
+    cost_model.expected_tokens_per_round(alpha, 3), (1 - alpha**4) / (1 - alpha), rtol=1e-12
+  )
+  assert cost_model.expected_tokens_per_round(0.9, 0) == 1
+  with pytest.raises(ValueError, match="k \\(draft tokens per round\\) must be >= 0, got -1"):
+    cost_model.expected_tokens_per_round(0.5, -1)
+  with pytest.raises(ValueError, match="alpha .* must be in \\[0, 1\\]"):
+    cost_model.expected_tokens_per_round(1.2, 2)
+
+
+def test_speculative_round_by_hand():
+  # tiny on TOY_HW, one row at 4 cached tokens, k = 1: a draft step as in the sparse row by hand
+  # above (1 dense + 1 sparse layer, budget 4 tokens, 4 centroids scored), then the dense
+  # verification of 2 queries attending to 4 and 5 tokens, reading the 5 tokens' KV once.
+  schedule = KVSchedule.fixed(2, page_size=2, always_kept=1)
+  p, r, d = 90496, 2, 128
+  kv = 64 * 4 + 64 * 4
+  draft = max((2 * p + 2 * r * kv + 2 * 16 * 4) / 10, (2 * p + 2 * kv + (2 * 16 + 8) * 4) / 5)
+  verify = max((2 * 2 * p + 2 * r * d * (4 + 5)) / 10, (2 * p + 2 * d * 5) / 5)
+  for alpha in (0.0, 0.6, 1.0):
+    got = cost_model.roofline_round_rate(
+      "tiny", schedule, 4, k=1, alpha=alpha, rows=1, hardware=TOY_HW, sparse=TOY_SPARSE
+    )
+    assert got == pytest.approx((1 + alpha) / (draft + verify), rel=1e-12)
+  dense = max((2 * p + 2 * r * d * 4) / 10, (2 * p + 2 * d * 4) / 5)
+  got = cost_model.roofline_round_rate("tiny", None, 4, k=0, alpha=0.5, rows=1, hardware=TOY_HW)
+  assert got == pytest.approx(1 / dense, rel=1e-12)
+
+
+ENGINE = dict(slots=256, mean_len_frac=0.5)
+
+
+def _pool(model):
+  return 100e9 / cost_model.kv_bytes_per_token(model)
+
+
+def _speculative(model, k, alpha, schedule=None, **kw):
+  schedule = schedule or KVSchedule.paper(model, 0.86)
+  return cost_model.roofline_speculative_rate(
+    model, schedule, 1024, 32768, k=k, alpha=alpha, pool_tokens=_pool(model), **ENGINE, **kw
+  )
+
+
+def _engine(model, schedule):
+  return cost_model.roofline_engine_rate(
+    model, schedule, 1024, 32768, pool_tokens=_pool(model), **ENGINE
+  )
+
+
+@pytest.mark.parametrize("model", ["qwen3-1.7b", "qwen3-14b"])
+def test_speculation_without_drafts_is_the_dense_engine(model):
+  rate, rows, per_round = _speculative(model, 0, 0.9)
+  dense_rate, dense_rows = _engine(model, None)
+  assert rate == pytest.approx(dense_rate, rel=1e-12) and rows == dense_rows and per_round == 1
+
+
+@pytest.mark.parametrize("model", ["qwen3-1.7b", "qwen3-14b"])
+def test_speculative_rate_moves_the_way_the_algebra_says(model):
+  dense, _ = _engine(model, None)
+  lossy, _ = _engine(model, KVSchedule.paper(model, 0.86))
+  # More acceptance, more tokens a round for the same rounds.
+  by_alpha = [_speculative(model, 4, a)[0] for a in (0.0, 0.5, 0.8, 0.95, 1.0)]
+  assert all(a < b for a, b in zip(by_alpha, by_alpha[1:]))
+  # All drafts accepted: k + 1 tokens a round, more drafts amortise the verification pass, yet
+  # the pass keeps the lossless mode below the lossy sparse engine.
+  perfect = [_speculative(model, k, 1.0) for k in (1, 2, 4, 8)]
+  np.testing.assert_allclose([r[2] for r in perfect], [2, 3, 5, 9], rtol=1e-12)
+  assert all(a[0] < b[0] for a, b in zip(perfect, perfect[1:])) and perfect[-1][0] < lossy
+  # Nothing accepted: every round is one token at the cost of k drafts and a dense pass.
+  rejected = [_speculative(model, k, 0.0)[0] for k in (1, 2, 4)]
+  assert all(a > b for a, b in zip(rejected, rejected[1:])) and rejected[0] < dense
+  # At a fixed acceptance a smaller draft budget is cheaper.
+  small, large = KVSchedule.fixed(64), KVSchedule.fixed(512)
+  assert _speculative(model, 4, 0.9, small)[0] > _speculative(model, 4, 0.9, large)[0]
+  # Raising one bin's acceptance raises the rate; per-bin values equal to a scalar give its rate.
+  bins = np.full(20, 0.9)
+  assert _speculative(model, 4, bins)[0] == pytest.approx(_speculative(model, 4, 0.9)[0])
+  bins[5] = 0.99
+  assert _speculative(model, 4, bins)[0] > _speculative(model, 4, 0.9)[0]
+
+
+def test_best_draft_count_grows_with_acceptance():
+  """rate(k) = E(alpha, k) / T(k) with T independent of alpha, and E(k + 1) / E(k) grows with alpha,
+  so the k that maximises the rate cannot fall as alpha rises."""
+  model, ks = "qwen3-4b", range(1, 17)
+  best = []
+  for alpha in (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995):
+    rates = [
+      cost_model.roofline_round_rate(
+        model, KVSchedule.paper(model, 0.86), 16384, k=k, alpha=alpha, rows=64
+      )
+      for k in ks
+    ]
+    best.append(ks[int(np.argmax(rates))])
+  assert all(a <= b for a, b in zip(best, best[1:])) and best[0] < best[-1], best
+
+
+def test_alpha_by_length_follows_the_schedule_bins():
+  # Pages of 16, bins of 2 pages: cached pages 1, 1, 2, 2, 3, 4, 13 -> bins 0, 0, 1, 1, 1, 2, 6,
+  # the last past the table (its last value).
+  lengths = np.array([1, 16, 17, 32, 48, 49, 200])
+  np.testing.assert_array_equal(
+    cost_model.alpha_by_length([0.1, 0.2, 0.3], lengths, 16, 32),
+    [0.1, 0.1, 0.2, 0.2, 0.2, 0.3, 0.3],
+  )
+  np.testing.assert_array_equal(cost_model.alpha_by_length(0.7, lengths, 16, 32), np.full(7, 0.7))

@@ -48,9 +48,10 @@ def test_cost_report_prints_both_tables():
   assert "Predicted rollout speedup" in out and "paper (4x H200)" in out
   assert "Page-size comparison on h200" in out and "page 128" in out
   assert "Static batch vs engine" in out and "engine/static" in out
+  assert "Lossless (speculative) rollouts" in out and "k = 8" in out
   for model in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
     rows = sum(line.startswith(model + " ") for line in out.splitlines())
-    assert rows == 5, model  # a row in each of the five tables
+    assert rows == 5 + 3, model  # a row in each of five tables, the speculative one's per alpha
 
 
 def test_cost_report_writes_its_tables_as_a_record(tmp_path):
@@ -80,9 +81,15 @@ def test_cost_report_writes_its_tables_as_a_record(tmp_path):
       "engine": {"dense", "sparse"},
     }
   assert len(r["page_sizes"]["models"]["qwen3-4b"]) == len(r["page_sizes"]["page_sizes"])
+  assert list(r["speculative"]["models"]) == models and r["speculative"]["ks"] == [2, 4, 8]
+  for m in r["speculative"]["models"].values():
+    assert [a["source"] for a in m["by_alpha"]] == ["bound: p5 >= tau", "paper", "paper"]
+    assert all(list(a["by_k"]) == ["2", "4", "8"] for a in m["by_alpha"])
   page = _load_pages().cost_model_page([record])
   assert "different settings" in page  # a 4096-token cutoff is not the paper's
   assert f"{r['comparison']['models']['qwen3-8b']['roofline']:.2f}x" in page
+  spec = r["speculative"]["models"]["qwen3-4b"]["by_alpha"][2]["by_k"]["4"]
+  assert f"{spec['speedup']:.2f}x ({spec['tokens_per_round']:.2f})" in page
 
 
 def _load_pages():

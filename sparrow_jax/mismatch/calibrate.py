@@ -7,7 +7,9 @@ alpha per position bin for every candidate (the "p5 surface"), and choose per bi
 candidate whose p5 >= tau, made non-decreasing. p5 barely moves during training, so this runs once.
 The percentile is a parameter (`quantile`, 5 the paper's): the surface holds every percentile of
 `acceptance.PERCENTILES` and the quantile's (the same alphas), so one calibration can choose a table
-for any of them (`choose_schedule`), and the table records the quantile it holds.
+for any of them (`choose_schedule`), and the table records the quantile it holds. It keeps the mean
+acceptance per bin too, which sets the expected length of a speculative round: `speculative_plan`
+picks per bin the budget and draft count that maximise lossless (speculative) throughput.
 
 Candidates are top-k page counts in the paper's form: candidate c keeps min(c + always_kept,
 cached pages) pages at every step, and the chosen schedule is a `KVSchedule.table` of candidates.
@@ -45,6 +47,7 @@ import numpy as np
 
 from sparrow_jax.sparsity import policy
 from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch.acceptance import (
   acceptance_rate,
   percentile_name,
@@ -136,6 +139,8 @@ class Calibration(NamedTuple):
   bin_size: int
   alpha: str  # a key of ALPHAS
   on_policy: bool
+  mean: np.ndarray | None = None  # [num_candidates, num_bins] mean acceptance (NaN: empty bin),
+  # what sets a speculative round's expected length (`speculative_plan`)
 
 
 def candidate_schedule(topk: int, sparse: SparseConfig, bin_size: int = 2048) -> KVSchedule:
@@ -207,8 +212,9 @@ def _sparse_alpha(
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _tails_per_bin(alpha, mask, pos, bin_size, num_bins, page_size, percentiles):
+  """[len(percentiles) + 1, num_bins]: each percentile per bin, then the mean."""
   stats = tail_stats(alpha, mask, pos, bin_size, num_bins, page_size, percentiles=percentiles)
-  return jnp.stack([stats[percentile_name(p) + "_bin"] for p in percentiles])
+  return jnp.stack([stats[percentile_name(p) + "_bin"] for p in percentiles] + [stats["mean_bin"]])
 
 
 def _check_candidates(candidates, name: str = "candidates"):
@@ -240,9 +246,11 @@ def tail_surface(
   num_bins: int,
   calibration: CalibrationConfig = CalibrationConfig(),
   temperature: float = 1.0,
-) -> dict:
+  with_mean: bool = False,
+):
   """Percentiles of the per-token acceptance per schedule bin for each candidate -> {percentile:
-  float [C, num_bins]}, the percentiles `acceptance.tail_percentiles(calibration.quantile)`.
+  float [C, num_bins]}, the percentiles `acceptance.tail_percentiles(calibration.quantile)`; with
+  `with_mean`, (that dict, the mean acceptance float [C, num_bins]).
 
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
   gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
@@ -331,7 +339,8 @@ def tail_surface(
       for alpha_BS in alpha_CBS
     ]
   )
-  return {p: tails_CQB[:, i] for i, p in enumerate(percentiles)}
+  tails = {p: tails_CQB[:, i] for i, p in enumerate(percentiles)}
+  return (tails, tails_CQB[:, -1]) if with_mean else tails
 
 
 def choose_schedule(
@@ -362,6 +371,69 @@ def choose_schedule(
   pick_B = np.where(np.isnan(tail_CB).all(0), 0, pick_B)
   pick_B = np.maximum.accumulate(pick_B)
   return KVSchedule.table([cands[i] for i in pick_B], page_size, always_kept, bin_size, quantile)
+
+
+def speculative_plan(
+  mean_CB,
+  candidates: Sequence[int],
+  cfg: Qwen3Config,
+  sparse: SparseConfig,
+  *,
+  bin_size: int,
+  ks: Sequence[int] = (1, 2, 4, 8),
+  rows: float = 64,
+  hardware="h200",
+) -> dict:
+  """Per bin, the candidate budget and draft count k that maximise the predicted throughput of
+  lossless (speculative) rollouts, from each candidate's mean acceptance mean_CB [C, num_bins]
+  (NaN: an empty bin) -> {"cached_len", "topk", "k", "tokens_per_round", "speedup"}, one entry a
+  bin (speedup over dense decoding there; None where the bin is empty) and the settings.
+
+  The mean, not a tail percentile: with drafts accepted independently a round's expected length
+  is `cost_model.expected_tokens_per_round`(mean, k). Bin b is priced at its middle cached length,
+  (b + 1/2) x bin_size, with every one of `rows` rows there (`cost_model.roofline_round_rate` on
+  `hardware`); dense decoding (k = 0, "topk" None) stands where no pair beats it, and ties go to
+  the smaller budget and the smaller k. A speculative round's drafts extend prefixes sampled from
+  the dense policy: a calibration with dense rollouts (`sample_sparse` False) measures alpha on
+  those prefixes.
+  """
+  cands = _check_candidates(candidates)
+  mean_CB = np.asarray(mean_CB, np.float64)
+  if mean_CB.ndim != 2 or mean_CB.shape[0] != len(cands):
+    raise ValueError(
+      f"mean_CB must be [num_candidates={len(cands)}, num_bins], got {mean_CB.shape}"
+    )
+  ks = tuple(int(k) for k in ks)
+  if not ks or min(ks) < 1:
+    raise ValueError(f"ks (draft tokens per round) must be integers >= 1, got {list(ks)}")
+  position_bin(0, sparse.page_size, bin_size)  # whole pages a bin
+  hw = cost_model.get_hardware(hardware)
+  common = dict(rows=rows, hardware=hw)
+  plan = {name: [] for name in ("cached_len", "topk", "k", "tokens_per_round", "speedup")}
+  for b, alpha_C in enumerate(mean_CB.T):
+    cached_len = (b + 0.5) * bin_size
+    dense = cost_model.roofline_round_rate(cfg, None, cached_len, k=0, alpha=1.0, **common)
+    best = (dense, None, 0)
+    for c, alpha in zip(cands, alpha_C):
+      if np.isnan(alpha):
+        continue
+      schedule = candidate_schedule(c, sparse, bin_size)
+      for k in ks:
+        rate = cost_model.roofline_round_rate(
+          cfg, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
+        )
+        if rate > best[0]:
+          best = (rate, c, k)
+    rate, topk, k = best
+    per_round = 1.0 if topk is None else alpha_C[cands.index(topk)]
+    per_round = float(cost_model.expected_tokens_per_round(per_round, k))
+    entry = dict(topk=topk, k=k, tokens_per_round=per_round, speedup=rate / dense)
+    if np.isnan(alpha_C).all():
+      entry = dict.fromkeys(entry)
+    plan["cached_len"].append(cached_len)
+    for name, value in entry.items():
+      plan[name].append(value)
+  return dict(plan, ks=list(ks), rows=rows, hardware=hw.name, candidates=list(cands))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0):
@@ -467,7 +539,7 @@ def calibrate(
 
   max_bins = max_len // cc.bin_size + 2
   quantile, percentiles = cc.quantile, tail_percentiles(cc.quantile)
-  tails, count, t0 = [], [], time.time()
+  tails, means, count, t0 = [], [], [], time.time()
   for r, (run_cands, schedule) in enumerate(runs):
     tokens_BS, gen_mask_BS = _rollouts(
       params,
@@ -483,20 +555,21 @@ def calibrate(
     )
     count_B = bin_counts(gen_mask_BS, sparse.page_size, cc.bin_size, max_bins)
     count.append(np.repeat(count_B[None], len(run_cands), 0))
-    tails.append(
-      tail_surface(
-        params,
-        cfg,
-        tokens_BS,
-        gen_mask_BS,
-        prompt_len_B,
-        run_cands,
-        sparse,
-        num_bins=max_bins,
-        calibration=quiet,
-        temperature=sampling.temperature,
-      )
+    run_tails, run_mean = tail_surface(
+      params,
+      cfg,
+      tokens_BS,
+      gen_mask_BS,
+      prompt_len_B,
+      run_cands,
+      sparse,
+      num_bins=max_bins,
+      calibration=quiet,
+      temperature=sampling.temperature,
+      with_mean=True,
     )
+    tails.append(run_tails)
+    means.append(run_mean)
     if cc.verbose and cc.on_policy:
       elapsed = time.time() - t0
       print(
@@ -532,13 +605,14 @@ def calibrate(
     cc.bin_size,
     cc.alpha,
     bool(cc.on_policy),
+    np.concatenate(means)[:, :num_bins],
   )
 
 
 def surface_dict(result: Calibration) -> dict:
   """JSON-ready surface: "tail" holds, per percentile ("1", "5", ...), its value per candidate per
-  bin (null for empty bins); "quantile" is the one the schedule was chosen by; with the token
-  counts.
+  bin (null for empty bins); "quantile" is the one the schedule was chosen by; "mean" the mean
+  acceptance the same way; with the token counts.
 
   "count_bin" is the tokens per bin, the most over candidates; on-policy, where each candidate
   scored its own rollouts, "count_bin_by_candidate" holds every candidate's counts as well.
@@ -562,11 +636,14 @@ def surface_dict(result: Calibration) -> dict:
     str(c): [None if np.isnan(v) else float(v) for v in tail_B]
     for c, tail_B in zip(result.candidates, tail_CB)
   }
-  return {
+  out = {
     **out,
     "tail": {f"{p:g}": as_json(tail_CB) for p, tail_CB in result.tail.items()},
     "chosen_topk": list(result.schedule.values),
   }
+  if result.mean is not None:
+    out["mean"] = as_json(result.mean)
+  return out
 
 
 def surface_tail(surface: dict, quantile: float, path: str = "the surface") -> tuple:

@@ -34,6 +34,13 @@ in a memory-bound decode step the compute hides behind the reads (docs/results/c
 in a pool of KV memory: the static batch (every row allocated at the cutoff, a batch decoded until
 its longest row ends) and continuous batching (slots refilled as rows end, pages taken as rows
 grow), each in generated tokens per second and rows in flight.
+
+`roofline_speculative_rate` prices the engine's lossless mode in the same terms: rounds of k sparse
+draft steps and one dense verification pass over the k + 1 new positions (weights read once, the
+row's whole KV read once, compute for k + 1 queries), each pass a roofline step, yielding
+`expected_tokens_per_round` tokens at the mean per-token acceptance alpha (drafts accepted
+independently: the i.i.d. approximation). `roofline_round_rate` is the same round for rows at one
+cached length, what calibration compares budgets and k by per bin.
 """
 
 import dataclasses
@@ -45,7 +52,7 @@ import numpy as np
 
 from sparrow_jax.attention.paged_cache import page_score_fns
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.sparsity.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule, position_bin
 from sparrow_jax.model.config import Qwen3Config
 
 
@@ -452,6 +459,131 @@ def roofline_engine_rate(
   step = max(flops / hw.peak_flops, nbytes / hw.mem_bandwidth)
   prefill_per_token = prefill_time(cfg, prompt_len, 1, hw) / (n_samples * alive_t.sum())
   return float(1.0 / (step / rows + prefill_per_token)), float(rows)
+
+
+# --- lossless (speculative) rollouts -------------------------------------------------------------
+
+
+def expected_tokens_per_round(alpha, k: int):
+  """Tokens a row gains per speculative round of k sparse drafts verified densely, when each draft
+  is accepted with probability alpha independently of the others (the i.i.d. approximation): the
+  accepted prefix plus the one token sampled after it (from the residual at the first rejection,
+  from p when all k pass), sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha). k + 1 at
+  alpha = 1, 1 at alpha = 0; k = 0 is dense decoding (1 token a step). Elementwise in alpha.
+
+  With a per-token acceptance that varies but independently of the other tokens' (alpha_t =
+  sum_x min(p, q), random along the rollout), E[alpha_1 ... alpha_i] = mean^i, so the mean
+  acceptance is what sets the expected length, not its tail."""
+  if k < 0:
+    raise ValueError(f"k (draft tokens per round) must be >= 0, got {k}")
+  alpha = np.asarray(alpha, np.float64)
+  if not np.all((alpha >= 0) & (alpha <= 1)):
+    raise ValueError(f"alpha (acceptance per draft) must be in [0, 1], got {alpha}")
+  return np.sum(alpha[..., None] ** np.arange(k + 1), axis=-1)
+
+
+def _round_passes(cfg: Qwen3Config, hw: Hardware, schedule, s_t, k: int, sparse, page_selection):
+  """One running row's speculative round that starts at s_t cached tokens, pass by pass, the
+  weights aside -> (queries_P, flops_P..., bytes_P...) over its k + 1 passes (P = k + 1, then
+  s_t's shape): draft step i < k decodes one query under `schedule` at s_t + i cached tokens
+  (`_row_step_work`); the verification pass runs k + 1 queries densely in every layer (the last
+  accepted token, whose sparse layers' KV the drafts computed sparsely, and the k drafts), query j
+  attending to s_t + j tokens, and reads the row's KV (s_t + k tokens) once. KV writes are left out,
+  as in every step of this module."""
+  s_t = np.asarray(s_t, np.float64)
+  drafts = [_row_step_work(cfg, hw, schedule, s_t + i, sparse, page_selection) for i in range(k)]
+  dense = [_row_step_work(cfg, hw, None, s_t + j, sparse, False) for j in range(k + 1)]
+  flops_P = [f for f, _ in drafts] + [sum(f for f, _ in dense)]
+  bytes_P = [b for _, b in drafts] + [dense[-1][1]]
+  queries_P = np.array([1] * k + [k + 1], np.float64)
+  return queries_P, np.stack(flops_P), np.stack(bytes_P)
+
+
+def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_P, flops_P, bytes_P) -> float:
+  """Seconds of one round of `rows` rows with per-row work flops_P, bytes_P per pass: each pass
+  reads every weight once for all rows, computes 2P FLOPs per query, and lasts max(FLOPs / peak,
+  bytes / bandwidth) (the engine's decode step, `roofline_engine_rate`, is the round of k = 0)."""
+  n_params = param_count(cfg)
+  flops_P = rows * (2 * n_params * queries_P + flops_P)
+  bytes_P = hw.dtype_bytes * n_params + rows * bytes_P
+  return float(np.sum(np.maximum(flops_P / hw.peak_flops, bytes_P / hw.mem_bandwidth)))
+
+
+def alpha_by_length(alpha_bin, cached_len, page_size: int, bin_size: int):
+  """The acceptance of each cached length from one value per schedule bin (`position_bin`, the
+  last bin's value past the end, as a table schedule's last value holds); a scalar is every
+  bin's."""
+  alpha_bin = np.atleast_1d(np.asarray(alpha_bin, np.float64))
+  bins = np.asarray(position_bin(np.asarray(cached_len).astype(np.int32), page_size, bin_size))
+  return alpha_bin[np.minimum(bins, len(alpha_bin) - 1)]
+
+
+def roofline_speculative_rate(
+  model,
+  schedule: KVSchedule,
+  prompt_len: int,
+  gen_len: int,
+  *,
+  k: int,
+  alpha,
+  slots: int,
+  pool_tokens: float,
+  mean_len_frac: float,
+  n_samples: int = 8,
+  hardware="h200",
+  sparse: SparseConfig | None = None,
+  page_selection: bool = True,
+) -> tuple[float, float, float]:
+  """(generated tokens/s, rows in flight, mean tokens per row-round) of one device running the
+  engine's lossless speculative rounds in steady state: k sparse draft steps under `schedule`,
+  then one dense verification pass (`_round_passes`), every pass priced as the engine's decode
+  step. alpha: the mean per-token acceptance, a scalar or one value per bin of the schedule's
+  bins (`alpha_by_length`), a round binned by its first draft's cached length; a row at
+  generated position t gains E_t = `expected_tokens_per_round`(alpha_t, k) tokens a round.
+
+  As in `roofline_engine_rate`, finished rows' slots refill at once and lengths follow
+  `running_fraction`; a row spends 1 / E_t rounds per token at position t, so its rounds, and the
+  rows in flight, are at t with weight alive_t / E_t, and each holds its k drafts' tokens on top.
+  Rounds near the cutoff are not cut short. k = 0 is dense decoding, `roofline_engine_rate` with
+  schedule None."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  sparse = _sparse_or_paper(schedule, sparse)
+  alive_t = running_fraction(gen_len, mean_len_frac)
+  t = np.arange(1, gen_len + 1)
+  s_t = prompt_len + t
+  e_t = expected_tokens_per_round(
+    alpha_by_length(alpha, s_t, schedule.page_size, schedule.bin_size), k
+  )
+  w_t = alive_t / e_t
+  w_t = w_t / w_t.sum()
+  held = prompt_len / n_samples + float(np.sum(w_t * t)) + k
+  rows = min(float(slots), pool_tokens / held)
+  queries_P, flops_PT, bytes_PT = _round_passes(cfg, hw, schedule, s_t, k, sparse, page_selection)
+  round_s = _round_time(cfg, hw, rows, queries_P, flops_PT @ w_t, bytes_PT @ w_t)
+  per_round = float(np.sum(w_t * e_t))
+  prefill_per_token = prefill_time(cfg, prompt_len, 1, hw) / (n_samples * alive_t.sum())
+  return float(1.0 / (round_s / (rows * per_round) + prefill_per_token)), float(rows), per_round
+
+
+def roofline_round_rate(
+  model,
+  schedule: KVSchedule | None,
+  cached_len: float,
+  *,
+  k: int,
+  alpha: float,
+  rows: float,
+  hardware="h200",
+  sparse: SparseConfig | None = None,
+  page_selection: bool = True,
+) -> float:
+  """Generated tokens/s of `rows` rows all at `cached_len` cached tokens running speculative rounds
+  of k drafts under `schedule` at mean acceptance alpha (`_round_passes`, `_round_time`), prefill
+  aside; k = 0 is dense decoding (schedule unused). The rate one bin of a calibration prices its
+  budgets and k by (`calibrate.speculative_plan`)."""
+  cfg, hw = _config(model), get_hardware(hardware)
+  passes = _round_passes(cfg, hw, schedule, cached_len, k, sparse, page_selection)
+  return float(rows * expected_tokens_per_round(alpha, k) / _round_time(cfg, hw, rows, *passes))
 
 
 def peak_memory_bytes(
