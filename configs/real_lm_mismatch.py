@@ -40,7 +40,7 @@ def get_config():
     "page_size",
     "dense_layers",
     "attention_impl",
-    max_new_tokens=2048,
+    max_new_tokens=3072,
     dense_layers=2,
   )  # dense_layers: the paper's 2 (of 30 here)
   c.candidates = "4,8,16,32,64,128"  # fixed top-k budgets, pages (+3 always kept), mean scores
