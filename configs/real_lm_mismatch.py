@@ -52,5 +52,9 @@ def get_config():
   c.record = (
     "docs/results/real_lm_mismatch.json"  # the results record (docs/results/real_lm_mismatch.md)
   )
+  c.schedule_out = "assets/real_lm/schedule.json"  # the mean-score, exact-alpha table at tau
+  #                                    (KVSchedule JSON: configs/real_lm_rl.py, the decode bench)
+  c.from_record = ""  # a record of this study: only re-choose the tables from its p5 surface
+  #                                    at stats.tau and write schedule_out (no model runs)
   c.plot_dir = "assets/real_lm"  # mismatch_*.png go here ("" = no plots)
   return c

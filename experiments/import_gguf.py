@@ -15,12 +15,11 @@ from ml_collections import config_flags
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.model import gguf
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/import_gguf.py")
-
 
 def main(argv):
-  del argv
-  c = _CONFIG.value
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  c = flags.FLAGS.config
   path = c.gguf or gguf.smollm2_gguf_path(c.cache_dir)
   if c.fetch and not c.gguf:
     path = gguf.fetch_smollm2(c.cache_dir)
@@ -34,4 +33,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined here, not at import: tests import scripts beside others that define --config.
+  config_flags.DEFINE_config_file("config", "configs/import_gguf.py", "experiment config")
   app.run(main)

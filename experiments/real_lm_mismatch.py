@@ -229,6 +229,57 @@ def plot(plot_dir, results):
   return path
 
 
+def choose_tables(st, cands, quest, tau, quantile, page, bin_size, num_bins):
+  """The calibrated table per (page score, alpha kind) from the p5 surface of `st` (the record's
+  "stats") -> ({name: table figures}, the KVSchedule of mean scores / exact alpha)."""
+  tables, schedules = {}, {}
+  for score, names in (("mean", cands), ("quest", quest)):
+    for kind in ALPHA_KINDS:
+      tail_CB = np.array([_floats(st[f"{score}/{k}"][kind]["p5_bin"]) for k in names])
+      sched = cal.choose_schedule(
+        tail_CB, names, tau, page_size=page, always_kept=3, bin_size=bin_size, quantile=quantile
+      )
+      ends = (np.arange(num_bins) + 1) * bin_size
+      pages = np.asarray(sched.budget_pages(jnp.asarray(ends)))
+      tables[f"{score}/{kind}"] = {
+        "topk_bin": list(sched.values),
+        "pages_bin": pages.tolist(),
+        "share_bin": (np.minimum(pages, ends // page) / (ends // page)).tolist(),
+        "meets_tau_bin": (np.nanmax(np.where(np.isnan(tail_CB), -1, tail_CB), 0) >= tau).tolist(),
+      }
+      schedules[f"{score}/{kind}"] = sched
+  return tables, schedules["mean/exact"]
+
+
+def write_schedule(path, schedule):
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(schedule.to_json() + "\n")
+  print(f"wrote {path}: top-k per bin {list(schedule.values)}")
+
+
+def from_record(c):
+  """Re-chooses the tables from a record's p5 surface at config.stats.tau (no model runs) and
+  writes the mean-score / exact-alpha one to config.schedule_out."""
+  with open(c.from_record) as f:
+    r = json.load(f)["results"]
+  tables, schedule = choose_tables(
+    r["stats"],
+    r["candidates"],
+    r["quest_candidates"],
+    c.stats.tau,
+    r["quantile"],
+    r["page_size"],
+    r["bin_size"],
+    r["num_bins"],
+  )
+  for name, t in tables.items():
+    print(f"table {name} at tau {c.stats.tau}: top-k per bin {t['topk_bin']}")
+  if c.schedule_out:
+    write_schedule(c.schedule_out, schedule)
+  return tables
+
+
 def run(c) -> dict:
   page, bin_size, tau = c.rollout.page_size, c.stats.bin_size, c.stats.tau
   schedule_lib.position_bin(0, page, bin_size)  # whole pages a bin, before anything runs
@@ -314,27 +365,9 @@ def run(c) -> dict:
       "mean_gap": float(np.mean(exact - top)),
       "max_gap": float(np.max(exact - top)),
     }
-  tables = {}
-  for score, names in (("mean", cands), ("quest", quest)):
-    for kind in ALPHA_KINDS:
-      tail_CB = np.array([_floats(st[f"{score}/{k}"][kind]["p5_bin"]) for k in names])
-      sched = cal.choose_schedule(
-        tail_CB,
-        names,
-        tau,
-        page_size=page,
-        always_kept=mean_sparse.always_kept,
-        bin_size=bin_size,
-        quantile=c.stats.quantile,
-      )
-      ends = (np.arange(num_bins) + 1) * bin_size
-      pages = np.asarray(sched.budget_pages(jnp.asarray(ends)))
-      tables[f"{score}/{kind}"] = {
-        "topk_bin": list(sched.values),
-        "pages_bin": pages.tolist(),
-        "share_bin": (np.minimum(pages, ends // page) / (ends // page)).tolist(),
-        "meets_tau_bin": (np.nanmax(np.where(np.isnan(tail_CB), -1, tail_CB), 0) >= tau).tolist(),
-      }
+  tables, schedule = choose_tables(
+    st, cands, quest, tau, c.stats.quantile, page, bin_size, num_bins
+  )
   count_bin = st[runs[0][0]]["exact"]["count_bin"]
   results = {
     "model": c.model.hf_dir,
@@ -380,13 +413,16 @@ def run(c) -> dict:
     results["plot"] = os.path.relpath(plot(c.plot_dir, results), records.ROOT)
   records.write_record(c.record, results)
   print(f"wrote {c.record} ({results['seconds']:.0f}s)")
+  if c.schedule_out:
+    write_schedule(c.schedule_out, schedule)
   return results
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
-  run(flags.FLAGS.config)
+  c = flags.FLAGS.config
+  from_record(c) if c.from_record else run(c)
 
 
 if __name__ == "__main__":
