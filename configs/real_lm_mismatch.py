@@ -48,7 +48,7 @@ def get_config():
   c.sample_topk = 128  # rollouts are sampled sparsely at this top-k (the paper: the largest)
   c.stats = common.stats("tau", "quantile", "bin_size", bin_size=512)  # bins of 512 cached
   #                                    tokens: ~2.7K-token rows give 6 bins
-  c.batch_size = 8  # rows per teacher-forced pass
+  c.batch_size = 4  # rows per teacher-forced pass (its LM-head chunks: 4 x 512 x 49152 floats)
   c.record = (
     "docs/results/real_lm_mismatch.json"  # the results record (docs/results/real_lm_mismatch.md)
   )
