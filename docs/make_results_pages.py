@@ -1090,6 +1090,32 @@ def real_lm_decode_page(records) -> str:
   return "\n".join(lines)
 
 
+def real_lm_rl_page(records) -> str:
+  """docs/results/real_lm_rl.md from run_report's record of short RL runs on the real LM: what a
+  step costs here, and so whether a run fits."""
+  lines = ["# RL steps on the real LM (measured)", ""]
+  for record in records:
+    lines += [_provenance(record), ""]
+    lines += [
+      "| run | steps | wall time (s) | first step, with compilation (s) | median later step (s) | "
+      "reward per step |",
+      "|---|---|---|---|---|---|",
+    ]
+    for name, v in record["results"]["runs"].items():
+      t = v["summary"]["time_s"]
+      lines.append(
+        f"| {name} | {v['steps']} | {t['total']:.0f} | {t['first_step']:.0f} | "
+        f"{v['train_step_median_s']:.0f} | {_cells(v['reward_curve'])} |"
+      )
+    lines += [""]
+    lines += [
+      f"- {name}: `{v['summary']['command']}`, commit `{v['summary']['commit'][:12]}`"
+      for name, v in record["results"]["runs"].items()
+    ]
+    lines.append("")
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -1105,6 +1131,7 @@ PAGES = {
   "distill_sparse.md": ("distill_sparse.json", distill_sparse_page),
   "real_lm_mismatch.md": ("real_lm_mismatch.json", real_lm_mismatch_page),
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
+  "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
 }
 
 
