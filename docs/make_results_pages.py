@@ -1097,15 +1097,16 @@ def real_lm_rl_page(records) -> str:
   for record in records:
     lines += [_provenance(record), ""]
     lines += [
-      "| run | steps | wall time (s) | first step, with compilation (s) | median later step (s) | "
-      "reward per step |",
-      "|---|---|---|---|---|---|",
+      "| run | steps | wall time (s) | first step, with compilation (s) | rollouts, all steps (s) "
+      "| train steps, all steps (s) | median train step after the first (s) | reward per step |",
+      "|---|---|---|---|---|---|---|---|",
     ]
     for name, v in record["results"]["runs"].items():
       t = v["summary"]["time_s"]
       lines.append(
         f"| {name} | {v['steps']} | {t['total']:.0f} | {t['first_step']:.0f} | "
-        f"{v['train_step_median_s']:.0f} | {_cells(v['reward_curve'])} |"
+        f"{t['rollout']:.0f} | {t['train_step']:.0f} | {v['train_step_median_s']:.0f} | "
+        f"{_cells(v['reward_curve'])} |"
       )
     lines += [""]
     lines += [
