@@ -80,8 +80,10 @@ def test_study_record_holds_every_budget_and_its_page_renders(study):
     assert s["topk20"]["p5"] <= s["exact"]["p5"] + 1e-6  # the bound is a lower bound
     assert r["bound"][name]["share_bound_le_exact"] == 1.0
   for name, t in r["tables"].items():
-    assert all(k in (r["candidates"] if name.startswith("mean") else r["quest_candidates"])
-               for k in t["topk_bin"])
+    assert all(
+      k in (r["candidates"] if name.startswith("mean") else r["quest_candidates"])
+      for k in t["topk_bin"]
+    )
     assert t["topk_bin"] == sorted(t["topk_bin"])  # a budget never shrinks with length
   page = load_file("docs/make_results_pages.py").real_lm_mismatch_page([record])
   for heading in ("(F1)", "(F2)", "(F3)", "top-20 bound", "Quest vs mean"):
