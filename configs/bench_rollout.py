@@ -28,6 +28,10 @@ def get_config():
   c.decode.contexts = (16384, 32768)  # cached tokens per row before the timed steps (x 16)
   c.decode.steps = 8  # decode steps per timed call
   c.decode.dtype = "float32"  # params and KV cache dtype: float32 | bfloat16
+  c.decode.model_dir = ""  # an HF dir (e.g. the real LM of configs/import_gguf.py): its config
+  # and real weights instead of the truncated 1.7B shapes (decode.layers, decode.vocab_size unused)
+  c.decode.schedule = "paper:qwen3-1.7b:0.86"  # the sparse rows' KVSchedule (a rollout.schedule
+  # spec: fixed:PAGES, paper:MODEL:TAU or a schedule JSON)
 
   c.tunix = ml_collections.ConfigDict()  # (c): tiny Qwen3, our dense sampler vs google-tunix's
   c.tunix.prompt = 64  # prompt tokens

@@ -29,6 +29,9 @@ Qwen3-1.7B (BudgetTable and max_selected built exactly as the sampler does), one
 model (2 of 28 in the real one), which caps the speedup far below the full model's, so the default
 also measures d = 0 (every layer sparse): that row is the per-layer speedup that carries over to
 the 28-layer model.
+With `decode.model_dir` (an HF dir, e.g. the real LM experiments/import_gguf.py makes) the model
+is that one, its own config and real weights, and `decode.schedule` names the sparse rows' table;
+the cache still holds random keys and values (what a step costs does not depend on them).
 The vocabulary is shrunk by default (it does not change attention cost): `decode.vocab_size` = 0
 scales the 151,936-token vocabulary by layers / 28, which keeps the LM head's share of a step what
 it is in the full 28-layer model.
@@ -180,26 +183,34 @@ def bench_decode(config):
   bad = [n for n in c.contexts if n <= 0 or n % 16]
   if bad:
     raise ValueError(f"decode.contexts must be positive multiples of the page size 16, got {bad}")
-  if not all(0 <= d <= c.layers for d in c.dense_layers):
+  if not c.model_dir and not all(0 <= d <= c.layers for d in c.dense_layers):
     raise ValueError(
       f"decode.dense_layers must lie in [0, decode.layers={c.layers}], got {c.dense_layers}"
     )
   start = time.perf_counter()
   dtype = jnp.dtype(c.dtype)
-  cfg = model_config(c.layers, c.vocab_size)
-  schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
+  if c.model_dir:  # a real model: its own config and weights
+    cfg, params = sj.load_hf(c.model_dir, dtype=dtype)
+  else:
+    cfg = model_config(c.layers, c.vocab_size)
+    params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
+  schedule = KVSchedule.parse(c.schedule, 16, field="config.decode.schedule")
   sparse_configs = [sj.SparseConfig(page_size=16, dense_layers=d) for d in c.dense_layers]
-  params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
   n_params = cost_model.param_count(cfg)
   hw = cost_model.measure_this_machine()
   hw = dataclasses.replace(hw, dtype_bytes=dtype.itemsize)
 
   print(
-    f"(b) decode only, {jax.default_backend()} x{os.cpu_count()} cores, {c.dtype}: Qwen3-1.7B "
-    f"shapes truncated to {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size} (shrunk from "
-    f"151936; attention cost unchanged), {n_params / 1e6:.0f}M params, random weights; batch "
-    f"{config.batch}; sparse = paper tau-0.86 Qwen3-1.7B table, page 16, the first `dense "
-    f"layers` dense; tok/s = batch x steps / median of {config.runs} calls of {c.steps} steps"
+    f"(b) decode only, {jax.default_backend()} x{os.cpu_count()} cores, {c.dtype}: "
+    + (
+      f"{c.model_dir} ({cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, real weights)"
+      if c.model_dir
+      else f"Qwen3-1.7B shapes truncated to {cfg.num_hidden_layers} layers, vocab "
+      f"{cfg.vocab_size} (shrunk from 151936; attention cost unchanged), random weights"
+    )
+    + f", {n_params / 1e6:.0f}M params; batch {config.batch}; sparse = {c.schedule}, page 16, "
+    f"the first `dense layers` dense; tok/s = batch x steps / median of {config.runs} calls of "
+    f"{c.steps} steps"
   )
   print(
     f"    this machine: {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s "
@@ -265,6 +276,8 @@ def bench_decode(config):
   return dict(
     backend=jax.default_backend(),
     cores=os.cpu_count(),
+    model_dir=c.model_dir,
+    schedule=c.schedule,
     layers=cfg.num_hidden_layers,
     vocab_size=cfg.vocab_size,
     params=n_params,

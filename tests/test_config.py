@@ -53,7 +53,7 @@ def test_bad_fields_named():
   with pytest.raises(ValueError, match="rope_type"):
     sj.Qwen3Config(rope_scaling=(("rope_type", "longrope"),))
   with pytest.raises(ValueError, match="model_type"):
-    sj.Qwen3Config.from_hf_dict({"model_type": "llama"})
+    sj.Qwen3Config.from_hf_dict({"model_type": "mistral"})
 
 
 def departures(c, components) -> dict:

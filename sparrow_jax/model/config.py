@@ -1,4 +1,5 @@
-"""Qwen3 architecture config: the fields of a Hugging Face Qwen3 config.json that change the math.
+"""Qwen3 / Llama architecture config: the fields of a Hugging Face Qwen3 or Llama config.json that
+change the math. Qwen3 is Llama plus per-head q/k RMSNorm; `qk_norm=False` is the Llama flavour.
 
 Frozen (hashable) so it can be a static argument of `jax.jit`.
 """
@@ -8,6 +9,21 @@ from typing import Any
 
 
 _ROPE_TYPES = ("default", "linear", "yarn")
+_MODEL_TYPES = ("qwen3", "llama")  # model_type -> qk_norm: Qwen3 has the per-head norms, Llama not
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# config.json keys whose non-default values change the math in ways the model does not implement:
+# key -> the values that are fine (the model's math). A key absent from the dict is fine too.
+_UNSUPPORTED_UNLESS = {
+  "attention_bias": (False, None),
+  "mlp_bias": (False, None),
+  "hidden_act": ("silu", None),
+  "pretraining_tp": (1, None),
+  "use_sliding_window": (False, None),
+  "num_experts": (0, None),
+  "num_local_experts": (0, None),
+  "num_experts_per_tok": (0, None),
+  "moe_intermediate_size": (0, None),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +41,7 @@ class Qwen3Config:
   max_position_embeddings: int = 40960
   # HF rope scaling as a sorted tuple of (key, value) pairs so the config stays hashable; () = none.
   rope_scaling: tuple = ()
+  qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3); False: Llama
 
   def __post_init__(self):
     for name in (
@@ -73,12 +90,28 @@ class Qwen3Config:
       raise ValueError(f"unknown Qwen3 preset {name!r}; known presets: {sorted(PRESETS)}")
     return PRESETS[name]
 
+  @property
+  def model_type(self) -> str:
+    """The HF model_type this config reads and writes as."""
+    return "qwen3" if self.qk_norm else "llama"
+
   @classmethod
   def from_hf_dict(cls, d: dict) -> "Qwen3Config":
-    """Reads a transformers 4.x (`rope_theta` top level) or 5.x (`rope_parameters`) config dict."""
+    """Reads a Qwen3 or Llama config dict, transformers 4.x (`rope_theta` top level) or 5.x
+    (`rope_parameters`). Keys whose values the model does not implement (attention or MLP bias,
+    another activation, mixture of experts, sliding windows, a rope type other than default /
+    linear / yarn) raise an error naming the key."""
     model_type = d.get("model_type", "qwen3")
-    if model_type != "qwen3":
-      raise ValueError(f"config model_type is {model_type!r}; only 'qwen3' is supported")
+    if model_type not in _MODEL_TYPES:
+      raise ValueError(
+        f"config model_type is {model_type!r}; supported model types: {list(_MODEL_TYPES)}"
+      )
+    for key, fine in _UNSUPPORTED_UNLESS.items():
+      if key in d and d[key] not in fine:
+        raise ValueError(
+          f"config {key} = {d[key]!r} is not supported (supported: "
+          f"{[v for v in fine if v is not None] or 'absent'})"
+        )
     missing = [
       k
       for k in (
@@ -112,14 +145,15 @@ class Qwen3Config:
       tie_word_embeddings=d.get("tie_word_embeddings", False),
       max_position_embeddings=d.get("max_position_embeddings", 40960),
       rope_scaling=tuple(sorted(rope.items())),
+      qk_norm=model_type == "qwen3",
     )
 
   def to_hf_dict(self) -> dict:
     rope_parameters: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
     rope_parameters.update(self.rope_scaling_dict)
-    return {
-      "architectures": ["Qwen3ForCausalLM"],
-      "model_type": "qwen3",
+    out = {
+      "architectures": [_ARCHITECTURES[self.model_type]],
+      "model_type": self.model_type,
       "vocab_size": self.vocab_size,
       "hidden_size": self.hidden_size,
       "intermediate_size": self.intermediate_size,
@@ -135,8 +169,12 @@ class Qwen3Config:
       "max_position_embeddings": self.max_position_embeddings,
       "attention_bias": False,
       "attention_dropout": 0.0,
-      "use_sliding_window": False,
     }
+    if self.qk_norm:
+      out["use_sliding_window"] = False
+    else:
+      out.update(mlp_bias=False, pretraining_tp=1)
+    return out
 
 
 def _qwen3(hidden, inter, layers, heads, tie, kv=8, head_dim=128, vocab=151936) -> Qwen3Config:

@@ -1,4 +1,5 @@
-"""Hugging Face Qwen3 checkpoints (config.json + safetensors, single file or sharded) <-> params.
+"""Hugging Face Qwen3 and Llama checkpoints (config.json + safetensors, single file or sharded)
+<-> params.
 
 Tensors are read one at a time (safetensors memory-maps the file), converted, transposed to our
 input-major layout and written into its layer's slot of the stacked [L, ...] array on device (an
@@ -33,6 +34,10 @@ _LAYER_NAMES = {  # our name -> (HF suffix under model.layers.{i}., transpose?)
   "down": ("mlp.down_proj.weight", True),
 }
 
+_QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms, absent from Llama checkpoints
+# Buffers some Llama checkpoints carry beside the weights; recomputed from the config, not loaded.
+_LLAMA_BUFFERS = ("self_attn.rotary_emb.inv_freq",)
+
 
 def hf_tensor_specs(cfg: Qwen3Config) -> dict:
   """HF tensor name -> (path into our params, expected HF shape, transpose?)."""
@@ -59,6 +64,8 @@ def hf_tensor_specs(cfg: Qwen3Config) -> dict:
     specs["lm_head.weight"] = (("lm_head",), (V, D), True)
   for i in range(cfg.num_hidden_layers):
     for ours, (suffix, transpose) in _LAYER_NAMES.items():
+      if ours in _QK_NORMS and not cfg.qk_norm:  # Llama
+        continue
       shape = our_shapes[ours][::-1] if transpose else our_shapes[ours]
       specs[f"model.layers.{i}.{suffix}"] = (("layers", i, ours), shape, transpose)
   return specs
@@ -96,11 +103,12 @@ def load_config(path: str) -> Qwen3Config:
     with open(config_file) as f:
       return Qwen3Config.from_hf_dict(json.load(f))
   except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-    raise ValueError(f"{config_file}: not a Qwen3 config.json ({e})") from None
+    raise ValueError(f"{config_file}: not a Qwen3 or Llama config.json ({e})") from None
 
 
 def load_hf(path: str, dtype=None):
-  """Loads an HF Qwen3 dir -> (Qwen3Config, params). dtype=None keeps the stored dtype."""
+  """Loads an HF Qwen3 or Llama dir -> (Qwen3Config, params). dtype=None keeps the stored
+  dtype."""
   cfg = load_config(path)
   specs = hf_tensor_specs(cfg)
   files = _tensor_files(path)
@@ -113,7 +121,11 @@ def load_hf(path: str, dtype=None):
     )
   # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); it is not needed.
   unexpected = [
-    n for n in files if n not in specs and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    n
+    for n in files
+    if n not in specs
+    and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    and not (not cfg.qk_norm and n.endswith(_LLAMA_BUFFERS))
   ]
   if unexpected:
     raise ValueError(

@@ -4,6 +4,7 @@ params = {
   "embed": [V, D],
   "layers": {"attn_norm": [L, D], "q": [L, D, H*E], "k": [L, D, K*E], "v": [L, D, K*E],
              "q_norm": [L, E], "k_norm": [L, E], "o": [L, H*E, D], "mlp_norm": [L, D],
+             # q_norm / k_norm only with cfg.qk_norm (Qwen3; Llama has none)
              "gate": [L, D, F], "up": [L, D, F], "down": [L, F, D]},   # stacked over layers
   "final_norm": [D],
   "lm_head": [D, V],                                       # only when embeddings are untied
@@ -19,7 +20,8 @@ Memory at length (`experiments/memory_report.py`): attention is blockwise (atten
 never a [T, S] score matrix), prefill goes chunk by chunk into the paged cache, and `map_logits`
 applies the LM head to sequence chunks, so no [T, V] logits array exists in training either.
 
-The model knows Qwen3 only. Attention is the one pluggable piece: `forward` takes
+The model knows Qwen3 and Llama (Qwen3 without the q/k norms: `Qwen3Config.qk_norm`). Attention
+is the one pluggable piece: `forward` takes
 `attention_fn(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT)` (layer: a traced int32) and `decode_step`
 takes `attention_fn(layer, q_BKGE, cache, lengths_B)` (layer: a Python int); the sparsity policy
 (which layers stay dense, which pages the others read) builds both in
@@ -133,12 +135,9 @@ def init_params(cfg: Qwen3Config, key, dtype=jnp.float32, std: float = 0.02):
     return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 
   layers = {name: normal(k, (L, *shape)) for k, (name, shape) in zip(keys, shapes.items())}
-  layers.update(
-    attn_norm=jnp.ones((L, D), dtype),
-    mlp_norm=jnp.ones((L, D), dtype),
-    q_norm=jnp.ones((L, E), dtype),
-    k_norm=jnp.ones((L, E), dtype),
-  )
+  layers.update(attn_norm=jnp.ones((L, D), dtype), mlp_norm=jnp.ones((L, D), dtype))
+  if cfg.qk_norm:
+    layers.update(q_norm=jnp.ones((L, E), dtype), k_norm=jnp.ones((L, E), dtype))
   params = {
     "embed": normal(keys[-2], (V, D)),
     "layers": layers,
@@ -162,15 +161,20 @@ def embed(params, tokens_BT, cfg: Qwen3Config):
 
 
 def qkv(layer, x_BTD, positions_BT, cfg: Qwen3Config, lora_layer=None, lora_scale=1.0):
-  """Projections -> per-head q/k RMSNorm -> RoPE. Returns q_BTHE, k_BTKE, v_BTKE."""
+  """Projections -> per-head q/k RMSNorm (Qwen3; not with cfg.qk_norm off: Llama) -> RoPE.
+  Returns q_BTHE, k_BTKE, v_BTKE."""
   B, T, _ = x_BTD.shape
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.rms_norm_eps)
   proj = lambda name: lora_lib.project(h_BTD, layer[name], lora_layer, name, lora_scale)
   q = proj("q").reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
   k = proj("k").reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
   v = proj("v").reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
-  q = apply_rope(rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), positions_BT, cfg)
-  k = apply_rope(rms_norm(k, layer["k_norm"], cfg.rms_norm_eps), positions_BT, cfg)
+  if cfg.qk_norm:
+    q, k = (
+      rms_norm(q, layer["q_norm"], cfg.rms_norm_eps),
+      rms_norm(k, layer["k_norm"], cfg.rms_norm_eps),
+    )
+  q, k = apply_rope(q, positions_BT, cfg), apply_rope(k, positions_BT, cfg)
   return q, k, v
 
 
