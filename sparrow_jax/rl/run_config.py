@@ -296,8 +296,10 @@ def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineCon
 
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
   """The checks that need the task, the model's config and its tokenizer, run before anything is
-  written: top-k log-probs within the vocabulary, and prompts within rollout.max_prompt_len."""
+  written: the tokenizer's ids within the model's vocabulary, top-k log-probs within it, and
+  prompts within rollout.max_prompt_len."""
   r = c.rollout
+  check_tokenizer(c, cfg, tokenizer)
   require(
     r.num_top_logprobs <= cfg.vocab_size,
     "rollout.num_top_logprobs",
@@ -326,6 +328,35 @@ def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
     f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
     f"{c.model.hf_dir!r}; use a model made for this task",
   )
+
+
+def check_tokenizer(c, cfg: Qwen3Config, tokenizer) -> None:
+  """Every id the tokenizer can produce, and its EOS and pad ids, below the model's vocab_size: an
+  id past the embedding reads a clamped row (a model that cannot see its tokens), an EOS the model
+  cannot sample never ends a row. Errors name the file the id comes from."""
+  d = c.model.hf_dir
+  model = f"{os.path.join(d, 'config.json')} vocab_size" if d else f"preset {c.model.preset!r}"
+  where = f"config.model.hf_dir = {d!r}: " if d else "the task's tokenizer: "
+  top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+  if top >= cfg.vocab_size:
+    raise ValueError(
+      f"{where}{os.path.join(d, 'tokenizer.json') if d else 'its vocabulary'} has token ids up to "
+      f"{top}, past the model's vocabulary ({model} = {cfg.vocab_size}): use the model's own "
+      "tokenizer"
+    )
+  for ids, what in ((tokenizer.eos_ids, "eos"), ((tokenizer.pad_id,), "pad")):
+    bad = [i for i in ids if not 0 <= i <= top]
+    source = (
+      f"{os.path.join(d, 'generation_config.json')} {what}_token_id or tokenizer_config.json "
+      f"{what}_token"
+      if d
+      else "the task's"
+    )
+    if bad:
+      raise ValueError(
+        f"{where}{what.upper()} id {bad[0]} ({source}) is not a token of the tokenizer (ids "
+        f"0..{top}; {model} = {cfg.vocab_size}): set it to a token id in range"
+      )
 
 
 def _unknown_id(tokenizer):
@@ -362,6 +393,7 @@ RESUMABLE_FIELDS = (
   "keep_checkpoints",
   "export_hf",
   "max_nonfinite_steps",
+  "restart_from_scratch",
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",
