@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import run_config, trainer
 
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
@@ -261,3 +261,61 @@ def test_task_file_damage_is_one_line_before_the_workdir(tmp_path, stop_before_s
   with pytest.raises(ValueError, match=rf"config\.task\.path = '.*{file}' is invalid: .*{message}"):
     trainer.train(small(work, task__name="math:polaris", task__path=str(path)))
   assert not work.exists()
+
+
+def test_a_pool_no_machine_holds_is_refused_before_the_workdir(tmp_path, stop_before_state):
+  work = tmp_path / "run"
+  with pytest.raises(
+    ValueError,
+    match=(
+      r"config\.rollout\.pool_gb = 1000000\.0 is invalid: a device needs at least 1e\+06 GB \(a KV "
+      r"pool of \d+ pages"
+    ),
+  ):
+    trainer.train(small(work, rollout__pool_gb=1e6))
+  assert not work.exists()
+
+
+def test_too_many_rollouts_for_the_device_are_refused_before_the_workdir(
+  tmp_path, stop_before_state, monkeypatch
+):
+  """Every row's pages at full length (the default pool) against a device of 1 GB (the check's
+  source of the size, fixed here so the test does not depend on this machine's memory)."""
+  monkeypatch.setattr(run_config, "device_memory_bytes", lambda device: 10**9)
+  work = tmp_path / "run"
+  with pytest.raises(
+    ValueError,
+    match=(
+      r"config\.rollout\.prompts_per_step = '8192 \(x group_size 4\)' is invalid: a device needs "
+      r"at least [\d.]+ GB .* more than this cpu device's 1 GB"
+    ),
+  ):
+    trainer.train(small(work, rollout__prompts_per_step=8192))
+  assert not work.exists()
+  with pytest.raises(_Reached):  # a step that fits passes
+    trainer.train(small(work, rollout__prompts_per_step=4))
+
+
+@pytest.mark.parametrize(
+  "schedule, words",
+  [
+    (
+      {"kind": "table", "values": [1, 2, 10**10]},
+      r"KVSchedule\.values must fit int32 .* got 10000000000",
+    ),
+    (
+      {"kind": "fixed", "values": [2**31 - 2]},
+      r"KVSchedule\.values must fit int32 .* got 2147483646",
+    ),
+    ({"kind": "linear", "values": [1e10, 8]}, r"'linear' must be \(0 <= ratio <= 1"),
+  ],
+  ids=["table_1e10", "fixed_past_int32_with_always_kept", "linear_ratio_1e10"],
+)
+def test_schedule_values_past_int32_are_refused(tmp_path, schedule, words):
+  path = tmp_path / "schedule.json"
+  fields = {"page_size": 16, "always_kept": 3, "bin_size": 128, "quantile": None}
+  path.write_text(json.dumps({**fields, **schedule}))
+  with pytest.raises(
+    ValueError, match=rf"config\.rollout\.schedule = '.*schedule\.json': .*{words}"
+  ):
+    run_config.validate(config(workdir=str(tmp_path / "run"), rollout__schedule=str(path)))
