@@ -43,6 +43,8 @@ def get_config():
   c.ckpt_every = 10  # steps between orbax checkpoints
   c.keep_checkpoints = 2  # newest checkpoints kept
   c.max_nonfinite_steps = 3  # abort after this many skipped (non-finite) updates in a row
+  c.restart_from_scratch = False  # True: a workdir whose checkpoints are all unreadable starts
+  #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted rollout speedup metric
   c.export_hf = True  # write the final policy as a Hugging Face dir to <workdir>/hf
 

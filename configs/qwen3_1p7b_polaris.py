@@ -26,6 +26,8 @@ def get_config():
   c.ckpt_every = 10  # steps between orbax checkpoints (sharded: each host its part)
   c.keep_checkpoints = 3  # newest checkpoints kept
   c.max_nonfinite_steps = 3  # abort after this many skipped (non-finite) updates in a row
+  c.restart_from_scratch = False  # True: a workdir whose checkpoints are all unreadable starts
+  #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted-speedup metric
   c.export_hf = True  # final policy as a Hugging Face dir in <workdir>/hf
 

@@ -6,8 +6,16 @@ an uninterrupted run would have done.
 
 Each checkpoint's meta carries a checksum of every array of the state (`checksums`), verified on
 restore: a byte flipped on disk reads back as a corrupt checkpoint, not as silently wrong weights.
+The meta carries a checksum of itself too, and its step must be its directory's: a meta that was
+edited or damaged but still parses stops the restore (it would resume one step's weights at
+another's data position), changing nothing.
+
+When a workdir has checkpoints but none is readable, the restore stops (`NoReadableCheckpoint`)
+rather than start again at step 0 on its own; `restart_from_scratch=True` says that is wanted.
 """
 
+import hashlib
+import json
 import os
 
 import jax
@@ -18,6 +26,12 @@ import orbax.checkpoint as ocp
 from sparrow_jax import sharding
 
 CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
+META_CHECKSUM = "meta_sha256"  # meta key: sha256 of the rest of the meta (`_meta_digest`)
+CORRUPT = ".corrupt"  # suffix of a checkpoint moved aside
+
+
+class NoReadableCheckpoint(ValueError):
+  """Every checkpoint of the workdir is unreadable (each moved aside to <step>.corrupt)."""
 
 
 def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
@@ -31,7 +45,8 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-  meta = {**meta, CHECKSUMS: checksums(state)}
+  meta = json.loads(json.dumps({**meta, CHECKSUMS: checksums(state)}))  # as it will read back
+  meta[META_CHECKSUM] = _meta_digest(meta)
   mgr.save(
     step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
   )
@@ -65,6 +80,29 @@ def checksums(state) -> dict:
     jax.tree_util.keystr(path): "".join(f"{int(v):08x}" for v in sharding.to_host(s))
     for path, s in jax.tree_util.tree_flatten_with_path(sums)[0]
   }
+
+
+def _meta_digest(meta: dict) -> str:
+  """sha256 of the meta without its own checksum, over a canonical JSON form."""
+  rest = {k: v for k, v in meta.items() if k != META_CHECKSUM}
+  return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _check_meta(meta: dict, step: int, path: str) -> None:
+  """A meta that parses but is not the one saved at `step` (edited by hand, or damaged within its
+  JSON): ValueError naming what differs, nothing changed. Metas without a checksum (written before
+  it existed) are checked for their step only."""
+  why = None
+  want = meta.get(META_CHECKSUM)
+  if want is not None and want != _meta_digest(meta):
+    why = f"its meta fails its checksum ({META_CHECKSUM})"
+  elif "step" in meta and meta["step"] != step:
+    why = f"its meta says step {meta['step']!r}, its directory step {step}"
+  if why:
+    raise ValueError(
+      f"checkpoint {path}: {why}: it was edited or damaged. Nothing was changed; move {path} "
+      "aside to resume from the previous checkpoint, or use a new config.workdir"
+    )
 
 
 class _Unreadable(Exception):
@@ -111,6 +149,7 @@ def _restore(mgr, step, abstract, path):
       "written by another config or code version. Nothing was changed; resume with that run's "
       "config or use a new config.workdir"
     )
+  _check_meta(_read_meta(mgr, step), step, path)
   try:
     restored = mgr.restore(
       step,
@@ -128,17 +167,52 @@ def _restore(mgr, step, abstract, path):
     bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
     if bad:
       raise _Unreadable(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
-  return restored.state, {k: v for k, v in restored.meta.items() if k != CHECKSUMS}
+  return restored.state, {
+    k: v for k, v in restored.meta.items() if k not in (CHECKSUMS, META_CHECKSUM)
+  }
 
 
-def restore_latest(mgr: ocp.CheckpointManager, like_state):
+def _read_meta(mgr, step) -> dict:
+  """Checkpoint `step`'s meta alone (a small JSON), read before its arrays."""
+  try:
+    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  except (MemoryError, PermissionError):
+    raise
+  except Exception as e:
+    raise _Unreadable(f"{type(e).__name__}: {e}") from e
+  if not isinstance(meta, dict):
+    raise _Unreadable(f"its meta is a JSON {type(meta).__name__}, not an object")
+  return meta
+
+
+def _aside(path: str) -> str:
+  """Where to move an unreadable checkpoint: <path>.corrupt, or .corrupt.N when that is taken."""
+  target, n = path + CORRUPT, 1
+  while os.path.exists(target):
+    n += 1
+    target = f"{path}{CORRUPT}.{n}"
+  return target
+
+
+def moved_aside(mgr: ocp.CheckpointManager) -> list:
+  """The checkpoints of `mgr`'s directory moved aside as unreadable (this run or an earlier one)."""
+  directory = str(mgr.directory)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(os.path.join(directory, n) for n in os.listdir(directory) if CORRUPT in n)
+
+
+def restore_latest(mgr: ocp.CheckpointManager, like_state, restart_from_scratch: bool = False):
   """(state, meta) of the newest readable checkpoint, or None when there is none; arrays come back
   on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
     Only a checkpoint whose files fail to read as a checkpoint, or fail their checksums, is moved
     aside, to `<step>.corrupt`, with a warning naming it, and the previous one is tried: a later
     save at that step must not collide with it, and nothing is deleted. A checkpoint that reads but
-    holds another state (a changed config) raises ValueError and changes nothing on disk.
+    holds another state (a changed config), or whose meta fails its checksum or names another
+    step, raises ValueError and changes nothing on disk. When none is left and some were moved
+    aside (now or by an earlier run), NoReadableCheckpoint names them, unless
+    `restart_from_scratch` (then None: the run starts at step 0).
   """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
   for step in sorted(mgr.all_steps(), reverse=True):
@@ -146,13 +220,22 @@ def restore_latest(mgr: ocp.CheckpointManager, like_state):
     try:
       return _restore(mgr, step, abstract, path)
     except _Unreadable as e:
+      target = _aside(path)
       if jax.process_index() == 0:
-        os.replace(path, f"{path}.corrupt")
+        os.replace(path, target)
       multihost_utils.sync_global_devices(f"moved aside checkpoint {step}")
       mgr.reload()
       print(
         f"warning: checkpoint {path} is unreadable ({str(e)[:200]}); moved to "
-        f"{path}.corrupt, trying the previous one",
+        f"{target}, trying the previous one",
         flush=True,
       )
+  moved = moved_aside(mgr)
+  if moved and not restart_from_scratch:
+    raise NoReadableCheckpoint(
+      f"no checkpoint of {mgr.directory} is readable: {', '.join(moved)} were moved aside as "
+      "unreadable (nothing was deleted). A run does not start again at step 0 on its own: pass "
+      "--config.restart_from_scratch=True for that (the moved checkpoints stay), put a good "
+      "checkpoint back, or use a new config.workdir"
+    )
   return None

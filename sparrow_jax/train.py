@@ -1,9 +1,11 @@
 """The main job: `python -m sparrow_jax.train --config=configs/default.py [--config.FIELD=VALUE]`.
 
 Every error in the command line or the config (an unknown field, a value of the wrong type or out
-of range, a bad file or dataset, a workdir in use), or a code sandbox that cannot be built, ends
-the job with one line naming it on stderr and exit status 2; `--verbose` (or SPARROW_VERBOSE=1)
-shows the traceback instead.
+of range, a bad file or dataset, a workdir in use), a code sandbox that cannot be built, or a
+write that fails (a full disk), ends the job with one line naming it on stderr and exit status 2;
+`--verbose` (or SPARROW_VERBOSE=1) shows the traceback instead, and the libraries' log lines,
+which are quiet by default. SIGTERM saves a checkpoint at the end of the step under way and exits
+with status 0 (rl/trainer.py `Preemption`).
 """
 
 import os
@@ -23,6 +25,13 @@ def _verbose(argv=()) -> bool:
     or "--verbose" in argv
     or (flags.FLAGS.is_parsed() and _VERBOSE.value)
   )
+
+
+def _library_log_level() -> int:
+  """absl's verbosity (orbax logs through it): every file it writes at INFO and, when a write fails
+  (a full disk), a stream of errors from its threads. By default only the run's own lines and its
+  one-line error show; --verbose keeps the libraries' warnings and errors."""
+  return logging.WARNING if _verbose() else logging.FATAL
 
 
 def _fail(message: str) -> None:
@@ -59,7 +68,7 @@ def main(argv):
   del argv
   from sparrow_jax.rl import trainer  # here: a bad flag fails before jax and orbax import
 
-  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  logging.set_verbosity(_library_log_level())
   try:
     trainer.train(_CONFIG.value)
   except (ValueError, OSError) as e:  # OSError: a missing file, a sandbox that cannot be built

@@ -372,3 +372,132 @@ def test_cli_error_is_one_line_naming_the_field_exit_2(tmp_path, bad_files, args
   assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
   assert re.search(message, lines[0]), lines[0]
   assert not work.exists()
+
+
+def _edit_meta(directory, step, edit):
+  """Applies `edit(meta dict) -> meta dict` to checkpoint `step`'s meta JSON as it lies on disk."""
+  files = [
+    os.path.join(root, f)
+    for root, _, fs in os.walk(directory / str(step) / "meta")
+    for f in fs
+    if '"step"' in open(os.path.join(root, f), errors="replace").read()
+  ]
+  assert len(files) == 1, files
+  meta = json.loads(open(files[0]).read())
+  open(files[0], "w").write(json.dumps(edit(meta)))
+
+
+@pytest.mark.parametrize(
+  "edit, words",
+  [
+    (lambda m: {**m, "step": 1}, r"its meta fails its checksum"),
+    (
+      lambda m: {k: v for k, v in m.items() if k != checkpoint.META_CHECKSUM} | {"step": 1},
+      r"its meta says step 1, its directory step 2",
+    ),
+  ],
+  ids=["checksummed", "without_checksum"],
+)
+def test_edited_checkpoint_meta_is_refused_and_changes_nothing(tmp_path, edit, words):
+  """One changed value in a meta that still parses ("step" 2 -> 1) would resume step 2's weights
+  at step 1's data position: the restore stops naming the checkpoint, nothing is moved."""
+  directory = toy_checkpoints(tmp_path)
+  _edit_meta(directory, 2, edit)
+  before = files_of(directory)
+  with pytest.raises(
+    ValueError, match=rf"checkpoint .*checkpoints/2: {words}.*Nothing was changed"
+  ):
+    checkpoint.restore_latest(checkpoint.manager(str(tmp_path), 2), TOY)
+  assert files_of(directory) == before
+
+
+def test_no_readable_checkpoint_is_refused_unless_restart_from_scratch(tmp_path):
+  """Every checkpoint emptied: each is moved aside and the restore refuses, naming where they went,
+  this time and the next (nothing restarts at step 0 on its own); restart_from_scratch=True
+  starts again, the moved checkpoints kept."""
+  directory = toy_checkpoints(tmp_path)
+  for root, _, fs in os.walk(directory):
+    for f in fs:
+      open(os.path.join(root, f), "wb").close()
+  for _ in range(2):
+    with pytest.raises(
+      checkpoint.NoReadableCheckpoint,
+      match=(
+        rf"no checkpoint of {directory} is readable: {directory}/1\.corrupt, "
+        rf"{directory}/2\.corrupt were moved aside .*--config\.restart_from_scratch=True"
+      ),
+    ):
+      checkpoint.restore_latest(checkpoint.manager(str(tmp_path), 2), TOY)
+  mgr = checkpoint.manager(str(tmp_path), 2)
+  assert checkpoint.restore_latest(mgr, TOY, restart_from_scratch=True) is None
+  assert sorted(os.listdir(directory)) == ["1.corrupt", "2.corrupt"]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
+  """A real SIGTERM mid-run (what a cluster scheduler sends): the step under way finishes, its
+  checkpoint is saved (ckpt_every is far off), a line says so, exit 0. Temporary files a killed
+  run left beside config.json / summary.json / metrics.jsonl are removed at the start."""
+  import signal
+
+  from tests.helpers import launch_small
+
+  work = tmp_path / "run"
+  work.mkdir()
+  stale = [".metrics.jsonl.4242.tmp", ".summary.json.4242.tmp", ".config.json.77.tmp"]
+  for name in stale:
+    (work / name).write_text("torn")
+  p = launch_small(work, "--config.total_steps=40", "--config.ckpt_every=100")
+  lines = []
+  for line in p.stdout:  # ends when the process does: a failure shows its output, no hang
+    lines.append(line)
+    if line.startswith("step 1/40"):
+      p.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + p.communicate(timeout=300)[0]
+  assert p.returncode == 0, out[-3000:]
+  match = re.search(r"stopped by SIGTERM after step (\d+): saved checkpoint (\S+)", out)
+  assert match, out[-3000:]
+  step = int(match.group(1))
+  assert 1 <= step < 40 and match.group(2) == f"{work}/checkpoints/{step}"
+  assert os.listdir(work / "checkpoints") == [str(step)]
+  assert [r["step"] for r in metrics_log.read_rows(str(work / "metrics.jsonl"))][-1] == step
+  assert not (work / "summary.json").exists()  # not a finished run
+  assert not set(stale) & set(os.listdir(work))
+
+
+def test_a_failed_checkpoint_write_is_one_line_not_buried_in_library_logs(tmp_path):
+  """A checkpoint write that fails ends the run with its one-line error alone on stderr, not under
+  orbax's logs (quiet unless --verbose). A file-size limit stands in for a full disk: both fail
+  the write (EFBIG, ENOSPC) the same way, and the limit needs no privileges."""
+  import resource
+  import signal
+
+  from tests.helpers import subprocess_env
+
+  def limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+  work = tmp_path / "run"
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "sparrow_jax.train",
+      "--config=configs/default.py",
+      f"--config.workdir={work}",
+      *SMALL,
+      "--config.total_steps=1",
+      "--config.export_hf=False",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=subprocess_env(),
+    preexec_fn=limit_file_size,
+  )
+  assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
+  assert "step 1/1" in out.stdout  # the step ran; its checkpoint's write failed

@@ -106,23 +106,70 @@ class Task:
 # --------------------------------------------------------------------------------------------- rows
 
 
+def _json_line(path, number, line):
+  """One jsonl line as a row, or a Skip when it is not JSON. A line nested past what Python's
+  parser recurses into is no dataset's row: the file is not what the task reads (ValueError)."""
+  try:
+    return json.loads(line.decode("utf-8"))
+  except RecursionError:
+    raise ValueError(f"{path} line {number}: JSON nested too deeply to parse") from None
+  except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+    return Skip("bad_json_line")
+
+
 def _read_json_rows(path):
   opener = gzip.open if path.endswith(".gz") else open
   if ".jsonl" in os.path.basename(path):
-    with opener(path, "rb") as f:  # bytes: one bad UTF-8 byte costs its line, not the file
-      for line in f:
-        if line.strip():
-          try:
-            yield json.loads(line.decode("utf-8"))
-          except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
-            yield Skip("bad_json_line")
+    number = 0
+    try:
+      with opener(path, "rb") as f:  # bytes: one bad UTF-8 byte costs its line, not the file
+        for number, line in enumerate(f, 1):
+          if line.strip():
+            yield _json_line(path, number, line)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+      raise ValueError(
+        f"{path}: damaged or truncated gzip file after line {number} ({type(e).__name__}: {e})"
+      ) from None
     return
   try:
     with opener(path, "rt", encoding="utf-8") as f:
       data = json.load(f)
-  except ValueError as e:
-    raise ValueError(f"{path}: not a JSON file ({e})") from None
-  yield from data if isinstance(data, list) else data.get("data", [])
+  except RecursionError:
+    raise ValueError(f"{path}: JSON nested too deeply to parse") from None
+  except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise ValueError(f"{path}: not a JSON file ({type(e).__name__}: {e})") from None
+  if isinstance(data, dict) and isinstance(data.get("data", []), list):
+    data = data.get("data", [])
+  if not isinstance(data, list):
+    raise ValueError(
+      f"{path}: a JSON task file is a list of rows or an object with a 'data' list, got "
+      f"{type(data).__name__}"
+    )
+  yield from data
+
+
+def _read_parquet_rows(file, batch_rows: int = 1024):
+  """The rows of a parquet file, read by pyarrow batch by batch; a damaged file raises ValueError
+  naming it and the first row of the batch that failed to read."""
+  import pyarrow.parquet
+
+  try:  # its footer first: pyarrow's error alone names no file
+    reader = pyarrow.parquet.ParquetFile(file)
+  except Exception as e:
+    raise ValueError(f"{file} is not a readable parquet file ({type(e).__name__}: {e})") from None
+  row = 0
+  batches = reader.iter_batches(batch_size=batch_rows)
+  while True:
+    try:
+      batch = next(batches, None)
+    except Exception as e:  # arrow: a damaged page, a bad encoding, ...
+      raise ValueError(
+        f"{file}: damaged parquet data at row {row} or after ({type(e).__name__}: {e})"
+      ) from None
+    if batch is None:
+      return
+    yield from batch.to_pylist()
+    row += batch.num_rows
 
 
 def load_rows(path: str, split: str = "train"):
@@ -152,16 +199,7 @@ def load_rows(path: str, split: str = "train"):
     return
   for file in files:
     if file.endswith(".parquet"):
-      import datasets
-      import pyarrow.parquet
-
-      try:  # its footer first: pyarrow's error alone names no file, and datasets logs it again
-        pyarrow.parquet.read_metadata(file)
-      except Exception as e:
-        raise ValueError(
-          f"{file} is not a readable parquet file ({type(e).__name__}: {e})"
-        ) from None
-      yield from datasets.load_dataset("parquet", data_files=[file], split="train")
+      yield from _read_parquet_rows(file)
     else:
       yield from _read_json_rows(file)
 

@@ -58,14 +58,28 @@ def _read_json(path):
     return {}
   try:
     with open(path) as f:
-      return json.load(f)
+      data = json.load(f)
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must be a JSON object, got {type(data).__name__}")
+  return data
 
 
-def _token_text(value):
+def _token_text(value, where: str):
   """tokenizer_config stores special tokens as a string or as {"content": ...}."""
-  return value.get("content") if isinstance(value, dict) else value
+  text = value.get("content") if isinstance(value, dict) else value
+  if text is not None and not isinstance(text, str):
+    raise ValueError(f"{where} must be a token (a string or {{\"content\": ...}}), got {value!r}")
+  return text
+
+
+def _ids(value, where: str) -> tuple:
+  """generation_config's token ids (an int or a list of ints) as a tuple; () when absent."""
+  ids = () if value is None else tuple(value) if isinstance(value, list) else (value,)
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ValueError(f"{where} must be a token id >= 0 or a list of them, got {value!r}")
+  return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +136,15 @@ def load_tokenizer(path: str) -> Tokenizer:
     tok = tokenizers.Tokenizer.from_file(tok_path)
   except Exception as e:  # the Rust side raises plain Exception subclasses
     raise ValueError(f"{tok_path} is not a valid tokenizer.json: {e}") from None
-  config = _read_json(os.path.join(directory, "tokenizer_config.json"))
-  generation = _read_json(os.path.join(directory, "generation_config.json"))
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  generation_path = os.path.join(directory, "generation_config.json")
+  config, generation = _read_json(config_path), _read_json(generation_path)
 
   def config_id(key):
-    text = _token_text(config.get(key))
+    text = _token_text(config.get(key), f"{config_path} {key}")
     return None if text is None else tok.token_to_id(text)
 
-  eos = generation.get("eos_token_id")
-  eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+  eos_ids = _ids(generation.get("eos_token_id"), f"{generation_path} eos_token_id")
   if not eos_ids and config_id("eos_token") is not None:
     eos_ids = (config_id("eos_token"),)
   if not eos_ids:
@@ -140,5 +154,5 @@ def load_tokenizer(path: str) -> Tokenizer:
     )
   pad_id = config_id("pad_token")
   if pad_id is None:
-    pad_id = generation.get("pad_token_id", eos_ids[0])
+    pad_id = (_ids(generation.get("pad_token_id"), f"{generation_path} pad_token_id") or eos_ids)[0]
   return Tokenizer(tok=tok, eos_ids=tuple(int(i) for i in eos_ids), pad_id=int(pad_id))

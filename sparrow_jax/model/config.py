@@ -5,6 +5,7 @@ Frozen (hashable) so it can be a static argument of `jax.jit`.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -52,9 +53,10 @@ class Qwen3Config:
       "num_attention_heads",
       "num_key_value_heads",
       "head_dim",
+      "max_position_embeddings",
     ):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"Qwen3Config.{name} must be a positive int, got {value!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
@@ -68,6 +70,21 @@ class Qwen3Config:
       raise ValueError(
         f"Qwen3Config.rope_scaling rope_type {rope_type!r} is not supported; "
         f"supported: {_ROPE_TYPES}"
+      )
+    self._check_numbers()
+
+  def _check_numbers(self):
+    """The float fields a number in range (a string eps fails inside the first forward, a negative
+    one or a rope_theta <= 0 trains into NaN), the flag a bool, a rope scaling its factor."""
+    positive = {"rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta}
+    if self.rope_scaling_dict.get("rope_type", "default") != "default":
+      positive["rope_scaling factor"] = self.rope_scaling_dict.get("factor")
+    for name, value in positive.items():
+      if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Qwen3Config.{name} must be a finite number > 0, got {value!r}")
+    if not isinstance(self.tie_word_embeddings, bool):
+      raise ValueError(
+        f"Qwen3Config.tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}"
       )
 
   @property
@@ -101,6 +118,8 @@ class Qwen3Config:
     (`rope_parameters`). Keys whose values the model does not implement (attention or MLP bias,
     another activation, mixture of experts, sliding windows, a rope type other than default /
     linear / yarn) raise an error naming the key."""
+    if not isinstance(d, dict):
+      raise ValueError(f"a config.json is a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type", "qwen3")
     if model_type not in _MODEL_TYPES:
       raise ValueError(
@@ -175,6 +194,10 @@ class Qwen3Config:
     else:
       out.update(mlp_bias=False, pretraining_tp=1)
     return out
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _qwen3(hidden, inter, layers, heads, tie, kv=8, head_dim=128, vocab=151936) -> Qwen3Config:

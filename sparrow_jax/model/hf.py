@@ -83,9 +83,7 @@ def _tensor_files(path: str) -> dict:
   """HF tensor name -> safetensors file holding it."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    return {name: os.path.join(path, file) for name, file in _weight_map(index).items()}
   single = os.path.join(path, "model.safetensors")
   if not os.path.exists(single):
     raise FileNotFoundError(
@@ -93,6 +91,24 @@ def _tensor_files(path: str) -> dict:
     )
   with _open(single) as f:
     return {name: single for name in f.keys()}
+
+
+def _weight_map(index: str) -> dict:
+  """The index's tensor name -> file map, checked: a JSON object whose 'weight_map' maps names to
+  file names."""
+  try:
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+  except (ValueError, AttributeError) as e:  # not JSON, or JSON but not an object
+    raise ValueError(f"{index}: not a safetensors index (a JSON object; {e})") from None
+  if not isinstance(weight_map, dict) or not all(
+    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+  ):
+    raise ValueError(
+      f"{index}: 'weight_map' must map tensor names to safetensors file names, got "
+      f"{str(weight_map)[:80]}"
+    )
+  return weight_map
 
 
 def load_config(path: str) -> Qwen3Config:

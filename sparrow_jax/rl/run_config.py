@@ -9,11 +9,13 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from sparrow_jax import schema
+from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
@@ -258,10 +260,59 @@ def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineCon
   return config
 
 
+def device_memory_bytes(device) -> int | None:
+  """What one device can hold: its allocator's limit (GPU, TPU), or on the CPU the host's physical
+  memory split over its local devices; None when neither is known."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if device.platform != "cpu":
+    return None
+  try:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):
+    return None
+  return host // max(sum(d.platform == "cpu" for d in jax.local_devices()), 1)
+
+
+def check_memory(c, cfg: Qwen3Config, engine_cfg, params_bytes: int, device) -> None:
+  """Refuses, before the workdir is written, a step whose KV page pool and train state cannot fit
+  one device: the pool (engine_cfg's pages) plus params and Adam's two moments (and the reference
+  with rl.kl_coef) is a lower bound of what a step holds. Without the check the pool is allocated
+  in the first rollout, after the workdir is written."""
+  have = device_memory_bytes(device)
+  if not have:
+    return
+  sparse = sparse_config(c)
+  score = sparse.page_score if sparse else "mean"
+  page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
+  pool = engine_cfg.num_pages * page
+  state = params_bytes * (3 + (c.rl.kl_coef > 0))
+  if pool + state <= have:
+    return
+  r = c.rollout
+  field, value = (
+    ("rollout.pool_gb", r.pool_gb)
+    if r.pool_gb
+    else ("rollout.prompts_per_step", f"{r.prompts_per_step} (x group_size {r.group_size})")
+  )
+  require(
+    False,
+    field,
+    value,
+    f"a device needs at least {(pool + state) / 1e9:.3g} GB (a KV pool of {engine_cfg.num_pages} "
+    f"pages, {pool / 1e9:.3g} GB, and {state / 1e9:.3g} GB of train state), more than this "
+    f"{device.platform} device's {have / 1e9:.3g} GB: lower it, or bound the pool with "
+    "rollout.pool_gb / engine_slots",
+  )
+
+
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
   """The checks that need the task, the model's config and its tokenizer, run before anything is
-  written: top-k log-probs within the vocabulary, and prompts within rollout.max_prompt_len."""
+  written: the tokenizer's ids within the model's vocabulary, top-k log-probs within it, and
+  prompts within rollout.max_prompt_len."""
   r = c.rollout
+  check_tokenizer(c, cfg, tokenizer)
   require(
     r.num_top_logprobs <= cfg.vocab_size,
     "rollout.num_top_logprobs",
@@ -290,6 +341,35 @@ def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
     f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
     f"{c.model.hf_dir!r}; use a model made for this task",
   )
+
+
+def check_tokenizer(c, cfg: Qwen3Config, tokenizer) -> None:
+  """Every id the tokenizer can produce, and its EOS and pad ids, below the model's vocab_size: an
+  id past the embedding reads a clamped row (a model that cannot see its tokens), an EOS the model
+  cannot sample never ends a row. Errors name the file the id comes from."""
+  d = c.model.hf_dir
+  model = f"{os.path.join(d, 'config.json')} vocab_size" if d else f"preset {c.model.preset!r}"
+  where = f"config.model.hf_dir = {d!r}: " if d else "the task's tokenizer: "
+  top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)
+  if top >= cfg.vocab_size:
+    raise ValueError(
+      f"{where}{os.path.join(d, 'tokenizer.json') if d else 'its vocabulary'} has token ids up to "
+      f"{top}, past the model's vocabulary ({model} = {cfg.vocab_size}): use the model's own "
+      "tokenizer"
+    )
+  for ids, what in ((tokenizer.eos_ids, "eos"), ((tokenizer.pad_id,), "pad")):
+    bad = [i for i in ids if not 0 <= i <= top]
+    source = (
+      f"{os.path.join(d, 'generation_config.json')} {what}_token_id or tokenizer_config.json "
+      f"{what}_token"
+      if d
+      else "the task's"
+    )
+    if bad:
+      raise ValueError(
+        f"{where}{what.upper()} id {bad[0]} ({source}) is not a token of the tokenizer (ids "
+        f"0..{top}; {model} = {cfg.vocab_size}): set it to a token id in range"
+      )
 
 
 def _unknown_id(tokenizer):
@@ -326,6 +406,7 @@ RESUMABLE_FIELDS = (
   "keep_checkpoints",
   "export_hf",
   "max_nonfinite_steps",
+  "restart_from_scratch",
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",

@@ -11,20 +11,27 @@ replays exactly the steps an uninterrupted run would have taken.
 A run never loses data: every check that can run before the workdir is written does
 (`run_config.validate`, then `run_config.check_inputs` against the task and the model), so a config
 error leaves no workdir behind; one run holds a workdir at a time (`workdir_lock`); whole files are
-replaced atomically and metrics.jsonl is append-only; only a checkpoint that does not read as one
-(or fails its checksums) is moved aside, and any other restore error stops the run, changing
-nothing (sparrow_jax.checkpoint).
+replaced atomically and metrics.jsonl is append-only (temporary files a kill left are removed at
+the next start); only a checkpoint that does not read as one (or fails its checksums) is moved
+aside, any other restore error stops the run, changing nothing, and a workdir whose checkpoints
+are all unreadable is refused rather than restarted at step 0, unless
+config.restart_from_scratch (sparrow_jax.checkpoint). SIGTERM ends the run after the step under
+way with a checkpoint of it (`Preemption`).
 """
 
 import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
+import signal
 import socket
+import threading
 import time
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -312,18 +319,20 @@ def _train(c, mesh, run: contextlib.ExitStack):
   run_config.check_resume(c)  # reads only: a changed config fails before the model loads
   task = make_task(c)  # before the model: a bad dataset fails in seconds
   cfg, params, tokenizer = load_model(c, task)
-  run_config.check_inputs(c, task, cfg, tokenizer)
   r, sparse = c.rollout, run_config.sparse_config(c)
+  n_prompts, n_rows = r.prompts_per_step, r.prompts_per_step * r.group_size
+  engine_cfg = run_config.engine_config(c, cfg, n_rows // page_pool.row_shards())
+  params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // _param_shards(mesh)
+  run_config.check_memory(c, cfg, engine_cfg, params_bytes, jax.local_devices()[0])
+  run_config.check_inputs(c, task, cfg, tokenizer)
   lr, optimizer, lora_opt = _optimizers(c)
   state, shardings = _build_state(c, params, mesh, optimizer, lora_opt)
   del params
   step_config = ts.StepConfig.from_config(c)
   train_step = ts.make_train_step(cfg, step_config, optimizer, lora_opt, sparse, shardings)
   to_batch = jax.jit(ts.batch_from_rollout, out_shardings=sharding.rows(mesh))
-  n_prompts, n_rows = r.prompts_per_step, r.prompts_per_step * r.group_size
   global_rows = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
   lo, hi = sharding.process_rows(sharding.rows(mesh), n_rows)  # this process's prompts
-  engine_cfg = run_config.engine_config(c, cfg, n_rows // page_pool.row_shards())
   sample = _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse)
   cache_len = r.max_prompt_len + r.max_new_tokens
   budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len) if sparse else None
@@ -336,6 +345,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
   if jax.process_index() == 0:
     run.enter_context(workdir_lock(c.workdir))
     run_config.check_resume(c)  # again under the lock: a run may have written it meanwhile
+    remove_stale_tmp(c.workdir)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   state, start = _restore(c, mgr, state, step_hooks)
   saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, n_prompts, step_hooks)
@@ -344,6 +354,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
     return []
   log = _StepLog(c, start)
   key = jax.random.PRNGKey(c.seed)
+  preemption = run.enter_context(Preemption())
 
   for step in range(start, c.total_steps):
     t0 = time.time()
@@ -375,14 +386,72 @@ def _train(c, mesh, run: contextlib.ExitStack):
       if hook.due(step):
         metrics.update(hook.metrics(out))
     log.write(out, metrics, t0)
+    stop = preemption.requested()
     for hook in step_hooks + [saver]:
-      if hook.due(step):
+      if hook.due(step) or (stop and hook is saver):
         hook.end_step(out, metrics)
+    if stop and step + 1 < c.total_steps:
+      mgr.wait_until_finished()
+      log.close()
+      _print(
+        f"stopped by {preemption.name} after step {step + 1}: saved checkpoint "
+        f"{mgr.directory}/{step + 1}; the same command resumes there"
+      )
+      return log.rows
   mgr.wait_until_finished()
   log.close()
   _finish(c, cfg, state, task, log.rows[-1], log.times)
   log.done()
   return log.rows
+
+
+class Preemption:
+  """SIGTERM (what cluster schedulers send before they kill a job) as a flag the loop reads at the
+  end of each step, which then saves a checkpoint and returns (exit 0) instead of losing the steps
+  since the last one. Installed from the main thread only (Python's rule for signal handlers)."""
+
+  def __init__(self):
+    self.name, self.previous = None, None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self.previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.name = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    if self.previous is not None:
+      signal.signal(signal.SIGTERM, self.previous)
+
+  def requested(self) -> bool:
+    """Whether any process was sent SIGTERM (all of them stop at the same step)."""
+    stop = self.name is not None
+    if jax.process_count() > 1:
+      stop = bool(np.any(multihost_utils.process_allgather(np.int32(stop))))
+    if stop:
+      self.name = self.name or "SIGTERM (to another process)"
+    return stop
+
+
+# metrics_log.write_atomic's temporary files: .<name>.<pid>.tmp
+_TMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
+
+
+def remove_stale_tmp(workdir: str) -> None:
+  """Deletes the temporary files a killed run left (metrics_log.write_atomic's); called under the
+  workdir's lock, so no live writer owns one."""
+  stale = sorted(n for n in os.listdir(workdir) if _TMP_FILE.match(n))
+  for name in stale:
+    os.unlink(os.path.join(workdir, name))
+  if stale:
+    _print(f"removed temporary files a killed run left in {workdir}: {', '.join(stale)}")
+
+
+def _param_shards(mesh) -> int:
+  """The ways FSDP and tensor parallelism split the params (each device holds about 1 / this)."""
+  return mesh.shape["fsdp"] * mesh.shape["tensor"]
 
 
 def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
@@ -412,8 +481,11 @@ def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
 def _restore(c, mgr, state, step_hooks):
   """(state, first step to run): the latest checkpoint restored onto the state's shardings, each
   hook given its meta; (state, 0) when there is none."""
-  restored = checkpoint.restore_latest(mgr, state)
+  restored = checkpoint.restore_latest(mgr, state, c.restart_from_scratch)
   if restored is None:
+    moved = checkpoint.moved_aside(mgr)
+    if moved:  # config.restart_from_scratch: said so, or restore_latest would have refused
+      _print(f"restarting at step 0 (config.restart_from_scratch); kept aside: {', '.join(moved)}")
     return state, 0
   state, meta = restored
   for hook in step_hooks:

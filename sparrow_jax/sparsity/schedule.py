@@ -200,6 +200,22 @@ class KVSchedule:
         f"KVSchedule.quantile must be a percentile in (0, 50) or None, got {self.quantile!r}"
       )
     getattr(self, f"_check_{self.kind}")()
+    self._check_int32()
+
+  def _check_int32(self):
+    """Budgets are int32 on device: a page count past it (10**10 in a JSON) would wrap negative."""
+    top = self.values[1] if self.kind == "linear" else max(self.values)  # linear: (ratio, max)
+    for name, value in (
+      ("page_size", self.page_size),
+      ("always_kept", self.always_kept),
+      ("bin_size", self.bin_size),
+      ("values", top + self.always_kept),
+    ):
+      if value > INT32_MAX:
+        raise ValueError(
+          f"KVSchedule.{name} must fit int32 (at most {INT32_MAX} pages, the always-kept "
+          f"{self.always_kept} included), got {top if name == 'values' else value}"
+        )
 
   def _check_fixed(self):
     if len(self.values) != 1 or not _is_int(self.values[0]):
@@ -232,10 +248,10 @@ class KVSchedule:
     ok = (
       len(self.values) == 2 and isinstance(self.values[0], (int, float)) and _is_int(self.values[1])
     )
-    if not ok or not 0 <= self.values[0] or self.values[1] < 0:
+    if not ok or not 0 <= self.values[0] <= 1 or self.values[1] < 0:
       raise ValueError(
-        f"KVSchedule.values for kind 'linear' must be (ratio >= 0, max_topk >= 0), "
-        f"got {self.values!r}"
+        f"KVSchedule.values for kind 'linear' must be (0 <= ratio <= 1 of the cached pages, "
+        f"max_topk >= 0), got {self.values!r}"
       )
 
   @classmethod
@@ -496,6 +512,9 @@ def is_quantile(quantile) -> bool:
   """Whether `quantile` can be the tail percentile a schedule holds at tau: a number in (0, 50)
   (5 is the paper's p5)."""
   return isinstance(quantile, (int, float)) and not isinstance(quantile, bool) and 0 < quantile < 50
+
+
+INT32_MAX = 2**31 - 1
 
 
 def _is_int(x) -> bool:
