@@ -19,11 +19,12 @@ LIMITS = dict(timeout_s=1.0, memory_mb=256, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 # About a third of a CPU second, well inside the timeout when it has a CPU to itself.
 BUSY_ADD = "s = sum(range(6_000_000))\na, b = map(int, input().split())\nprint(a + b)"
-# Answers right, leaving busy children in sessions of their own behind each case.
+# Answers right just inside the timeout (sleeping costs no CPU), with busy children in sessions of
+# their own running meanwhile and left behind.
 SETSID_FLOOD = (
-  "import os\nfor _ in range(24):\n  try:\n    if os.fork() == 0:\n      os.setsid()\n"
+  "import os, time\nfor _ in range(24):\n  try:\n    if os.fork() == 0:\n      os.setsid()\n"
   "      while True:\n        pass\n  except OSError:\n    break\n"
-  "a, b = map(int, input().split())\nprint(a + b)"
+  "time.sleep(0.8)\na, b = map(int, input().split())\nprint(a + b)"
 )
 SIX = {"inputs": [f"{i} 1\n" for i in range(6)], "outputs": [f"{i + 1}\n" for i in range(6)]}
 
