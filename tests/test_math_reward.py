@@ -48,6 +48,21 @@ CASES = [
   ("The answer is 3.", "3", 0.0),
   ("<think>\\boxed{3} but let me check", "3", 0.0),
   ("<think>ok</think>The answer is 3.", "3", 0.0),
+  # restating the problem is no answer: operators left unevaluated, equations whose sides differ,
+  # a decimal cut short of an exact value; hedging between values
+  ("\\boxed{\\sum_{n=1}^{\\infty} \\frac{1}{2^n}}", "1", 0.0),
+  ("\\boxed{\\int_0^1 2x\\,dx}", "1", 0.0),
+  ("\\boxed{\\lim_{x\\to 0} \\frac{\\sin x}{x}}", "1", 0.0),
+  ("\\boxed{\\det\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}}", "-2", 0.0),
+  ("\\boxed{\\begin{vmatrix}1&2\\\\3&4\\end{vmatrix}}", "-2", 0.0),
+  ("\\boxed{\\prod_{k=1}^{3} k}", "6", 0.0),
+  ("\\boxed{6 = 5}", "5", 0.0),
+  ("\\boxed{2 + 3 = 5}", "5", 1.0),
+  ("\\boxed{0.333333}", "\\frac{1}{3}", 0.0),
+  ("\\boxed{1.41421}", "\\sqrt{2}", 0.0),
+  ("\\boxed{0.25}", "\\frac{1}{4}", 1.0),
+  ("\\boxed{3 \\text{ or } 4}", "3", 0.0),
+  ("\\boxed{\\int_0^1 x\\,dx}", "\\int_0^1 x\\,dx", 1.0),  # a reference in that form
   # garbage
   ("\\boxed{}{", "1", 0.0),
   ("\\boxed{\\frac{1}{", "1", 0.0),
@@ -72,6 +87,7 @@ def test_math_reward_table(response, answer, expected):
     ("no box here", "no_answer"),
     ("\\boxed{3", "no_answer"),
     ("<think>still going \\boxed{3}", "unfinished_thinking"),
+    ("\\boxed{\\sum_{n=1}^{3} 1}", "wrong_form"),
   ],
 )
 def test_grade_reasons(response, reason):

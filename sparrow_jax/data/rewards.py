@@ -17,6 +17,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, NamedTuple
 
 from sparrow_jax.data import sandbox
@@ -33,10 +34,11 @@ _PYTHON_TAGS = ("", "python", "python3", "py")
 class Grade(NamedTuple):
   reward: float
   reason: (
-    str  # math: correct wrong no_answer unfinished_thinking unparsable bad_reference timeout error
+    str  # math: correct wrong wrong_form no_answer unfinished_thinking unparsable bad_reference
+    # timeout error
   )
   # code: correct partial wrong_answer runtime_error timeout output_limit no_code aborted
-  #       sandbox_error grader_error
+  #       sandbox_error grader_error budget_exceeded
 
 
 def final_text(response: str) -> str | None:
@@ -158,12 +160,53 @@ def grade_math(response: str, answer: str, *, timeout_s: int = MATH_TIMEOUT_S) -
     if not pred:
       return Grade(0.0, "unparsable")
     ok = verify(gold, pred, timeout_seconds=timeout_s, raise_on_error=True)
+    if ok and not _answer_form(answer, gold, boxed, pred, timeout_s):
+      return Grade(0.0, "wrong_form")
   except TimeoutException:  # a BaseException in math-verify
     return Grade(0.0, "timeout")
   except Exception:  # sympy/latex2sympy failures on malformed LaTeX
     log.debug("math-verify failed on %r", boxed, exc_info=True)
     return Grade(0.0, "error")
   return Grade(1.0, "correct") if ok else Grade(0.0, "wrong")
+
+
+# Operators that leave the work undone: a series, product, integral, limit, derivative or
+# determinant that evaluates to the answer restates the problem (sympy would evaluate it).
+_UNEVALUATED = re.compile(
+  r"\\(?:sum|prod|int|iint|iiint|oint|lim|limsup|liminf|det|partial)(?![a-zA-Z])"
+  r"|\\begin\{[vV]matrix\}"
+  r"|\\[dt]?frac\{\s*(?:d|\\mathrm\{d\})\s*\}\{\s*(?:d|\\mathrm\{d\})\s*[a-zA-Z\\]"  # d/dx
+)
+
+
+def _expression(parsed):
+  """The sympy expression of a math-verify parse, or None (a string only)."""
+  import sympy
+
+  return next((p for p in parsed if isinstance(p, sympy.Basic)), None)
+
+
+def _answer_form(gold_text, gold, boxed, pred, timeout_s) -> bool:
+  """Whether an answer that math-verify accepts is in the reference's form class: no operator left
+  unevaluated that the reference lacks, no equation between values that differ (`6 = 5`), and no
+  decimal for an exact reference unless it is exactly equal (`0.333333` is not 1/3)."""
+  import sympy
+  from math_verify import verify
+
+  if _UNEVALUATED.search(boxed) and not _UNEVALUATED.search(gold_text):
+    return False
+  expr, gold_expr = _expression(pred), _expression(gold)
+  if expr is None:
+    return True
+  calculus = (sympy.Sum, sympy.Product, sympy.Integral, sympy.Limit, sympy.Derivative)
+  if expr.has(*calculus) and not (gold_expr is not None and gold_expr.has(*calculus)):
+    return False
+  if isinstance(expr, sympy.Equality) and not expr.free_symbols:
+    if not verify(expr.lhs, expr.rhs, timeout_seconds=timeout_s, raise_on_error=True):
+      return False
+  if expr.atoms(sympy.Float) and gold_expr is not None and not gold_expr.atoms(sympy.Float):
+    return verify(gold, pred, float_rounding=15, timeout_seconds=timeout_s, raise_on_error=True)
+  return True
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -318,14 +361,33 @@ def _passed(tests, case):
   return True  # script: the sandbox certified that the check ran to its end
 
 
-def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) -> Grade:
-  """Runs the response's last code block on `tests` in a sandbox (`limits`: SandboxLimits fields).
-  Reward 1.0 if every case passes else 0.0, or the passed fraction when `partial`."""
+def _judge(tests):
+  """The streamed check of one case (see sandbox.run_cases); a grader bug fails the case, and
+  grading the whole run then reports it."""
+
+  def judge(case):
+    try:
+      return _passed(tests, case)
+    except Exception:
+      return False
+
+  return judge
+
+
+def grade_code(
+  response: str, tests: Any, *, partial: bool = False, deadline: float | None = None, **limits
+) -> Grade:
+  """Runs the response's last code block on `tests` in a sandbox (`limits`: SandboxLimits fields),
+  stopping at the first failing case unless `partial`. Reward 1.0 if every case passes else 0.0, or
+  the passed fraction when `partial`; 0.0 "budget_exceeded" when `deadline` (time.monotonic())
+  ends it first."""
   tests = parse_tests(tests)
   sandbox_limits = sandbox.SandboxLimits.make(**limits)
   program = extract_code(response)
   if program is None:
     return Grade(0.0, "no_code")
+  if deadline is not None and time.monotonic() >= deadline:
+    return Grade(0.0, "budget_exceeded")
   try:
     run = sandbox.run_cases(
       program,
@@ -335,11 +397,15 @@ def grade_code(response: str, tests: Any, *, partial: bool = False, **limits) ->
       prefix=tests.prefix,
       script=tests.script,
       stop_on_failure=not partial,
+      judge=_judge(tests),
+      deadline=deadline,
       limits=sandbox_limits,
     )
   except OSError as e:  # e.g. no space for the work directory: the trainer must go on
     log.warning("code sandbox failed to start: %s", e)
     return Grade(0.0, "sandbox_error")
+  if run.past_deadline:
+    return Grade(0.0, "budget_exceeded")
   try:
     passed = sum(_passed(tests, case) for case in run.cases)
   except Exception:  # a grader bug must cost this response its reward, never the training run
@@ -367,12 +433,28 @@ def code_reward(response: str, tests: Any, *, partial: bool = False, **limits) -
   return grade_code(response, tests, partial=partial, **limits).reward
 
 
+_budget_exceeded = [0, threading.Lock()]  # responses graded "budget_exceeded", not yet taken
+
+
+def take_budget_exceeded() -> int:
+  """How many responses grade_code_batch graded "budget_exceeded" since the last call (a metric)."""
+  with _budget_exceeded[1]:
+    count, _budget_exceeded[0] = _budget_exceeded[0], 0
+  return count
+
+
 def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **limits) -> list[Grade]:
-  """grade_code over pairs, in a bounded pool of threads (each drives one sandbox process tree)."""
+  """grade_code over pairs, in a bounded pool of threads (each drives one sandbox process tree),
+  all within `batch_budget_s` (a SandboxLimits field): past it, what has not finished scores 0,
+  reason "budget_exceeded" (counted for take_budget_exceeded)."""
   if len(responses) != len(tests):
     raise ValueError(f"{len(responses)} responses but {len(tests)} tests")
+  budget_s = sandbox.SandboxLimits.make(**limits).batch_budget_s
+  deadline = None if budget_s is None else time.monotonic() + budget_s
   workers = max_workers or os.cpu_count() or 1
+  grade = lambda r, t: grade_code(r, t, partial=partial, deadline=deadline, **limits)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    return list(
-      pool.map(lambda r, t: grade_code(r, t, partial=partial, **limits), responses, tests)
-    )
+    grades = list(pool.map(grade, responses, tests))
+  with _budget_exceeded[1]:
+    _budget_exceeded[0] += sum(g.reason == "budget_exceeded" for g in grades)
+  return grades

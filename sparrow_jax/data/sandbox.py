@@ -3,9 +3,18 @@
 Each call starts one sandbox process tree (sandbox_child.py) that runs the program once per test
 case. What holds it in (Linux; measured on the project's machine, root in a VM container with
 CAP_SYS_ADMIN):
-  - separate processes in their own session; the wall-clock timeout kills the whole process group,
-    and a new pid namespace makes the kernel kill every process left in it (setsid or daemon escapes
-    too);
+  - separate processes in their own session; a case ends on the first of three clocks: timeout_s of
+    its own time (wall time less its wait for a CPU), the CPU budget of its whole process tree, or
+    max_wall_s; the timeout kills its process group, whatever it left running (setsid children) is
+    killed before the next case, and a new pid namespace makes the kernel kill every process left at
+    the end;
+  - CPU fairness that a program's setsid() children (each an autogroup of the scheduler) cannot
+    escape: a cgroup v2 per sandbox (cpu.max, equal cpu.weight) where our cgroup has the cpu
+    controller enabled for its children, else the two clocks above (a neighbour is not charged for
+    the time a flood keeps it from a CPU, and the flood stops at its tree's CPU budget);
+  - tied to the grader: its death (PR_SET_PDEATHSIG, or the result pipe losing its reader) kills the
+    sandbox and removes its directory; each directory records its grader, and the first run of a
+    process removes the directories of dead graders (remove_leftovers);
   - rlimits per test case: CPU seconds, address space, file size (which also caps stdout/stderr:
     they are memfds, so a program cannot fill the disk by printing), open files, no core dumps;
   - as root: the program runs as a random unprivileged uid/gid (2**30 + r, or nobody if that range
@@ -22,7 +31,9 @@ CAP_SYS_ADMIN):
     other run's temp files; a scrubbed environment, a private 0700 work directory;
   - the program runs in a user namespace of its own whose limit of nested user namespaces is 0, with
     no capabilities, so it cannot unshare(CLONE_NEWUSER) to mount, pivot or regain privileges;
-  - expected outputs never enter the sandbox (the parent compares), so a pass cannot be forged;
+  - expected outputs never enter the sandbox (the parent compares each case's result as it streams
+    in, stopping the run at the first failure), so a pass cannot be forged;
+  - seccomp refuses the key syscalls and kills on a syscall of another architecture (int 0x80);
   - script mode (a check that is code, e.g. HumanEval's) runs the check in a process of its own that
     executes no candidate code, calling the candidate's functions through a proxy that passes plain
     data only; a pass is the token that the check alone knows, written after it ran to its end, so
@@ -47,6 +58,7 @@ training as root in a container or give the trainer its own user.
 import ast
 import builtins
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -54,18 +66,24 @@ import os
 import random
 import resource
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 MODES = ("stdio", "call", "script")
 UID_RANGE = (1 << 30, 1 << 20)  # start, size: ids far above any real account
 NOBODY = 65534
 STARTUP_S = 5.0  # interpreter start and namespace setup, added to the total timeout
+WALL_FACTOR = 10  # default max_wall_s per timeout_s
+PREFIX = "sparrow_sandbox_"
+OWNER = "owner.json"  # in each sandbox directory: the grader that made it (see remove_leftovers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +101,23 @@ class SandboxLimits:
   nproc: int = 64  # RLIMIT_NPROC (see the module docstring for when it applies)
   tmpfs_mb: int = 64  # size of the private /tmp
   namespaces: bool = True  # False: the weaker fallback (see the module docstring), explicitly
-  total_timeout_s: float | None = None  # whole run; None: timeout_s * cases + STARTUP_S
+  max_wall_s: float | None = None  # wall clock per test case however starved of CPU (timeout_s
+  # counts the case's own time: wall time less its wait for a CPU); None: WALL_FACTOR x timeout_s
+  total_timeout_s: float | None = None  # whole run; None: max_wall_s * cases + STARTUP_S
+  cpu_cgroup: str = "auto"  # "auto": a cgroup v2 per sandbox under our own cgroup where its
+  # children get the cpu controller, else the CPU-budget path (see the docstring); "none": always
+  # that path; a directory: a delegated cgroup v2 to make them in (an error if it is unusable)
+  cpus: float = 1.0  # cgroup path: the sandbox cgroup's cpu.max, in CPUs
+  batch_budget_s: float | None = 600.0  # rewards.grade_code_batch: wall clock for one batch;
+  # what is unfinished then scores 0, reason "budget_exceeded"; None: no budget
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name != "namespaces" and value is not None and not value > 0:
+      if field.name == "cpu_cgroup":
+        if not isinstance(value, str) or not value:
+          raise ValueError(f"SandboxLimits.cpu_cgroup must be 'auto', 'none' or a path: {value!r}")
+      elif field.name != "namespaces" and value is not None and not value > 0:
         raise ValueError(f"SandboxLimits.{field.name} must be positive, got {value!r}")
 
   @classmethod
@@ -106,6 +135,7 @@ class SandboxRun:
   cases: list  # per case run, in order: {"status": "ok"|"timeout"|"error", "stdout", "stderr", ...}
   isolation: dict  # what the child managed to apply (see the module docstring)
   error: str | None  # set when the sandbox itself failed (then `cases` may be short)
+  past_deadline: bool = False  # the caller's deadline ended the run (then `cases` may be short)
 
 
 def _sandbox_uid():
@@ -206,16 +236,165 @@ def _remove_files_of(uid):
         pass
 
 
-def _parse(stream):
+def _start_time(pid):
+  """The start time of process `pid` (clock ticks since boot), or None if there is none: with the
+  pid it names one process, even after the pid is reused."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return int(f.read().rsplit(b")", 1)[1].split()[19])
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def remove_leftovers(directory):
+  """Removes the sandbox directories under `directory` whose grader is dead (killed before it could
+  clean up), with what their processes left: the processes of their uid (the fallback without a pid
+  namespace). Directories of a live grader, and any without an owner record, stay."""
+  try:
+    entries = [e for e in os.scandir(directory) if e.name.startswith(PREFIX) and e.is_dir()]
+  except OSError:  # no such directory
+    return
+  for entry in entries:
+    try:
+      with open(os.path.join(entry.path, OWNER)) as f:
+        owner = json.load(f)
+      if _start_time(owner["pid"]) == owner["start"]:
+        continue
+    except (OSError, ValueError, KeyError, TypeError):  # none (yet), or not ours
+      continue
+    uid = owner.get("uid")
+    if isinstance(uid, int) and UID_RANGE[0] <= uid < sum(UID_RANGE):
+      _kill_uid(uid)
+    if isinstance(owner.get("cgroup"), str) and os.path.basename(owner["cgroup"]) == entry.name:
+      _remove_cgroup(owner["cgroup"])
+    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+_cleaned, _cleaned_lock = set(), threading.Lock()
+
+
+def _remove_leftovers_once(directory):
+  with _cleaned_lock:
+    if directory in _cleaned:
+      return
+    _cleaned.add(directory)
+  remove_leftovers(directory)
+
+
+def _own_cgroup():
+  """Our cgroup v2 directory (from /proc/self/cgroup and where cgroup2 is mounted), or None."""
+  try:
+    with open("/proc/self/cgroup") as f:
+      path = next(line[3:].strip() for line in f if line.startswith("0::"))
+    with open("/proc/self/mountinfo") as f:
+      mount = next(m.split()[4] for m in f if m.split(" - ")[1].split()[0] == "cgroup2")
+  except (OSError, StopIteration, IndexError):
+    return None
+  return os.path.join(mount, path.lstrip("/"))
+
+
+@functools.lru_cache
+def _cgroup_root(setting):
+  """Where sandbox cgroups are made for SandboxLimits.cpu_cgroup `setting`, or None: the CPU-budget
+  path. A cgroup v2 directory qualifies when the cpu controller is enabled for its children and we
+  may create them; raises SandboxSetupError for a named one that does not."""
+  if setting == "none":
+    return None
+  directory = _own_cgroup() if setting == "auto" else setting
+  try:
+    with open(os.path.join(directory, "cgroup.subtree_control")) as f:
+      usable = "cpu" in f.read().split() and os.access(directory, os.W_OK)
+  except (OSError, TypeError):
+    usable = False
+  if not usable and setting != "auto":
+    raise SandboxSetupError(
+      f"SandboxLimits.cpu_cgroup={setting!r} is not a cgroup v2 directory that we may write with "
+      "the cpu controller enabled for its children (cgroup.subtree_control)"
+    )
+  return directory if usable else None
+
+
+def _remove_cgroup(path):
+  """Kills whatever is left in a sandbox's cgroup and removes it (rmdir waits for the last exit)."""
+  try:
+    with open(os.path.join(path, "cgroup.kill"), "w") as f:
+      f.write("1")
+  except OSError:  # gone, or a kernel before 5.14: the pid namespace ended them
+    pass
+  for _ in range(200):
+    try:
+      os.rmdir(path)
+      return
+    except FileNotFoundError:
+      return
+    except OSError:  # its last processes are still exiting
+      time.sleep(0.01)
+
+
+def _make_run_dirs(work_root, uid, limits):
+  """(the run's directory, its cgroup or None), with the record that lets a later start remove
+  both if we are killed."""
+  directory = work_root or tempfile.gettempdir()
+  _remove_leftovers_once(directory)
+  root = _cgroup_root(limits.cpu_cgroup)
+  base = tempfile.mkdtemp(prefix=PREFIX, dir=directory)
+  cgroup = None if root is None else os.path.join(root, os.path.basename(base))
+  with open(os.path.join(base, OWNER), "w") as f:
+    owner = {"pid": os.getpid(), "start": _start_time(os.getpid()), "uid": uid, "cgroup": cgroup}
+    json.dump(owner, f)
+  if cgroup is not None:
+    try:
+      os.mkdir(cgroup)
+      with open(os.path.join(cgroup, "cpu.max"), "w") as f:
+        f.write(f"{max(int(limits.cpus * 100_000), 1000)} 100000")
+    except OSError as e:
+      shutil.rmtree(base, ignore_errors=True)
+      raise SandboxSetupError(f"cannot make the sandbox's cgroup {cgroup}: {e}") from None
+  return base, cgroup
+
+
+def _stream(proc, deadline, cap, judge):
+  """Reads the result stream while the sandbox runs, until it ends (EOF), `deadline` passes, `cap`
+  bytes came, or `judge` (if given) fails a case. Returns (the bytes read, up to the failed case's
+  line; why it stopped: None, "deadline", "cap" or "failed")."""
+  fd, data, seen = proc.stdout.fileno(), bytearray(), 0
+  poller = select.poll()  # not select.select: a trainer's descriptors may number over 1024
+  poller.register(fd, select.POLLIN)
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      return bytes(data), "deadline"
+    if not poller.poll(math.ceil(left * 1000)):
+      continue
+    chunk = os.read(fd, 1 << 16)
+    if not chunk:
+      return bytes(data), None
+    data += chunk
+    if len(data) > cap:
+      return bytes(data[:cap]), "cap"
+    if judge is None:
+      continue
+    while (end := data.find(b"\n", seen)) >= 0:
+      record, seen = _record(bytes(data[seen:end])), end + 1
+      if record is not None and "case" in record and not judge(dict(record)):
+        return bytes(data[:seen]), "failed"  # what came after it is not graded
+
+
+def _record(line):
+  try:
+    record = json.loads(line)
+  except ValueError:
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def _parse(stream, complete=False):
   cases, isolation, error, done = [], {}, None, False
   # "\n" only: str.splitlines() also splits at U+2028 and the like, which JSON leaves unescaped
   # inside a case's output, so that a program's output could parse as a line of its own.
   for line in stream.split("\n"):
-    try:
-      record = json.loads(line)
-    except ValueError:
-      continue
-    if not isinstance(record, dict):
+    record = _record(line)
+    if record is None:
       continue
     if "isolation" in record:
       isolation = record["isolation"]
@@ -226,7 +405,7 @@ def _parse(stream):
     elif "setup_error" in record:
       raise SandboxSetupError(record["setup_error"])
     done = done or record.get("done", False)
-  if not done and error is None:
+  if not (done or complete) and error is None:
     error = "sandbox ended before reporting every case (harness killed, or the total timeout)"
   return cases, isolation, error
 
@@ -309,6 +488,8 @@ def run_cases(
   prefix="",
   script="",
   stop_on_failure=True,
+  judge=None,
+  deadline=None,
   limits=SandboxLimits(),
   work_root=None,
 ):
@@ -318,8 +499,11 @@ def run_cases(
   (a function of the program, or a method of its class Solution), its JSON result is returned;
   "script": one case (None), the program runs after `prefix`, and `script` (after `prefix` too, in
   another process) calls its functions (see candidate_names); status "ok" means that the check ran
-  to its end. `stop_on_failure` stops at the first case that crashes or times out. Thread-safe (no
-  preexec_fn). Raises ValueError for a bad mode or a script that takes nothing from the program.
+  to its end. `stop_on_failure` stops at the first case that crashes or times out, or that
+  `judge(case)` (if given; the caller's comparison with the expected output, which stays here)
+  fails as it streams in. `deadline` (time.monotonic()) ends the run early, `past_deadline` set.
+  Thread-safe (no preexec_fn). Raises ValueError for a bad mode or a script that takes nothing from
+  the program.
   """
   if mode not in MODES:
     raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
@@ -329,6 +513,8 @@ def run_cases(
   if mode == "script" and cases != [None]:
     raise ValueError(f"sandbox mode 'script' takes one case, None, got {cases!r:.100}")
   uid = _sandbox_uid()
+  cpu = _case_limits(limits)["RLIMIT_CPU"][1]
+  max_wall_s = limits.max_wall_s or WALL_FACTOR * limits.timeout_s
   job = {
     "program": program,
     "mode": mode,
@@ -337,6 +523,8 @@ def run_cases(
     "prefix": prefix,
     "stop_on_failure": stop_on_failure,
     "timeout_s": limits.timeout_s,
+    "max_wall_s": max(max_wall_s, limits.timeout_s),
+    "tree_cpu_s": cpu,  # the hard RLIMIT_CPU, counted over the case's whole process tree
     "output_bytes": limits.output_bytes,
     "batch_output_bytes": limits.batch_output_bytes,
     "nproc": limits.nproc,
@@ -345,13 +533,16 @@ def run_cases(
     "uid": uid,
     "case_limits": _case_limits(limits),
     "python_paths": _python_paths(),
+    "parent_pid": os.getpid(),
   }
   job["site_packages"], job["solution_paths"] = _site_packages()
   token = secrets.token_hex(16) if mode == "script" else None
   if token:
     job["names"] = candidate_names(prefix, script)
-  total = limits.total_timeout_s or limits.timeout_s * max(len(job["cases"]), 1) + STARTUP_S
-  base = tempfile.mkdtemp(prefix="sparrow_sandbox_", dir=work_root)
+  total = limits.total_timeout_s or job["max_wall_s"] * max(len(job["cases"]), 1) + STARTUP_S
+  own_deadline = time.monotonic() + total
+  base, cgroup = _make_run_dirs(work_root, uid, limits)
+  job["base"], job["cgroup"] = base, cgroup
   secret_fd = None
   try:
     if token:
@@ -368,13 +559,12 @@ def run_cases(
       env["TMPDIR"] = work
     with (
       open(os.path.join(base, "job.json"), "rb") as stdin,
-      open(os.path.join(base, "out"), "w+b") as stdout,
       open(os.path.join(base, "err"), "w+b") as stderr,
     ):
       proc = subprocess.Popen(
         [sys.executable, "-I", "-B", CHILD],
         stdin=stdin,
-        stdout=stdout,
+        stdout=subprocess.PIPE,
         stderr=stderr,
         cwd=work,
         env=env,
@@ -382,20 +572,21 @@ def run_cases(
         close_fds=True,
         pass_fds=() if secret_fd is None else (secret_fd,),
       )
+      # The harness caps each case's output; this bounds a subverted harness too.
+      cap = (len(job["cases"]) + 4) * (4 * limits.output_bytes + 8192)
       try:
-        proc.wait(timeout=total)
-      except subprocess.TimeoutExpired:
-        pass
+        stop_at = own_deadline if deadline is None else min(own_deadline, deadline)
+        data, why = _stream(proc, stop_at, cap, judge if stop_on_failure else None)
       finally:
         try:
           os.killpg(proc.pid, signal.SIGKILL)
         except OSError:  # the group is already gone
           pass
         proc.wait()
-      # The harness caps each case's output; this bounds a subverted harness too.
-      cap = (len(job["cases"]) + 4) * (4 * limits.output_bytes + 8192)
-      stdout.seek(0)
-      cases_out, isolation, error = _parse(stdout.read(cap).decode("utf-8", "replace"))
+        proc.stdout.close()
+      past_deadline = why == "deadline" and deadline is not None and deadline <= own_deadline
+      text = data.decode("utf-8", "replace")
+      cases_out, isolation, error = _parse(text, complete=why == "failed" or past_deadline)
       if error is not None:
         stderr.seek(0)
         tail = stderr.read(4096).decode("utf-8", "replace").strip()
@@ -405,10 +596,12 @@ def run_cases(
       _remove_files_of(uid)
     if token:
       cases_out = [_certify(case, token) for case in cases_out]
-    return SandboxRun(cases=cases_out, isolation=isolation, error=error)
+    return SandboxRun(cases_out, isolation, error, past_deadline)
   finally:
     if secret_fd is not None:
       os.close(secret_fd)
+    if cgroup is not None:
+      _remove_cgroup(cgroup)
     shutil.rmtree(base, ignore_errors=True)
 
 

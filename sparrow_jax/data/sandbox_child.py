@@ -38,6 +38,8 @@ import fcntl
 import json
 import os
 import resource
+import select
+import shutil
 import signal
 import stat
 import sys
@@ -58,6 +60,7 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # glibc has no wrapper
 # The kernel key syscalls (add_key, request_key, keyctl) and the seccomp audit arch, per machine.
 KEY_SYSCALLS = {"x86_64": ((248, 249, 250), 0xC000003E), "aarch64": ((217, 218, 219), 0xC00000B7)}
 KEYCTL_JOIN_SESSION_KEYRING, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 22, 2
+SECCOMP_RET_KILL_PROCESS = 0x80000000
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # What the program's root holds besides the interpreter's own directories (job["python_paths"]): the
 # shared libraries that the interpreter and its extension modules load. Missing ones are skipped;
@@ -257,8 +260,63 @@ def _set_limits(limits):
     resource.setrlimit(getattr(resource, name), value)
 
 
-def _wait(pid, timeout_s):
-  """Exit status of `pid`, or None if it ran past `timeout_s` of wall time."""
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+TREE_CHECK_S = 0.05  # how often a case's process tree is weighed against its CPU budget
+
+
+def _proc_times(pid):
+  """(utime + stime, cutime + cstime) of `pid` in seconds (the second: its reaped children); zeros
+  once it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+    ticks = [int(f) for f in fields[11:15]]  # utime stime cutime cstime
+    return (ticks[0] + ticks[1]) * TICK_S, (ticks[2] + ticks[3]) * TICK_S
+  except (OSError, ValueError, IndexError):
+    return 0.0, 0.0
+
+
+def _run_delay_s(pid):
+  """Seconds `pid` has been runnable but waiting for a CPU (/proc/<pid>/schedstat; 0 without it)."""
+  try:
+    with open(f"/proc/{pid}/schedstat", "rb") as f:
+      return int(f.read().split()[1]) / 1e9
+  except (OSError, ValueError, IndexError):
+    return 0.0
+
+
+def _tree_pids(job, case_pids):
+  """The processes whose CPU time counts against the case: every process of the pid namespace but
+  init and this harness; without one, every process of the sandbox uid; else the case processes."""
+  if job["tree"] == "case":
+    return case_pids
+  me, pids = os.getpid(), []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit() or int(entry) in (1, me):
+      continue
+    try:
+      if job["tree"] == "pidns" or os.stat(f"/proc/{entry}").st_uid == job["uid"]:
+        pids.append(int(entry))
+    except OSError:  # exited meanwhile
+      pass
+  return pids
+
+
+def _tree_cpu_s(job, case_pids):
+  """CPU seconds used so far by the sandbox's processes: the cgroup's own count where there is one,
+  else the live processes' times plus those of the reaped ones (ours, and init's orphans)."""
+  if job.get("cgroup_stat_fd") is not None:
+    for line in os.pread(job["cgroup_stat_fd"], 4096, 0).decode().splitlines():
+      if line.startswith("usage_usec "):
+        return int(line.split()[1]) / 1e6
+  own = resource.getrusage(resource.RUSAGE_CHILDREN)
+  total = own.ru_utime + own.ru_stime + _proc_times(os.getppid())[1]
+  for pid in _tree_pids(job, case_pids):
+    total += sum(_proc_times(pid))
+  return total
+
+
+def _wait_wall(pid, timeout_s):
   deadline, pause = time.monotonic() + timeout_s, 0.001
   while True:
     done, status = os.waitpid(pid, os.WNOHANG)
@@ -268,6 +326,34 @@ def _wait(pid, timeout_s):
     if left <= 0:
       return None
     time.sleep(min(pause, left))
+    pause = min(pause * 2, 0.02)
+
+
+def _wait(pid, job, timeout_s, case_pids=(), own_clock=True):
+  """Exit status of `pid`, or None once the case has used up its time on any of three clocks:
+  `timeout_s` of its own time (wall time less the time its processes waited for a CPU, so that busy
+  neighbours cannot time it out), the CPU budget over the sandbox's whole process tree (so that
+  processes in sessions of their own, each a scheduling group of its own, cannot take the machine
+  for longer), or `max_wall_s` of wall time, however starved. `own_clock` False: `timeout_s` of wall
+  time only."""
+  if not own_clock:
+    return _wait_wall(pid, timeout_s)
+  start, pause, tree_checked = time.monotonic(), 0.001, 0.0
+  cpu_start = _tree_cpu_s(job, case_pids or (pid,))
+  while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      return status
+    wall = time.monotonic() - start
+    # Script mode: the check and the candidate take turns, so their waits for a CPU add up.
+    waited = sum(map(_run_delay_s, case_pids or (pid,)))
+    if wall >= job["max_wall_s"] or wall - waited >= timeout_s:
+      return None
+    if wall - tree_checked >= TREE_CHECK_S:  # a walk over /proc: not at every poll
+      tree_checked = wall
+      if _tree_cpu_s(job, case_pids or (pid,)) - cpu_start >= job["tree_cpu_s"]:
+        return None
+    time.sleep(min(pause, timeout_s))
     pause = min(pause * 2, 0.02)
 
 
@@ -593,7 +679,7 @@ def _run_case(job, case):
   fds = [_memfd("stdin", stdin_text.encode()), _memfd("stdout"), _memfd("stderr"), _memfd("result")]
   start = time.monotonic()
   pid = _spawn(job, fds, lambda: _run_candidate(job, case))
-  status = _wait(pid, job["timeout_s"])
+  status = _wait(pid, job, job["timeout_s"])
   _stop(pid, status)
   outcome = _outcome(job, status, start, fds[1], fds[2])
   if job["mode"] == "call":
@@ -623,12 +709,12 @@ def _run_script(job):
   case = _spawn(job, case_fds, lambda: _run_candidate(job, None))
   for fd in requests + replies:  # so that each side sees EOF once the other is gone
     os.close(fd)
-  status = _wait(check, job["timeout_s"])
+  status = _wait(check, job, job["timeout_s"], case_pids=(check, case))
   _stop(check, status)
   # With the check gone the candidate reads EOF and flushes its stdout; killed at once it could lose
   # it.
   left_s = job["timeout_s"] - (time.monotonic() - start)
-  _stop(case, _wait(case, min(CASE_FLUSH_S, max(left_s, 0.0))))
+  _stop(case, _wait(case, job, min(CASE_FLUSH_S, max(left_s, 0.0)), own_clock=False))
   outcome = {
     **_outcome(job, status, start, case_fds[1], case_fds[2]),
     "check_stderr": _read(check_fds[2], STDERR_KEEP),
@@ -653,19 +739,22 @@ def _close_user_namespaces(mapped_fd):
 def _close_keyrings():
   """A new empty session keyring (the grader's keys stay out of reach), then a seccomp filter that
   fails add_key, request_key and keyctl with EPERM (and every x32-ABI syscall on x86_64, which would
-  reach them under other numbers). Returns whether the filter is in place (False on a machine with
-  no known syscall numbers, or where seccomp is refused: the new keyring still holds)."""
+  reach them under other numbers) and kills the process on a syscall of any other architecture
+  (i386's int 0x80 on x86_64, arm32 on aarch64: other tables, other numbers). Returns whether the
+  filter is in place (False on a machine with no known syscall numbers, or where seccomp is refused:
+  the new keyring still holds)."""
   syscalls, arch = KEY_SYSCALLS.get(os.uname().machine, ((), None))
   if syscalls:
     _libc.syscall(ctypes.c_long(syscalls[2]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
   if arch is None:
     return False
   ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-  allow, refuse = 0x7FFF0000, 0x00050000 | errno.EPERM
+  allow, refuse, kill = 0x7FFF0000, 0x00050000 | errno.EPERM, SECCOMP_RET_KILL_PROCESS
   add_key, request_key, keyctl = syscalls
   program = [
     (ld, 0, 0, 4),
-    (jeq, 0, 5, arch),  # another arch: allow
+    (jeq, 1, 0, arch),
+    (ret, 0, 0, kill),  # another arch (int 0x80, compat entry points): its own syscall numbers
     (ld, 0, 0, 0),
     (jge, 4, 0, 0x40000000),
     (jeq, 3, 0, add_key),
@@ -736,6 +825,8 @@ def _harness(job, out_fd, info):
     info["nproc"] = job["nproc"]
   info["uid"] = os.getuid()
   job["audit_network"] = not info["netns"]
+  job["tree"] = "pidns" if info["pidns"] else "uid" if job["uid"] is not None else "case"
+  info["cpu_share"] = "cgroup" if job.get("cgroup_stat_fd") is not None else "tree_cpu_budget"
   _emit(out_fd, {"isolation": info})
   sent = 0
   for i, case in enumerate(job["cases"]):
@@ -757,8 +848,20 @@ def _harness(job, out_fd, info):
     _emit(out_fd, {"case": i, **outcome})
     if outcome["status"] != "ok" and job["stop_on_failure"]:
       break
+    _kill_leftovers(job)
   _emit(out_fd, {"done": True})
   os._exit(0)
+
+
+def _kill_leftovers(job):
+  """Ends what a case left running (children in sessions of their own), so that it neither runs
+  beside the next case nor counts against its CPU budget: every process this harness may signal,
+  which the pid namespace or the sandbox uid confine to the sandbox."""
+  if job["tree"] != "case":
+    try:
+      os.kill(-1, signal.SIGKILL)
+    except OSError:  # none left
+      pass
 
 
 def _kill_uid(uid):
@@ -855,10 +958,84 @@ def _map_user(uid, gid):
       f.write(text)
 
 
+def _watch_parent(job):
+  """Ties the sandbox to the grader: its death sends us SIGTERM (PR_SET_PDEATHSIG), which only
+  writes to the returned descriptor; a grader already gone makes it readable at once."""
+  gone_r, gone_w = os.pipe()
+  os.set_blocking(gone_w, False)
+  signal.signal(signal.SIGTERM, lambda *_: None)
+  signal.set_wakeup_fd(gone_w, warn_on_full_buffer=False)
+  _libc_call("prctl", PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+  if os.getppid() != job["parent_pid"]:
+    os.write(gone_w, b"x")
+  return gone_r
+
+
+def _wait_or_end(job, pid, out_fd, gone_fd):
+  """Waits for init; if the grader dies first (its death signal, or no reader left on the result
+  pipe), kills init, which ends every process of its pid namespace, and removes the sandbox's
+  directory, so that a killed grader leaves nothing behind."""
+  poller = select.poll()
+  pidfd = os.pidfd_open(pid)
+  poller.register(pidfd, select.POLLIN)
+  poller.register(gone_fd, select.POLLIN)
+  poller.register(out_fd, 0)  # POLLERR once the grader's end of the pipe is closed
+  while True:
+    events = dict(poller.poll())
+    if pidfd in events:
+      os.waitpid(pid, 0)
+      return
+    if gone_fd in events or out_fd in events:
+      break
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+  os.kill(pid, signal.SIGKILL)
+  os.waitpid(pid, 0)
+  if not job["namespaces"] and job["uid"] is not None:  # no pid namespace ended them with init
+    _kill_uid(job["uid"])
+  # Through descriptors opened before init pivoted the mount namespace that we share with it.
+  if job["cgroup"]:  # leave it (into its parent), end what is left in it, remove it
+    name, parent_fd = os.path.basename(job["cgroup"]), job["cgroup_parent_fd"]
+    try:
+      _write_at(parent_fd, "cgroup.procs", str(os.getpid()))
+      _write_at(parent_fd, f"{name}/cgroup.kill", "1")
+    except OSError:  # a kernel before 5.14 has no cgroup.kill: the pid namespace ended them
+      pass
+    for _ in range(200):
+      try:
+        os.rmdir(name, dir_fd=parent_fd)
+        break
+      except FileNotFoundError:
+        break
+      except OSError:  # its last processes are still exiting
+        time.sleep(0.01)
+  shutil.rmtree(os.path.basename(job["base"]), dir_fd=job["base_parent_fd"], ignore_errors=True)
+
+
+def _write_at(dir_fd, path, text):
+  fd = os.open(path, os.O_WRONLY, dir_fd=dir_fd)
+  try:
+    os.write(fd, text.encode())
+  finally:
+    os.close(fd)
+
+
 def main():
   job = json.loads(sys.stdin.buffer.read())
+  gone_fd = _watch_parent(job)
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
   out_fd = os.dup(1)
+  # For the cleanup should the grader die: after init's pivot_root these paths are out of sight.
+  job["base_parent_fd"] = os.open(os.path.dirname(job["base"]), os.O_RDONLY | os.O_DIRECTORY)
+  if job["cgroup"]:  # before any other process exists: everything of the sandbox is in it
+    try:
+      parent = os.path.dirname(job["cgroup"])
+      job["cgroup_parent_fd"] = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+      with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+      job["cgroup_stat_fd"] = os.open(os.path.join(job["cgroup"], "cpu.stat"), os.O_RDONLY)
+    except OSError as e:
+      _emit(out_fd, {"setup_error": f"cannot join the sandbox's cgroup {job['cgroup']}: {e}"})
+      return
   info = {"netns": False, "mountns": False, "pidns": False, "userns": False}
   if job["namespaces"]:
     root = os.geteuid() == 0
@@ -887,8 +1064,13 @@ def main():
       return
   pid = os.fork()
   if pid == 0:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for fd in (gone_fd, job["base_parent_fd"], job.get("cgroup_parent_fd")):
+      if fd is not None:  # the host's directories stay out of the sandbox's reach
+        os.close(fd)
     _init(job, out_fd, info)
-  os.waitpid(pid, 0)
+  _wait_or_end(job, pid, out_fd, gone_fd)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from sparrow_jax import checkpoint, records
 from sparrow_jax import logging as metrics_log
 from sparrow_jax import sharding
 from sparrow_jax.attention import page_pool
+from sparrow_jax.data import rewards as reward_lib
 from sparrow_jax.data import tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
@@ -372,6 +373,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
     t1 = time.time()
     state, metrics = train_step(state, batch, None if budget is None else budget.table)
     metrics = jax.tree_util.tree_map(sharding.to_host, metrics)
+    metrics["grading/budget_exceeded"] = reward_lib.take_budget_exceeded()
     out = hooks.StepOutput(
       step,
       budget,
