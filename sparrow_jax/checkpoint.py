@@ -135,7 +135,8 @@ def state_difference(saved: dict, wanted: dict) -> str:
 
 def _restore(mgr, step, abstract, path):
   """(state, meta) of checkpoint `step`. Raises _Unreadable when its files do not read as a
-  checkpoint or fail their checksums, ValueError when it reads but holds another state."""
+  checkpoint or fail their checksums, ValueError when it reads but holds another state or a meta
+  that is not the one saved at `step`."""
   try:
     saved = _shapes(mgr.item_metadata(step)["state"].tree, serialize=False)
   except (MemoryError, PermissionError):  # the machine, not the checkpoint
@@ -149,7 +150,6 @@ def _restore(mgr, step, abstract, path):
       "written by another config or code version. Nothing was changed; resume with that run's "
       "config or use a new config.workdir"
     )
-  _check_meta(_read_meta(mgr, step), step, path)
   try:
     restored = mgr.restore(
       step,
@@ -161,6 +161,9 @@ def _restore(mgr, step, abstract, path):
     raise
   except Exception as e:  # damaged array data or meta JSON
     raise _Unreadable(f"{type(e).__name__}: {e}") from e
+  if not isinstance(restored.meta, dict):
+    raise _Unreadable(f"its meta is a JSON {type(restored.meta).__name__}, not an object")
+  _check_meta(restored.meta, step, path)
   want = restored.meta.get(CHECKSUMS)
   if want is not None:  # checkpoints written before checksums existed are taken as they are
     got = checksums(restored.state)
@@ -170,19 +173,6 @@ def _restore(mgr, step, abstract, path):
   return restored.state, {
     k: v for k, v in restored.meta.items() if k not in (CHECKSUMS, META_CHECKSUM)
   }
-
-
-def _read_meta(mgr, step) -> dict:
-  """Checkpoint `step`'s meta alone (a small JSON), read before its arrays."""
-  try:
-    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-  except (MemoryError, PermissionError):
-    raise
-  except Exception as e:
-    raise _Unreadable(f"{type(e).__name__}: {e}") from e
-  if not isinstance(meta, dict):
-    raise _Unreadable(f"its meta is a JSON {type(meta).__name__}, not an object")
-  return meta
 
 
 def _aside(path: str) -> str:

@@ -89,9 +89,10 @@ def stop_before_state(monkeypatch):
   monkeypatch.setattr(trainer, "_build_state", stop)
 
 
-# (file, edit, what the one line names). Today's code: the first group raised tracebacks, the
-# string eps crashed in the first forward after the workdir was written, the last group trained
-# (exit 0) into NaNs or rows that never stop.
+# (file, edit, what the one line names). Unchecked, the first six raise tracebacks; the others
+# fail after the workdir is written (a string eps, a scaled rope without its factor) or train with
+# exit 0 into NaNs, a model that cannot see some tokens, rows that never stop, or a flag read the
+# wrong way ("no" is true).
 MODEL_EDITS = {
   "index_without_weight_map": (
     None,
