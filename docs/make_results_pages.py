@@ -1027,17 +1027,24 @@ def real_lm_mismatch_page(records) -> str:
       "| table | " + " | ".join(f"bin {b}" for b in range(bins)) + " |",
       "|---|" + "---|" * bins,
     ]
+    cached = [(b + 1) * bs // r["page_size"] for b in range(bins)]  # pages at each bin's end
+
+    def row(topk_bin):  # pages read at a bin's last step: top-k + 3, at most the cached pages
+      return [min(k + 3, n) for k, n in zip(topk_bin, cached)]
+
     for name, t in r["tables"].items():
       cells = [
-        "no tokens" if not n else f"{p} ({sh:.0%}){'' if ok else '*'}"
-        for p, sh, ok, n in zip(t["pages_bin"], t["share_bin"], t["meets_tau_bin"], r["count_bin"])
+        "no tokens" if not n else f"{p} ({p / c:.0%}){'' if ok else '*'}"
+        for p, c, ok, n in zip(row(t["topk_bin"]), cached, t["meets_tau_bin"], r["count_bin"])
       ]
       score, kind = name.split("/")
       lines.append(f"| ours: {score} scores, {kind} alpha | " + " | ".join(cells) + " |")
-    for model, d in r["paper_tables"].items():
-      cells = [f"{p} ({sh:.0%})" for p, sh in zip(d["pages"], d["share"])]
+    pages_per_bin = 2048 // r["page_size"]  # the paper's bins: 2K tokens
+    for model, values in _paper_topk(r).items():
+      topk = [values[min((n - 1) // pages_per_bin, len(values) - 1)] for n in cached]
+      cells = [f"{p} ({p / c:.0%})" for p, c in zip(row(topk), cached)]
       lines.append(f"| paper {model} | " + " | ".join(cells) + " |")
-    exact = r["tables"]["mean/exact"]["pages_bin"]
+    exact = row(r["tables"]["mean/exact"]["topk_bin"])
     rising = exact[last] > exact[first]
     span_k = (last - first) * bs / 1024
     slope = (exact[last] - exact[first]) / span_k if span_k else float("nan")

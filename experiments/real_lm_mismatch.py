@@ -167,7 +167,7 @@ def paper_pages(num_bins, bin_size, page_size):
   ends = (np.arange(num_bins) + 1) * bin_size
   for model in PAPER_MODELS:
     sched = KVSchedule.paper(model, 0.86)
-    pages = np.asarray(sched.budget_pages(jnp.asarray(ends)))
+    pages = np.asarray(sched.budget_pages(jnp.asarray(ends - 1)))  # the bin's last step
     cached = ends // page_size
     out[model] = {"pages": pages.tolist(), "share": (np.minimum(pages, cached) / cached).tolist()}
   return out
@@ -240,7 +240,7 @@ def choose_tables(st, cands, quest, tau, quantile, page, bin_size, num_bins):
         tail_CB, names, tau, page_size=page, always_kept=3, bin_size=bin_size, quantile=quantile
       )
       ends = (np.arange(num_bins) + 1) * bin_size
-      pages = np.asarray(sched.budget_pages(jnp.asarray(ends)))
+      pages = np.asarray(sched.budget_pages(jnp.asarray(ends - 1)))  # the bin's last step
       tables[f"{score}/{kind}"] = {
         "topk_bin": list(sched.values),
         "pages_bin": pages.tolist(),
@@ -277,6 +277,10 @@ def from_record(c):
     print(f"table {name} at tau {c.stats.tau}: top-k per bin {t['topk_bin']}")
   if c.schedule_out:
     write_schedule(c.schedule_out, schedule)
+  if c.plot_dir:
+    r = dict(r, tables=tables, tau=c.stats.tau)
+    r["paper_tables"] = paper_pages(r["num_bins"], r["bin_size"], r["page_size"])
+    print(f"wrote {plot(c.plot_dir, r)}")
   return tables
 
 

@@ -38,6 +38,7 @@ RESULTS_TOPICS = (
   "distill_sparse",
   "embedded_default",
   "memory",
+  "real_lm",
   "rollout_engine",
   "threshold_sweep",
 )

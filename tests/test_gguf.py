@@ -265,6 +265,6 @@ def test_real_smollm2_logits_equal_transformers(tmp_path):
     want = model(torch.tensor([ids])).logits.numpy()
   _, params = sj.load_hf(out)
   got = np.asarray(sj.forward(params, jnp.asarray([ids]), cfg))
-  # 30 float32 layers summed in other orders: logits of magnitude up to ~40 agree to 1e-4 plus
-  # 1e-5 relative.
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+  # 30 float32 layers summed in other orders (and the tests' XLA flags): logits of magnitude up
+  # to ~40 agree to 2e-4.
+  np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
