@@ -893,6 +893,96 @@ def distill_sparse_page(records) -> str:
   return "\n".join(lines)
 
 
+def speculative_rollout_page(records) -> str:
+  """docs/results/speculative_rollout.md from bench_rollout (e)'s record."""
+  lines = [
+    "# Exact mode vs dense and lossy sparse decoding (measured)",
+    "",
+    "`experiments/bench_rollout.py` part (e): the engine's decode programs over one page pool "
+    "(the same rows and pages for every setting), rows at a fixed context of random cached keys, "
+    "random weights of the Qwen3-1.7B shape truncated in depth. dense: every layer reads every "
+    "cached page; sparse: the paper's table (lossy: rows are the sparse policy's); speculateK: "
+    "exact mode, K sparse drafts and one dense verification pass a round (rows are the dense "
+    "policy's). accepted / round counts the tokens a row-round emits (residual or bonus "
+    "included); with random weights the drafts' acceptance is the random model's, not a trained "
+    "one's.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    c = r["config"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{c['layers']} layers, {c['dense_layers']} kept dense by the drafts, batch {r['batch']}, "
+      f"{c['steps']} tokens a timed chunk, temperature {c['temperature']}, tau {c['tau']}.",
+      "",
+      "| context | setting | tok/s | vs dense | accepted / round | draft acceptance |",
+      "|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+      spec = "accepted_per_round" in row
+      lines.append(
+        f"| {row['context']} | {row['setting']} | {row['tokens_per_s']:.1f} | "
+        f"{row['vs_dense']:.2f}x | {row['accepted_per_round']:.2f} | "
+        f"{row['draft_acceptance']:.3f} |"
+        if spec
+        else f"| {row['context']} | {row['setting']} | {row['tokens_per_s']:.1f} | "
+        f"{row['vs_dense']:.2f}x | - | - |"
+      )
+    lines.append("")
+  return "\n".join(lines)
+
+
+def speculative_training_page(records) -> str:
+  """docs/results/speculative_training.md from experiments/speculative_training.py's record."""
+  record = records[0]
+  r = record["results"]
+  v = r["verdict"]
+  dense, spec = r["settings"]["dense"], r["settings"]["speculate"]
+  lines = [
+    "# Exact mode's training test (measured)",
+    "",
+    "The default job with `rollout.speculate = "
+    f"{spec['speculate']}` against the shipped dense runs of the same seeds; the rule was "
+    "written before the runs ([rollout_engine.md](../rollout_engine.md#the-training-test-written"
+    "-before-its-runs)): passed if the speculative mean held-out score is at least dense mean - "
+    "dense std (ddof 1), failed if below, inconclusive unless every seed finished.",
+    "",
+    _provenance(record),
+    "",
+    f"Seeds {', '.join(map(str, spec['seeds']))}; mean +- std over them.",
+    "",
+    "| setting | held-out score | held-out exact | KV read | rollout tok/s | reward, last |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, d in (("dense", dense), ("speculate", spec)):
+    lines.append(
+      f"| {name} | {_sweep_cell(d['heldout_score'])} | {_sweep_cell(d['heldout_accuracy'])} | "
+      f"{_sweep_cell(d['kv_read'])} | {_sweep_cell(d['rollout_tokens_per_s'], 0)} | "
+      f"{_sweep_cell(d['reward_last'])} |"
+    )
+  lines += [
+    "",
+    "| run | held-out score | KV read | tok/s vs dense | accepted / round | draft acceptance | "
+    "TIS weight |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, run in r["runs"].items():
+    lines.append(
+      f"| {name} | {run['heldout_score']:.3f} | {run['kv_read']:.3f} | "
+      f"{run['measured_speedup']:.2f}x | {run['rollout_accepted_per_round']:.2f} | "
+      f"{run['rollout_draft_acceptance']:.3f} | {run['tis_weight_mean']:.4f} |"
+    )
+  lines += [
+    "",
+    f"The line: {v['dense_mean']:.3f} - {dense['heldout_score']['std']:.3f} = {v['line']:.3f}. "
+    f"**Verdict: {v['verdict']}.**",
+    "",
+  ]
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -906,6 +996,8 @@ PAGES = {
   "decode_rollout.md": ("decode_rollout.json", decode_rollout_page),
   "embedded_default.md": ("embedded_*.json", embedded_default_page),
   "distill_sparse.md": ("distill_sparse.json", distill_sparse_page),
+  "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
+  "speculative_training.md": ("speculative_training.json", speculative_training_page),
 }
 
 

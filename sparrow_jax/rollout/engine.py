@@ -37,7 +37,7 @@ from sparrow_jax.sparsity.schedule import BudgetTable
 from sparrow_jax.model import qwen3
 from sparrow_jax import sharding
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.rollout import sampler
+from sparrow_jax.rollout import sampler, speculative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,10 @@ class EngineConfig:
   # moved to the first slots), so a rollout's last long rows stop paying for the empty slots
   # beside them. 0: off. A second compiled decode program, built on first use.
   drain_slots: int = 0
+  # Exact mode (rollout/speculative.py): each round the sparse policy drafts this many tokens and
+  # the dense policy verifies them in one pass, so rows are the dense policy's samples; a chunk
+  # runs chunk_steps // (speculate + 1) rounds (at least one). 0: off (rows sampled as decoded).
+  speculate: int = 0
 
   def __post_init__(self):
     for name, low in (
@@ -59,6 +63,7 @@ class EngineConfig:
       ("chunk_steps", 1),
       ("reserve_chunks", 0),
       ("drain_slots", 0),
+      ("speculate", 0),
     ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
@@ -68,6 +73,16 @@ class EngineConfig:
         f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
         f"({self.num_slots}), or 0 (off)"
       )
+
+  @property
+  def chunk_rounds(self) -> int:
+    """Speculative rounds per chunk."""
+    return max(self.chunk_steps // (self.speculate + 1), 1)
+
+  @property
+  def chunk_tokens(self) -> int:
+    """The most positions a row's chunk writes past its cache (and tokens it may advance)."""
+    return self.chunk_rounds * (self.speculate + 1) if self.speculate else self.chunk_steps
 
 
 DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
@@ -96,6 +111,23 @@ class EngineStats:
   computed_row_steps: int = 0  # slots decoded x decode steps
   preemptions: int = 0
   peak_pages: int = 0  # most pool pages in use at once
+  # Speculative rollouts: row-rounds run, drafts proposed and accepted, and the KV pages (x layers)
+  # the rounds read, drafts and verification together, next to what dense decoding of the same
+  # tokens reads.
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  kv_pages_read: float = 0.0
+  kv_pages_dense: float = 0.0
+
+  @property
+  def accepted_per_round(self) -> float:
+    """Tokens a row-round emits on average: accepted drafts plus the residual or bonus token."""
+    return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+  @property
+  def draft_acceptance(self) -> float:
+    return self.accepted / max(self.drafted, 1)
 
   @property
   def occupancy(self) -> float:
@@ -213,6 +245,152 @@ def _decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse,
   return pool, slots, out, steps_run
 
 
+@functools.partial(
+  jax.jit,
+  static_argnames=("cfg", "rounds", "draft", "sparse", "sampling"),
+  donate_argnames=("pool",),
+)
+def _speculative_chunk(
+  params, lora, pool, budget, key, slots, *, cfg, rounds, draft, sparse, sampling
+):
+  """Up to `rounds` speculative rounds (rollout/speculative.py) over every slot, `draft` drafts
+  each: the sparse actor (params with `lora`, pages under `budget`) drafts, the dense policy
+  (params alone) verifies. Slots as `_decode_chunk`'s; a slot emits 1 to draft + 1 tokens a
+  round, its tokens the first n_gen_after - n_gen_before columns of the [S, rounds * (draft + 1)]
+  outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token).
+  Returns (pool, slots, out, rounds run, per-slot counters: accepted drafts, rounds, KV pages
+  read and the pages dense decoding of the emitted tokens reads)."""
+  params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
+  draft_fn = policy.pool_decode_attention_fn(
+    sparse, budget, None if budget is None else budget.max_selected
+  )
+  verify_fn = policy.pool_verify_attention_fn()
+  s0, k, C, Z = slots, draft, draft + 1, pool.page_size
+  pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
+  eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
+  S, W = slots["token"].shape[0], rounds * C
+  # Drafts and verification write up to `draft` positions past a row's last: trash-page columns.
+  table = jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // Z) + 1)))
+  L = cfg.num_hidden_layers
+  L_dense = L if sparse is None else min(sparse.dense_layers, L)
+  pages_by_len = None if budget is None else budget.pages_by_len
+  out = dict(
+    tokens=jnp.full((S, W), pad_id, jnp.int32),
+    logprobs=jnp.zeros((S, W), jnp.float32),
+    alpha=jnp.full((S, W), jnp.nan, jnp.float32),
+  )
+  if num_top:
+    out.update(
+      top_lp=jnp.zeros((S, W, num_top), jnp.float32), top_id=jnp.zeros((S, W, num_top), jnp.int32)
+    )
+  count = dict(
+    accepted=jnp.zeros(S, jnp.int32),
+    rounds=jnp.zeros(S, jnp.int32),
+    read=jnp.zeros(S, jnp.float32),
+    dense=jnp.zeros(S, jnp.float32),
+  )
+
+  def pages_read(length_S):  # KV pages x layers a decode step at cached length length_S reads
+    pages = -(-length_S // Z)
+    sparse_pages = pages if pages_by_len is None else jnp.minimum(pages_by_len[length_S], pages)
+    return (L_dense * pages + (L - L_dense) * sparse_pages).astype(jnp.float32)
+
+  def body(carry):
+    j, pool, s, out, count = carry
+    active, length = s["active"], s["length"]
+    keys_SC = jax.vmap(
+      lambda r, t: jax.vmap(lambda c: row_key(key, r, t + c))(jnp.arange(C, dtype=t.dtype))
+    )(s["row"], s["n_gen"])
+
+    def draft_step(i, dc):
+      pool, token, drafts_Sk, logq_SkV, read = dc
+      layers = page_pool.layer_views(pool, table, length + i, active)
+      logits_SV, layers = qwen3.decode_step(
+        params, token, cfg, layers, attention_fn=draft_fn, lora=lora
+      )
+      token, logq_SV = speculative.draft_tokens(logits_SV, keys_SC[:, i], sampling)
+      return (
+        page_pool.from_layers(pool, layers),
+        token,
+        drafts_Sk.at[:, i].set(token),
+        logq_SkV.at[:, i].set(logq_SV),
+        read + pages_read(length + i + 1),
+      )
+
+    V = cfg.vocab_size
+    pool, _, drafts_Sk, logq_SkV, read = jax.lax.fori_loop(
+      0,
+      k,
+      draft_step,
+      (
+        pool,
+        s["token"],
+        jnp.zeros((S, k), jnp.int32),
+        jnp.zeros((S, k, V), jnp.float32),
+        jnp.zeros(S, jnp.float32),
+      ),
+    )
+    layers = page_pool.layer_views(pool, table, length, active)
+    tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
+    logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
+    logp_SCV = sampler.sampled_logp(
+      logits_SCV.reshape(S * C, V), sampling.temperature, sampling.top_p, sampling.top_k
+    ).reshape(S, C, V)
+    emitted_SC, n_acc_S, logp_SC, alpha_Sk = jax.vmap(speculative.accept_round)(
+      logp_SCV, logq_SkV, drafts_Sk, keys_SC
+    )
+    # What the row keeps: up to its first EOS and its max_new.
+    c_C = jnp.arange(C)
+    eos_SC = jnp.isin(emitted_SC, eos) & (c_C[None] <= n_acc_S[:, None])
+    first_eos_S = jnp.where(jnp.any(eos_SC, axis=1), jnp.argmax(eos_SC, axis=1), C)
+    m_S = jnp.minimum(jnp.minimum(n_acc_S + 1, first_eos_S + 1), s["max_new"] - s["n_gen"])
+    m_S = jnp.where(active, m_S, 0)
+    keep_S = jnp.where(active, n_acc_S + 1, 0)
+    layers = tuple(x.write_span(kv[0], kv[1], length, keep_S) for x, kv in zip(layers, new_kv))
+    pool = page_pool.from_layers(pool, layers)
+    cols_SC = jnp.where(
+      c_C[None] < m_S[:, None], (s["n_gen"] - s0["n_gen"])[:, None] + c_C[None], W
+    )
+    rows_SC = jnp.broadcast_to(jnp.arange(S)[:, None], (S, C))
+    put = lambda buf, x: buf.at[rows_SC, cols_SC].set(x, mode="drop")
+    alpha_SC = jnp.pad(alpha_Sk, ((0, 0), (0, 1)), constant_values=jnp.nan)
+    alpha_SC = jnp.where(c_C[None] < k, alpha_SC, jnp.nan)
+    out = dict(
+      out,
+      tokens=put(out["tokens"], emitted_SC),
+      logprobs=put(out["logprobs"], logp_SC),
+      alpha=put(out["alpha"], alpha_SC),
+    )
+    if num_top:
+      top_lp, top_id = jax.lax.top_k(logp_SCV, num_top)
+      out.update(top_lp=put(out["top_lp"], top_lp), top_id=put(out["top_id"], top_id))
+    n_gen = s["n_gen"] + m_S
+    kept_eos = first_eos_S < m_S
+    ended = active & (kept_eos | (n_gen >= s["max_new"]))
+    last_S = jnp.take_along_axis(emitted_SC, n_acc_S[:, None], axis=1)[:, 0]
+    dense_read_S = jnp.sum(
+      jnp.where(c_C[None] < m_S[:, None], L * -(-(length[:, None] + c_C[None] + 1) // Z), 0), axis=1
+    )
+    count = dict(
+      accepted=count["accepted"] + jnp.where(active, n_acc_S, 0),
+      rounds=count["rounds"] + active,
+      read=count["read"] + jnp.where(active, read + L * -(-length // Z), 0.0),
+      dense=count["dense"] + dense_read_S.astype(jnp.float32),
+    )
+    s = dict(
+      s,
+      token=jnp.where(active, last_S, s["token"]),
+      length=length + keep_S,
+      n_gen=n_gen,
+      active=active & ~ended,
+    )
+    return j + 1, pool, s, out, count
+
+  cond = lambda carry: (carry[0] < rounds) & jnp.any(carry[2]["active"])
+  rounds_run, pool, slots, out, count = jax.lax.while_loop(cond, body, (0, pool, slots, out, count))
+  return pool, slots, out, rounds_run, count
+
+
 @dataclasses.dataclass
 class _Row:
   index: int  # the row's index in the request: its key and its place in the output
@@ -222,6 +400,7 @@ class _Row:
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   top: list = dataclasses.field(default_factory=list)
+  alpha: list = dataclasses.field(default_factory=list)  # speculative rollouts
   pages: list = dataclasses.field(default_factory=list)  # its own pool pages, in logical order
   first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
   slot: Optional[int] = None  # its slot on its group's shard while it runs
@@ -321,7 +500,7 @@ class _Scheduler:
 
   def reserve(self, shard: int) -> int:
     """Pages the shard's running rows will still take over `reserve_chunks` more chunks."""
-    ahead = self.engine.chunk_steps * (1 + self.engine.reserve_chunks)
+    ahead = self.engine.chunk_tokens * (1 + self.engine.reserve_chunks)
     return sum(max(self.pages_needed(r, ahead) - len(r.pages), 0) for r in self.running(shard))
 
 
@@ -448,7 +627,7 @@ def run(
     params["embed"].dtype,
     sparse.page_score if sparse is not None else "mean",
   )
-  R, S, C = pool.shards, engine.num_slots, engine.chunk_steps
+  R, S, C = pool.shards, engine.num_slots, engine.chunk_tokens
   # This process's shards of the pool: it schedules only them; arrays of every shard's slots are
   # assembled from each process's part.
   mesh = jax.sharding.get_mesh()
@@ -498,7 +677,7 @@ def run(
         row_ids[i], at[g] = np.asarray(group.rows) + first_row, i
     pool, token, logp, top = _insert(
       params,
-      lora,
+      None if engine.speculate else lora,  # exact mode: the dense policy's prompt and first token
       pool,
       *map(to_global, (prompts, lens, dest, row_ids)),
       key,
@@ -519,6 +698,7 @@ def run(
     """The row back to its first token (at admission and after a preemption)."""
     token, logp, top = row.first
     row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
+    row.alpha = [float("nan")]  # sampled at the prefill, from the dense policy
     row.done = token in eos_ids or row.max_new == 1
 
   def admit_round() -> bool:
@@ -631,24 +811,33 @@ def run(
       slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
       slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
       slots["row"][i], slots["active"][i] = first_row + r.index, True
-    pool, after, out, steps_run = _decode_chunk(
-      params,
-      lora,
-      pool,
-      budget,
-      key,
-      {k: to_global(v) for k, v in slots.items()},
-      cfg=cfg,
-      steps=C,
-      sparse=sparse,
-      sampling=sampling,
-    )
+    slots = {k: to_global(v) for k, v in slots.items()}
+    if engine.speculate:
+      pool, after, out, steps_run, count = _speculative_chunk(
+        params,
+        lora,
+        pool,
+        budget,
+        key,
+        slots,
+        cfg=cfg,
+        rounds=engine.chunk_rounds,
+        draft=engine.speculate,
+        sparse=sparse,
+        sampling=sampling,
+      )
+      _count_rounds(sched.stats, {k: to_local(v) for k, v in count.items()}, engine.speculate)
+    else:
+      pool, after, out, steps_run = _decode_chunk(
+        params, lora, pool, budget, key, slots, cfg=cfg, steps=C, sparse=sparse, sampling=sampling
+      )
     out = {k: to_local(v) for k, v in out.items()}
     n_gen_after, active_after = to_local(after["n_gen"]), to_local(after["active"])
     steps_run = int(sharding.to_host(steps_run))
+    per_step = engine.speculate + 1  # tokens a decode step (a round) can emit per slot
     sched.stats.chunks += 1
     sched.stats.decode_steps += steps_run
-    sched.stats.computed_row_steps += steps_run * R_local * W
+    sched.stats.computed_row_steps += steps_run * per_step * R_local * W
     for r in running:
       i = at[r.index]
       new = int(n_gen_after[i]) - len(r.tokens)
@@ -657,10 +846,22 @@ def run(
       r.logprobs += out["logprobs"][i, :new].tolist()
       if num_top:
         r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
+      if engine.speculate:
+        r.alpha += out["alpha"][i, :new].tolist()
       if not active_after[i]:
         r.done = True
         sched.release(r)
-  return _rollout(rows, int(max_new_B.max()), sampling), sched.stats
+  return _rollout(rows, int(max_new_B.max()), sampling, engine.speculate), sched.stats
+
+
+def _count_rounds(stats: EngineStats, count: dict, draft: int) -> None:
+  """A speculative chunk's per-slot counters into the rollout's stats."""
+  rounds = int(np.sum(count["rounds"]))
+  stats.rounds += rounds
+  stats.drafted += rounds * draft
+  stats.accepted += int(np.sum(count["accepted"]))
+  stats.kv_pages_read += float(np.sum(count["read"]))
+  stats.kv_pages_dense += float(np.sum(count["dense"]))
 
 
 def full_batch(
@@ -743,7 +944,7 @@ def generate(
   )
 
 
-def _rollout(rows, N: int, sampling: sampler.Sampling) -> sampler.Rollout:
+def _rollout(rows, N: int, sampling: sampler.Sampling, speculate: int = 0) -> sampler.Rollout:
   B, pad_id, num_top = len(rows), sampling.pad_id, sampling.num_top_logprobs
   tokens = np.full((B, N), pad_id, np.int32)
   logprobs = np.zeros((B, N), np.float32)
@@ -757,10 +958,16 @@ def _rollout(rows, N: int, sampling: sampler.Sampling) -> sampler.Rollout:
     if num_top:
       top_lp[r.index, :n] = np.stack([t[0] for t in r.top])
       top_id[r.index, :n] = np.stack([t[1] for t in r.top])
+  alpha = None
+  if speculate:
+    alpha = np.full((B, N), np.nan, np.float32)
+    for r in rows:
+      alpha[r.index, : len(r.alpha)] = r.alpha
   return sampler.Rollout(
     jnp.asarray(tokens),
     jnp.asarray(logprobs),
     jnp.asarray(lengths),
     None if top_lp is None else jnp.asarray(top_lp),
     None if top_id is None else jnp.asarray(top_id),
+    None if alpha is None else jnp.asarray(alpha),
   )
