@@ -213,7 +213,8 @@ def test_sampled_rows_do_not_depend_on_placement():
   two, _ = run(3, temperature=1.0, rows=slice(0, 2), slots=2)
   for got, want in [(v, ref) for v in variants] + [(four, head(ref, 4)), (two, head(four, 2))]:
     assert_same_rows(got, want)
-    np.testing.assert_array_equal(np.asarray(got.alpha), np.asarray(want.alpha))
+    # alpha sums a row's probabilities: its rounding follows the batch's width
+    np.testing.assert_allclose(np.asarray(got.alpha), np.asarray(want.alpha), atol=1e-5)
 
 
 @pytest.mark.slow
