@@ -1132,6 +1132,57 @@ def real_lm_decode_page(records) -> str:
   return "\n".join(lines)
 
 
+SPECULATIVE_ALPHAS = (0.9, 0.97)  # acceptance rates the exact mode's round time is priced at
+
+
+def speculative_rollout_page(records) -> str:
+  """docs/results/speculative_rollout.md from bench_rollout (e)'s record."""
+  at = " | ".join(f"tok/s at alpha {a}" for a in SPECULATIVE_ALPHAS)
+  lines = [
+    "# Exact mode vs dense and lossy sparse decoding (measured)",
+    "",
+    "`experiments/bench_rollout.py` part (e): the engine's decode programs over one page pool "
+    "(the same rows and pages for every setting), rows at a fixed context of random cached keys, "
+    "random weights of the Qwen3-1.7B shape truncated in depth. dense: every layer reads every "
+    "cached page; sparse: the paper's table (lossy: rows are the sparse policy's); speculateK: "
+    "exact mode, K sparse drafts and one dense verification pass a round (rows are the dense "
+    "policy's). accepted / round counts the tokens a row-round emits (residual or bonus "
+    "included). With random weights and random cached keys the drafts' acceptance is the random "
+    "model's, far below a trained model's, so the last columns price the measured round time "
+    "(`round ms`: a timed call's seconds over its rounds) at acceptance rates alpha per token: "
+    "a row-round then emits (1 - alpha^(K+1)) / (1 - alpha) tokens. Those two columns are "
+    "derived from the measured round time, not measured.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    c = r["config"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{c['layers']} layers, {c['dense_layers']} kept dense by the drafts, batch {r['batch']}, "
+      f"{c['steps']} tokens a timed chunk, temperature {c['temperature']}, tau {c['tau']}.",
+      "",
+      f"| context | setting | tok/s | vs dense | accepted / round | draft acceptance | round ms | "
+      f"{at} |",
+      "|---|---|---|---|---|---|---|" + "---|" * len(SPECULATIVE_ALPHAS),
+    ]
+    for row in r["rows"]:
+      cells = [str(row["context"]), row["setting"], f"{row['tokens_per_s']:.1f}"]
+      cells.append(f"{row['vs_dense']:.2f}x")
+      if "accepted_per_round" in row:
+        k = int(row["setting"][len("speculate") :])
+        round_s = row["seconds"] / -(-c["steps"] // (k + 1))
+        emitted = [(1 - a ** (k + 1)) / (1 - a) for a in SPECULATIVE_ALPHAS]
+        cells += [f"{row['accepted_per_round']:.2f}", f"{row['draft_acceptance']:.3f}"]
+        cells += [f"{1e3 * round_s:.0f}"] + [f"{r['batch'] * e / round_s:.1f}" for e in emitted]
+      else:
+        cells += ["-"] * (3 + len(SPECULATIVE_ALPHAS))
+      lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
 def real_lm_rl_page(records) -> str:
   """docs/results/real_lm_rl.md from run_report's record of short RL runs on the real LM: what a
   step costs here, and so whether a run fits."""
@@ -1159,6 +1210,55 @@ def real_lm_rl_page(records) -> str:
   return "\n".join(lines)
 
 
+def speculative_training_page(records) -> str:
+  """docs/results/speculative_training.md from experiments/speculative_training.py's record."""
+  record = records[0]
+  r = record["results"]
+  v = r["verdict"]
+  dense, spec = r["settings"]["dense"], r["settings"]["speculate"]
+  lines = [
+    "# Exact mode's training test (measured)",
+    "",
+    "The default job with `rollout.speculate = "
+    f"{spec['speculate']}` against the shipped dense runs of the same seeds; the rule was "
+    "written before the runs ([rollout_engine.md](../rollout_engine.md#the-training-test-written"
+    "-before-its-runs)): passed if the speculative mean held-out score is at least dense mean - "
+    "dense std (ddof 1), failed if below, inconclusive unless every seed finished.",
+    "",
+    _provenance(record),
+    "",
+    f"Seeds {', '.join(map(str, spec['seeds']))}; mean +- std over them.",
+    "",
+    "| setting | held-out score | held-out exact | KV read | rollout tok/s | reward, last |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, d in (("dense", dense), ("speculate", spec)):
+    lines.append(
+      f"| {name} | {_sweep_cell(d['heldout_score'])} | {_sweep_cell(d['heldout_accuracy'])} | "
+      f"{_sweep_cell(d['kv_read'])} | {_sweep_cell(d['rollout_tokens_per_s'], 0)} | "
+      f"{_sweep_cell(d['reward_last'])} |"
+    )
+  lines += [
+    "",
+    "| run | held-out score | KV read | tok/s vs dense | accepted / round | draft acceptance | "
+    "TIS weight |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, run in r["runs"].items():
+    lines.append(
+      f"| {name} | {run['heldout_score']:.3f} | {run['kv_read']:.3f} | "
+      f"{run['measured_speedup']:.2f}x | {run['rollout_accepted_per_round']:.2f} | "
+      f"{run['rollout_draft_acceptance']:.3f} | {run['tis_weight_mean']:.4f} |"
+    )
+  lines += [
+    "",
+    f"The line: {v['dense_mean']:.3f} - {dense['heldout_score']['std']:.3f} = {v['line']:.3f}. "
+    f"**Verdict: {v['verdict']}.**",
+    "",
+  ]
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -1175,6 +1275,8 @@ PAGES = {
   "real_lm_mismatch.md": ("real_lm_mismatch.json", real_lm_mismatch_page),
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
+  "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
+  "speculative_training.md": ("speculative_training.json", speculative_training_page),
 }
 
 

@@ -170,6 +170,53 @@ class PoolLayer:
     )
     return self.replace(k_stored=k_stored, v_stored=v_stored, summaries=summaries)
 
+  def write_span(self, k_BCKE, v_BCKE, pos_B, keep_B) -> "PoolLayer":
+    """Writes C tokens per running slot at positions pos_B .. pos_B + C - 1, the first keep_B of
+    k_BCKE / v_BCKE and zeros for the rest (what a slot that never cached them holds), and
+    recomputes the summaries of the pages they touch from their Z slots: after a speculative round
+    the cache holds exactly what decoding the kept tokens one by one would have left (a quest
+    max/min cannot be un-maxed, so summaries are rebuilt, not patched). Positions past the slot's
+    page table go to the trash page."""
+    Z, dtype, score = self.page_size, self.dtype, self.page_score
+    C = k_BCKE.shape[1]
+
+    def local(k_stored, v_stored, summaries, page_table, active, k_BCKE, v_BCKE, pos_B, keep_B):
+      shape = k_stored.shape
+      K, X, PR = shape[1], shape[2], page_table.shape[1]
+      flat = lambda x: x.reshape(K * X, *x.shape[3:])
+      pos_BC = pos_B[:, None] + jnp.arange(C, dtype=pos_B.dtype)
+      logical_BC = pos_BC // Z
+      page_BC = jnp.take_along_axis(page_table, jnp.minimum(logical_BC, PR - 1), axis=1)
+      page_BC = jnp.where(active[:, None] & (logical_BC < PR), page_BC, TRASH_PAGE)
+      id_BCK = page_BC[:, :, None] + (jnp.arange(K, dtype=page_BC.dtype) * X)[None, None]
+      at = (id_BCK, (pos_BC % Z)[:, :, None])
+      kept_BC11 = (jnp.arange(C)[None] < keep_B[:, None])[:, :, None, None]
+      put = lambda buf, x_BCKE: buf.at[at].set(
+        paged_cache.to_stored(jnp.where(kept_BC11, x_BCKE, 0).astype(dtype))
+      )
+      k_flat = put(flat(k_stored), k_BCKE)
+      pages_BCKZE = paged_cache.from_stored(k_flat[id_BCK], dtype)
+      B = pages_BCKZE.shape[0]
+      summary = paged_cache.page_summaries(pages_BCKZE.reshape(B * C, K, Z, -1), Z, score).reshape(
+        B, C, K, *summaries.shape[3:]
+      )
+      return (
+        k_flat.reshape(shape),
+        put(flat(v_stored), v_BCKE).reshape(shape),
+        flat(summaries).at[id_BCK].set(summary).reshape(summaries.shape),
+      )
+
+    pools = (self.k_stored, self.v_stored, self.summaries)
+    pool_axes = (POOL_AXES, POOL_AXES, SUMMARY_AXES)
+    kv_axes = ("batch", "length", "kv_heads")
+    k_stored, v_stored, summaries = per_device(
+      local,
+      pools + (self.page_table, self.active, k_BCKE, v_BCKE, pos_B, keep_B),
+      pool_axes + (SLOT_AXES, SLOT_AXES, kv_axes, kv_axes, SLOT_AXES, SLOT_AXES),
+      tuple(zip(pool_axes, (x.shape for x in pools))),
+    )
+    return self.replace(k_stored=k_stored, v_stored=v_stored, summaries=summaries)
+
   def constrain(self) -> "PoolLayer":
     return self  # per_device keeps every array on its shards
 

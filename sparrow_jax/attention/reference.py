@@ -242,6 +242,48 @@ def paged_decode_attention(
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
+def _verify_row(q_CGE, k_pages_XZE, v_pages_XZE, page_idx_N, length, k_new_CE, v_new_CE, scale):
+  """One (sequence, KV head) of `paged_verify_attention`."""
+  N = page_idx_N.shape[0]
+  _, Z, E = k_pages_XZE.shape
+  C = q_CGE.shape[0]
+  f32 = lambda x: x.astype(jnp.float32)
+  k_TE = jnp.concatenate(
+    [f32(k_pages_XZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E)), f32(k_new_CE)]
+  )
+  v_TE = jnp.concatenate([v_pages_XZE.at[page_idx_N].get(mode="clip").reshape(N * Z, E), v_new_CE])
+  s_CGT = jnp.einsum("cge,te->cgt", f32(q_CGE), k_TE) * scale
+  cached_CT = jnp.broadcast_to(jnp.arange(N * Z) < length, (C, N * Z))
+  causal_CC = jnp.arange(C)[None, :] <= jnp.arange(C)[:, None]
+  return _softmax_av(s_CGT, jnp.concatenate([cached_CT, causal_CC], axis=1), v_TE)
+
+
+def paged_verify_attention(
+  q_BKCGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, lengths_B, k_new_BKCE, v_new_BKCE, *, scale=None
+):
+  """Attention of C consecutive queries per (sequence b, KV head k), at positions lengths_B[b] + c,
+  over the sequence's cached tokens (positions < lengths_B[b] of its pages page_idx_BKN[b, k], in
+  logical order, ids into the flat page arrays) and causally over the C new keys and values
+  k_new_BKCE, v_new_BKCE (not cached yet): the dense verification pass of speculative decoding,
+  which reads each page once for all C queries. With C = 1 it is `paged_decode_attention` with
+  every cached page selected and the new token in the cache."""
+  B, K, C, G, E = q_BKCGE.shape
+  N = page_idx_BKN.shape[2]
+  scale = default_scale(E) if scale is None else scale
+  new = lambda x: x.reshape(B * K, C, E).astype(k_pages_XZE.dtype)
+  rows = (
+    q_BKCGE.reshape(B * K, C, G, E),
+    page_idx_BKN.reshape(B * K, N),
+    jnp.repeat(lengths_B, K),
+    new(k_new_BKCE),
+    new(v_new_BKCE),
+  )
+  out = jax.lax.map(
+    lambda row: _verify_row(row[0], k_pages_XZE, v_pages_XZE, *row[1:], scale), rows
+  )
+  return out.reshape(B, K, C, G, E).astype(q_BKCGE.dtype)
+
+
 def per_row(paged_fn):
   """The per-row-cache form of a paged attention (`paged_decode_attention`'s contract):
   sparse_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, page_idx_BKN, n_valid_BK, lengths_B,

@@ -51,7 +51,7 @@ from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import hooks, run_config
 from sparrow_jax.rl import train_step as ts
-from sparrow_jax.rollout import engine
+from sparrow_jax.rollout import engine, speculative
 from sparrow_jax.sparsity import schedule as schedule_lib
 
 
@@ -387,6 +387,16 @@ def _train(c, mesh, run: contextlib.ExitStack):
     for hook in step_hooks:
       if hook.due(step):
         metrics.update(hook.metrics(out))
+    if engine_cfg.speculate:  # exact mode: the drafts' acceptance, reads with the verification's
+      metrics.update(
+        speculative.metrics(
+          engine_stats,
+          sharding.to_host(rollout.alpha),
+          out.prompt_len_B,
+          bin_size=c.stats.bin_size,
+          num_bins=c.stats.num_bins,
+        )
+      )
     log.write(out, metrics, t0)
     stop = preemption.requested()
     for hook in step_hooks + [saver]:

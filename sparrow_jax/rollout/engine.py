@@ -102,6 +102,8 @@ class _Programs:
   sparse: Optional[SparseConfig]
   budget: Optional[BudgetTable]
   steps: int
+  speculate: int  # draft tokens per round (exact mode), 0: off
+  rounds: int  # exact mode's rounds per chunk
   shards: int  # the pool's shards, every process's
   local: int  # this process's
   rows_sh: Any  # the rows' sharding on a mesh, else None
@@ -126,7 +128,7 @@ class _Programs:
     *inputs, at = sched.prefill_inputs(planned)
     pool, token, logp, top = programs.prefill(
       self.params,
-      self.lora,
+      None if self.speculate else self.lora,  # exact mode: the dense policy's first token
       pool,
       *map(self.to_global, inputs),
       self.key,
@@ -142,22 +144,22 @@ class _Programs:
     return programs.copy_pages(pool, self.to_global(pairs[0]), self.to_global(pairs[1]))
 
   def decode(self, pool, slots):
-    """One chunk -> (pool, host outputs, n_gen and active after it, steps run)."""
-    pool, after, out, steps_run = programs.decode_chunk(
-      self.params,
-      self.lora,
-      pool,
-      self.budget,
-      self.key,
-      {k: self.to_global(v) for k, v in slots.items()},
-      cfg=self.cfg,
-      steps=self.steps,
-      sparse=self.sparse,
-      sampling=self.sampling,
-    )
+    """One chunk -> (pool, host outputs, n_gen and active after it, steps (rounds) run, and
+    exact mode's per-slot counters, else None)."""
+    args = (self.params, self.lora, pool, self.budget, self.key)
+    args += ({k: self.to_global(v) for k, v in slots.items()},)
+    kw = dict(cfg=self.cfg, sparse=self.sparse, sampling=self.sampling)
+    count = None
+    if self.speculate:
+      pool, after, out, steps_run, count = programs.speculative_chunk(
+        *args, rounds=self.rounds, draft=self.speculate, **kw
+      )
+      count = {k: self.to_local(v) for k, v in count.items()}
+    else:
+      pool, after, out, steps_run = programs.decode_chunk(*args, steps=self.steps, **kw)
     out = {k: self.to_local(v) for k, v in out.items()}
     n_gen, active = self.to_local(after["n_gen"]), self.to_local(after["active"])
-    return pool, out, n_gen, active, int(sharding.to_host(steps_run))
+    return pool, out, n_gen, active, int(sharding.to_host(steps_run)), count
 
 
 def run(
@@ -206,6 +208,8 @@ def run(
     sparse=sparse,
     budget=budget,
     steps=engine.chunk_steps,
+    speculate=engine.speculate,
+    rounds=engine.chunk_rounds,
   )
   sched = scheduler.Scheduler(engine, requests, Z, progs.local, order, sampling.eos_ids)
   while True:
@@ -224,8 +228,8 @@ def run(
     sched.grow()
     width = sched.width(not engine.drain_slots or _any_process(sched.wants_all_slots()))
     slots, at = sched.chunk_inputs(width)
-    pool, out, n_gen, active, steps_run = progs.decode(pool, slots)
-    sched.finish_chunk(at, width, steps_run, out, n_gen, active)
+    pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots)
+    sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
   return _rollout(sched, sampling), sched.stats
 
 
@@ -310,8 +314,6 @@ def generate(
 
 
 def _rollout(sched: scheduler.Scheduler, sampling: sampler.Sampling) -> sampler.Rollout:
-  tokens, logprobs, lengths, top_lp, top_id = sched.outputs(
-    sampling.num_top_logprobs, sampling.pad_id
-  )
+  outputs = sched.outputs(sampling.num_top_logprobs, sampling.pad_id)
   as_jax = lambda x: None if x is None else jnp.asarray(x)
-  return sampler.Rollout(*map(as_jax, (tokens, logprobs, lengths, top_lp, top_id)))
+  return sampler.Rollout(*map(as_jax, outputs))

@@ -1,6 +1,7 @@
 """The rollout engine's compiled programs: the group prefill into pool pages, the prompt-template
-page copy and the decode chunk. The engine (rollout/engine.py) runs them between the scheduler's
-steps (rollout/scheduler.py); experiments lower them to read their memory and cost.
+page copy, the decode chunk and exact mode's speculative chunk. The engine (rollout/engine.py) runs
+them between the scheduler's steps (rollout/scheduler.py); experiments lower them to read their
+memory and cost.
 
 Each row samples with its own key, `row_key(key, row, t)` (the run's key folded with the row's
 index, then the token's index), so its tokens and log-probs do not depend on its slot, the number of
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from sparrow_jax.attention import page_pool, paged_cache
 from sparrow_jax.sparsity import policy
 from sparrow_jax.model import qwen3
-from sparrow_jax.rollout import sampler
+from sparrow_jax.rollout import sampler, speculative
 
 
 def row_key(key, row, t):
@@ -125,3 +126,149 @@ def decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, 
   cond = lambda carry: (carry[0] < steps) & jnp.any(carry[2]["active"])
   steps_run, pool, slots, out = jax.lax.while_loop(cond, body, (0, pool, slots, out))
   return pool, slots, out, steps_run
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("cfg", "rounds", "draft", "sparse", "sampling"),
+  donate_argnames=("pool",),
+)
+def speculative_chunk(
+  params, lora, pool, budget, key, slots, *, cfg, rounds, draft, sparse, sampling
+):
+  """Up to `rounds` speculative rounds (rollout/speculative.py) over every slot, `draft` drafts
+  each: the sparse actor (params with `lora`, pages under `budget`) drafts, the dense policy
+  (params alone) verifies. Slots as `decode_chunk`'s; a slot emits 1 to draft + 1 tokens a
+  round, its tokens the first n_gen_after - n_gen_before columns of the [S, rounds * (draft + 1)]
+  outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token).
+  Returns (pool, slots, out, rounds run, per-slot counters: accepted drafts, rounds, KV pages
+  read and the pages dense decoding of the emitted tokens reads)."""
+  params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
+  draft_fn = policy.pool_decode_attention_fn(
+    sparse, budget, None if budget is None else budget.max_selected
+  )
+  verify_fn = policy.pool_verify_attention_fn()
+  s0, k, C, Z = slots, draft, draft + 1, pool.page_size
+  pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
+  eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
+  S, W = slots["token"].shape[0], rounds * C
+  # Drafts and verification write up to `draft` positions past a row's last: trash-page columns.
+  table = jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // Z) + 1)))
+  L = cfg.num_hidden_layers
+  L_dense = L if sparse is None else min(sparse.dense_layers, L)
+  pages_by_len = None if budget is None else budget.pages_by_len
+  out = dict(
+    tokens=jnp.full((S, W), pad_id, jnp.int32),
+    logprobs=jnp.zeros((S, W), jnp.float32),
+    alpha=jnp.full((S, W), jnp.nan, jnp.float32),
+  )
+  if num_top:
+    out.update(
+      top_lp=jnp.zeros((S, W, num_top), jnp.float32), top_id=jnp.zeros((S, W, num_top), jnp.int32)
+    )
+  count = dict(
+    accepted=jnp.zeros(S, jnp.int32),
+    rounds=jnp.zeros(S, jnp.int32),
+    read=jnp.zeros(S, jnp.float32),
+    dense=jnp.zeros(S, jnp.float32),
+  )
+
+  def pages_read(length_S):  # KV pages x layers a decode step at cached length length_S reads
+    pages = -(-length_S // Z)
+    sparse_pages = pages if pages_by_len is None else jnp.minimum(pages_by_len[length_S], pages)
+    return (L_dense * pages + (L - L_dense) * sparse_pages).astype(jnp.float32)
+
+  def body(carry):
+    j, pool, s, out, count = carry
+    active, length = s["active"], s["length"]
+    keys_SC = jax.vmap(
+      lambda r, t: jax.vmap(lambda c: row_key(key, r, t + c))(jnp.arange(C, dtype=t.dtype))
+    )(s["row"], s["n_gen"])
+
+    def draft_step(i, dc):
+      pool, token, drafts_Sk, logq_SkV, read = dc
+      layers = page_pool.layer_views(pool, table, length + i, active)
+      logits_SV, layers = qwen3.decode_step(
+        params, token, cfg, layers, attention_fn=draft_fn, lora=lora
+      )
+      token, logq_SV = speculative.draft_tokens(logits_SV, keys_SC[:, i], sampling)
+      return (
+        page_pool.from_layers(pool, layers),
+        token,
+        drafts_Sk.at[:, i].set(token),
+        logq_SkV.at[:, i].set(logq_SV),
+        read + pages_read(length + i + 1),
+      )
+
+    V = cfg.vocab_size
+    pool, _, drafts_Sk, logq_SkV, read = jax.lax.fori_loop(
+      0,
+      k,
+      draft_step,
+      (
+        pool,
+        s["token"],
+        jnp.zeros((S, k), jnp.int32),
+        jnp.zeros((S, k, V), jnp.float32),
+        jnp.zeros(S, jnp.float32),
+      ),
+    )
+    layers = page_pool.layer_views(pool, table, length, active)
+    tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
+    logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
+    logp_SCV = sampler.sampled_logp(
+      logits_SCV.reshape(S * C, V), sampling.temperature, sampling.top_p, sampling.top_k
+    ).reshape(S, C, V)
+    emitted_SC, n_acc_S, logp_SC, alpha_Sk = jax.vmap(speculative.accept_round)(
+      logp_SCV, logq_SkV, drafts_Sk, keys_SC
+    )
+    # What the row keeps: up to its first EOS and its max_new.
+    c_C = jnp.arange(C)
+    eos_SC = jnp.isin(emitted_SC, eos) & (c_C[None] <= n_acc_S[:, None])
+    first_eos_S = jnp.where(jnp.any(eos_SC, axis=1), jnp.argmax(eos_SC, axis=1), C)
+    m_S = jnp.minimum(jnp.minimum(n_acc_S + 1, first_eos_S + 1), s["max_new"] - s["n_gen"])
+    m_S = jnp.where(active, m_S, 0)
+    keep_S = jnp.where(active, n_acc_S + 1, 0)
+    layers = tuple(x.write_span(kv[0], kv[1], length, keep_S) for x, kv in zip(layers, new_kv))
+    pool = page_pool.from_layers(pool, layers)
+    cols_SC = jnp.where(
+      c_C[None] < m_S[:, None], (s["n_gen"] - s0["n_gen"])[:, None] + c_C[None], W
+    )
+    rows_SC = jnp.broadcast_to(jnp.arange(S)[:, None], (S, C))
+    put = lambda buf, x: buf.at[rows_SC, cols_SC].set(x, mode="drop")
+    alpha_SC = jnp.pad(alpha_Sk, ((0, 0), (0, 1)), constant_values=jnp.nan)
+    alpha_SC = jnp.where(c_C[None] < k, alpha_SC, jnp.nan)
+    out = dict(
+      out,
+      tokens=put(out["tokens"], emitted_SC),
+      logprobs=put(out["logprobs"], logp_SC),
+      alpha=put(out["alpha"], alpha_SC),
+    )
+    if num_top:
+      top_lp, top_id = jax.lax.top_k(logp_SCV, num_top)
+      out.update(top_lp=put(out["top_lp"], top_lp), top_id=put(out["top_id"], top_id))
+    n_gen = s["n_gen"] + m_S
+    kept_eos = first_eos_S < m_S
+    ended = active & (kept_eos | (n_gen >= s["max_new"]))
+    last_S = jnp.take_along_axis(emitted_SC, n_acc_S[:, None], axis=1)[:, 0]
+    dense_read_S = jnp.sum(
+      jnp.where(c_C[None] < m_S[:, None], L * -(-(length[:, None] + c_C[None] + 1) // Z), 0), axis=1
+    )
+    count = dict(
+      accepted=count["accepted"] + jnp.where(active, n_acc_S, 0),
+      rounds=count["rounds"] + active,
+      read=count["read"] + jnp.where(active, read + L * -(-length // Z), 0.0),
+      dense=count["dense"] + dense_read_S.astype(jnp.float32),
+    )
+    s = dict(
+      s,
+      token=jnp.where(active, last_S, s["token"]),
+      length=length + keep_S,
+      n_gen=n_gen,
+      active=active & ~ended,
+    )
+    return j + 1, pool, s, out, count
+
+  cond = lambda carry: (carry[0] < rounds) & jnp.any(carry[2]["active"])
+  rounds_run, pool, slots, out, count = jax.lax.while_loop(cond, body, (0, pool, slots, out, count))
+  return pool, slots, out, rounds_run, count

@@ -26,6 +26,9 @@ class Rollout:
   lengths: jax.Array  # [B] completion lengths
   top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k of those log-probs per step (if asked)
   top_ids: Optional[jax.Array] = None  # [B, N, k] their token ids
+  # Speculative rollouts (rollout/speculative.py): the acceptance rate sum_x min(p, q) of the draft
+  # at each token's position, NaN where no draft was proposed (a round's bonus token).
+  alpha: Optional[jax.Array] = None  # [B, N]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +94,13 @@ def max_selected_pages(pages_by_len) -> int:
   return 1 << max(int(np.max(pages_by_len)) - 1, 1).bit_length()
 
 
-def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
-  """Draws one token per row -> (token_B, logp_BV), logp being the log-probs of the distribution
-  actually sampled: softmax(logits / temperature) truncated to the top-k tokens and then to the
-  top-p mass, renormalised (-inf outside). Those are the behaviour log-probs that importance
-  weights and acceptance need. Greedy when temperature == 0 (a point mass: log-prob 0)."""
+def sampled_logp(logits_BV, temperature: float, top_p: float, top_k: int):
+  """Log-probs [B, V] of the distribution a token is drawn from: softmax(logits / temperature)
+  truncated to the top-k tokens and then to the top-p mass, renormalised (-inf outside); at
+  temperature 0 the point mass on the argmax (log-prob 0)."""
   if temperature == 0.0:
-    token_B = jnp.argmax(logits_BV, axis=-1)
-    hit_BV = jnp.arange(logits_BV.shape[-1]) == token_B[:, None]
-    return token_B, jnp.where(hit_BV, 0.0, -jnp.inf)
+    hit_BV = jnp.arange(logits_BV.shape[-1]) == jnp.argmax(logits_BV, axis=-1)[:, None]
+    return jnp.where(hit_BV, 0.0, -jnp.inf)
   logp_BV = jax.nn.log_softmax(logits_BV / temperature, axis=-1)
   if top_k > 0:
     kth = jax.lax.top_k(logp_BV, top_k)[0][:, -1:]
@@ -109,6 +110,16 @@ def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
     mass_before = jnp.cumsum(jnp.exp(sorted_desc), axis=-1) - jnp.exp(sorted_desc)
     cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     logp_BV = jax.nn.log_softmax(jnp.where(logp_BV < cutoff, -jnp.inf, logp_BV), axis=-1)
+  return logp_BV
+
+
+def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
+  """Draws one token per row -> (token_B, logp_BV), logp being the log-probs of the distribution
+  actually sampled (`sampled_logp`): those are the behaviour log-probs that importance weights and
+  acceptance need. Greedy when temperature == 0."""
+  logp_BV = sampled_logp(logits_BV, temperature, top_p, top_k)
+  if temperature == 0.0:
+    return jnp.argmax(logits_BV, axis=-1), logp_BV
   return jax.random.categorical(key, logp_BV, axis=-1), logp_BV
 
 

@@ -38,6 +38,10 @@ class EngineConfig:
   # moved to the first slots), so a rollout's last long rows stop paying for the empty slots
   # beside them. 0: off. A second compiled decode program, built on first use.
   drain_slots: int = 0
+  # Exact mode (rollout/speculative.py): each round the sparse policy drafts this many tokens and
+  # the dense policy verifies them in one pass, so rows are the dense policy's samples; a chunk
+  # runs chunk_steps // (speculate + 1) rounds (at least one). 0: off (rows sampled as decoded).
+  speculate: int = 0
 
   def __post_init__(self):
     for name, low in (
@@ -46,6 +50,7 @@ class EngineConfig:
       ("chunk_steps", 1),
       ("reserve_chunks", 0),
       ("drain_slots", 0),
+      ("speculate", 0),
     ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
@@ -56,6 +61,16 @@ class EngineConfig:
         f"({self.num_slots}), or 0 (off)"
       )
 
+  @property
+  def chunk_rounds(self) -> int:
+    """Speculative rounds per chunk."""
+    return max(self.chunk_steps // (self.speculate + 1), 1)
+
+  @property
+  def chunk_tokens(self) -> int:
+    """The most positions a row's chunk writes past its cache (and tokens it may advance)."""
+    return self.chunk_rounds * (self.speculate + 1) if self.speculate else self.chunk_steps
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -65,6 +80,23 @@ class EngineStats:
   computed_row_steps: int = 0  # slots decoded x decode steps
   preemptions: int = 0
   peak_pages: int = 0  # most pool pages in use at once
+  # Speculative rollouts: row-rounds run, drafts proposed and accepted, and the KV pages (x layers)
+  # the rounds read, drafts and verification together, next to what dense decoding of the same
+  # tokens reads.
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  kv_pages_read: float = 0.0
+  kv_pages_dense: float = 0.0
+
+  @property
+  def accepted_per_round(self) -> float:
+    """Tokens a row-round emits on average: accepted drafts plus the residual or bonus token."""
+    return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+  @property
+  def draft_acceptance(self) -> float:
+    return self.accepted / max(self.drafted, 1)
 
   @property
   def occupancy(self) -> float:
@@ -127,6 +159,7 @@ class Row:
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   top: list = dataclasses.field(default_factory=list)
+  alpha: list = dataclasses.field(default_factory=list)  # speculative rollouts
   pages: list = dataclasses.field(default_factory=list)  # its own pool pages, in logical order
   first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
   slot: Optional[int] = None  # its slot on its group's shard while it runs
@@ -260,7 +293,7 @@ class Scheduler:
 
   def reserve(self, shard: int) -> int:
     """Pages the shard's running rows will still take over `reserve_chunks` more chunks."""
-    ahead = self.engine.chunk_steps * (1 + self.engine.reserve_chunks)
+    ahead = self.engine.chunk_tokens * (1 + self.engine.reserve_chunks)
     return sum(max(self.pages_needed(r, ahead) - len(r.pages), 0) for r in self.running(shard))
 
   # -- admission
@@ -270,7 +303,7 @@ class Scheduler:
     new groups (up to per_prefill a device) onto the device with the most free slots, as long as
     each device keeps its reserve. The admitted rows hold their slots and pages; they start once
     their first tokens are known (`set_first`, `start`)."""
-    engine, Z, C, R = self.engine, self.Z, self.engine.chunk_steps, len(self.shards)
+    engine, Z, C, R = self.engine, self.Z, self.engine.chunk_tokens, len(self.shards)
     planned = [[] for _ in range(R)]
     free_slots = [sh.slots.count(None) for sh in self.shards]
     busy = [bool(self.running(r)) for r in range(R)]  # the static batch waits for empty
@@ -341,6 +374,7 @@ class Scheduler:
     """The row back to its first token (at admission and after a preemption)."""
     token, logp, top = row.first
     row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
+    row.alpha = [float("nan")]  # sampled at the prefill: no draft
     row.done = token in self.eos_ids or row.max_new == 1
 
   def start(self, admitted) -> list:
@@ -377,7 +411,7 @@ class Scheduler:
 
   def grow(self):
     """Pages for every running row's next chunk; preempt the least advanced rows if short."""
-    C = self.engine.chunk_steps
+    C = self.engine.chunk_tokens
     for r in range(len(self.shards)):
       while True:
         short = {x.index: self.pages_needed(x, C) - len(x.pages) for x in self.running(r)}
@@ -458,12 +492,18 @@ class Scheduler:
       slots["row"][i], slots["active"][i] = self.first_row + r.index, True
     return slots, at
 
-  def finish_chunk(self, at, width: int, steps_run: int, out, n_gen_after, active_after):
+  def finish_chunk(
+    self, at, width: int, steps_run: int, out, n_gen_after, active_after, count=None
+  ):
     """Appends each running row's new tokens (out: host [shards * width, steps] arrays tokens,
-    logprobs and, with top log-probs, top_lp / top_id) and releases the rows that ended."""
+    logprobs and, with top log-probs, top_lp / top_id; speculative chunks add alpha and their
+    per-slot counters `count`) and releases the rows that ended."""
     self.stats.chunks += 1
     self.stats.decode_steps += steps_run
-    self.stats.computed_row_steps += steps_run * len(self.shards) * width
+    per_step = self.engine.speculate + 1  # tokens a decode step (a round) can emit per slot
+    self.stats.computed_row_steps += steps_run * per_step * len(self.shards) * width
+    if count is not None:
+      self._count_rounds(count)
     for r in self.running():
       i = at[r.index]
       new = int(n_gen_after[i]) - len(r.tokens)
@@ -472,13 +512,25 @@ class Scheduler:
       r.logprobs += out["logprobs"][i, :new].tolist()
       if "top_lp" in out:
         r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
+      if "alpha" in out:
+        r.alpha += out["alpha"][i, :new].tolist()
       if not active_after[i]:
         r.done = True
         self.release(r)
 
+  def _count_rounds(self, count: dict) -> None:
+    """A speculative chunk's per-slot counters (host arrays) into the rollout's stats."""
+    rounds = int(np.sum(count["rounds"]))
+    self.stats.rounds += rounds
+    self.stats.drafted += rounds * self.engine.speculate
+    self.stats.accepted += int(np.sum(count["accepted"]))
+    self.stats.kv_pages_read += float(np.sum(count["read"]))
+    self.stats.kv_pages_dense += float(np.sum(count["dense"]))
+
   def outputs(self, num_top: int, pad_id: int) -> tuple:
-    """Host [B, max_new] tokens, logprobs, [B] lengths and [B, max_new, k] top_lp, top_id (None
-    without top log-probs) of every row."""
+    """Host [B, max_new] tokens, logprobs, [B] lengths, [B, max_new, k] top_lp, top_id (None
+    without top log-probs) and [B, max_new] alpha (speculative rollouts, else None) of every
+    row."""
     B, N = len(self.rows), self.max_new
     tokens = np.full((B, N), pad_id, np.int32)
     logprobs = np.zeros((B, N), np.float32)
@@ -492,4 +544,9 @@ class Scheduler:
       if num_top:
         top_lp[r.index, :n] = np.stack([t[0] for t in r.top])
         top_id[r.index, :n] = np.stack([t[1] for t in r.top])
-    return tokens, logprobs, lengths, top_lp, top_id
+    alpha = None
+    if self.engine.speculate:
+      alpha = np.full((B, N), np.nan, np.float32)
+      for r in self.rows:
+        alpha[r.index, : len(r.alpha)] = r.alpha
+    return tokens, logprobs, lengths, top_lp, top_id, alpha

@@ -347,3 +347,68 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
     )[0]
 
   return attention
+
+
+def pool_verify_attention_fn():
+  """An attention_fn for qwen3.verify_step over a page pool (`page_pool.layer_views`): every layer
+  dense, each slot's C queries over the tokens it has cached and causally over the C new ones
+  (`reference.paged_verify_attention`, the jnp path on every platform). Reads go through a prefix
+  of the page tables that covers the device's longest running row, as `pool_decode_attention_fn`'s
+  do; slots that run no row read no page."""
+
+  def attention(layer, q_BCKGE, k_BCKE, v_BCKE, pool, lengths_B):
+    del layer
+    Z, dtype = pool.page_size, pool.dtype
+
+    def local(q_BKCGE, k_BKCE, v_BKCE, k_stored, v_stored, page_table_BN, active_B, lengths_B):
+      B, K = q_BKCGE.shape[:2]
+      X, PR = k_stored.shape[2], page_table_BN.shape[1]
+      lengths_B = jnp.where(active_B, lengths_B, 0)
+      k_pages, v_pages = page_pool.local_pages(k_stored, v_stored, dtype)
+      head_base_1K1 = (jnp.arange(K, dtype=jnp.int32) * X)[None, :, None]
+
+      def read(size):
+        def fn(q_BKCGE, k_BKCE, v_BKCE):
+          page_BKN = page_table_BN[:, None, :size] + head_base_1K1
+          return reference.paged_verify_attention(
+            q_BKCGE, k_pages, v_pages, page_BKN, lengths_B, k_BKCE, v_BKCE
+          )
+
+        return fn
+
+      sizes = sorted({-(-PR * i // 8) for i in DENSE_PREFIXES} | {PR})
+      bucket = jnp.searchsorted(jnp.asarray(sizes), jnp.max(-(-lengths_B // Z)))
+      branches = [read(s) for s in sizes]
+      return (
+        jax.lax.switch(jnp.minimum(bucket, len(sizes) - 1), branches, q_BKCGE, k_BKCE, v_BKCE),
+      )
+
+    q_axes = ("batch", "kv_heads", "length", "q_group", "head_dim")
+    kv_axes = ("batch", "kv_heads", "length", "head_dim")
+    out = page_pool.per_device(
+      local,
+      (
+        q_BCKGE.transpose(0, 2, 1, 3, 4),
+        k_BCKE.transpose(0, 2, 1, 3),
+        v_BCKE.transpose(0, 2, 1, 3),
+        pool.k_stored,
+        pool.v_stored,
+        pool.page_table,
+        pool.active,
+        lengths_B,
+      ),
+      (
+        q_axes,
+        kv_axes,
+        kv_axes,
+        page_pool.POOL_AXES,
+        page_pool.POOL_AXES,
+        page_pool.SLOT_AXES,
+        page_pool.SLOT_AXES,
+        page_pool.SLOT_AXES,
+      ),
+      ((q_axes, q_BCKGE.transpose(0, 2, 1, 3, 4).shape),),
+    )[0]
+    return out.transpose(0, 2, 1, 3, 4)
+
+  return attention

@@ -1,0 +1,327 @@
+"""Exact mode (rollout/speculative.py): the acceptance rule samples the dense chain's distribution
+(and a broken rule is caught), greedy speculative rollouts are dense greedy token for token, rows
+do not depend on their placement, a round leaves the cache dense decoding leaves, and the verify
+pass's page-table attention equals its dense twin."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import sparrow_jax as sj
+from sparrow_jax.attention import page_pool, reference
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.model import qwen3
+from sparrow_jax.rollout import engine, programs, sampler, speculative
+from sparrow_jax.sparsity import policy
+from sparrow_jax.sparsity.schedule import KVSchedule
+from tests.helpers import tiny_config
+
+# A Markov chain on V tokens: the dense p(x | previous) and a draft q far from it.
+V, K_DRAFT, N_SAMPLES = 4, 3, 20000
+P_VV = np.asarray(
+  [[0.5, 0.3, 0.1, 0.1], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25], [0.05, 0.05, 0.8, 0.1]]
+)
+Q_VV = np.asarray(
+  [[0.1, 0.1, 0.4, 0.4], [0.4, 0.3, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1], [0.3, 0.3, 0.1, 0.3]]
+)
+
+
+@functools.partial(jax.jit, static_argnames=("rounds",))
+def chain_samples(keys_N, rounds: int = 2):
+  """Each key's first two tokens after token 0 by speculative rounds of K_DRAFT drafts (each
+  token's keys from its index, as the engine's), drafts from Q_VV, verified against P_VV."""
+  logp, logq = jnp.log(jnp.asarray(P_VV)), jnp.log(jnp.asarray(Q_VV))
+
+  def one(key):
+    out, last, n = jnp.zeros(rounds * (K_DRAFT + 1), jnp.int32), jnp.int32(0), jnp.int32(0)
+    for _ in range(rounds):
+      token_keys = jax.vmap(lambda c: jax.random.fold_in(key, n + c))(jnp.arange(K_DRAFT + 1))
+      drafts, prev = [], last
+      for i in range(K_DRAFT):
+        d = jax.random.categorical(speculative.draw_keys(token_keys[i])[0], logq[prev])
+        drafts.append(d.astype(jnp.int32))
+        prev = drafts[-1]
+      draft_k = jnp.stack(drafts)
+      context_C = jnp.concatenate([last[None], draft_k])
+      tokens_C, n_acc, _, _ = speculative.accept_round(
+        logp[context_C], logq[context_C[:K_DRAFT]], draft_k, token_keys
+      )
+      cols = jnp.where(jnp.arange(K_DRAFT + 1) <= n_acc, n + jnp.arange(K_DRAFT + 1), out.size)
+      out = out.at[cols].set(tokens_C, mode="drop")
+      last, n = tokens_C[n_acc], n + n_acc + 1
+    return out[:2]
+
+  return jax.vmap(one)(keys_N)
+
+
+def chi_square_pairs(samples_N2):
+  """Pearson's statistic of the (x1, x2) counts against the chain's p(x1 | 0) p(x2 | x1), and the
+  threshold a correct sampler exceeds with probability 1e-6 at this sample size (df = V^2 - 1)."""
+  expected = (P_VV[0][:, None] * P_VV) * len(samples_N2)
+  counts = np.zeros((V, V))
+  np.add.at(counts, (samples_N2[:, 0], samples_N2[:, 1]), 1)
+  return float(np.sum((counts - expected) ** 2 / expected)), scipy_stats.chi2.ppf(
+    1 - 1e-6, V * V - 1
+  )
+
+
+def test_rounds_sample_the_dense_chain_and_a_broken_rule_is_caught(monkeypatch):
+  keys = jax.random.split(jax.random.PRNGKey(0), N_SAMPLES)
+  stat, threshold = chi_square_pairs(np.asarray(chain_samples(keys)))
+  assert stat < threshold
+  # The classic bug: at a rejection draw from p instead of the residual max(p - q, 0).
+  monkeypatch.setattr(speculative, "residual_logits", lambda logp_p_V, logq_V: logp_p_V)
+  chain_samples.clear_cache()
+  stat, threshold = chi_square_pairs(np.asarray(chain_samples(keys)))
+  assert stat > threshold
+  chain_samples.clear_cache()
+
+
+def test_greedy_rule_keeps_drafts_while_they_are_the_argmax():
+  logp_p = jnp.log(jax.nn.one_hot(jnp.asarray([2, 1, 3, 0]), V) + 1e-30)
+  logp_p = jnp.where(logp_p > -1, 0.0, -jnp.inf)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  for draft, n_want in (([2, 1, 3], 3), ([2, 0, 3], 1), ([1, 1, 3], 0)):
+    logq = jnp.where(jax.nn.one_hot(jnp.asarray(draft), V) > 0, 0.0, -jnp.inf)
+    tokens, n, logp, alpha = speculative.accept_round(logp_p, logq, jnp.asarray(draft), keys)
+    assert int(n) == n_want
+    np.testing.assert_array_equal(tokens[: n_want + 1], [2, 1, 3, 0][: n_want + 1])
+    np.testing.assert_array_equal(logp[: n_want + 1], 0.0)
+    np.testing.assert_array_equal(alpha, np.asarray(draft) == np.asarray([2, 1, 3]))
+
+
+def test_verify_attention_is_dense_causal_attention_over_the_row():
+  """reference.paged_verify_attention (pages through a page table + C new keys) against the
+  dense attention of the same row laid out contiguously."""
+  rng = np.random.RandomState(0)
+  B, K, G, E, Z, C, N = 3, 2, 2, 8, 4, 3, 5
+  lengths = np.asarray([5, 0, 17])
+  X = B * K * N + 1
+  k_pages = jnp.asarray(rng.randn(X, Z, E), jnp.float32)
+  v_pages = jnp.asarray(rng.randn(X, Z, E), jnp.float32)
+  table_BKN = jnp.asarray(rng.permutation(X - 1)[: B * K * N].reshape(B, K, N) % (X - 1) + 1)
+  q = jnp.asarray(rng.randn(B, K, C, G, E), jnp.float32)
+  k_new = jnp.asarray(rng.randn(B, K, C, E), jnp.float32)
+  v_new = jnp.asarray(rng.randn(B, K, C, E), jnp.float32)
+  out = reference.paged_verify_attention(
+    q, k_pages, v_pages, table_BKN, jnp.asarray(lengths), k_new, v_new
+  )
+  for b in range(B):
+    n = lengths[b]
+    rows_k = k_pages[table_BKN[b]].reshape(K, N * Z, E)[:, :n]
+    rows_v = v_pages[table_BKN[b]].reshape(K, N * Z, E)[:, :n]
+    keys = jnp.concatenate([rows_k, k_new[b]], axis=1).transpose(1, 0, 2)[None]
+    values = jnp.concatenate([rows_v, v_new[b]], axis=1).transpose(1, 0, 2)[None]
+    allowed = (jnp.arange(n + C)[None] <= n + jnp.arange(C)[:, None])[None]
+    want = reference.dense_attention(q[b].transpose(1, 0, 2, 3)[None], keys, values, allowed)
+    np.testing.assert_allclose(out[b], want[0].transpose(1, 0, 2, 3), atol=1e-5)
+  # One query is the decode attention's page-table path with the new token written in the cache.
+  at = (
+    table_BKN[jnp.arange(B)[:, None], jnp.arange(K)[None], lengths[:, None] // Z],
+    lengths[:, None] % Z,
+  )
+  k_written = k_pages.at[at].set(k_new[:, :, 0])
+  v_written = v_pages.at[at].set(v_new[:, :, 0])
+  logical = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, K, N))
+  n_valid = jnp.broadcast_to(jnp.asarray(-(-(lengths + 1) // Z), jnp.int32)[:, None], (B, K))
+  decode = reference.paged_decode_attention(
+    q[:, :, 0], k_written, v_written, table_BKN, logical, n_valid, jnp.asarray(lengths + 1)
+  )
+  np.testing.assert_allclose(out[:, :, 0], decode, atol=1e-5)
+
+
+CFG = tiny_config(num_hidden_layers=3)
+PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+SPARSE = SparseConfig(page_size=4, dense_layers=1)
+SCHEDULE = KVSchedule.fixed(4, page_size=4)  # binding: rows reach 15+ pages
+GROUP_LEN = np.asarray([9, 20, 13])
+PROMPT_LEN = np.repeat(GROUP_LEN, 2)
+PROMPT = np.repeat(np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)), 2, axis=0) * (
+  np.arange(21)[None] < PROMPT_LEN[:, None]
+)
+MAX_NEW = np.asarray([40, 7, 33, 40, 1, 25])
+EOS = (3, 5)
+
+
+def run(
+  speculate=3,
+  slots=6,
+  chunk=16,
+  pages=200,
+  params=PARAMS,
+  cfg=CFG,
+  rows=slice(None),
+  schedule=SCHEDULE,
+  max_new=MAX_NEW,
+  sparse=SPARSE,
+  **sampling,
+):
+  config = engine.EngineConfig(
+    num_slots=slots, num_pages=pages, chunk_steps=chunk, speculate=speculate
+  )
+  prompt, prompt_len = PROMPT[rows], PROMPT_LEN[rows]
+  return engine.run(
+    params,
+    cfg,
+    engine.Requests(prompt, prompt_len, np.broadcast_to(max_new, (6,))[rows], group_size=2),
+    jax.random.PRNGKey(1),
+    engine=config,
+    sampling=sj.Sampling(**{"eos_ids": EOS, "temperature": 0.0, **sampling}),
+    sparse=sparse,
+    schedule=schedule,
+  )
+
+
+def assert_same_rows(a, b, atol=1e-5):
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny", "kv_heads"])
+def test_greedy_speculative_rows_are_dense_greedy_rows(model):
+  params, cfg = PARAMS, CFG
+  if model == "kv_heads":  # several KV heads, two sparse layers past the dense one
+    cfg = tiny_config(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+    params = sj.init_params(cfg, jax.random.PRNGKey(3), std=0.3)
+  dense, _ = run(0, params=params, cfg=cfg, sparse=None, schedule=None)
+  for k in (1, 4):
+    spec, stats = run(k, params=params, cfg=cfg)
+    assert_same_rows(spec, dense)
+    assert stats.drafted == k * stats.rounds > 0 and 0 < stats.draft_acceptance <= 1
+    assert 1 < stats.accepted_per_round <= k + 1
+
+
+def head(rollout, n: int):
+  return jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], rollout)
+
+
+@pytest.mark.slow
+def test_sampled_rows_do_not_depend_on_placement():
+  ref, _ = run(3, temperature=1.0)
+  variants = [
+    run(3, temperature=1.0, slots=2, chunk=5)[0],
+    run(3, temperature=1.0, slots=3, chunk=9, pages=30)[0],  # rows wait and are preempted
+    run(3, temperature=1.0, chunk=4)[0],
+  ]
+  four, _ = run(3, temperature=1.0, rows=slice(0, 4), slots=4)
+  two, _ = run(3, temperature=1.0, rows=slice(0, 2), slots=2)
+  for got, want in [(v, ref) for v in variants] + [(four, head(ref, 4)), (two, head(four, 2))]:
+    assert_same_rows(got, want)
+    # alpha sums a row's probabilities: its rounding follows the batch's width
+    np.testing.assert_allclose(np.asarray(got.alpha), np.asarray(want.alpha), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_dense_policy_s_and_alpha_its_acceptance():
+  out, stats = run(3, temperature=1.0, top_k=20)
+  tokens = np.asarray(out.tokens)
+  for b in range(6):
+    n, p = int(out.lengths[b]), PROMPT_LEN[b]
+    rows = np.concatenate([PROMPT[b, :p], tokens[b, :n]])
+    logits = qwen3.forward(PARAMS, jnp.asarray(rows)[None], CFG)[0, p - 1 : p - 1 + n]
+    logp = sampler.sampled_logp(logits, 1.0, 1.0, 20)
+    want = np.take_along_axis(np.asarray(logp), tokens[b, :n, None], axis=1)[:, 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[b, :n], want, atol=2e-4)
+  alpha = np.asarray(out.alpha)
+  assert np.all(np.isnan(alpha[:, 0]))  # the first token is the prefill's: no draft
+  drafted = ~np.isnan(alpha)
+  assert drafted.any() and np.all((alpha[drafted] >= 0) & (alpha[drafted] <= 1 + 1e-6))
+  assert stats.rounds > 0 and stats.drafted == 3 * stats.rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_score", ["mean", "quest"])
+def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score):
+  sparse = SparseConfig(page_size=4, dense_layers=1, page_score=page_score)
+  Z, S, PR = 4, 2, 12
+  pool = page_pool.init_pool(CFG, 2 * PR + 1, Z, page_score=page_score)
+  table = jnp.asarray(np.arange(1, 2 * PR + 1).reshape(S, PR), jnp.int32)
+  prompt = np.random.RandomState(1).randint(1, CFG.vocab_size, (S, 10))
+  dense_fn = policy.pool_decode_attention_fn(None, None, None)
+  active = jnp.ones(S, bool)
+  step = jax.jit(
+    lambda pool, token, length: qwen3.decode_step(
+      PARAMS, token, CFG, page_pool.layer_views(pool, table, length, active), attention_fn=dense_fn
+    )
+  )
+  for t in range(prompt.shape[1] - 1):
+    _, layers = step(pool, jnp.asarray(prompt[:, t]), jnp.full(S, t, jnp.int32))
+    pool = page_pool.from_layers(pool, layers)
+  length = jnp.full(S, prompt.shape[1] - 1, jnp.int32)
+  budget = engine._budget(SCHEDULE, sparse, PR * Z)
+  slots = dict(
+    token=jnp.asarray(prompt[:, -1], jnp.int32),
+    length=length,
+    n_gen=jnp.ones(S, jnp.int32),
+    max_new=jnp.full(S, 100, jnp.int32),
+    row=jnp.arange(S, dtype=jnp.int32),
+    active=active,
+    page_table=table,
+  )
+  copy = jax.tree_util.tree_map(jnp.copy, pool)
+  spec_pool, after, out, _, count = programs.speculative_chunk(
+    PARAMS,
+    None,
+    copy,
+    budget,
+    jax.random.PRNGKey(2),
+    slots,
+    cfg=CFG,
+    rounds=1,
+    draft=3,
+    sparse=sparse,
+    sampling=sj.Sampling(temperature=1.0),
+  )
+  n_emit = np.asarray(after["n_gen"]) - 1
+  assert np.all(np.asarray(after["length"]) == np.asarray(length) + n_emit)
+  # Dense decoding appends the round's cached tokens: the pending one and the accepted drafts.
+  for b in range(S):
+    kept = [prompt[b, -1]] + np.asarray(out["tokens"])[b, : n_emit[b] - 1].tolist()
+    for j, token in enumerate(kept):
+      one = jnp.asarray(prompt[:, -1]).at[b].set(token)
+      only = jnp.arange(S) == b
+      views = page_pool.layer_views(pool, table, length + j, only)
+      _, layers = qwen3.decode_step(PARAMS, one, CFG, views, attention_fn=dense_fn)
+      pool = page_pool.from_layers(pool, layers)
+  for name in ("k_stored", "v_stored", "summaries"):
+    for got, want in zip(getattr(spec_pool, name), getattr(pool, name)):
+      np.testing.assert_allclose(np.asarray(got)[:, :, 1:], np.asarray(want)[:, :, 1:], atol=1e-5)
+  assert int(np.sum(count["rounds"])) == S
+
+
+def test_engine_config_checks_speculate():
+  with pytest.raises(ValueError, match="EngineConfig.speculate must be an int >= 0"):
+    engine.EngineConfig(speculate=-1)
+  config = engine.EngineConfig(chunk_steps=16, speculate=4)
+  assert (config.chunk_rounds, config.chunk_tokens) == (3, 15)
+  assert engine.EngineConfig(chunk_steps=2, speculate=4).chunk_rounds == 1
+
+
+@pytest.mark.slow
+def test_no_recompilation_across_rounds_lengths_and_budgets():
+  run(3, slots=3, chunk=8)
+  before = programs.speculative_chunk._cache_size()
+  run(3, slots=3, chunk=8, max_new=MAX_NEW[::-1])
+  run(3, slots=3, chunk=8, schedule=KVSchedule.fixed(3, page_size=4))
+  assert programs.speculative_chunk._cache_size() == before
+
+
+@pytest.mark.slow
+def test_a_speculative_training_step_logs_dense_rollouts(tmp_path):
+  """rollout.speculate through the trainer: the rollouts' log-probs are the dense policy's, so the
+  TIS weights are 1 up to the re-score's rounding; the exact mode's metrics are logged."""
+  from sparrow_jax.rl import trainer
+  from tests.test_trainer import small
+
+  rows = trainer.train(small(tmp_path / "run", total_steps=2, rollout__speculate=2))
+  for row in rows:
+    assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["tis/weight_min"] > 1 - 1e-2
+    assert 1 <= row["rollout/accepted_per_round"] <= 3
+    assert 0 <= row["rollout/draft_acceptance"] <= 1
+    assert 0 < row["kv/read_fraction"]
