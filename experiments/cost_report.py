@@ -16,9 +16,9 @@ figures, printed from it, and with `--config.out` written as a results record
 (docs/make_results_pages.py renders docs/results/cost_model.md from it).
 """
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
+import numpy as np
 
 from sparrow_jax import records
 from sparrow_jax.mismatch import cost_model
@@ -431,8 +431,7 @@ def speculative(config) -> dict:
           schedule,
           config.prompt_len,
           config.gen_len,
-          k=int(k),
-          alpha=a["alpha"],
+          drafts=cost_model.Drafts(int(k), a["alpha"]),
           pool_tokens=pool,
           **kw,
         )

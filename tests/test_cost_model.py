@@ -7,8 +7,8 @@ import pytest
 
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 # I = 10 / 5 = 2 FLOPs per byte, 2-byte elements: small enough to check by hand.
 TOY_HW = cost_model.Hardware("toy", peak_flops=10.0, mem_bandwidth=5.0, dtype_bytes=2)
@@ -437,7 +437,14 @@ def _pool(model):
 def _speculative(model, k, alpha, schedule=None, **kw):
   schedule = schedule or KVSchedule.paper(model, 0.86)
   return cost_model.roofline_speculative_rate(
-    model, schedule, 1024, 32768, k=k, alpha=alpha, pool_tokens=_pool(model), **ENGINE, **kw
+    model,
+    schedule,
+    1024,
+    32768,
+    drafts=cost_model.Drafts(k, alpha),
+    pool_tokens=_pool(model),
+    **ENGINE,
+    **kw,
   )
 
 

@@ -45,6 +45,7 @@ cached length, what calibration compares budgets and k by per bin.
 
 import dataclasses
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,8 @@ import numpy as np
 
 from sparrow_jax.attention.paged_cache import page_score_fns
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.sparsity.schedule import KVSchedule, position_bin
 from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.sparsity.schedule import KVSchedule, position_bin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,36 +519,43 @@ def alpha_by_length(alpha_bin, cached_len, page_size: int, bin_size: int):
   return alpha_bin[np.minimum(bins, len(alpha_bin) - 1)]
 
 
+class Drafts(NamedTuple):
+  """Exact mode's rounds: k sparse drafts per round, accepted at the mean per-token acceptance
+  alpha (a scalar, or one value per bin of the schedule's bins: `alpha_by_length`)."""
+
+  k: int
+  alpha: Any
+
+
 def roofline_speculative_rate(
   model,
   schedule: KVSchedule,
   prompt_len: int,
   gen_len: int,
   *,
-  k: int,
-  alpha,
+  drafts: Drafts,
   slots: int,
   pool_tokens: float,
   mean_len_frac: float,
   n_samples: int = 8,
   hardware="h200",
-  sparse: SparseConfig | None = None,
   page_selection: bool = True,
 ) -> tuple[float, float, float]:
   """(generated tokens/s, rows in flight, mean tokens per row-round) of one device running the
   engine's lossless speculative rounds in steady state: k sparse draft steps under `schedule`,
   then one dense verification pass (`_round_passes`), every pass priced as the engine's decode
-  step. alpha: the mean per-token acceptance, a scalar or one value per bin of the schedule's
-  bins (`alpha_by_length`), a round binned by its first draft's cached length; a row at
-  generated position t gains E_t = `expected_tokens_per_round`(alpha_t, k) tokens a round.
+  step (the schedule's pages under the paper's SparseConfig). A round is binned by its first
+  draft's cached length; a row at generated position t gains
+  E_t = `expected_tokens_per_round`(alpha_t, k) tokens a round.
 
   As in `roofline_engine_rate`, finished rows' slots refill at once and lengths follow
   `running_fraction`; a row spends 1 / E_t rounds per token at position t, so its rounds, and the
   rows in flight, are at t with weight alive_t / E_t, and each holds its k drafts' tokens on top.
   Rounds near the cutoff are not cut short. k = 0 is dense decoding, `roofline_engine_rate` with
   schedule None."""
+  k, alpha = drafts
   cfg, hw = _config(model), get_hardware(hardware)
-  sparse = _sparse_or_paper(schedule, sparse)
+  sparse = _sparse_or_paper(schedule, None)
   alive_t = running_fraction(gen_len, mean_len_frac)
   t = np.arange(1, gen_len + 1)
   s_t = prompt_len + t
