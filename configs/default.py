@@ -17,7 +17,6 @@ import ml_collections
 
 from configs import common
 
-
 # Where this config departs from the library's defaults (the train step's components in
 # sparrow_jax/rl/train_step.py, attention.select.SparseConfig, rollout.sampler.Sampling and
 # rollout.engine.EngineConfig, which follow the paper's Qwen3 recipe), and why;

@@ -12,8 +12,7 @@ docs/real_lm.md says what one step costs on a 2-core CPU.
 
 import os
 
-from configs import common
-from configs import default
+from configs import common, default
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "sparrow_jax")  # model.gguf.DEFAULT_CACHE
 

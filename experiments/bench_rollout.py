@@ -62,10 +62,10 @@ which docs/make_results_pages.py makes docs/results/decode_rollout.md. (d) write
 
 import dataclasses
 import functools
-import os
-import statistics
 import importlib.metadata
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,11 +81,11 @@ from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
 from sparrow_jax.attention import page_pool, paged_cache
-from sparrow_jax.sparsity import policy
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, programs, sampler
+from sparrow_jax.sparsity import policy
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 
 FULL_LAYERS = 28
 ROOT = records.ROOT

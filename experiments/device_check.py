@@ -44,8 +44,8 @@ from configs import device_check as device_check_config
 from kernels import sparse_decode, sparse_decode_tpu
 import sparrow_jax as sj
 from sparrow_jax.attention import flash, reference
-from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.rollout import sampler
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 
 # HBM bandwidth, GB/s, by jax's device_kind (vendor figures).
 PEAK_GBS = {

@@ -33,9 +33,9 @@ from sparrow_jax import records, schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import trainer
 from sparrow_jax.rollout.sampler import full_sequences
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 
 def sample(params, cfg, task, problems, key, sparse, schedule, c):

@@ -41,22 +41,20 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from ml_collections import config_flags
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 import sparrow_jax as sj
-from sparrow_jax import records
-from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch import calibrate
-from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
-from sparrow_jax.model import lora as lora_lib
-from sparrow_jax import sharding
-from sparrow_jax.rl import train_step as ts
+from sparrow_jax import records, sharding
 from sparrow_jax.attention import page_pool
-from sparrow_jax.mismatch import cost_model
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.mismatch import calibrate, cost_model
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, programs, sampler
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 
 GB = 1e9
 SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's

@@ -33,10 +33,10 @@ import optax
 
 import sparrow_jax as sj
 from sparrow_jax import checkpoint
+from sparrow_jax.attention import reference
 from sparrow_jax.data import synthetic
 from sparrow_jax.logging import MetricsLogger
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.attention import reference
 
 
 def model_config(c) -> sj.Qwen3Config:

@@ -39,7 +39,8 @@ from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
 from sparrow_jax.model import qwen3
-from sparrow_jax.sparsity import policy, schedule as schedule_lib
+from sparrow_jax.sparsity import policy
+from sparrow_jax.sparsity import schedule as schedule_lib
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 
 ALPHA_KINDS = ("exact", "topk20")  # what each pass scores (calibrate.ALPHAS)

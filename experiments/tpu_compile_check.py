@@ -19,9 +19,9 @@ compiled or the compiler's error.
 
 import functools
 
+from absl import app, flags
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 

@@ -30,10 +30,10 @@ import re
 import subprocess
 import tempfile
 
-import jax
-import jax.numpy as jnp
 from absl import app, flags
+import jax
 from jax.extend.mlir import ir
+import jax.numpy as jnp
 from jaxlib.triton import dialect as triton_dialect
 from ml_collections import config_flags
 

@@ -44,9 +44,9 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+import jax.numpy as jnp
 
 from sparrow_jax.attention import reference
 

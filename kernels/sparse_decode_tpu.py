@@ -49,9 +49,9 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
 
 from sparrow_jax.attention import reference
 

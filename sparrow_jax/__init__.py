@@ -2,13 +2,13 @@
 
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
-from sparrow_jax.sparsity.policy import forward
 from sparrow_jax.model.qwen3 import init_params, token_logprobs
 from sparrow_jax.rollout.engine import generate
 from sparrow_jax.rollout.sampler import Rollout, Sampling
+from sparrow_jax.sparsity.policy import forward
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 __all__ = [
   "KVSchedule",

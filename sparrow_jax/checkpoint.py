@@ -19,8 +19,8 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from sparrow_jax import sharding

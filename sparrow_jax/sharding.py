@@ -17,9 +17,9 @@ axis, so a process's rows are one contiguous block and a tensor-parallel group s
 """
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the mesh axes rows are sharded over

@@ -11,8 +11,8 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention import blockwise, paged_cache, reference, select
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.model import qwen3
+from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -167,10 +167,10 @@ def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):
   (which also keeps the attention's output) give remat none's gradients of params and LoRA through
   the sparse teacher-forced pass (whose attention closes over traced budgets and prompt lengths),
   in bf16 too; so does the MLP in chunks."""
-  from sparrow_jax.sparsity import policy
-  from sparrow_jax.sparsity.schedule import BudgetTable
   from sparrow_jax.model import lora as lora_lib
   from sparrow_jax.rollout import sampler
+  from sparrow_jax.sparsity import policy
+  from sparrow_jax.sparsity.schedule import BudgetTable
 
   cfg = tiny_config(num_hidden_layers=3)
   sparse = select.SparseConfig(page_size=4, dense_layers=1)

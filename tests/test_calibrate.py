@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sparrow_jax as sj
 from experiments import calibrate_schedule
+import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.mismatch import calibrate as cal, cost_model
+from sparrow_jax.mismatch import calibrate as cal
+from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch.acceptance import acceptance_rate, tail_stats, topk_bound_from_logits
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rollout import sampler
+from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow

@@ -9,11 +9,11 @@ from configs import calibrate, default
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.calibrate import CalibrationConfig
+from sparrow_jax.model.config import PRESETS
+from sparrow_jax.model.hf import hf_tensor_specs
 from sparrow_jax.rl import train_step
 from sparrow_jax.rollout import engine
 from sparrow_jax.rollout.sampler import Sampling
-from sparrow_jax.model.config import PRESETS
-from sparrow_jax.model.hf import hf_tensor_specs
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

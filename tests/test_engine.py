@@ -9,8 +9,8 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rollout import engine, programs, sampler
+from sparrow_jax.sparsity.schedule import KVSchedule
 from tests import helpers
 from tests.helpers import tiny_config
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-import sparrow_jax as sj
 from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny
+import sparrow_jax as sj
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.sparsity.schedule import KVSchedule
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparrow_jax import sharding
 from sparrow_jax.attention import blockwise, flash
 from sparrow_jax.model import qwen3
-from sparrow_jax import sharding
 from sparrow_jax.model.config import Qwen3Config
 
 B, T, K, G, E = 2, 200, 2, 2, 128

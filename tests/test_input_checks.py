@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from sparrow_jax.rl import run_config, trainer
-
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
 

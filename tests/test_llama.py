@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sparrow_jax as sj
 from kernels import sparse_decode, sparse_decode_tpu
+import sparrow_jax as sj
 from sparrow_jax.attention import reference
 from tests.helpers import hf_logits, hf_model, tiny_config
 from tests.test_sparse_decode_kernel import _inputs, _jit

@@ -10,9 +10,9 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.sparsity.schedule import BudgetTable
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.rl import train_step as ts
+from sparrow_jax.sparsity.schedule import BudgetTable
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,7 @@
 """Parity of the JAX Qwen3 with transformers, and incremental decoding against forward."""
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,9 +117,9 @@ def test_decode_loop_reads_weights_and_cache_in_place(sparse):
   """The sampler's decode loop (weights split before it, per-layer float32 caches) holds no copy
   of a layer's cache or weights inside the loop: XLA CPU had copied every layer's whole K/V cache
   (a stacked slice, a uint32 -> float32 read) and weights (a stacked slice) at every step."""
+  from sparrow_jax.rollout import sampler
   from sparrow_jax.sparsity import policy
   from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
-  from sparrow_jax.rollout import sampler
 
   cfg = dataclasses.replace(tiny_config(), num_hidden_layers=3, max_position_embeddings=512)
   params = sj.init_params(cfg, jax.random.PRNGKey(0))

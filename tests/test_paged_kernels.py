@@ -5,10 +5,10 @@ shared prompt pages, a partial last page, padding and empty rows."""
 import functools
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from kernels import sparse_decode, sparse_decode_tpu
 from sparrow_jax.attention import reference

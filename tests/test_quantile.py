@@ -8,9 +8,9 @@ import pytest
 
 from configs import default
 from sparrow_jax.mismatch import acceptance, calibrate
+from sparrow_jax.rl import run_config, train_step
 from sparrow_jax.sparsity import schedule as schedule_lib
 from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rl import run_config, train_step
 
 # 100 tokens of one bin: 3 at alpha 0.5, the rest at 0.99. p1 (0.5) is under tau 0.86, p5 (0.99)
 # is over it: p1 and p5 disagree on this bin.

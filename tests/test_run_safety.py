@@ -4,8 +4,8 @@ trainer is stopped by the check under test before its first compilation."""
 
 import dataclasses
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +17,6 @@ from sparrow_jax import checkpoint, records
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.data import tasks
 from sparrow_jax.rl import run_config, trainer
-
 from tests.helpers import ROOT, SMALL
 from tests.test_trainer import small
 

@@ -12,8 +12,8 @@ import pytest
 
 from configs import tau_sweep as sweep_config
 from experiments import tau_sweep
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import run_config
+from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import ROOT, SMALL, load_file, subprocess_env
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,11 @@ import pytest
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import acceptance
-from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.rl import advantages, train_step as ts
+from sparrow_jax.rl import advantages
+from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow

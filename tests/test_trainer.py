@@ -10,14 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-import sparrow_jax as sj
 from configs import default
+import sparrow_jax as sj
 from sparrow_jax.data.tokenizer import load_tokenizer
-from sparrow_jax.sparsity.schedule import KVSchedule
-from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rl import hooks, run_config, trainer
+from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import programs
-
+from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
 pytestmark = pytest.mark.slow

@@ -29,8 +29,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from sparrow_jax.attention import paged_cache
 from sparrow_jax import sharding
+from sparrow_jax.attention import paged_cache
 
 BLOCK_Q = 1024  # queries per block: [K, G, 1024, 1024] f32 scores = 8 MiB per query head
 BLOCK_K = 1024  # keys per block (a multiple of the page size): fewer, larger loop steps on CPU

@@ -18,13 +18,13 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparrow_jax.attention import blockwise
 from sparrow_jax import sharding
+from sparrow_jax.attention import blockwise
 
 IMPLS = ("auto", "blockwise", "cudnn", "splash")
 SPLASH_BLOCK = 512  # query and key tile of the splash kernels (rows are padded to a multiple)

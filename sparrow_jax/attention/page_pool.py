@@ -23,11 +23,11 @@ reads it, so a decode step over every slot needs no scatter mask.
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
+import numpy as np
 
-from sparrow_jax.attention import paged_cache
 from sparrow_jax import sharding
+from sparrow_jax.attention import paged_cache
 
 TRASH_PAGE = 0
 POOL_AXES = ("batch", "kv_heads", "pages", "cache_len", "head_dim")

@@ -190,8 +190,8 @@ def _answer_form(gold_text, gold, boxed, pred, timeout_s) -> bool:
   """Whether an answer that math-verify accepts is in the reference's form class: no operator left
   unevaluated that the reference lacks, no equation between values that differ (`6 = 5`), and no
   decimal for an exact reference unless it is exactly equal (`0.333333` is not 1/3)."""
-  import sympy
   from math_verify import verify
+  import sympy
 
   if _UNEVALUATED.search(boxed) and not _UNEVALUATED.search(gold_text):
     return False

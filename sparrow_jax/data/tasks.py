@@ -13,6 +13,7 @@ offline; code:{taco,livecodebench} read files like the math ones; code:humaneval
 """
 
 import base64
+from collections import Counter
 import dataclasses
 import gzip
 import io
@@ -20,15 +21,12 @@ import json
 import logging
 import os
 import pickle
-import zlib
-from collections import Counter
 from typing import Any, Callable
+import zlib
 
 import numpy as np
 
-from sparrow_jax.data import rewards
-from sparrow_jax.data import sandbox
-from sparrow_jax.data import synthetic
+from sparrow_jax.data import rewards, sandbox, synthetic
 from sparrow_jax.data.tokenizer import chat_template
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ All functions are pure jnp and jit-able. Acceptance functions work per position;
 with by the `mask_BT` of the statistics functions.
 """
 
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from sparrow_jax.sparsity.schedule import position_bin
 

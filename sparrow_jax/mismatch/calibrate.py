@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.sparsity import policy
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.mismatch.acceptance import (
@@ -55,10 +54,11 @@ from sparrow_jax.mismatch.acceptance import (
   tail_stats,
   topk_bound_from_logits,
 )
-from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
 from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.sparsity import policy
+from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule, is_quantile, position_bin
 
 # The paper's grid: top-k pages (page size 16) for contexts up to ~37K tokens.
 PAPER_CANDIDATES = (

@@ -8,7 +8,6 @@ import dataclasses
 import math
 from typing import Any
 
-
 _ROPE_TYPES = ("default", "linear", "yarn")
 _MODEL_TYPES = ("qwen3", "llama")  # model_type -> qk_norm: Qwen3 has the per-head norms, Llama not
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}

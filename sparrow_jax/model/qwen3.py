@@ -36,10 +36,10 @@ import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.attention import blockwise, flash, paged_cache, reference
-from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model import lora as lora_lib
 from sparrow_jax import sharding
+from sparrow_jax.attention import blockwise, flash, paged_cache, reference
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model.config import Qwen3Config
 
 ACT_AXES = ("batch", "length", "act_embed")  # activations between layers: rows over data x fsdp
 

@@ -36,8 +36,8 @@ import numpy as np
 
 import sparrow_jax as sj
 from sparrow_jax import schema
-from sparrow_jax.sparsity.schedule import KVSchedule
 from sparrow_jax.rl import trainer
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

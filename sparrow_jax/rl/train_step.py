@@ -35,15 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sparrow_jax import schema
-from sparrow_jax.sparsity import policy
+from sparrow_jax import schema, sharding
 from sparrow_jax.mismatch import acceptance
-from sparrow_jax.sparsity import schedule
 from sparrow_jax.model import qwen3
-from sparrow_jax import sharding
 from sparrow_jax.model.lora import LoRA
 from sparrow_jax.rl import advantages, losses
 from sparrow_jax.rollout import sampler
+from sparrow_jax.sparsity import policy, schedule
 
 DISTILL_BASES = ("pre_update", "updated")  # DistillConfig.base
 TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)

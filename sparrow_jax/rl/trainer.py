@@ -37,9 +37,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from sparrow_jax import checkpoint, records
+from sparrow_jax import checkpoint, records, sharding
 from sparrow_jax import logging as metrics_log
-from sparrow_jax import sharding
 from sparrow_jax.attention import page_pool
 from sparrow_jax.data import rewards as reward_lib
 from sparrow_jax.data import tasks

@@ -24,18 +24,18 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
+from sparrow_jax import sharding
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
-from sparrow_jax.sparsity.schedule import BudgetTable
-from sparrow_jax import sharding
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import programs, sampler, scheduler
 from sparrow_jax.rollout.programs import row_key
 from sparrow_jax.rollout.scheduler import EngineConfig, EngineStats, Requests
+from sparrow_jax.sparsity.schedule import BudgetTable
 
 __all__ = ["EngineConfig", "EngineStats", "Requests", "row_key", "run", "generate", "full_batch"]
 

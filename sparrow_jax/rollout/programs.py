@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.attention import page_pool, paged_cache
-from sparrow_jax.sparsity import policy
 from sparrow_jax.model import qwen3
 from sparrow_jax.rollout import sampler, speculative
+from sparrow_jax.sparsity import policy
 
 
 def row_key(key, row, t):

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels import sparse_decode, sparse_decode_tpu
+from sparrow_jax import sharding
 from sparrow_jax.attention import blockwise, page_pool, reference, select
 from sparrow_jax.model import qwen3
-from sparrow_jax import sharding
 
 
 def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
