@@ -84,6 +84,7 @@ def get_config():
   c.distill.learning_rate = 1e-5  # Adam learning rate of the LoRA
   c.distill.kl_coef = 1e-3  # lambda of the k3 term (the paper)
   c.distill.ppo_coef = 1.0  # the sparse actor's own PPO term (the paper)
+  c.distill.base = "pre_update"  # the LoRA update's base: the teacher's (docs/configuration.md)
 
   c.stats = common.stats(bin_size=2048)  # tau 0.86, the paper's 2K-token bins
   c.stats.exact_acceptance = True  # exact alpha (the paper's statistic) from a sparse no-grad pass

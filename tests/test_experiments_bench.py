@@ -282,7 +282,7 @@ def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
     ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
-    ("bench_rollout", "--config.parts=e", "parts takes b, c and/or d, got 'e'"),
+    ("bench_rollout", "--config.parts=f", "parts takes b, c, d and/or e, got 'f'"),
     ("bench_rollout", "--config.parts=d --config.engine.settings=batch", "engine.settings takes"),
   ],
 )
