@@ -1137,6 +1137,10 @@ SPECULATIVE_ALPHAS = (0.9, 0.97)  # acceptance rates the exact mode's round time
 
 def speculative_rollout_page(records) -> str:
   """docs/results/speculative_rollout.md from bench_rollout (e)'s record."""
+  import numpy as np
+
+  from sparrow_jax.mismatch import cost_model
+
   at = " | ".join(f"tok/s at alpha {a}" for a in SPECULATIVE_ALPHAS)
   lines = [
     "# Exact mode vs dense and lossy sparse decoding (measured)",
@@ -1173,7 +1177,7 @@ def speculative_rollout_page(records) -> str:
       if "accepted_per_round" in row:
         k = int(row["setting"][len("speculate") :])
         round_s = row["seconds"] / -(-c["steps"] // (k + 1))
-        emitted = [(1 - a ** (k + 1)) / (1 - a) for a in SPECULATIVE_ALPHAS]
+        emitted = cost_model.expected_tokens_per_round(np.asarray(SPECULATIVE_ALPHAS), k)
         cells += [f"{row['accepted_per_round']:.2f}", f"{row['draft_acceptance']:.3f}"]
         cells += [f"{1e3 * round_s:.0f}"] + [f"{r['batch'] * e / round_s:.1f}" for e in emitted]
       else:
