@@ -465,11 +465,14 @@ def unstack_layers(params, lora=None):
   """(params, lora) with their stacked [L, ...] layers split into tuples of per-layer pytrees:
   what a decode loop should hand `decode_step`, split once before the loop. Inside a while loop
   XLA CPU copies a stacked layer's weights at every step, whether a scan slices them or a static
-  index does (docs/decode_speed.md)."""
-  split = lambda tree: tuple(
-    jax.tree_util.tree_map(lambda x: x[i], tree)
-    for i in range(jax.tree_util.tree_leaves(tree)[0].shape[0])
-  )
+  index does (docs/decode_speed.md). Layers already split are kept as they are."""
+
+  def split(tree):
+    if isinstance(tree, tuple):
+      return tree
+    n = jax.tree_util.tree_leaves(tree)[0].shape[0]
+    return tuple(jax.tree_util.tree_map(lambda x: x[i], tree) for i in range(n))
+
   params = dict(params, layers=split(params["layers"]))
   if lora is not None:
     lora = lora.replace(params=dict(lora.params, layers=split(lora.params["layers"])))

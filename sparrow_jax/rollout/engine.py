@@ -31,6 +31,7 @@ import numpy as np
 from sparrow_jax import sharding
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.model import qwen3
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import programs, sampler, scheduler
 from sparrow_jax.rollout.programs import row_key
@@ -89,6 +90,11 @@ def _budget(schedule, sparse, max_len: int) -> BudgetTable:
   return budget.replace(max_selected=cap)
 
 
+# Once per rollout rather than in every chunk: splitting copies the weights, which a chunk of a
+# few steps would pay again each time.
+_split_layers = jax.jit(qwen3.unstack_layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Programs:
   """The compiled programs bound to one rollout's params and settings, fed this process's shards
@@ -96,6 +102,7 @@ class _Programs:
 
   params: Any
   lora: Any
+  split: Any  # (params, lora) with their layers split (`qwen3.unstack_layers`): the chunks' weights
   cfg: Qwen3Config
   key: Any
   sampling: sampler.Sampling
@@ -146,7 +153,7 @@ class _Programs:
   def decode(self, pool, slots):
     """One chunk -> (pool, host outputs, n_gen and active after it, steps (rounds) run, and
     exact mode's per-slot counters, else None)."""
-    args = (self.params, self.lora, pool, self.budget, self.key)
+    args = (*self.split, pool, self.budget, self.key)
     args += ({k: self.to_global(v) for k, v in slots.items()},)
     kw = dict(cfg=self.cfg, sparse=self.sparse, sampling=self.sampling)
     count = None
@@ -202,6 +209,7 @@ def run(
     pool,
     params=params,
     lora=lora,
+    split=_split_layers(params, lora),
     cfg=cfg,
     key=key,
     sampling=sampling,
