@@ -14,6 +14,7 @@ When a workdir has checkpoints but none is readable, the restore stops (`NoReada
 rather than start again at step 0 on its own; `restart_from_scratch=True` says that is wanted.
 """
 
+import asyncio
 import hashlib
 import json
 import os
@@ -22,12 +23,46 @@ import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src import asyncio_utils
 
 from sparrow_jax import sharding
 
 CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
 META_CHECKSUM = "meta_sha256"  # meta key: sha256 of the rest of the meta (`_meta_digest`)
 CORRUPT = ".corrupt"  # suffix of a checkpoint moved aside
+
+
+async def _the_other_tasks_ended() -> None:
+  """Returns once every other task of the running loop has ended, however it ended."""
+  while rest := asyncio.all_tasks() - {asyncio.current_task()}:
+    await asyncio.gather(*rest, return_exceptions=True)
+
+
+def _run_in_new_loop(coro):
+  """orbax's `asyncio_utils._run_sync_via_new_loop`: runs `coro` in a fresh event loop (orbax runs
+  each save's writes and each restore's reads so), but when `coro` fails, the loop closes only
+  after every other task on it has ended.
+
+  A checkpoint write that fails (a full disk) ends orbax's `asyncio.gather` of the save's writes
+  at the first error, the other writes still in flight. Were the loop closed then, each of them
+  that finishes would make tensorstore call `call_soon_threadsafe` on the closed loop and print
+  its "Event loop is closed" error (a traceback a write, around the run's one-line error), and
+  the tasks not yet started would print "coroutine ... was never awaited" at exit.
+  """
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    try:
+      return loop.run_until_complete(coro)
+    except Exception:  # not KeyboardInterrupt: an interrupted run does not wait for its writes
+      loop.run_until_complete(_the_other_tasks_ended())
+      raise
+  finally:
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+asyncio_utils._run_sync_via_new_loop = _run_in_new_loop  # orbax run_sync looks it up at each call
 
 
 class NoReadableCheckpoint(ValueError):

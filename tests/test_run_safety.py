@@ -462,3 +462,45 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
   assert [r["step"] for r in metrics_log.read_rows(str(work / "metrics.jsonl"))][-1] == step
   assert not (work / "summary.json").exists()  # not a finished run
   assert not set(stale) & set(os.listdir(work))
+
+
+def test_a_failed_checkpoint_write_is_one_line_not_buried_in_library_logs(tmp_path):
+  """A checkpoint write that fails ends the run with its one-line error alone on stderr, not under
+  orbax's logs (quiet unless --verbose) nor the tracebacks of its writes still in flight
+  (checkpoint._run_in_new_loop). A file-size limit stands in for a full disk: both fail the
+  write (EFBIG, ENOSPC) the same way, and the limit needs no privileges."""
+  import resource
+  import signal
+
+  from tests.helpers import subprocess_env
+
+  def limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+  # The limit fails the tests' compilation cache writes too (a warning of jax's): this run reads
+  # that cache but writes none.
+  env = dict(subprocess_env(), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")
+  work = tmp_path / "run"
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "sparrow_jax.train",
+      "--config=configs/default.py",
+      f"--config.workdir={work}",
+      *SMALL,
+      "--config.total_steps=1",
+      "--config.export_hf=False",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+    preexec_fn=limit_file_size,
+  )
+  assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
+  assert "step 1/1" in out.stdout  # the step ran; its checkpoint's write failed
