@@ -73,6 +73,10 @@ def get_config():
   c.rl.num_minibatches = 4  # 4 updates of 64 rollouts per step
   c.rl.dapo_filter = False  # keep zero-variance groups (plain GRPO)
   c.rl.micro_batches = 8  # 8 rows per backward pass: one 38K row per GPU
+  c.rl.mask_alpha_below = 0.0  # a completion token whose exact alpha is under this leaves the
+  #                                    policy loss (mismatch masking; 0 = off)
+  c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole
+  #                                    (0 = off; why p1: docs/configuration.md#mismatch-masking)
   c.rl.remat = "full"  # per-layer remat: what 38K-token rows need
   c.rl.logits_chunk = 512  # positions per LM-head chunk
 

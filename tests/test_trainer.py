@@ -72,6 +72,8 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
     ({"rl__eps_low": -0.1}, "rl.eps_low"),
     ({"rl__max_grad_norm": -1.0}, "rl.max_grad_norm"),
     ({"rl__ppo_epochs": 0}, "rl.ppo_epochs"),
+    ({"rl__mask_alpha_below": 1.5}, "rl.mask_alpha_below = 1.5"),
+    ({"rl__mask_row_alpha_below": -0.1}, "rl.mask_row_alpha_below = -0.1"),
     ({"stats__bin_size": 0}, "stats.bin_size"),
     ({"stats__num_bins": 0}, "stats.num_bins"),
     ({"keep_checkpoints": 0}, "keep_checkpoints"),
