@@ -46,6 +46,8 @@ def get_config():
   #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted rollout speedup metric
   c.export_hf = True  # write the final policy as a Hugging Face dir to <workdir>/hf
+  c.profile_steps = ()  # (start, stop): a jax.profiler trace of steps start..stop - 1 (0-based;
+  #                                    step 0 also compiles) to <workdir>/profile; () = off
 
   c.mesh = common.mesh()  # devices: all on data by default (one device: 1 x 1 x 1)
   c.distributed = common.distributed()  # multi-host: jax.distributed (docs/many_devices.md)

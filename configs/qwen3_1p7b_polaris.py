@@ -30,6 +30,7 @@ def get_config():
   #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted-speedup metric
   c.export_hf = True  # final policy as a Hugging Face dir in <workdir>/hf
+  c.profile_steps = ()  # (start, stop): jax.profiler trace of those steps to <workdir>/profile
 
   c.mesh = common.mesh(data=1, fsdp=8, tensor=1)  # FSDP over the node's 8 GPUs
   c.distributed = common.distributed()  # one process drives the node's 8 GPUs
