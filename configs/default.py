@@ -46,6 +46,8 @@ def get_config():
   #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted rollout speedup metric
   c.export_hf = True  # write the final policy as a Hugging Face dir to <workdir>/hf
+  c.profile_steps = ()  # (start, stop): a jax.profiler trace of steps start..stop - 1 (0-based;
+  #                                    step 0 also compiles) to <workdir>/profile; () = off
 
   c.mesh = common.mesh()  # devices: all on data by default (one device: 1 x 1 x 1)
   c.distributed = common.distributed()  # multi-host: jax.distributed (docs/many_devices.md)
@@ -78,6 +80,10 @@ def get_config():
   c.rl.num_minibatches = 4  # minibatches per pass: 4 updates per rollout batch
   c.rl.dapo_filter = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
   c.rl.micro_batches = 1  # gradient accumulation: each update's rows in this many slices
+  c.rl.mask_alpha_below = 0.0  # a completion token whose exact alpha is under this leaves the
+  #                                    policy loss (mismatch masking; 0 = off)
+  c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole
+  #                                    (0 = off; why p1: docs/configuration.md#mismatch-masking)
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
   # experiments/memory_report.py) | attention (also keep the attention's output, so the backward
   # runs the attention and its page selection once; docs/architecture.md) | dots | none.

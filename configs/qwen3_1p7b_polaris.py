@@ -30,6 +30,7 @@ def get_config():
   #                                    again at step 0 (False: refused, naming them)
   c.hardware = "h200"  # cost-model hardware for the predicted-speedup metric
   c.export_hf = True  # final policy as a Hugging Face dir in <workdir>/hf
+  c.profile_steps = ()  # (start, stop): jax.profiler trace of those steps to <workdir>/profile
 
   c.mesh = common.mesh(data=1, fsdp=8, tensor=1)  # FSDP over the node's 8 GPUs
   c.distributed = common.distributed()  # one process drives the node's 8 GPUs
@@ -73,6 +74,10 @@ def get_config():
   c.rl.num_minibatches = 4  # 4 updates of 64 rollouts per step
   c.rl.dapo_filter = False  # keep zero-variance groups (plain GRPO)
   c.rl.micro_batches = 8  # 8 rows per backward pass: one 38K row per GPU
+  c.rl.mask_alpha_below = 0.0  # a completion token whose exact alpha is under this leaves the
+  #                                    policy loss (mismatch masking; 0 = off)
+  c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole
+  #                                    (0 = off; why p1: docs/configuration.md#mismatch-masking)
   c.rl.remat = "full"  # per-layer remat: what 38K-token rows need
   c.rl.logits_chunk = 512  # positions per LM-head chunk
 

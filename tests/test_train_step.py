@@ -189,9 +189,9 @@ def test_micro_batches_accumulate_the_same_update(loss_agg="seq-mean-token-mean"
     np.testing.assert_allclose(m_four[key], m_one[key], rtol=1e-4, atol=1e-6)
 
 
-def reference_exact_stats(params, lora, batch, sc=SC):
-  """Exact alpha between the pre-update dense policy and the rollout policy (sparse + LoRA), from
-  sj.forward and acceptance_rate alone, binned like the step (token s was decoded with s cached)."""
+def reference_alpha(params, lora, batch):
+  """Exact alpha per token (token alignment) between the pre-update dense policy and the rollout
+  policy (sparse + LoRA), from sj.forward and acceptance_rate alone."""
   S = batch.tokens.shape[1]
   valid = jnp.arange(S)[None] < (batch.prompt_len + batch.gen_mask.sum(1))[:, None]
   dense = sj.forward(params, batch.tokens, CFG, mask_BT=valid)
@@ -205,8 +205,13 @@ def reference_exact_stats(params, lora, batch, sc=SC):
     schedule=SCHEDULE,
     prompt_len_B=batch.prompt_len,
   )
-  alpha = jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
-  pos = jnp.broadcast_to(jnp.arange(S), alpha.shape)
+  return jnp.pad(acceptance.acceptance_rate(dense, rollout)[:, :-1], ((0, 0), (1, 0)))
+
+
+def reference_exact_stats(params, lora, batch, sc=SC):
+  """reference_alpha's tail stats, binned like the step (token s was decoded with s cached)."""
+  alpha = reference_alpha(params, lora, batch)
+  pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), alpha.shape)
   return acceptance.tail_stats(
     alpha, batch.gen_mask, pos, sc.stats.bin_size, sc.stats.num_bins, sc.rollout.page_size
   )
@@ -367,3 +372,105 @@ def test_rollout_metrics_of_the_dense_policy():
   assert float(m["response_length/max"]) == mask.sum(1).max()
   np.testing.assert_allclose(m["reward/mean"], np.mean(batch.rewards), rtol=1e-6)
   np.testing.assert_allclose(m["entropy"], (dense["entropy_BS"] * mask).sum() / mask.sum(), 1e-5)
+
+
+def masking(token_below=0.0, row_below=0.0):
+  rl = dataclasses.replace(SC.rl, mask_alpha_below=token_below, mask_row_alpha_below=row_below)
+  return dataclasses.replace(SC, rl=rl)
+
+
+def run_step(sc, params, lora, batch):
+  opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-2)
+  step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
+  return step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
+
+
+def clean_thresholds(values, avoid=()):
+  """Midpoints between sorted `values` 2e-4 or more apart, and 1e-4 or more from every `avoid`
+  value: thresholds the step's chunked alpha and reference_alpha (equal to the last digits) put
+  the same tokens under."""
+  v = np.sort(values)
+  t = (v[1:] + v[:-1]) / 2
+  far = np.abs(t[:, None] - np.append(np.asarray(avoid, float), np.inf)[None]) > 1e-4
+  return t[(np.diff(v) > 2e-4) & far.all(1)]
+
+
+def test_masking_off_or_under_every_alpha_is_the_unmasked_step():
+  """Thresholds 0: the unmasked step (no mask/* metrics). Thresholds under every token's alpha:
+  the masked path (alpha before the update, p from a no-grad pass) gives the same update."""
+  params, lora, *_ = setup()
+  batch = make_batch(params, lora, seed=8)
+  plain, m_plain = run_step(SC, params, lora, batch)
+  off, m_off = run_step(masking(0.0, 0.0), params, lora, batch)
+  assert not [k for k in m_off if k.startswith("mask/")]
+  jax.tree_util.tree_map(np.testing.assert_array_equal, (off, m_off), (plain, m_plain))
+  low = float(jnp.min(jnp.where(batch.gen_mask, reference_alpha(params, lora, batch), 1.0))) / 2
+  under, m_under = run_step(masking(low, low), params, lora, batch)
+  assert float(m_under["mask/token_frac"]) == 0.0 and float(m_under["mask/row_frac"]) == 0.0
+  assert set(m_under) - set(m_plain) == {"mask/token_frac", "mask/row_frac"}
+  for key in m_plain:
+    np.testing.assert_allclose(m_under[key], m_plain[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5),
+    (under.params, under.lora),
+    (plain.params, plain.lora),
+  )
+
+
+def test_token_masking_is_the_loss_without_those_tokens():
+  """Tokens whose exact alpha is under rl.mask_alpha_below leave the dense loss exactly as if
+  they were not in gen_mask; they are counted; DistillSparse still fits them."""
+  params, lora, *_ = setup()
+  batch = make_batch(params, lora, seed=8)
+  gen = np.asarray(batch.gen_mask)
+  alpha = np.asarray(reference_alpha(params, lora, batch))
+  below = next(t for t in clean_thresholds(alpha[gen]) if (alpha[gen] < t).sum() >= 0.1 * gen.sum())
+  out = gen & (alpha < below)
+  assert 0 < out.sum() < gen.sum() and (out.sum(1) < gen.sum(1)).all()  # holes, not whole rows
+  state, m = run_step(masking(token_below=below), params, lora, batch)
+  without = batch.replace(gen_mask=jnp.asarray(gen & ~out))
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
+  want, hole = ts.policy_loss(params, without, adv, CFG, SC)
+  np.testing.assert_allclose(m["loss/policy"], want, rtol=1e-5)
+  # a token out of the loss still conditions the tokens after it
+  full = ts.policy_loss(params, batch, adv, CFG, SC)[1]
+  kept = gen & ~out
+  np.testing.assert_allclose(np.asarray(hole["logp"])[kept], np.asarray(full["logp"])[kept], 1e-5)
+  assert round(float(m["mask/token_frac"]) * gen.sum()) == out.sum()
+  np.testing.assert_allclose(m["mask/token_frac"], out.sum() / gen.sum(), rtol=1e-6)
+  assert float(m["mask/row_frac"]) == 0.0
+  plain, m_plain = run_step(SC, params, lora, batch)
+  assert abs(float(m_plain["loss/policy"]) - float(want)) > 1e-3  # the masked tokens counted
+  ref, _ = run_step(SC, params, lora, without)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=5e-5), state.params, ref.params
+  )
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4), state.lora, plain.lora
+  )
+  np.testing.assert_allclose(m["acceptance/mean"], m_plain["acceptance/mean"], rtol=1e-5)
+
+
+def test_row_masking_drops_the_rows_whose_p1_alpha_is_under_it():
+  """A threshold between the rows' p1 alpha (and none of their min alpha, which would drop other
+  rows): exactly the rows under it in p1 leave the loss, and are counted."""
+  params, lora, *_ = setup()
+  batch = make_batch(params, lora, seed=8)
+  gen = np.asarray(batch.gen_mask)
+  alpha = np.asarray(reference_alpha(params, lora, batch))
+  p1 = np.array([np.percentile(a[g], 1) for a, g in zip(alpha, gen)])
+  low = np.array([a[g].min() for a, g in zip(alpha, gen)])
+  below = next(
+    t
+    for t in clean_thresholds(p1, avoid=low)
+    if 0 < (p1 < t).sum() < len(p1) and ((p1 < t) != (low < t)).any()
+  )
+  rows = p1 < below
+  state, m = run_step(masking(row_below=below), params, lora, batch)
+  adv = advantages.advantages(batch.rewards, SC.rollout.group_size)
+  without = batch.replace(gen_mask=jnp.asarray(gen & ~rows[:, None]))
+  np.testing.assert_allclose(
+    m["loss/policy"], ts.policy_loss(params, without, adv, CFG, SC)[0], 1e-5
+  )
+  np.testing.assert_allclose(m["mask/row_frac"], rows.mean(), rtol=1e-6)
+  assert float(m["mask/token_frac"]) == 0.0

@@ -72,6 +72,13 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
     ({"rl__eps_low": -0.1}, "rl.eps_low"),
     ({"rl__max_grad_norm": -1.0}, "rl.max_grad_norm"),
     ({"rl__ppo_epochs": 0}, "rl.ppo_epochs"),
+    ({"profile_steps": (3, 3)}, r"profile_steps = \(3, 3\)"),
+    ({"profile_steps": (-1, 2)}, r"profile_steps = \(-1, 2\)"),
+    ({"profile_steps": (1,)}, r"profile_steps = \(1,\)"),
+    ({"profile_steps": (1.0, 2)}, r"profile_steps = \(1.0, 2\)"),
+    ({"profile_steps": (0, 41)}, r"profile_steps = \(0, 41\)"),
+    ({"rl__mask_alpha_below": 1.5}, "rl.mask_alpha_below = 1.5"),
+    ({"rl__mask_row_alpha_below": -0.1}, "rl.mask_row_alpha_below = -0.1"),
     ({"stats__bin_size": 0}, "stats.bin_size"),
     ({"stats__num_bins": 0}, "stats.num_bins"),
     ({"keep_checkpoints": 0}, "keep_checkpoints"),
@@ -269,6 +276,18 @@ def small(workdir, **changes):
       **changes,
     }
   )
+
+
+def test_profile_steps_write_a_trace_of_the_rollout_and_the_update(tmp_path):
+  """profile_steps = (1, 3): one trace, of steps 1 and 2, in workdir/profile where TensorBoard's
+  profile plugin finds it (plugins/profile/<run>/<host>.xplane.pb), the engine's decode chunks and
+  the train step in it."""
+  work = tmp_path / "run"
+  rows = trainer.train(small(work, total_steps=3, profile_steps=(1, 3)))
+  traces = list((work / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  assert len(rows) == 3 and len(traces) == 1, traces
+  trace = traces[0].read_bytes()
+  assert b"train_step" in trace and b"decode_chunk" in trace
 
 
 def test_resume_is_safe(tmp_path, capsys):

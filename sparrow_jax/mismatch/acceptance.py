@@ -9,6 +9,7 @@ All functions are pure jnp and jit-able. Acceptance functions work per position;
 with by the `mask_BT` of the statistics functions.
 """
 
+import jax
 from jax import lax
 import jax.numpy as jnp
 
@@ -134,6 +135,14 @@ def _sorted_quantile(sorted_N, start, count, q):
   hi = jnp.minimum(lo + 1, jnp.maximum(count, 1) - 1)
   a, b = sorted_N[start + lo], sorted_N[start + hi]
   return jnp.where(count > 0, a + (b - a) * (pos - lo), jnp.nan)
+
+
+def row_percentile(x_BT, mask_BT, p):
+  """Each row's p-th percentile of x over its masked tokens (numpy's 'linear') -> [B]; NaN for a
+  row without tokens."""
+  sorted_BT = jnp.sort(jnp.where(mask_BT, x_BT, jnp.inf), axis=1)
+  count_B = jnp.sum(mask_BT, axis=1)
+  return jax.vmap(lambda s_T, n: _sorted_quantile(s_T, 0, n, p / 100))(sorted_BT, count_B)
 
 
 def percentile_name(p) -> str:

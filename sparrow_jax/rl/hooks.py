@@ -1,13 +1,14 @@
 """What a training step does besides sample, reward and update, as hooks of the RL loop
-(rl/trainer.py). After each step's update a hook returns the metrics it adds (`metrics`), then acts
-on the logged metrics (`end_step`); what a resume needs of it goes in the checkpoint meta (`meta`,
-read back by `restore`).
+(rl/trainer.py). A hook may act before a step's rollout (`begin_step`); after the step's update it
+returns the metrics it adds (`metrics`), then acts on the logged metrics (`end_step`); what a
+resume needs of it goes in the checkpoint meta (`meta`, read back by `restore`).
 
   Budgets      the KV budget each step samples and trains under: rollout.schedule's stage, or the
                closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk)
   KVMetrics    kv/read_fraction and kv/predicted_speedup of the step's rollouts
   PerfMetrics  perf/* (tokens/s, the engine's occupancy, train step time) and the learning rate
   Checkpoint   the train state and every other hook's meta, every `ckpt_every` steps and at the end
+  Profile      a jax.profiler trace of the steps config.profile_steps names, rollout and update
 
 A hook runs after every `every`-th step only (`due`; 1: each step), as levanter's hooks do.
 """
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from sparrow_jax import checkpoint, schema, sharding
@@ -55,6 +57,9 @@ class Hook:
 
   def due(self, step: int) -> bool:
     return (step + 1) % self.every == 0
+
+  def begin_step(self, step: int) -> None:
+    pass
 
   def metrics(self, out: StepOutput) -> dict:
     return {}
@@ -259,3 +264,30 @@ class Checkpoint(Hook):
     for hook in self.hooks:
       meta.update(hook.meta())
     checkpoint.save(self.mgr, step, out.state, meta)
+
+
+class Profile(Hook):
+  """A jax.profiler trace of steps [start, stop) (0-based, config.profile_steps), each from its
+  prompts through its update, into `directory` in the layout TensorBoard's profile plugin reads
+  (plugins/profile/<run>/<host>.xplane.pb). A run that ends or resumes inside the range traces the
+  steps it runs there; `close` writes the trace out whenever the run ends."""
+
+  def __init__(self, directory: str, start: int, stop: int):
+    self.directory, self.start, self.stop, self.tracing = directory, start, stop, False
+
+  def due(self, step: int) -> bool:
+    return self.start <= step < self.stop
+
+  def begin_step(self, step: int) -> None:
+    if not self.tracing:
+      jax.profiler.start_trace(self.directory)
+      self.tracing = True
+
+  def end_step(self, out: StepOutput, metrics: dict) -> None:
+    if out.step + 1 == self.stop:
+      self.close()
+
+  def close(self) -> None:
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False

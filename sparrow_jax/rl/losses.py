@@ -1,16 +1,19 @@
 """Policy-gradient losses on sparse rollouts: PPO clipping, dual clip, truncated importance
-sampling (TIS), loss aggregation, and optional KL / entropy terms. All per-token arrays are [B, T]
-with a mask of the completion tokens; everything is pure jnp.
+sampling (TIS), mismatch masking, loss aggregation, and optional KL / entropy terms. All per-token
+arrays are [B, T] with a mask of the completion tokens; everything is pure jnp.
 """
 
 import jax
 import jax.numpy as jnp
+
+from sparrow_jax.mismatch import acceptance
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 TIS_LEVELS = ("token", "sequence", "none")
 KL_KINDS = ("k1", "k3")
 LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp (verl's PPO ratio and low_var_kl)
 K3_CAP = 10.0  # per-token k3 cap (verl's low_var_kl)
+ROW_PERCENTILE = 1  # the row rule of `mismatch_mask` judges a row by this percentile of its alpha
 
 
 def aggregate(loss_BT, mask_BT, mode: str = "token-mean", norm_len: float = 1.0):
@@ -40,6 +43,16 @@ def tis_weight(logp_old_BT, logp_rollout_BT, mask_BT, cap: float, level: str = "
   elif level != "token":
     raise ValueError(f"TIS level must be one of {TIS_LEVELS}, got {level!r}")
   return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_ratio), cap))
+
+
+def mismatch_mask(alpha_BT, mask_BT, token_below: float, row_below: float):
+  """Mismatch masking (as verl's rollout correction): a completion token whose acceptance alpha is
+  under `token_below`, and every token of a row whose ROW_PERCENTILE-th percentile of alpha is
+  under `row_below`, leave the loss (0 turns a rule off: alpha >= 0). Returns (the tokens kept
+  [B, T], those the token rule drops [B, T], the rows the row rule drops [B])."""
+  token_out_BT = mask_BT & (alpha_BT < token_below)
+  row_out_B = acceptance.row_percentile(alpha_BT, mask_BT, ROW_PERCENTILE) < row_below
+  return mask_BT & ~token_out_BT & ~row_out_B[:, None], token_out_BT, row_out_B
 
 
 def ppo_token_loss(

@@ -97,6 +97,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score, f"one of {PAGE_SCORES}")
   require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
+  _check_profile_steps(c)
   require(
     bool(c.model.hf_dir) != bool(c.model.preset),
     "model.hf_dir / model.preset",
@@ -165,6 +166,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
       value = value[name]
     require(ok, field, value, allowed)
   _check_model_fits(c)
+
+
+def _check_profile_steps(c) -> None:
+  steps = c.profile_steps
+  ints = isinstance(steps, (tuple, list)) and all(
+    isinstance(s, int) and not isinstance(s, bool) for s in steps
+  )
+  require(
+    steps == () or (ints and len(steps) == 2 and 0 <= steps[0] < steps[1] <= c.total_steps),
+    "profile_steps",
+    steps,
+    f"() (off) or (start, stop): the steps start..stop - 1, 0-based, ints with 0 <= start < "
+    f"stop <= total_steps ({c.total_steps})",
+  )
 
 
 def _validate_adaptive(c, tau, base):
@@ -410,6 +425,7 @@ RESUMABLE_FIELDS = (
   "export_hf",
   "max_nonfinite_steps",
   "restart_from_scratch",
+  "profile_steps",
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",

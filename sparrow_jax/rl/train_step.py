@@ -14,6 +14,8 @@ With one PPO update per batch (the default) p comes out of the gradient pass its
 exp(logp - stop_grad(logp)) = 1 with the right gradient), and q out of the DistillSparse gradient
 pass, so nothing is computed twice. With several updates, a no-grad pass fixes p first, and exact
 acceptance costs one more no-grad sparse teacher-forced pass for q (as it does without distill).
+Mismatch masking (rl.mask_alpha_below, rl.mask_row_alpha_below) picks the loss's tokens by that
+alpha, so with it on both no-grad passes run before the first update.
 
 Memory is linear in the row length: every pass is `qwen3.forward_hidden` (scanned, rematerialised
 layers, blockwise attention) and every vocabulary-sized quantity (log-probs, entropy, top-20, exact
@@ -74,6 +76,16 @@ class RLConfig:
   num_minibatches: int = 1
   dapo_filter: bool = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
   micro_batches: int = 1  # gradient accumulation: rows of a minibatch per backward pass / n
+  # Mismatch masking (losses.mismatch_mask) by the exact alpha = sum_x min(p, q) of each completion
+  # token, p the pre-update dense policy, q the rollout's: the dense policy loss leaves out a token
+  # whose alpha is under mask_alpha_below, and every token of a row whose p1 alpha (over its
+  # completion) is under mask_row_alpha_below; 0 = off. p1, not the min: a row's min falls with its
+  # length and one outlier is the token rule's to drop, while p1 under the bar means over 1% of the
+  # row is off the dense policy, a stretch the row's later tokens are conditioned on. On, the
+  # alpha must be known before the first update: with one update a batch, a no-grad dense pass and
+  # a no-grad sparse pass run first (the gradient passes give them otherwise).
+  mask_alpha_below: float = 0.0
+  mask_row_alpha_below: float = 0.0
   remat: str = "full"  # per-layer rematerialisation (qwen3.REMAT_POLICIES)
   logits_chunk: int = 512  # positions per LM-head chunk (qwen3.map_logits)
 
@@ -92,6 +104,10 @@ class RLConfig:
     require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
     require(self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
+    require(0 <= self.mask_alpha_below <= 1, "mask_alpha_below", "must lie in [0, 1] (0 = off)")
+    require(
+      0 <= self.mask_row_alpha_below <= 1, "mask_row_alpha_below", "must lie in [0, 1] (0 = off)"
+    )
     require(self.remat in qwen3.REMAT_POLICIES, "remat", f"one of {tuple(qwen3.REMAT_POLICIES)}")
     require(self.logits_chunk >= 1, "logits_chunk", "must be >= 1")
 
@@ -232,8 +248,12 @@ def next_token_aligned(x_BS):
 
 
 def _valid_mask(batch):
+  """The rows' real tokens: the prompt and all up to the last completion token, so a token left
+  out of the loss (a hole in gen_mask) still conditions the tokens after it."""
   S = batch.tokens.shape[1]
-  return jnp.arange(S)[None] < (batch.prompt_len + jnp.sum(batch.gen_mask, 1))[:, None]
+  pos_BS = jnp.arange(S)[None]
+  end_B = jnp.max(jnp.where(batch.gen_mask, pos_BS + 1, batch.prompt_len[:, None]), axis=1)
+  return pos_BS < end_B[:, None]
 
 
 def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, budget=None):
@@ -390,13 +410,13 @@ def _row_slices(rows, n: int, field: str):
   return _rows(jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows), True)
 
 
-def _minibatches(batch, adv_B, logp_old_BS, n):
-  """n minibatches of consecutive rows, each spread over the batch mesh axes again."""
-  B = adv_B.shape[0]
+def _minibatches(rows, n):
+  """`rows` (a pytree of per-row arrays) as n minibatches of consecutive rows, each spread over the
+  batch mesh axes again."""
+  B = jax.tree_util.tree_leaves(rows)[0].shape[0]
   if B % n:
     raise ValueError(f"batch of {B} rows is not divisible into num_minibatches={n}")
-  split = lambda x: x.reshape(n, B // n, *x.shape[1:])
-  parts = jax.tree_util.tree_map(split, (batch, adv_B, logp_old_BS))
+  parts = jax.tree_util.tree_map(lambda x: x.reshape(n, B // n, *x.shape[1:]), rows)
   return [_rows(jax.tree_util.tree_map(lambda x: x[i], parts)) for i in range(n)]
 
 
@@ -538,6 +558,20 @@ def rollout_metrics(batch, dense, sc: StepConfig):
   return metrics
 
 
+def mismatch_masking(batch, alpha_BS, sc: StepConfig):
+  """The completion tokens the dense policy loss keeps under rl.mask_alpha_below and
+  rl.mask_row_alpha_below (losses.mismatch_mask), and "mask/token_frac" (share of the completion
+  tokens the token rule drops), "mask/row_frac" (share of the rows the row rule drops)."""
+  keep_BS, token_out_BS, row_out_B = losses.mismatch_mask(
+    alpha_BS, batch.gen_mask, sc.rl.mask_alpha_below, sc.rl.mask_row_alpha_below
+  )
+  metrics = {
+    "mask/token_frac": jnp.sum(token_out_BS) / jnp.maximum(jnp.sum(batch.gen_mask), 1),
+    "mask/row_frac": jnp.mean(row_out_B),
+  }
+  return keep_BS, metrics
+
+
 def _rollout_acceptance(state, batch, dense, x_q_BSD, cfg, sc, sparse, budget, pass_slices):
   """Exact alpha_BS between the pre-update dense policy and the rollout policy q (the state's
   params and LoRA under the sparse budget: x_q_BSD when a gradient pass computed it, else a no-grad
@@ -588,7 +622,9 @@ def make_train_step(
     adv_B = advantages.advantages(
       batch.rewards, sc.rollout.group_size, sc.rl.estimator, std_ddof=sc.rl.grpo_std_ddof
     )
-    single = sc.rl.ppo_epochs * sc.rl.num_minibatches == 1
+    # Dense rollouts are the policy's own samples (alpha = 1): nothing to mask.
+    masking = sparse is not None and (sc.rl.mask_alpha_below > 0 or sc.rl.mask_row_alpha_below > 0)
+    single = sc.rl.ppo_epochs * sc.rl.num_minibatches == 1 and not masking
     # no-grad passes over the full batch run in slices of a gradient pass's rows
     pass_slices = sc.rl.num_minibatches * sc.rl.micro_batches
     # The pre-update dense policy p over the full batch (hidden, logp, entropy_BS, top): with one
@@ -599,23 +635,30 @@ def make_train_step(
       dense = dict(
         hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, batch.top_logp is not None)
       )
+    alpha, loss_mask, mask_metrics = None, None, {}
+    if masking:
+      alpha = _rollout_acceptance(state, batch, dense, None, cfg, sc, sparse, budget, pass_slices)
+      loss_mask, mask_metrics = mismatch_masking(batch, alpha, sc)
     params, opt_state = state.params, state.opt_state
     lora, lora_opt_state = state.lora, state.lora_opt_state
     base_rows, lora_rows, skipped, skipped_lora, x_q = [], [], [], [], None
     for _ in range(sc.rl.ppo_epochs):
-      for mb, adv_mb, logp_p_mb in _minibatches(
-        batch, adv_B, None if single else dense["logp"], sc.rl.num_minibatches
+      for mb, adv_mb, logp_p_mb, loss_mask_mb in _minibatches(
+        (batch, adv_B, None if single else dense["logp"], loss_mask), sc.rl.num_minibatches
       ):
+        loss_mb = mb if loss_mask_mb is None else mb.replace(gen_mask=loss_mask_mb)
         params, opt_state, aux, row, finite = dense_update(
-          params, opt_state, optimizer, (mb, adv_mb, logp_p_mb), cfg, sc, state.ref_params
+          params, opt_state, optimizer, (loss_mb, adv_mb, logp_p_mb), cfg, sc, state.ref_params
         )
         dense = aux if single else dense
-        n_tokens = jnp.sum(mb.gen_mask)
-        base_rows.append((row, n_tokens))
+        base_rows.append((row, jnp.sum(loss_mb.gen_mask)))
         skipped.append(~finite)
         if sc.distill.enabled:
           # The teacher is the pre-update dense policy; the sparse actor runs on the base the
-          # `distill.base` option names (DistillConfig).
+          # `distill.base` option names (DistillConfig). It keeps the tokens masking drops from
+          # the dense loss (as verl's rollout correction masks the policy loss only): its PPO term
+          # is on-policy (the old policy is the rollout's own) and its k3 term is what closes the
+          # sparse/dense gap, widest at exactly those tokens.
           teacher = dense["logp"] if single else logp_p_mb
           base = state.params if sc.distill.base == "pre_update" else params
           lora, lora_opt_state, d_aux, row, d_finite = distill_update(
@@ -631,13 +674,13 @@ def make_train_step(
           )
           # With one update on the pre-update base, its pass is exactly the rollout policy q's.
           x_q = d_aux["hidden"] if single and sc.distill.base == "pre_update" else None
-          lora_rows.append((row, n_tokens))
+          lora_rows.append((row, jnp.sum(mb.gen_mask)))
           skipped_lora.append(~d_finite)
 
     metrics = update_metrics(base_rows, lora_rows, skipped, skipped_lora)
     metrics.update(rollout_metrics(batch, dense, sc))
-    alpha = None
-    if sc.stats.exact_acceptance:
+    metrics.update(mask_metrics)
+    if sc.stats.exact_acceptance and alpha is None:
       alpha = _rollout_acceptance(state, batch, dense, x_q, cfg, sc, sparse, budget, pass_slices)
     metrics.update(_acceptance_metrics(batch, dense["logp"], dense.get("top"), alpha, sc))
     new_state = state.replace(

@@ -346,6 +346,10 @@ def _train(c, mesh, run: contextlib.ExitStack):
     run.enter_context(workdir_lock(c.workdir))
     run_config.check_resume(c)  # again under the lock: a run may have written it meanwhile
     remove_stale_tmp(c.workdir)
+  if c.profile_steps:
+    profile = hooks.Profile(os.path.join(c.workdir, "profile"), *c.profile_steps)
+    run.callback(profile.close)  # a run stopped inside the range still writes its trace
+    step_hooks.append(profile)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   state, start = _restore(c, mgr, state, step_hooks)
   saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, n_prompts, step_hooks)
@@ -357,6 +361,9 @@ def _train(c, mesh, run: contextlib.ExitStack):
   preemption = run.enter_context(Preemption())
 
   for step in range(start, c.total_steps):
+    for hook in step_hooks:
+      if hook.due(step):
+        hook.begin_step(step)
     t0 = time.time()
     budget = budgets.for_step(step) if budgets else None
     problems = task.sample(n_prompts, step * n_prompts)[lo // r.group_size : hi // r.group_size]
