@@ -145,13 +145,11 @@ def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
 )
 def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, steps, context):
   """`steps` greedy decode steps from caches rewound to `context` tokens, dense (sparse=None) or
-  with the sampler's sparse policy, as the sampler runs them (weights split by layer before the
-  loop). Returns (token, caches)."""
+  with the sampler's sparse policy, as the engine runs them (params split by layer once, before
+  the calls, as engine.run splits them once per rollout). Returns (token, caches)."""
   # The keys a previous call wrote past `context` need no rewinding: each append rewrites its slot
   # and its page's centroid, and a page is scored only once every slot of it is rewritten.
   caches = tuple(c.replace(lengths=jnp.full_like(c.lengths, context)) for c in caches)
-  params, _ = qwen3.unstack_layers(params)
-
   attention_fn = (
     policy.decode_attention_fn(sparse, budget, max_selected)
     if sparse is not None
@@ -194,9 +192,10 @@ def bench_decode(config):
   else:
     cfg = model_config(c.layers, c.vocab_size)
     params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
+  n_params = cost_model.param_count(cfg)
+  params, _ = jax.jit(qwen3.unstack_layers)(params)
   schedule = KVSchedule.parse(c.schedule, 16, field="config.decode.schedule")
   sparse_configs = [sj.SparseConfig(page_size=16, dense_layers=d) for d in c.dense_layers]
-  n_params = cost_model.param_count(cfg)
   hw = cost_model.measure_this_machine()
   hw = dataclasses.replace(hw, dtype_bytes=dtype.itemsize)
 
