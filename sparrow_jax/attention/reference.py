@@ -18,7 +18,7 @@ Laid out for XLA on CPU, where the rollout runs without a GPU (experiments/bench
     and re-reads 2 x B*K*N*Z*E values (2 x 32 MiB for Qwen3-1.7B, batch 4, a 2K budget), out of
     cache. `lax.map` over the B*K rows gathers one row's pages at a time (2 x 1 MiB, cache
     resident), faster than the batched layouts and than a batched take_along_axis + einsum
-    (docs/decode_speed.md), except for small reads (`SMALL_READ_BYTES`), which stay in cache.
+    (docs/decode_speed.md).
   - dense: one batched einsum over (b, k) with the G query heads on the matmul's M dimension;
     mapping over rows is slower here (each row's K/V slice is copied out for its dot).
   - float32 caches (the CPU default): XLA CPU runs a bfloat16 gather or loop-sliced bfloat16 array
@@ -162,13 +162,6 @@ def _paged_row(q_GE, k_pages_XZE, v_pages_XZE, page_idx_N, logical_idx_N, n_vali
   return _softmax_av(s_GT, valid_T, v_TE)
 
 
-# K and V bytes of every row's page slots under which `paged_decode_attention` gathers all rows at
-# once: while the gathered pages stay in a CPU core's caches, one batched gather and dot cost less
-# than a loop over rows, each with its own small gather and dot; past it the batched gather is
-# written to memory and read back, and the row loop wins (docs/decode_speed.md).
-SMALL_READ_BYTES = 2 << 20
-
-
 def _row_reader(N: int, scale):
   """One (sequence, KV head)'s attention reading only a prefix of its N page slots that holds its
   n_valid pages (none, a power of two, or all N: a lax.switch, so one branch runs). The valid
@@ -230,14 +223,14 @@ def paged_decode_attention(
   holds each one's page number in the row, which gives its positions: a token at position >=
   lengths_B[b] is masked (the partial last page). The form a page pool is read in (the page id is
   physical, the logical id comes from the row's page table); per-row caches reach it through
-  `rows_as_pages`. Each row reads about its own n_valid pages (`_row_reader`), unless all rows'
-  N pages together are at most SMALL_READ_BYTES: then one gather and one batched dot read them."""
+  `rows_as_pages`. Each row reads about its own n_valid pages (`_row_reader`)."""
   check_paged_args(
     q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, logical_idx_BKN, n_valid_BK, lengths_B
   )
   B, K, G, E = q_BKGE.shape
   N = page_idx_BKN.shape[2]
   scale = default_scale(E) if scale is None else scale
+  read = _row_reader(N, scale)
   rows = (
     q_BKGE.reshape(B * K, G, E),
     page_idx_BKN.reshape(B * K, N),
@@ -245,13 +238,7 @@ def paged_decode_attention(
     n_valid_BK.reshape(B * K),
     jnp.repeat(lengths_B, K),
   )
-  _, Z, _ = k_pages_XZE.shape
-  if 2 * B * K * N * Z * E * k_pages_XZE.dtype.itemsize <= SMALL_READ_BYTES:
-    row = lambda *r: _paged_row(r[0], k_pages_XZE, v_pages_XZE, *r[1:], scale)
-    out_RGE = jax.vmap(row)(*rows)
-  else:
-    read = _row_reader(N, scale)
-    out_RGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
+  out_RGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
   return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
