@@ -41,8 +41,12 @@ def _run(script, *overrides, check=True):
   return result
 
 
-def test_cost_report_prints_both_tables():
-  out = _run("cost_report", "--config.measure=False", "--config.gen_len=4096").stdout
+def test_cost_report_prints_both_tables_and_writes_them_as_a_record(tmp_path):
+  """One run (`out` only adds the JSON record): its tables print, and the record holds them."""
+  path = tmp_path / "cost_model.json"
+  out = _run(
+    "cost_report", "--config.measure=False", "--config.gen_len=4096", f"--config.out={path}"
+  ).stdout
   assert "prompt 1024 tokens, generation 4096 tokens" in out
   assert "this_machine" not in out
   assert "Predicted rollout speedup" in out and "paper (4x H200)" in out
@@ -52,13 +56,6 @@ def test_cost_report_prints_both_tables():
   for model in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"):
     rows = sum(line.startswith(model + " ") for line in out.splitlines())
     assert rows == 5 + 3, model  # a row in each of five tables, the speculative one's per alpha
-
-
-def test_cost_report_writes_its_tables_as_a_record(tmp_path):
-  path = tmp_path / "cost_model.json"
-  out = _run(
-    "cost_report", "--config.measure=False", "--config.gen_len=4096", f"--config.out={path}"
-  ).stdout
   record = json.load(open(path))
   assert {"command", "commit", "machine", "date"} <= set(record)
   r = record["results"]
@@ -96,13 +93,16 @@ def _load_pages():
   return load_file("docs/make_results_pages.py")
 
 
-def test_bench_attention_prints_a_row_per_context():
+def test_bench_attention_prints_a_row_per_context_and_writes_them_as_a_record(tmp_path):
+  """One run (the record's `out` only adds the JSON): a row per context, the record's rows."""
+  path = tmp_path / "decode_attention.json"
   out = _run(
     "bench_attention",
     "--config.contexts=256,512",
     "--config.budget=64",
     "--config.steps=2",
     "--config.runs=1",
+    f"--config.out={path}",
   ).stdout
   assert "budget 64 tokens (4 pages of 16)" in out and "median of 1 calls of 2 steps" in out
   assert "impl auto" in out and "batch 4" in out and "cache 512 tokens" in out
@@ -114,18 +114,6 @@ def test_bench_attention_prints_a_row_per_context():
   assert [r[0] for r in rows] == ["256", "512"]
   assert all(len(r) == 11 and r[6].endswith("x") and r[10].endswith("x") for r in rows), rows
   assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), rows  # GB/s
-
-
-def test_bench_attention_writes_its_rows_as_a_record(tmp_path):
-  path = tmp_path / "decode_attention.json"
-  out = _run(
-    "bench_attention",
-    "--config.contexts=256,512",
-    "--config.budget=64",
-    "--config.steps=2",
-    "--config.runs=1",
-    f"--config.out={path}",
-  ).stdout
   record = json.load(open(path))
   assert {"command", "commit", "machine", "date"} <= set(record)
   r = record["results"]
@@ -160,28 +148,11 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
     )
 
 
-def test_bench_rollout_decode_prints_a_row_per_dense_layers():
-  out = _run(
-    "bench_rollout",
-    "--config.decode.layers=1",
-    "--config.decode.dense_layers=1,0",
-    "--config.decode.contexts=256",
-    "--config.decode.steps=2",
-    "--config.batch=1",
-    "--config.runs=1",
-  ).stdout
-  assert "(b) decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
-  lines = out.splitlines()
-  header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "budget"])
-  assert "cost model" in lines[header] and "+weights" in lines[header]
-  rows = [line.split() for line in lines[header + 1 :]]
-  assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
-  assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
-
-
-def test_bench_rollout_writes_its_decode_rows_as_a_record(tmp_path):
-  """(b) and (c) with `out`: (b)'s printed rows are the record's; (c) without google-tunix in the
-  configured Python is left out of the record, and of the page."""
+def test_bench_rollout_decode_prints_a_row_per_dense_layers_and_writes_a_record(tmp_path):
+  """(b) and (c) with `out`: (b) prints a row per dense_layers, its printed rows are the record's;
+  (c) with tunix.python set reruns the script there, (c) only: in an interpreter without
+  google-tunix it says how to make one (with tunix it runs the tiny comparison instead), and is
+  left out of the record, and of the page."""
   path = tmp_path / "decode_rollout.json"
   out = _run(
     "bench_rollout",
@@ -197,6 +168,19 @@ def test_bench_rollout_writes_its_decode_rows_as_a_record(tmp_path):
     "--config.runs=1",
     f"--config.out={path}",
   ).stdout
+  assert "(b) decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
+  lines = out.splitlines()
+  header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "budget"])
+  assert "cost model" in lines[header] and "+weights" in lines[header]
+  rows = [line.split() for line in lines[header + 1 : header + 3]]  # (c)'s lines follow
+  assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
+  assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
+  assert lines[header + 3].split()[:1] != ["256"]  # no third row
+  assert (
+    "(c) skipped" in out
+    and "--config.tunix.python=VENV/bin/python" in out
+    or "ours / tunix:" in out
+  ), out
   record = json.load(open(path))
   assert {"command", "commit", "machine", "date"} <= set(record)
   r = record["results"]
@@ -205,7 +189,6 @@ def test_bench_rollout_writes_its_decode_rows_as_a_record(tmp_path):
   rows = r["decode"]["rows"]
   assert [(row["context"], row["dense_layers"]) for row in rows] == [(256, 1), (256, 0)]
   bench_rollout = _load("bench_rollout")
-  lines = out.splitlines()
   assert all(bench_rollout.format_decode_row(row) in lines for row in rows), out
   page = _load_pages().decode_rollout_page([record])
   assert "## End-to-end decode" in page and ("## Against tunix" in page) == ("tunix" in r)
@@ -252,25 +235,6 @@ def test_tunix_figures_print_and_render_alike(capsys):
   ratio = f"{fig['ours_over_tunix']:.2f}x"
   assert f"ours / tunix: {ratio}" in printed and f"Ours / tunix: **{ratio}**" in page
   assert "same greedy tokens: 640/640" in printed and "same greedy tokens: 640/640" in page
-
-
-def test_bench_rollout_tunix_part_reruns_under_the_configured_python():
-  """(c) with tunix.python set reruns the script there, (c) only; in an interpreter without
-  google-tunix it says how to make one (with tunix it runs the tiny comparison instead)."""
-  out = _run(
-    "bench_rollout",
-    "--config.parts=c",
-    f"--config.tunix.python={sys.executable}",
-    "--config.tunix.prompt=8",
-    "--config.tunix.gen=2,4",
-    "--config.batch=1",
-    "--config.runs=1",
-  ).stdout
-  assert (
-    "(c) skipped" in out
-    and "--config.tunix.python=VENV/bin/python" in out
-    or "ours / tunix:" in out
-  ), out
 
 
 @pytest.mark.parametrize(
