@@ -39,7 +39,7 @@ def test_run_on_an_object_store_writes_there_and_resumes(tmp_path, monkeypatch):
     "tensorboard",
   }
   assert sorted(p.name for p in epath.Path(work, "checkpoints").iterdir()) == ["1", "2"]
-  assert json.loads(epath.Path(work, "summary.json").read_text())["last"]["step"] == 2
+  assert json.loads(epath.Path(work, "summary.json").read_text())["steps"] == 2
   load_hf(fake_bucket.local(f"{work}/hf"))
   events = EventAccumulator(fake_bucket.local(f"{work}/tensorboard"))
   events.Reload()
