@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 
 from sparrow_jax import sharding
+from sparrow_jax.logging import as_path
 
 CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
 META_CHECKSUM = "meta_sha256"  # meta key: sha256 of the rest of the meta (`_meta_digest`)
@@ -73,7 +75,7 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   # Handlers named up front, so a fresh manager can read a checkpoint's metadata (its tree of
   # shapes and dtypes) before restoring it.
   return ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    as_path(workdir) / "checkpoints",
     options=ocp.CheckpointManagerOptions(max_to_keep=keep),
     item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
   )
@@ -213,7 +215,7 @@ def _restore(mgr, step, abstract, path):
 def _aside(path: str) -> str:
   """Where to move an unreadable checkpoint: <path>.corrupt, or .corrupt.N when that is taken."""
   target, n = path + CORRUPT, 1
-  while os.path.exists(target):
+  while epath.Path(target).exists():
     n += 1
     target = f"{path}{CORRUPT}.{n}"
   return target
@@ -221,10 +223,10 @@ def _aside(path: str) -> str:
 
 def moved_aside(mgr: ocp.CheckpointManager) -> list:
   """The checkpoints of `mgr`'s directory moved aside as unreadable (this run or an earlier one)."""
-  directory = str(mgr.directory)
-  if not os.path.isdir(directory):
+  directory = epath.Path(mgr.directory)
+  if not directory.is_dir():
     return []
-  return sorted(os.path.join(directory, n) for n in os.listdir(directory) if CORRUPT in n)
+  return sorted(str(p) for p in directory.iterdir() if CORRUPT in p.name)
 
 
 def restore_latest(mgr: ocp.CheckpointManager, like_state, restart_from_scratch: bool = False):
@@ -246,8 +248,8 @@ def restore_latest(mgr: ocp.CheckpointManager, like_state, restart_from_scratch:
       return _restore(mgr, step, abstract, path)
     except _Unreadable as e:
       target = _aside(path)
-      if jax.process_index() == 0:
-        os.replace(path, target)
+      if jax.process_index() == 0:  # on an object store a copy and a delete, not atomic
+        epath.Path(path).rename(target)
       multihost_utils.sync_global_devices(f"moved aside checkpoint {step}")
       mgr.reload()
       print(

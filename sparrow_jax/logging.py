@@ -2,13 +2,30 @@
 
 Nothing a kill can tear: metrics.jsonl is only appended to (a torn last line, a write the kill cut,
 is dropped when the run resumes), and whole files are replaced atomically (`write_atomic`).
+
+A workdir may be any etils.epath URL (gs://, s3://, ...). Object stores have no append and no
+atomic rename, but an object written whole appears only once its upload completes: there whole
+files are written directly, metrics.jsonl is rewritten whole each step, and TensorBoard events go
+through epath (`_EpathRecordWriter`).
 """
 
+import io
 import json
 import os
 
+from etils import epath
 import numpy as np
-from tensorboardX import SummaryWriter
+from tensorboardX import SummaryWriter, record_writer
+
+
+def is_local(path: str) -> bool:
+  """Whether `path` is on the local file system (no URL scheme)."""
+  return "://" not in str(path)
+
+
+def as_path(path: str) -> epath.Path:
+  """`path` as an epath.Path, absolute when local (orbax wants absolute local paths)."""
+  return epath.Path(path if not is_local(path) else os.path.abspath(path))
 
 
 class MetricsLogger:
@@ -18,15 +35,21 @@ class MetricsLogger:
     """Appends to the workdir's logs from step `resume_step` on (0: a fresh run), after dropping
     what was logged past it (steps a killed run logged after its last checkpoint, replayed now)
     from metrics.jsonl and the TensorBoard events, so each step is logged once."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path):
-      kept = [row for row in read_rows(path) if row["step"] <= resume_step]
-      write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
+    as_path(workdir).mkdir(parents=True, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    kept = ""
+    if as_path(self.path).exists():
+      rows = [row for row in read_rows(self.path) if row["step"] <= resume_step]
+      kept = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows)
+      write_atomic(self.path, kept)
+    if not is_local(workdir):
+      record_writer.register_writer_factory(workdir.split(":")[0], _EpathRecordWriterFactory())
     self.writer = SummaryWriter(
       os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
     )
-    self.jsonl = open(path, "a")
+    # local: appended to; an object store has no append, so the whole text is rewritten
+    self.jsonl = open(self.path, "a") if is_local(workdir) else None
+    self.text = kept
 
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
@@ -42,8 +65,13 @@ class MetricsLogger:
           if np.isfinite(v):
             self.writer.add_scalar(f"{name}/{i:02d}", v, step)
         row[name] = [None if not np.isfinite(v) else v for v in value.tolist()]
-    self.jsonl.write(json.dumps(row, allow_nan=False) + "\n")
-    self.jsonl.flush()
+    line = json.dumps(row, allow_nan=False) + "\n"
+    if self.jsonl:
+      self.jsonl.write(line)
+      self.jsonl.flush()
+    else:
+      self.text += line
+      write_atomic(self.path, self.text)
     self.writer.flush()
 
   def _histogram(self, name, counts, step):
@@ -67,14 +95,14 @@ class MetricsLogger:
 
   def close(self) -> None:
     self.writer.close()
-    self.jsonl.close()
+    if self.jsonl:
+      self.jsonl.close()
 
 
 def read_rows(path: str) -> list:
   """The rows of a metrics.jsonl. A last line that does not parse is a write cut by a kill and is
   left out; a bad line before it is damage this file's writer cannot make: ValueError naming it."""
-  with open(path) as f:
-    lines = f.read().split("\n")
+  lines = as_path(path).read_text().split("\n")
   rows = []
   for i, line in enumerate(lines):
     if not line.strip():
@@ -92,7 +120,12 @@ def read_rows(path: str) -> list:
 
 def write_atomic(path: str, text: str) -> None:
   """`text` as the file `path`, all or nothing: written to a temporary file beside it, flushed to
-  disk, then renamed over it, so a kill leaves the old file or the new one, never a torn one."""
+  disk, then renamed over it, so a kill leaves the old file or the new one, never a torn one. On an
+  object store the object is written directly: its upload is all or nothing, while a rename there
+  is a copy and a delete."""
+  if not is_local(path):
+    epath.Path(path).write_text(text)
+    return
   directory, name = os.path.split(os.path.abspath(path))
   tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # open(): the usual file mode
   try:
@@ -104,3 +137,31 @@ def write_atomic(path: str, text: str) -> None:
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
+
+
+class _EpathRecordWriter:
+  """A TensorBoard event file on an epath URL: an object store has no append, so each flush
+  rewrites the whole file (tensorboardX's own S3 writer does the same). Event files stay small:
+  scalars and histograms, a few KB a step."""
+
+  def __init__(self, path: str):
+    self.path, self.buffer = epath.Path(path), io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self.buffer.write(data)
+
+  def flush(self) -> None:
+    self.path.write_bytes(self.buffer.getvalue())
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _EpathRecordWriterFactory:
+  """tensorboardX's hook for a URL scheme (`record_writer.register_writer_factory`)."""
+
+  def open(self, path: str) -> _EpathRecordWriter:
+    return _EpathRecordWriter(path)
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+from etils import epath
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -450,17 +451,17 @@ def check_resume(c) -> None:
   only: a refusal changes nothing."""
   path = os.path.join(c.workdir, "config.json")
   put_back = "Nothing was changed; put back the run's config.json, or use a new config.workdir"
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     checkpoints = os.path.join(c.workdir, "checkpoints")
-    if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
+    folder = epath.Path(checkpoints)
+    if folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir()):
       raise ValueError(
         f"config.workdir = {c.workdir!r} holds checkpoints ({checkpoints}) but no "
         f"config.json to check this config against. {put_back}"
       )
     return
   try:
-    with open(path) as f:
-      old = _flat(json.load(f))
+    old = _flat(json.loads(epath.Path(path).read_text()))
   except ValueError as e:
     raise ValueError(
       f"config.workdir = {c.workdir!r}: {path} is not JSON ({e}). {put_back}"

@@ -27,9 +27,11 @@ import re
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_hf, save_hf
 from sparrow_jax.model.qwen3 import init_params
-from sparrow_jax.rl import hooks, run_config
+from sparrow_jax.rl import hooks, lease, run_config
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, speculative
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -92,7 +94,13 @@ def load_model(c, task):
 def export_policy(c, cfg, params, directory, task):
   """The trained policy as a Hugging Face dir (sj.load_hf, transformers, experiments/evaluate.py):
   weights and config, plus the tokenizer and generation files of the source model dir (or, for a
-  random preset, the task's own vocabulary)."""
+  random preset, the task's own vocabulary). Any other epath URL: written to a local temporary
+  folder, then copied file by file (safetensors and the tokenizers write local files only)."""
+  if not metrics_log.is_local(directory):
+    with tempfile.TemporaryDirectory() as local:
+      export_policy(c, cfg, params, local, task)
+      _copy_files(local, directory)
+    return
   save_hf(directory, cfg, params)
   if not c.model.hf_dir:
     task.save_tokenizer(directory)
@@ -100,6 +108,15 @@ def export_policy(c, cfg, params, directory, task):
   for name in _TOKENIZER_FILES:
     if os.path.exists(os.path.join(c.model.hf_dir, name)):
       shutil.copy(os.path.join(c.model.hf_dir, name), directory)
+
+
+def _copy_files(local: str, directory: str) -> None:
+  """The files of local folder `local` into epath folder `directory`, streamed."""
+  epath.Path(directory).mkdir(parents=True, exist_ok=True)
+  for name in sorted(os.listdir(local)):
+    with open(os.path.join(local, name), "rb") as src:
+      with epath.Path(directory, name).open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)
 
 
 _TOKENIZER_FILES = (
@@ -278,24 +295,36 @@ def _rollout_weights(state, mesh):
 LOCK_FILE = "run.lock"
 
 
+def workdir_lock(workdir: str, lease_s: float = lease.LEASE_S, settle_s: float = lease.SETTLE_S):
+  """One run per workdir, held while the run lasts; a second run is refused (ValueError naming
+  the holder). A local workdir: an flock (`_flock`). Any other epath URL (an object store, no
+  flock): a lease with a heartbeat (`lease.Lease`, which says what it guarantees)."""
+  path = os.path.join(workdir, LOCK_FILE)
+  if metrics_log.is_local(workdir):
+    return _flock(workdir, path)
+  return lease.Lease(path, lambda holder: _in_use(workdir, path, holder), lease_s, settle_s)
+
+
+def _in_use(workdir: str, path: str, holder: str) -> ValueError:
+  return ValueError(
+    f"config.workdir = {workdir!r} is in use by another run ({holder}; {path} is locked): one "
+    "run per workdir; wait for it to end or use another config.workdir"
+  )
+
+
 @contextlib.contextmanager
-def workdir_lock(workdir: str):
-  """One run per workdir: an exclusive flock on <workdir>/run.lock, held while the run lasts. The
-  kernel drops it when the process dies, even by SIGKILL, so a killed run leaves nothing stuck. A
-  second run is refused (ValueError naming the holder). flock is per host: on a shared file system
-  it holds across hosts only where that file system supports flock."""
-  f = open(os.path.join(workdir, LOCK_FILE), "a+")
+def _flock(workdir: str, path: str):
+  """An exclusive flock on `path`. The kernel drops it when the process dies, even by SIGKILL, so
+  a killed run leaves nothing stuck. flock is per host: on a shared file system it holds across
+  hosts only where that file system supports flock."""
+  f = open(path, "a+")
   try:
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
     f.seek(0)
     holder = f.read().strip() or "another process"
     f.close()
-    raise ValueError(
-      f"config.workdir = {workdir!r} is in use by another run ({holder}; "
-      f"{os.path.join(workdir, LOCK_FILE)} is locked): one run per workdir; wait "
-      "for it to end or use another config.workdir"
-    ) from None
+    raise _in_use(workdir, path, holder) from None
   try:
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -341,9 +370,10 @@ def _train(c, mesh, run: contextlib.ExitStack):
   step_hooks = [hooks.PerfMetrics(lr), kv] + ([budgets] if budgets else [])
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
-  os.makedirs(c.workdir, exist_ok=True)
+  metrics_log.as_path(c.workdir).mkdir(parents=True, exist_ok=True)
+  held = None
   if jax.process_index() == 0:
-    run.enter_context(workdir_lock(c.workdir))
+    held = run.enter_context(workdir_lock(c.workdir))
     run_config.check_resume(c)  # again under the lock: a run may have written it meanwhile
     remove_stale_tmp(c.workdir)
   if c.profile_steps:
@@ -404,6 +434,8 @@ def _train(c, mesh, run: contextlib.ExitStack):
         )
       )
     log.write(out, metrics, t0)
+    if held:  # a lease taken over while this run stalled
+      held.check()
     stop = preemption.requested()
     for hook in step_hooks + [saver]:
       if hook.due(step) or (stop and hook is saver):
@@ -460,9 +492,9 @@ _TMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
 def remove_stale_tmp(workdir: str) -> None:
   """Deletes the temporary files a killed run left (metrics_log.write_atomic's); called under the
   workdir's lock, so no live writer owns one."""
-  stale = sorted(n for n in os.listdir(workdir) if _TMP_FILE.match(n))
+  stale = sorted(p.name for p in epath.Path(workdir).iterdir() if _TMP_FILE.match(p.name))
   for name in stale:
-    os.unlink(os.path.join(workdir, name))
+    epath.Path(workdir, name).unlink()
   if stale:
     _print(f"removed temporary files a killed run left in {workdir}: {', '.join(stale)}")
 
@@ -515,7 +547,7 @@ def _restore(c, mgr, state, step_hooks):
 def _at_the_end(c, cfg, state, task, start: int) -> None:
   """A workdir restored at or past config.total_steps: a run cut after its last checkpoint gets
   what it had left; otherwise nothing runs and nothing is rewritten."""
-  if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
+  if start == c.total_steps and not epath.Path(c.workdir, "summary.json").exists():
     _print(
       f"{c.workdir} is at its last step {start} without summary.json: the run was cut after "
       "its last checkpoint; writing what it had left"
@@ -626,7 +658,7 @@ def _logged_row(workdir: str, step: int) -> dict | None:
   path = os.path.join(workdir, "metrics.jsonl")
   rows = [
     r
-    for r in (metrics_log.read_rows(path) if os.path.exists(path) else ())
+    for r in (metrics_log.read_rows(path) if epath.Path(path).exists() else ())
     if r.get("step") == step
   ]
   if not rows:
