@@ -12,7 +12,7 @@ from etils import epath
 import pytest
 
 from sparrow_jax.model.hf import load_hf
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import lease, trainer
 from tests import fake_bucket
 from tests.helpers import subprocess_env
 from tests.test_trainer import small
@@ -94,10 +94,20 @@ def test_lease_refuses_another_process_and_is_taken_over_once_stale(tmp_path, mo
 
 
 def test_of_two_runs_starting_together_one_holds_the_lease(tmp_path, monkeypatch):
-  """Both read no lock and write theirs: the later write wins, the other is refused."""
+  """Both read no lock and write theirs: the later write wins, the other is refused. Each run's
+  first write waits until both have read, so both see no lock (the race the read-back settles)."""
   work = fake_bucket.bucket(tmp_path, monkeypatch) + "/run"
   epath.Path(work).mkdir(parents=True)
-  outcomes, started = [], threading.Barrier(2)
+  outcomes, started, both_read = [], threading.Barrier(2), threading.Barrier(2)
+  first_write, write = threading.local(), lease._write
+
+  def write_after_both_read(path, owner):
+    if not getattr(first_write, "done", False):
+      first_write.done = True
+      both_read.wait()
+    write(path, owner)
+
+  monkeypatch.setattr(lease, "_write", write_after_both_read)
 
   def start():
     started.wait()
