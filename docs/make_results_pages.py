@@ -345,7 +345,7 @@ def mask_page(records) -> str:
   ]
   b = base["results"]["settings"]
   dense, plain = b["dense"], b["quest0.86"]
-  shipped = {**_shipped_runs("quantile_sweep"), **_shipped_runs("mask_sweep")}
+  base_runs, masked_runs = _shipped_runs("quantile_sweep"), _shipped_runs("mask_sweep")
   for record in records:
     r = record["results"]
     (name, masked), *others = r["settings"].items()
@@ -387,14 +387,15 @@ def mask_page(records) -> str:
     lines += [
       "",
       "Per seed: held-out score, and the first step's mean reward (its rollout comes before any "
-      "update, so masking cannot change it: equal values say the rollouts reproduce at the masked "
-      "runs' commit).",
+      "update, so masking cannot change it: equal values say the masked runs' code rolls out what "
+      "the quantile sweep's did).",
       "",
       "| seed | dense | quest0.86 | masked | step-1 reward, quest0.86 | step-1 reward, masked |",
       "|---|---|---|---|---|---|",
     ]
     for seed in seeds:
-      d, u, m = (shipped[f"{run}_seed{seed}"] for run in ("dense", "quest0.86", name))
+      d, u = (base_runs[f"{run}_seed{seed}"] for run in ("dense", "quest0.86"))
+      m = masked_runs[f"{name}_seed{seed}"]
       lines.append(
         f"| {seed} | {d['heldout_score']:.3f} | {u['heldout_score']:.3f} | "
         f"{m['heldout_score']:.3f} | {u['reward_curve'][0]:.4f} | {m['reward_curve'][0]:.4f} |"
