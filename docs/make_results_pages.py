@@ -306,6 +306,116 @@ def quantile_page(records) -> str:
   return "\n".join(lines)
 
 
+def _flat(d, prefix="") -> dict:
+  """A nested config dict as {"a.b": value}."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _shipped_runs(name) -> dict:
+  """The per-run figures of a shipped sweep (assets/pointer_chase_tiny/<name>/sweep.json)."""
+  with open(os.path.join(ROOT, "assets", "pointer_chase_tiny", name, "sweep.json")) as f:
+    return json.load(f)["runs"]
+
+
+def mask_page(records) -> str:
+  """docs/results/mask_sweep.md from tau_sweep's record of configs/mask_sweep.py (the masked p5
+  table) beside the quantile sweep's record (dense and the unmasked table, not rerun): the test of
+  docs/threshold_sweep.md ("Does mismatch masking recover training?")."""
+  with open(os.path.join(RESULTS, "quantile_sweep.json")) as f:
+    base = json.load(f)
+  lines = [
+    "# Does mismatch masking recover training? (measured)",
+    "",
+    "The embedded default job (`configs/default.py`, 40 steps) at the quantile sweep's quest table "
+    "holding p5 >= 0.86, with token masking (`rl.mask_alpha_below`: a completion token whose exact "
+    "alpha is under it leaves the dense policy loss), on the quantile sweep's seeds; each trained "
+    "policy scored on 128 held-out problems x 2 dense samples. Dense and the unmasked table are "
+    "the quantile sweep's runs ([quantile_sweep.md](quantile_sweep.md)), not rerun. The rule was "
+    "written before the runs ([threshold_sweep.md](../threshold_sweep.md#does-mismatch-masking-"
+    "recover-training-the-test-written-before-its-runs)): the line is dense's mean held-out score "
+    "less its std over seeds (ddof 1); recovers if the masked table's mean held-out score is at "
+    "least the line, does not recover otherwise.",
+    "",
+  ]
+  b = base["results"]["settings"]
+  dense, plain = b["dense"], b["quest0.86"]
+  base_runs, masked_runs = _shipped_runs("quantile_sweep"), _shipped_runs("mask_sweep")
+  for record in records:
+    r = record["results"]
+    (name, masked), *others = r["settings"].items()
+    assert not others and masked["tau"] == plain["tau"] and masked["quantile"] == plain["quantile"]
+    seeds = masked["seeds"]
+    assert seeds == plain["seeds"] == dense["seeds"]
+    below = r["config"]["train"]["rl"]["mask_alpha_below"]
+    old, new = _flat(base["results"]["config"]["train"]), _flat(r["config"]["train"])
+    changed = [f"`{k}` {old[k]} -> {new[k]}" for k in sorted(old) if old[k] != new.get(k)]
+    added = [f"`{k}` = {new[k]}" for k in sorted(set(new) - set(old))]
+    lines += [
+      f"Masked runs: {_provenance(record)}",
+      "",
+      f"Dense and unmasked: {_provenance(base)}",
+      "",
+      "Trainer config of the masked runs against the quantile sweep's: "
+      + (", ".join(changed) or "no value changed")
+      + "; fields added since, at these values: "
+      + (", ".join(added) or "none")
+      + ".",
+      "",
+      f"Seeds {', '.join(map(str, seeds))}; mean +- std over them. Masked: the share of completion "
+      "tokens under the threshold, mean over steps. KV read: pages read over pages cached (layer "
+      "0 dense). p1 / p5: exact alpha's 1st / 5th percentile, mean over the steps / the last "
+      f"{r['config']['window']}.",
+      "",
+      "| setting | mask alpha below | masked | KV read | p1 | p5 | held-out score "
+      "| held-out exact |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    cell = lambda d: "-" if d is None or d["mean"] is None else f"{d['mean']:.3f} +- {d['std']:.3f}"
+    rows = [("dense", "-", dense), ("quest0.86", "-", plain), (f"{name} masked", below, masked)]
+    for label, threshold, v in rows:
+      lines.append(
+        f"| {label} | {threshold} | {cell(v.get('mask_token_frac'))} | "
+        f"{v['kv_read']['mean']:.3f} | {v['p1']['mean']:.3f} | {v['p5']['mean']:.3f} | "
+        f"{cell(v['heldout_score'])} | {cell(v['heldout_accuracy'])} |"
+      )
+    lines += [
+      "",
+      "Per seed: held-out score, and the first step's mean reward (its rollout comes before any "
+      "update, so masking cannot change it: equal values say the masked runs' code rolls out what "
+      "the quantile sweep's did).",
+      "",
+      "| seed | dense | quest0.86 | masked | step-1 reward, quest0.86 | step-1 reward, masked |",
+      "|---|---|---|---|---|---|",
+    ]
+    for seed in seeds:
+      d, u = (base_runs[f"{run}_seed{seed}"] for run in ("dense", "quest0.86"))
+      m = masked_runs[f"{name}_seed{seed}"]
+      lines.append(
+        f"| {seed} | {d['heldout_score']:.3f} | {u['heldout_score']:.3f} | "
+        f"{m['heldout_score']:.3f} | {u['reward_curve'][0]:.4f} | {m['reward_curve'][0]:.4f} |"
+      )
+    line = dense["heldout_score"]["mean"] - dense["heldout_score"]["std"]
+    mean = masked["heldout_score"]["mean"]
+    diff = mean - plain["heldout_score"]["mean"]
+    stds = (masked["heldout_score"]["std"], plain["heldout_score"]["std"])
+    lines += [
+      "",
+      f"The line: {dense['heldout_score']['mean']:.3f} - {dense['heldout_score']['std']:.3f} = "
+      f"{line:.3f}; the masked mean: {mean:.3f}. "
+      f"**Verdict: {'recovers' if mean >= line else 'does not recover'}.** Masked less unmasked "
+      f"mean: {diff:+.3f}, {'more' if abs(diff) > max(stds) else 'not more'} than both stds "
+      f"({stds[0]:.3f} masked, {stds[1]:.3f} unmasked).",
+      "",
+    ]
+  return "\n".join(lines)
+
+
 def _sweep_cell(d, digits=3) -> str:
   """mean +- std of a sweep figure; "-" where the setting did not record it."""
   if d is None or d["mean"] is None:
@@ -1270,6 +1380,7 @@ PAGES = {
   "tpu_compile_check.md": ("tpu_compile_check.json", tpu_compile_page),
   "triton_sm90.md": ("triton_sm90.json", triton_page),
   "quantile_sweep.md": ("quantile_sweep.json", quantile_page),
+  "mask_sweep.md": ("mask_sweep.json", mask_page),
   "threshold_sweep.md": ("threshold_sweep.json", threshold_sweep_page),
   "cost_model.md": ("cost_model.json", cost_model_page),
   "decode_attention.md": ("decode_attention.json", decode_attention_page),

@@ -15,16 +15,18 @@ Taus that pick the same table share one run (same job, same seeds: the same resu
 Per run (sweep.json "runs"): the reward curve, reward and mean response length over the first and
 last `window` steps, the held-out dense per-step score and exact-answer accuracy of the exported
 policy (sparrow_jax.rl.evaluate), exact-alpha p5 overall and per position bin (mean over the last
-`window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in
-the bin) and the share of the run's tokens under tau (`below_tau_bin`, pooled over all steps: at
-most 5% is the run's p5 >= tau, the closed loop's target), KV pages read relative to dense (a
-closed loop's also as its start table would have read the same rollouts, `kv_read_start`: the
-loop's saving, paired token for token), the cost model's predicted rollout speedup (dense: 1) and
-the measured rollout tokens/s (median over the steps after the first, which compiles) with its
-ratio to the same seed's dense run. Per setting ("settings"): mean and std (ddof 1; 0 for one
-seed) of each over seeds. Then tau_sweep.png and a printed table. With `base`, a finished sweep's
-other settings and runs are kept beside the ones run here (re-running a few settings only); with
-`base` and no `runs`, nothing runs: the finished sweep is reported (its table, plot and record).
+`window` steps), per bin the share of steps whose p5 fell under tau (all steps with tokens in the
+bin) and the share of the run's tokens under tau (`below_tau_bin`, pooled over all steps: at most 5%
+is the run's p5 >= tau, the closed loop's target), KV pages read relative to dense (a closed loop's
+also as its start table would have read the same rollouts, `kv_read_start`: the loop's saving,
+paired token for token), the share of completion tokens mismatch masking took out of the loss
+(`mask_token_frac`, mean over steps; runs with `rl.mask_alpha_below` only), the cost model's
+predicted rollout speedup (dense: 1) and the measured rollout tokens/s (median over the steps after
+the first, which compiles) with its ratio to the same seed's dense run. Per setting ("settings"):
+mean and std (ddof 1; 0 for one seed) of each over seeds. Then tau_sweep.png and a printed table.
+With `base`, a finished sweep's other settings and runs are kept beside the ones run here
+(re-running a few settings only); with `base` and no `runs`, nothing runs: the finished sweep is
+reported (its table, plot and record).
 """
 
 import json
@@ -58,6 +60,7 @@ FIELDS = (
   "p1",
   "kv_read",
   "kv_read_start",
+  "mask_token_frac",
   "predicted_speedup",
   "rollout_tokens_per_s",
   "measured_speedup",
@@ -284,6 +287,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     rows, "acceptance/p1"
   )  # deeper than p5: what decides a lookup task (docs/threshold_sweep.md)
   kv_start = series(rows, "kv/read_fraction_start")  # closed loops only
+  masked = series(rows, "mask/token_frac")  # runs with rl.mask_alpha_below only
   timed = rows[1:] or rows  # the first step compiles
   # a run evaluated on held-out problems (every sweep run is) has eval.json beside its metrics
   heldout = (_read_json(os.path.join(workdir, "eval.json")) or {}).get("metrics", {})
@@ -304,6 +308,7 @@ def run_record(workdir: str, window: int, tau: float) -> dict:
     "below_tau_bin": below_tau_bin,
     "kv_read": float(np.mean(series(rows, "kv/read_fraction"))),
     "kv_read_start": float(np.mean(kv_start)) if np.isfinite(kv_start).all() else None,
+    "mask_token_frac": float(np.mean(masked)) if np.isfinite(masked).all() else None,
     "predicted_speedup": float(np.mean(series(rows, "kv/predicted_speedup", 1.0))),  # dense: 1
     "rollout_tokens_per_s": float(np.median(series(timed, "perf/rollout_tokens_per_s"))),
   }

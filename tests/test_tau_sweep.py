@@ -206,6 +206,7 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
     assert len(run["p5_bin"]) == 7 and 0 <= run["p5"] <= 1  # stats.num_bins
     assert 0 < run["kv_read"] < 1 and run["predicted_speedup"] > 0
     assert run["kv_read_start"] is None  # no closed loop, no start table
+    assert run["mask_token_frac"] is None  # no mismatch masking
     assert run["rollout_tokens_per_s"] > 0 and run["measured_speedup"] is None  # no dense run
     assert 0 <= run["heldout_score"] <= 1 and 0 <= run["heldout_accuracy"] <= 1
   table = KVSchedule.from_json((sweep_dir / "schedules" / "tau0.86.json").read_text())
