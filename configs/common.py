@@ -40,7 +40,8 @@ def model(*fields, **overrides) -> ml_collections.ConfigDict:
 
 
 def task(*fields, **overrides) -> ml_collections.ConfigDict:
-  """Where prompts come from (sparrow_jax.rl.trainer.make_task; seeded by the config's `seed`)."""
+  """Where prompts come from (sparrow_jax.rl.run_config.make_task; seeded by the config's
+  `seed`)."""
   c = ml_collections.ConfigDict()
   c.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
   c.path = ""  # local data file/dir for dataset tasks ("" = none)

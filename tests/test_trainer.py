@@ -172,8 +172,8 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
 def test_export_policy_round_trips(tmp_path):
   """A random-preset policy exports with the synthetic task's tokenizer and loads back bit-exact."""
   c = config(model__hf_dir="", model__preset="tiny")
-  task = trainer.make_task(c)
-  cfg, params, _ = trainer.load_model(c, task)
+  task = run_config.make_task(c)
+  cfg, params, _ = run_config.load_model(c, task)
   trainer.export_policy(c, cfg, params, str(tmp_path / "hf"), task)
   cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
   assert cfg2 == cfg
@@ -228,7 +228,7 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
 
   c = config(model__hf_dir="", model__preset="tiny")
   with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
-    trainer.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
+    run_config.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
 
 
 def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):

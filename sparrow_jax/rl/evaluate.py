@@ -6,14 +6,14 @@
 configs/evaluate.py documents every field (and a math example). config.task.name is a registry name
 (sparrow_jax.data.tasks.task_names(): math:aime, code:humaneval, ..., math:reasoning_gym:<dataset>)
 read from config.task.path, or "synthetic:pointer_chase". The task and the model are built by the
-trainer's own `make_task` / `load_model` from this config's model, task and seed, and
-config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' | 'paper:MODEL:TAU' | a
-KVSchedule JSON path), so an evaluation sees exactly what training saw. Problems are the task's
-first config.num_problems in its (seeded) order; each is sampled config.samples (n) times with
-`sj.generate` (right-padded prompts, the tokenizer's EOS ids) in batches of config.batch_size rows
-of one static shape (one compile), and graded with task.grade: a sample is correct when its grade
-reason is "correct" (math: math-verify match of the last \\boxed{}; code: all tests pass; pointer
-chase: exact final answer).
+trainer's own `make_task` / `load_model` (rl/run_config.py) from this config's model, task and
+seed, and config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' |
+'paper:MODEL:TAU' | a KVSchedule JSON path), so an evaluation sees exactly what training saw.
+Problems are the task's first config.num_problems in its (seeded) order; each is sampled
+config.samples (n) times with `sj.generate` (right-padded prompts, the tokenizer's EOS ids) in
+batches of config.batch_size rows of one static shape (one compile), and graded with task.grade: a
+sample is correct when its grade reason is "correct" (math: math-verify match of the last
+\\boxed{}; code: all tests pass; pointer chase: exact final answer).
 
 Metrics, each over problems:
   mean@k  the expected mean reward of k samples. For k <= n its unbiased estimate is the mean over
@@ -36,7 +36,7 @@ import numpy as np
 
 import sparrow_jax as sj
 from sparrow_jax import schema
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import run_config
 from sparrow_jax.sparsity.schedule import KVSchedule
 
 
@@ -102,8 +102,8 @@ def evaluate(c) -> dict:
       f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}"
     )
   ks = parse_ks(c.k, c.samples)
-  task = trainer.make_task(c)
-  cfg, params, tokenizer = trainer.load_model(c, task)
+  task = run_config.make_task(c)
+  cfg, params, tokenizer = run_config.load_model(c, task)
   sparse = schedule = None
   if r.sparse:
     sparse = schema.from_group(sj.SparseConfig, c, "rollout")

@@ -1,7 +1,8 @@
 """The experiment config of a training run: the checks that run before anything is written, the
-components it builds (the model's config, the sparsity config, each device's engine) and the rule
-for resuming a workdir. The components check their own fields (`schema.from_group`); what is left
-here is what only the whole config, the model or the data know.
+components it builds (the task, the model and its config, the sparsity config, each device's
+engine) and the rule for resuming a workdir. The components check their own fields
+(`schema.from_group`); what is left here is what only the whole config, the model or the data
+know.
 """
 
 import dataclasses
@@ -17,10 +18,13 @@ import numpy as np
 from sparrow_jax import schema
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
+from sparrow_jax.data import tasks
+from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_config
+from sparrow_jax.model.hf import load_config, load_hf
+from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -29,6 +33,41 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 def require(ok: bool, field: str, value, allowed: str):
   if not ok:
     raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
+
+
+def make_task(c, seed: int | None = None):
+  """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
+  registry; an unknown name or unreadable data names the config fields."""
+  try:
+    return tasks.make_task(
+      c.task.name,
+      c.task.path or None,
+      seed=c.seed if seed is None else seed,
+      min_hops=c.task.min_hops,
+      max_hops=c.task.max_hops,
+    )
+  except (ValueError, OSError) as e:
+    raise ValueError(
+      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
+    ) from None
+
+
+def load_model(c, task):
+  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
+  dtype = jnp.dtype(c.model.dtype)
+  if c.model.hf_dir:
+    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
+    return cfg, params, load_tokenizer(c.model.hf_dir)
+  tokenizer = task.own_tokenizer
+  if tokenizer is None:
+    raise ValueError(
+      f"config.model.preset (random init) needs a task with its own vocabulary "
+      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
+      "dataset tasks"
+    )
+  preset = Qwen3Config.preset(c.model.preset)
+  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
+  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
 
 
 # Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.

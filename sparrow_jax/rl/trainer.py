@@ -41,52 +41,14 @@ from sparrow_jax import checkpoint, records, sharding
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.attention import page_pool
 from sparrow_jax.data import rewards as reward_lib
-from sparrow_jax.data import tasks
-from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_hf, save_hf
+from sparrow_jax.model.hf import save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import hooks, run_config
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, speculative
 from sparrow_jax.sparsity import schedule as schedule_lib
-
-
-def make_task(c):
-  """The task of config `c` (its `task` group and `seed`) from the task registry; an unknown name
-  or unreadable data names the config fields."""
-  try:
-    return tasks.make_task(
-      c.task.name,
-      c.task.path or None,
-      seed=c.seed,
-      min_hops=c.task.min_hops,
-      max_hops=c.task.max_hops,
-    )
-  except (ValueError, OSError) as e:
-    raise ValueError(
-      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
-    ) from None
-
-
-def load_model(c, task):
-  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
-  dtype = jnp.dtype(c.model.dtype)
-  if c.model.hf_dir:
-    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
-    return cfg, params, load_tokenizer(c.model.hf_dir)
-  tokenizer = task.own_tokenizer
-  if tokenizer is None:
-    raise ValueError(
-      f"config.model.preset (random init) needs a task with its own vocabulary "
-      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
-      "dataset tasks"
-    )
-  preset = Qwen3Config.preset(c.model.preset)
-  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
-  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
 
 
 def export_policy(c, cfg, params, directory, task):
@@ -317,8 +279,8 @@ def train(c: ml_collections.ConfigDict) -> list:
 def _train(c, mesh, run: contextlib.ExitStack):
   """The run; what it holds until it ends (the workdir lock) goes on `run`."""
   run_config.check_resume(c)  # reads only: a changed config fails before the model loads
-  task = make_task(c)  # before the model: a bad dataset fails in seconds
-  cfg, params, tokenizer = load_model(c, task)
+  task = run_config.make_task(c)  # before the model: a bad dataset fails in seconds
+  cfg, params, tokenizer = run_config.load_model(c, task)
   r, sparse = c.rollout, run_config.sparse_config(c)
   n_prompts, n_rows = r.prompts_per_step, r.prompts_per_step * r.group_size
   engine_cfg = run_config.engine_config(c, cfg, n_rows // page_pool.row_shards())
