@@ -110,6 +110,21 @@ def stats(*fields, **overrides) -> ml_collections.ConfigDict:
   return _select(c, fields, overrides)
 
 
+def evaluation(*fields, **overrides) -> ml_collections.ConfigDict:
+  """Held-out evaluation during training (sparrow_jax.rl.hooks.Evaluation, the fields'
+  checks: rl.run_config.EvalConfig; docs/configuration.md#evaluation-during-training)."""
+  c = ml_collections.ConfigDict()
+  c.every = 0  # steps between evaluations, dense and (sparse runs) under the step's budget;
+  #                                    0 = off
+  c.problems = 16  # held-out problems: the task's first under `seed` (0 = all of a
+  #                                    finite task)
+  c.samples = 4  # samples per problem (n: mean@n, pass@1 and pass@n)
+  c.completions = 2  # completions shown per evaluation and mode (TensorBoard text and
+  #                                    <workdir>/eval_samples.jsonl)
+  c.seed = 1234  # held-out task seed and sampling key (config.seed: the training stream's)
+  return _select(c, fields, overrides)
+
+
 def mesh(*fields, **overrides) -> ml_collections.ConfigDict:
   """The device mesh (sparrow_jax.sharding): rows over data x fsdp, weights FSDP over fsdp,
   heads / FFN / vocab over tensor. One device is the mesh 1 x 1 x 1; the product must be the number

@@ -1,7 +1,8 @@
 """Metrics out: TensorBoard (tensorboardX writer) and a metrics.jsonl that notebooks can read.
 
-Nothing a kill can tear: metrics.jsonl is only appended to (a torn last line, a write the kill cut,
-is dropped when the run resumes), and whole files are replaced atomically (`write_atomic`).
+Nothing a kill can tear: the JSONL logs (APPEND_ONLY) are only appended to (a torn last line, a
+write the kill cut, is dropped when the run resumes), and whole files are replaced atomically
+(`write_atomic`).
 """
 
 import json
@@ -10,19 +11,23 @@ import os
 import numpy as np
 from tensorboardX import SummaryWriter
 
+# The workdir's JSONL logs, one row (or more) per logged step, each row with its "step": metrics
+# (MetricsLogger's) and the completions of each held-out evaluation (rl/hooks.Evaluation's).
+APPEND_ONLY = ("metrics.jsonl", "eval_samples.jsonl")
+
 
 class MetricsLogger:
-  """Writes scalars, per-bin arrays (one scalar per bin) and bucketed histograms."""
+  """Writes scalars, per-bin arrays (one scalar per bin), bucketed histograms and text (a str value:
+  TensorBoard's text tab only, not metrics.jsonl)."""
 
   def __init__(self, workdir: str, resume_step: int):
     """Appends to the workdir's logs from step `resume_step` on (0: a fresh run), after dropping
     what was logged past it (steps a killed run logged after its last checkpoint, replayed now)
-    from metrics.jsonl and the TensorBoard events, so each step is logged once."""
+    from the APPEND_ONLY files and the TensorBoard events, so each step is logged once."""
     os.makedirs(workdir, exist_ok=True)
+    for name in APPEND_ONLY:
+      _drop_rows_after(os.path.join(workdir, name), resume_step)
     path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path):
-      kept = [row for row in read_rows(path) if row["step"] <= resume_step]
-      write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
     self.writer = SummaryWriter(
       os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
     )
@@ -31,6 +36,9 @@ class MetricsLogger:
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
     for name, value in metrics.items():
+      if isinstance(value, str):
+        self.writer.add_text(name, value, step)
+        continue
       value = np.asarray(value)
       if name.endswith("histogram"):
         self._histogram(name, value, step)
@@ -70,9 +78,17 @@ class MetricsLogger:
     self.jsonl.close()
 
 
+def _drop_rows_after(path: str, step: int) -> None:
+  """The rows of the JSONL file `path` (if there is one) past `step` removed."""
+  if os.path.exists(path):
+    kept = [row for row in read_rows(path) if row["step"] <= step]
+    write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
+
+
 def read_rows(path: str) -> list:
-  """The rows of a metrics.jsonl. A last line that does not parse is a write cut by a kill and is
-  left out; a bad line before it is damage this file's writer cannot make: ValueError naming it."""
+  """The rows of a JSONL log (APPEND_ONLY). A last line that does not parse is a write cut by a
+  kill and is left out; a bad line before it is damage this file's writer cannot make: ValueError
+  naming it."""
   with open(path) as f:
     lines = f.read().split("\n")
   rows = []

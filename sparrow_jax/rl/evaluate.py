@@ -27,7 +27,6 @@ checkpoints as curves).
 """
 
 import collections
-import dataclasses
 import functools
 import json
 import os
@@ -72,28 +71,6 @@ def parse_ks(text: str, samples: int) -> list:
   if not ks or ks[0] < 1 or ks[-1] > samples:
     raise ValueError(f"config.k values must lie in [1, config.samples={samples}], got {text!r}")
   return ks
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-  """The held-out evaluation during training, a config component (`schema.from_group(EvalConfig,
-  c, "eval")`; hooks.Evaluation runs it)."""
-
-  every: int = 0  # steps between evaluations (0: off)
-  problems: int = 16  # the held-out task's first problems (0: all of a finite task)
-  samples: int = 4  # n per problem: mean@n, pass@1 and pass@n
-  completions: int = 2  # completions shown per evaluation and mode (each problem's first sample)
-  seed: int = 1234  # the held-out task's seed and the sampling key
-
-  def __post_init__(self):
-    for name in ("every", "problems", "samples", "completions", "seed"):
-      value, least = getattr(self, name), 1 if name == "samples" else 0
-      if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-        raise ValueError(f"EvalConfig.{name} = {value!r} is invalid: must be an int >= {least}")
-
-  @property
-  def ks(self) -> list:
-    return sorted({1, self.samples})
 
 
 def first_problems(task, num_problems: int, field: str = "config.num_problems") -> list:

@@ -137,6 +137,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _check_profile_steps(c)
+  schema.from_group(EvalConfig, c, "eval")
   require(
     bool(c.model.hf_dir) != bool(c.model.preset),
     "model.hf_dir / model.preset",
@@ -205,6 +206,28 @@ def validate(c: ml_collections.ConfigDict) -> None:
       value = value[name]
     require(ok, field, value, allowed)
   _check_model_fits(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """The held-out evaluation during training, a config component (`schema.from_group(EvalConfig,
+  c, "eval")`; hooks.Evaluation runs it with rl/evaluate.py)."""
+
+  every: int = 0  # steps between evaluations (0: off)
+  problems: int = 16  # the held-out task's first problems (0: all of a finite task)
+  samples: int = 4  # n per problem: mean@n, pass@1 and pass@n
+  completions: int = 2  # completions shown per evaluation and mode (each problem's first sample)
+  seed: int = 1234  # the held-out task's seed and the sampling key
+
+  def __post_init__(self):
+    for name in ("every", "problems", "samples", "completions", "seed"):
+      value, least = getattr(self, name), 1 if name == "samples" else 0
+      if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise ValueError(f"EvalConfig.{name} = {value!r} is invalid: must be an int >= {least}")
+
+  @property
+  def ks(self) -> list:
+    return sorted({1, self.samples})
 
 
 def _check_profile_steps(c) -> None:
@@ -465,6 +488,8 @@ RESUMABLE_FIELDS = (
   "max_nonfinite_steps",
   "restart_from_scratch",
   "profile_steps",
+  "eval.every",
+  "eval.completions",
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",

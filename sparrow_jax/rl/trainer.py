@@ -1,7 +1,7 @@
 """The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log,
 checkpoint. What a step does beside that (the KV budgets and the closed loop, the kv and perf
-metrics, the checkpoint with their meta) are hooks (rl/hooks.py); the config's checks and the
-components it builds are rl/run_config.py.
+metrics, the held-out evaluation, the checkpoint with their meta) are hooks (rl/hooks.py); the
+config's checks and the components it builds are rl/run_config.py.
 
 Everything a step needs is a pure function of (config, step, restored state): the data position is
 `step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
@@ -295,12 +295,26 @@ def _train(c, mesh, run: contextlib.ExitStack):
   to_batch = jax.jit(ts.batch_from_rollout, out_shardings=sharding.rows(mesh))
   global_rows = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
   lo, hi = sharding.process_rows(sharding.rows(mesh), n_rows)  # this process's prompts
-  sample = _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse)
+  weights = _rollout_weights(state, mesh)
+  sample = _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse)
   cache_len = r.max_prompt_len + r.max_new_tokens
   budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len) if sparse else None
   hardware = cost_model.get_hardware(c.hardware) if sparse else None  # measured once, here
   kv = hooks.KVMetrics(c, cfg, sparse, engine_cfg, hardware)
   step_hooks = [hooks.PerfMetrics(lr), kv] + ([budgets] if budgets else [])
+  evaluation = None
+  if c.eval.every:
+    samples_path = os.path.join(c.workdir, "eval_samples.jsonl")
+    evaluation = hooks.Evaluation(
+      c,
+      cfg,
+      sparse,
+      run_config.make_task(c, c.eval.seed),
+      tokenizer,
+      weights,
+      samples_path if jax.process_index() == 0 else None,
+    )
+    step_hooks.append(evaluation)
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   os.makedirs(c.workdir, exist_ok=True)
@@ -316,7 +330,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
   state, start = _restore(c, mgr, state, step_hooks)
   saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, n_prompts, step_hooks)
   if start >= c.total_steps:
-    _at_the_end(c, cfg, state, task, start)
+    _at_the_end(c, cfg, state, task, start, evaluation.history if evaluation else [])
     return []
   log = _StepLog(c, start)
   key = jax.random.PRNGKey(c.seed)
@@ -380,7 +394,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
       return log.rows
   mgr.wait_until_finished()
   log.close()
-  _finish(c, cfg, state, task, log.rows[-1], log.times)
+  _finish(c, cfg, state, task, log.rows[-1], log.times, evaluation.history if evaluation else [])
   log.done()
   return log.rows
 
@@ -434,11 +448,10 @@ def _param_shards(mesh) -> int:
   return mesh.shape["fsdp"] * mesh.shape["tensor"]
 
 
-def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
+def _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse):
   """sample(state, this process's engine.Requests, key, StepBudget or None) -> (its rollout,
-  EngineStats): the engine over the policy's weights (gathered over fsdp once per rollout:
-  `_rollout_weights`)."""
-  weights = _rollout_weights(state, mesh)
+  EngineStats): the engine over the policy's weights (`weights`, `_rollout_weights`: gathered over
+  fsdp once per rollout)."""
   sampling = run_config.sampling(c, tokenizer)
 
   def sample(state, requests, key, budget):
@@ -474,7 +487,7 @@ def _restore(c, mgr, state, step_hooks):
   return state, int(meta["step"])
 
 
-def _at_the_end(c, cfg, state, task, start: int) -> None:
+def _at_the_end(c, cfg, state, task, start: int, eval_history: list) -> None:
   """A workdir restored at or past config.total_steps: a run cut after its last checkpoint gets
   what it had left; otherwise nothing runs and nothing is rewritten."""
   if start == c.total_steps and not os.path.exists(os.path.join(c.workdir, "summary.json")):
@@ -484,7 +497,8 @@ def _at_the_end(c, cfg, state, task, start: int) -> None:
       + (" (hf export, summary)" if c.export_hf else " (summary)")
     )
     lead = jax.process_index() == 0
-    _finish(c, cfg, state, task, _logged_row(c.workdir, start) if lead else None, times=None)
+    last = _logged_row(c.workdir, start) if lead else None
+    _finish(c, cfg, state, task, last, None, eval_history)
     return
   _print(
     f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
@@ -511,7 +525,10 @@ class _StepLog:
     c, step = self.c, out.step
     if self.logger:
       self.logger.write(step + 1, metrics)
-    self.rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
+    # text (an evaluation's completions) goes to TensorBoard only
+    self.rows.append(
+      {k: np.asarray(v).tolist() for k, v in metrics.items() if not isinstance(v, str)}
+    )
     self.times["rollout"] += out.rollout_s
     self.times["train_step"] += out.train_s
     self.nonfinite = self.nonfinite + 1 if metrics["skipped"] else 0
@@ -554,9 +571,10 @@ class _StepLog:
     )
 
 
-def _finish(c, cfg, state, task, last_row: dict, times) -> None:
+def _finish(c, cfg, state, task, last_row: dict, times, eval_history: list) -> None:
   """The end of a run after its last checkpoint: the exported policy (config.export_hf), then
-  summary.json, written last, so a workdir without one is a run cut before its end."""
+  summary.json (with every held-out evaluation: `eval`), written last, so a workdir without one is
+  a run cut before its end."""
   lead = jax.process_index() == 0
   if c.export_hf:  # every process joins the gather; the lead writes
     params = jax.tree_util.tree_map(sharding.to_host, state.params)
@@ -570,6 +588,7 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
           "steps": c.total_steps,
           "time_s": times,
           "last": _strict_json(last_row),
+          "eval": _strict_json(eval_history),
           "peak_rss_gib": records.peak_rss_gib(),  # this process's, the lead's
           # float results follow the code and the CPU type (docs/configuration.md)
           "command": records.command(),
