@@ -366,7 +366,7 @@ def test_evaluation_runs_every_n_steps_dense_and_sparse(tmp_path):
   events = EventAccumulator(str(work / "tensorboard"))
   events.Reload()
   assert any(t.startswith("eval/sparse/samples") for t in events.Tags()["tensors"])
-  assert len(events.Scalars("eval/dense/mean@2")) == 2
+  assert len(events.Scalars("eval/dense/mean_2")) == 2  # TensorBoard's tags have no "@"
 
 
 def test_evaluation_history_and_samples_survive_a_resume(tmp_path):
