@@ -40,7 +40,8 @@ def model(*fields, **overrides) -> ml_collections.ConfigDict:
 
 
 def task(*fields, **overrides) -> ml_collections.ConfigDict:
-  """Where prompts come from (sparrow_jax.rl.trainer.make_task; seeded by the config's `seed`)."""
+  """Where prompts come from (sparrow_jax.rl.run_config.make_task; seeded by the config's
+  `seed`)."""
   c = ml_collections.ConfigDict()
   c.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
   c.path = ""  # local data file/dir for dataset tasks ("" = none)
@@ -106,6 +107,21 @@ def stats(*fields, **overrides) -> ml_collections.ConfigDict:
   c.quantile = 5.0  # the tail percentile held at tau: 5 = p5, the paper's; a
   #                                    calibrated schedule must have been calibrated for it
   c.bin_size = 128  # tokens per position bin (a multiple of page_size)
+  return _select(c, fields, overrides)
+
+
+def evaluation(*fields, **overrides) -> ml_collections.ConfigDict:
+  """Held-out evaluation during training (sparrow_jax.rl.hooks.Evaluation, the fields'
+  checks: rl.run_config.EvalConfig; docs/configuration.md#evaluation-during-training)."""
+  c = ml_collections.ConfigDict()
+  c.every = 0  # steps between evaluations, dense and (sparse runs) under the step's budget;
+  #                                    0 = off
+  c.problems = 16  # held-out problems: the task's first under `seed` (0 = all of a
+  #                                    finite task)
+  c.samples = 4  # samples per problem (n: mean@n, pass@1 and pass@n)
+  c.completions = 2  # completions shown per evaluation and mode (TensorBoard text and
+  #                                    <workdir>/eval_samples.jsonl)
+  c.seed = 1234  # held-out task seed and sampling key (config.seed: the training stream's)
   return _select(c, fields, overrides)
 
 

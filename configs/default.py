@@ -110,6 +110,9 @@ def get_config():
   # (the reference's order); docs/configuration.md#paper-exact-details.
   c.distill.base = "pre_update"
 
+  c.eval = common.evaluation()  # held-out evaluation every eval.every steps (0 = off, so the
+  #                                    default run and CI keep their time)
+
   c.stats = common.stats()  # tau and the position bin size
   c.stats.exact_acceptance = True  # log exact alpha as acceptance/* (a no-grad sparse pass
   #                                    when distill is off or with minibatches;

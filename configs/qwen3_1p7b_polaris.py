@@ -91,6 +91,10 @@ def get_config():
   c.distill.ppo_coef = 1.0  # the sparse actor's own PPO term (the paper)
   c.distill.base = "pre_update"  # the LoRA update's base: the teacher's (docs/configuration.md)
 
+  # Off: held-out problems are the task's first under eval.seed, which for a dataset task are its
+  # own problems reordered (docs/configuration.md#evaluation-during-training).
+  c.eval = common.evaluation()  # held-out evaluation every eval.every steps (0 = off)
+
   c.stats = common.stats(bin_size=2048)  # tau 0.86, the paper's 2K-token bins
   c.stats.exact_acceptance = True  # exact alpha (the paper's statistic) from a sparse no-grad pass
   c.stats.num_bins = 19  # 38K tokens / 2K

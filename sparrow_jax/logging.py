@@ -1,12 +1,13 @@
 """Metrics out: TensorBoard (tensorboardX writer) and a metrics.jsonl that notebooks can read.
 
-Nothing a kill can tear: metrics.jsonl is only appended to (a torn last line, a write the kill cut,
-is dropped when the run resumes), and whole files are replaced atomically (`write_atomic`).
+Nothing a kill can tear: the JSONL logs (APPEND_ONLY) are only appended to (a torn last line, a
+write the kill cut, is dropped when the run resumes), and whole files are replaced atomically
+(`write_atomic`).
 
 A workdir may be any etils.epath URL (gs://, s3://, ...). Object stores have no append and no
 atomic rename, but an object written whole appears only once its upload completes: there whole
-files are written directly, metrics.jsonl is rewritten whole each step, and TensorBoard events go
-through epath (`_EpathRecordWriter`).
+files are written directly, the JSONL logs are rewritten whole at each write, and TensorBoard
+events go through epath (`_EpathRecordWriter`).
 """
 
 import io
@@ -28,20 +29,24 @@ def as_path(path: str) -> epath.Path:
   return epath.Path(path if not is_local(path) else os.path.abspath(path))
 
 
+# The workdir's JSONL logs, one row (or more) per logged step, each row with its "step": metrics
+# (MetricsLogger's) and the completions of each held-out evaluation (rl/hooks.Evaluation's).
+APPEND_ONLY = ("metrics.jsonl", "eval_samples.jsonl")
+
+
 class MetricsLogger:
-  """Writes scalars, per-bin arrays (one scalar per bin) and bucketed histograms."""
+  """Writes scalars, per-bin arrays (one scalar per bin), bucketed histograms and text (a str value:
+  TensorBoard's text tab only, not metrics.jsonl)."""
 
   def __init__(self, workdir: str, resume_step: int):
     """Appends to the workdir's logs from step `resume_step` on (0: a fresh run), after dropping
     what was logged past it (steps a killed run logged after its last checkpoint, replayed now)
-    from metrics.jsonl and the TensorBoard events, so each step is logged once."""
+    from the APPEND_ONLY files and the TensorBoard events, so each step is logged once."""
     as_path(workdir).mkdir(parents=True, exist_ok=True)
+    for name in APPEND_ONLY:
+      _drop_rows_after(os.path.join(workdir, name), resume_step)
     self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = ""
-    if as_path(self.path).exists():
-      rows = [row for row in read_rows(self.path) if row["step"] <= resume_step]
-      kept = "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows)
-      write_atomic(self.path, kept)
+    kept = as_path(self.path).read_text() if as_path(self.path).exists() else ""
     if not is_local(workdir):
       record_writer.register_writer_factory(workdir.split(":")[0], _EpathRecordWriterFactory())
     self.writer = SummaryWriter(
@@ -54,6 +59,9 @@ class MetricsLogger:
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
     for name, value in metrics.items():
+      if isinstance(value, str):
+        self.writer.add_text(name, value, step)
+        continue
       value = np.asarray(value)
       if name.endswith("histogram"):
         self._histogram(name, value, step)
@@ -99,9 +107,28 @@ class MetricsLogger:
       self.jsonl.close()
 
 
+def _drop_rows_after(path: str, step: int) -> None:
+  """The rows of the JSONL file `path` (if there is one) past `step` removed."""
+  if as_path(path).exists():
+    kept = [row for row in read_rows(path) if row["step"] <= step]
+    write_atomic(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
+
+
+def append_text(path: str, text: str) -> None:
+  """`text` appended to the JSONL log `path`; on an object store, which has no append, the file is
+  rewritten whole with it."""
+  if is_local(path):
+    with open(path, "a") as f:
+      f.write(text)
+  else:
+    old = as_path(path).read_text() if as_path(path).exists() else ""
+    write_atomic(path, old + text)
+
+
 def read_rows(path: str) -> list:
-  """The rows of a metrics.jsonl. A last line that does not parse is a write cut by a kill and is
-  left out; a bad line before it is damage this file's writer cannot make: ValueError naming it."""
+  """The rows of a JSONL log (APPEND_ONLY). A last line that does not parse is a write cut by a
+  kill and is left out; a bad line before it is damage this file's writer cannot make: ValueError
+  naming it."""
   lines = as_path(path).read_text().split("\n")
   rows = []
   for i, line in enumerate(lines):

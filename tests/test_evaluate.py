@@ -128,7 +128,7 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
   c.model.hf_dir, c.task.name, c.seed = str(model_dir), "math:reasoning_gym:basic_arithmetic", 0
   c.num_problems, c.samples, c.k, c.batch_size = 3, 4, "1,4", 5
   c.rollout.max_new_tokens, c.out = 64, str(tmp_path / "r.json")
-  problems = evaluate._problems(evaluate.trainer.make_task(c), 3)
+  problems = evaluate.first_problems(evaluate.run_config.make_task(c), 3)
   answer_of = {p.prompt: p.reference for p in problems}
   rows_seen = []
 

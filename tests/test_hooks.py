@@ -2,6 +2,8 @@
 does after the step, and its checkpoint meta."""
 
 import dataclasses
+import json
+import types
 
 import numpy as np
 import pytest
@@ -158,3 +160,56 @@ def test_the_loop_rule_is_a_config_component():
   c.rollout.adaptive_lower_share = 0.02  # above quantile 1 %
   with pytest.raises(ValueError, match=r"config.rollout.adaptive_lower_share = 0.02 is invalid"):
     schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")
+
+
+def test_evaluation_scores_dense_and_under_the_steps_own_budget(tmp_path):
+  """A scripted generate answers right only under the sparse budget the step ran under (stage 1's
+  table at step 3): the sparse score is that budget's, the dense one the dense policy's. The
+  completions shown are each problem's first sample; the history resumes from the meta."""
+  c = config("0:fixed:8,3:" + TABLE)
+  c.task.min_hops, c.task.max_hops = 4, 8
+  c.eval.every, c.eval.problems, c.eval.samples, c.eval.completions = 2, 3, 2, 2
+  hook_budgets, cfg = budgets(c)
+  sparse = run_config.sparse_config(c)
+  task = run_config.make_task(c, c.eval.seed)
+  budget = hook_budgets.for_step(3)
+  by_prompt = {p.prompt_ids: p for p in task.sample(3, 0)}
+  calls = []
+
+  def scripted_generate(params, cfg, prompt_BT, prompt_len_B, key, **kwargs):
+    calls.append((params, kwargs))
+    right = kwargs.get("schedule") is budget.table
+    ids = [
+      by_prompt[tuple(row[:n].tolist())].reference_ids if right else ()
+      for row, n in zip(np.asarray(prompt_BT), np.asarray(prompt_len_B))
+    ]
+    tokens = np.zeros((len(ids), kwargs["max_new_tokens"]), np.int32)
+    for i, row in enumerate(ids):
+      tokens[i, : len(row)] = row
+    return sampler.Rollout(tokens, np.zeros(tokens.shape), np.asarray([len(r) for r in ids]))
+
+  samples = tmp_path / "eval_samples.jsonl"
+  weights = lambda params, lora: (params + "-gathered", lora)
+  hook = hooks.Evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, str(samples))
+  out = dataclasses.replace(output(3, budget), state=types.SimpleNamespace(params="P", lora="L"))
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(hooks.engine, "generate", scripted_generate)
+    metrics = hook.metrics(out)
+  assert [kw.get("schedule") is budget.table for _, kw in calls] == [False, True]  # 6 rows each
+  assert calls[1][1]["sparse"] == sparse and calls[1][1]["lora"] == "L"
+  assert "lora" not in calls[0][1] and {p for p, _ in calls} == {"P-gathered"}
+  assert metrics["eval/sparse/pass@1"] == metrics["eval/sparse/mean@2"] == 1.0
+  assert metrics["eval/dense/pass@1"] == metrics["eval/dense/pass@2"] == 0.0
+  assert "**1234:0**, reward 1" in metrics["eval/sparse/samples"]  # TensorBoard text
+  rows = [json.loads(line) for line in samples.read_text().splitlines()]
+  assert [(r["step"], r["mode"], r["problem"]) for r in rows] == [
+    (4, mode, f"1234:{i}") for mode in ("dense", "sparse") for i in (0, 1)
+  ]
+  answer = task.sample(1, 0)[0].answer
+  assert rows[2]["reward"] == 1.0 and f"answer {answer}" in rows[2]["completion"]
+  assert hook.history == [
+    {"step": 4, **{k: v for k, v in metrics.items() if not k.endswith("/samples")}}
+  ]
+  resumed = hooks.Evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, None)
+  resumed.restore(json.loads(json.dumps(hook.meta())))
+  assert resumed.history == hook.history

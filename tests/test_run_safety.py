@@ -147,7 +147,7 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
   """A dataset task's prompts are all checked against max_prompt_len before anything is written,
   not only the first step's: a long one later in the data would stop the run at its step."""
   c = small(tmp_path / "run")
-  tokenizer = trainer.make_task(c).own_tokenizer
+  tokenizer = run_config.make_task(c).own_tokenizer
   problems = [
     tasks.Problem(id=f"p{i}", question="q", prompt="a;b", reference="1") for i in range(12)
   ]
@@ -172,7 +172,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
 
   c = config(workdir=str(tmp_path / "run"), task__name="math:reasoning_gym:basic_arithmetic")
   task = tasks.make_task(c.task.name, limit=8)
-  cfg, _, tokenizer = trainer.load_model(c, task)
+  cfg, _, tokenizer = run_config.load_model(c, task)
   with pytest.raises(
     ValueError,
     match=(
@@ -182,7 +182,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
     ),
   ):
     run_config.check_inputs(c, task, cfg, tokenizer)
-  run_config.check_inputs(c, trainer.make_task(config()), cfg, tokenizer)  # its own task reads
+  run_config.check_inputs(c, run_config.make_task(config()), cfg, tokenizer)  # its own task reads
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):

@@ -3,6 +3,7 @@ configs naming the field."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -77,6 +78,10 @@ TINY_SCHEDULE = "assets/pointer_chase_tiny/calibration/schedule.json"  # mean's 
     ({"profile_steps": (1,)}, r"profile_steps = \(1,\)"),
     ({"profile_steps": (1.0, 2)}, r"profile_steps = \(1.0, 2\)"),
     ({"profile_steps": (0, 41)}, r"profile_steps = \(0, 41\)"),
+    ({"eval__every": -1}, "eval.every = -1 is invalid: must be an int >= 0"),
+    ({"eval__problems": -2}, "eval.problems = -2"),
+    ({"eval__samples": 0}, "eval.samples = 0 is invalid: must be an int >= 1"),
+    ({"eval__completions": -1}, "eval.completions = -1"),
     ({"rl__mask_alpha_below": 1.5}, "rl.mask_alpha_below = 1.5"),
     ({"rl__mask_row_alpha_below": -0.1}, "rl.mask_row_alpha_below = -0.1"),
     ({"stats__bin_size": 0}, "stats.bin_size"),
@@ -172,8 +177,8 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
 def test_export_policy_round_trips(tmp_path):
   """A random-preset policy exports with the synthetic task's tokenizer and loads back bit-exact."""
   c = config(model__hf_dir="", model__preset="tiny")
-  task = trainer.make_task(c)
-  cfg, params, _ = trainer.load_model(c, task)
+  task = run_config.make_task(c)
+  cfg, params, _ = run_config.load_model(c, task)
   trainer.export_policy(c, cfg, params, str(tmp_path / "hf"), task)
   cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
   assert cfg2 == cfg
@@ -228,7 +233,7 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
 
   c = config(model__hf_dir="", model__preset="tiny")
   with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
-    trainer.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
+    run_config.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
 
 
 def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
@@ -327,6 +332,60 @@ def test_resume_is_safe(tmp_path, capsys):
       np.testing.assert_allclose(
         np.asarray(again[0][name], float), np.asarray(value, float), rtol=1e-5, err_msg=name
       )
+
+
+def evaluated(workdir, **changes):
+  """`small` evaluating 2 held-out problems x 2 samples, one completion shown per mode."""
+  return small(
+    workdir, eval__problems=2, eval__samples=2, eval__completions=1, **{"eval__every": 1, **changes}
+  )
+
+
+def sample_rows(workdir):
+  return [json.loads(line) for line in (workdir / "eval_samples.jsonl").read_text().splitlines()]
+
+
+def test_evaluation_runs_every_n_steps_dense_and_sparse(tmp_path):
+  """eval.every = 2 over 4 steps: steps 1 and 3 (0-based) are evaluated, dense and under the
+  sparse budget, logged as eval/* (completions as TensorBoard text, not in the rows), shown in
+  eval_samples.jsonl and listed in summary.json."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  work = tmp_path / "run"
+  rows = trainer.train(evaluated(work, total_steps=4, eval__every=2))
+  assert [i for i, r in enumerate(rows) if "eval/dense/pass@2" in r] == [1, 3]
+  assert all(0 <= rows[i]["eval/sparse/mean@2"] <= 1 for i in (1, 3))
+  assert not any(name.endswith("/samples") for r in rows for name in r)
+  lines = sample_rows(work)
+  assert [(r["step"], r["mode"], r["problem"]) for r in lines] == [
+    (step, mode, "1234:0") for step in (2, 4) for mode in ("dense", "sparse")
+  ]
+  summary = json.loads((work / "summary.json").read_text())
+  assert [e["step"] for e in summary["eval"]] == [2, 4]
+  assert summary["eval"][1]["eval/sparse/pass@1"] == rows[3]["eval/sparse/pass@1"]
+  events = EventAccumulator(str(work / "tensorboard"))
+  events.Reload()
+  assert any(t.startswith("eval/sparse/samples") for t in events.Tags()["tensors"])
+  assert len(events.Scalars("eval/dense/mean_2")) == 2  # TensorBoard's tags have no "@"
+
+
+def test_evaluation_history_and_samples_survive_a_resume(tmp_path):
+  """A run stopped after step 2 (its step 3 logged, not checkpointed) resumes with the history
+  of steps 1 and 2, replays step 3's evaluation once and goes on: each step's completions once."""
+  work = tmp_path / "run"
+  trainer.train(evaluated(work, total_steps=3, ckpt_every=2))
+  shutil.rmtree(work / "checkpoints" / "3")
+  (work / "summary.json").unlink()
+  assert [r["step"] for r in sample_rows(work)] == [1, 1, 2, 2, 3, 3]
+  trainer.train(evaluated(work, total_steps=4, ckpt_every=2))
+  assert [(r["step"], r["mode"]) for r in sample_rows(work)] == [
+    (step, mode) for step in (1, 2, 3, 4) for mode in ("dense", "sparse")
+  ]
+  summary = json.loads((work / "summary.json").read_text())
+  assert [e["step"] for e in summary["eval"]] == [1, 2, 3, 4]
+  logged = rows_by_step(work)
+  for e in summary["eval"]:
+    assert e["eval/sparse/mean@2"] == logged[e["step"]]["eval/sparse/mean@2"], e["step"]
 
 
 def adaptive_small(workdir, base, **changes):

@@ -6,14 +6,14 @@
 configs/evaluate.py documents every field (and a math example). config.task.name is a registry name
 (sparrow_jax.data.tasks.task_names(): math:aime, code:humaneval, ..., math:reasoning_gym:<dataset>)
 read from config.task.path, or "synthetic:pointer_chase". The task and the model are built by the
-trainer's own `make_task` / `load_model` from this config's model, task and seed, and
-config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' | 'paper:MODEL:TAU' | a
-KVSchedule JSON path), so an evaluation sees exactly what training saw. Problems are the task's
-first config.num_problems in its (seeded) order; each is sampled config.samples (n) times with
-`sj.generate` (right-padded prompts, the tokenizer's EOS ids) in batches of config.batch_size rows
-of one static shape (one compile), and graded with task.grade: a sample is correct when its grade
-reason is "correct" (math: math-verify match of the last \\boxed{}; code: all tests pass; pointer
-chase: exact final answer).
+trainer's own `make_task` / `load_model` (rl/run_config.py) from this config's model, task and
+seed, and config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' |
+'paper:MODEL:TAU' | a KVSchedule JSON path), so an evaluation sees exactly what training saw.
+Problems are the task's first config.num_problems in its (seeded) order; each is sampled
+config.samples (n) times with `sj.generate` (right-padded prompts, the tokenizer's EOS ids) in
+batches of config.batch_size rows of one static shape (one compile), and graded with task.grade: a
+sample is correct when its grade reason is "correct" (math: math-verify match of the last
+\\boxed{}; code: all tests pass; pointer chase: exact final answer).
 
 Metrics, each over problems:
   mean@k  the expected mean reward of k samples. For k <= n its unbiased estimate is the mean over
@@ -27,16 +27,18 @@ checkpoints as curves).
 """
 
 import collections
+import functools
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 import sparrow_jax as sj
 from sparrow_jax import schema
-from sparrow_jax.rl import trainer
+from sparrow_jax.rl import run_config
 from sparrow_jax.sparsity.schedule import KVSchedule
 
 
@@ -71,13 +73,13 @@ def parse_ks(text: str, samples: int) -> list:
   return ks
 
 
-def _problems(task, num_problems: int) -> list:
+def first_problems(task, num_problems: int, field: str = "config.num_problems") -> list:
+  """The task's first `num_problems` (0: all of a finite task); `field` names the setting."""
   if hasattr(task, "__len__"):  # a finite eval set; the synthetic task is an endless stream
     num_problems = min(num_problems or len(task), len(task))
   if num_problems < 1:
     raise ValueError(
-      f"config.num_problems = {num_problems} must be >= 1 for a task without a "
-      f"fixed size ({task.name})"
+      f"{field} = {num_problems} must be >= 1 for a task without a fixed size ({task.name})"
     )
   return task.sample(num_problems, 0)
 
@@ -93,6 +95,66 @@ def _prompt_batches(problems, samples, tokenizer, batch_size):
     yield start, take, tokens_RT[take], lengths_R[take]
 
 
+def sampling(r, tokenizer) -> sj.Sampling:
+  """Sampling by the rollout group's temperature and top_p, with the tokenizer's EOS and pad."""
+  return sj.Sampling(
+    temperature=r.temperature, top_p=r.top_p, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id
+  )
+
+
+class Graded(NamedTuple):
+  """Every sample's completion and grade, problem-major: problem i's n samples are rows i * n on."""
+
+  responses: list
+  rewards_R: np.ndarray
+  correct_R: np.ndarray
+  lengths_R: np.ndarray
+  reasons: collections.Counter
+
+
+def sample_and_grade(generate, tokenizer, task, problems, samples, key, batch_size, progress=False):
+  """Graded samples of each problem, `samples` times: generate(prompt_BT, prompt_len_B, key) ->
+  Rollout (sj.generate with the policy and its settings bound) in batches of `batch_size` rows
+  (batch b under fold_in(key, b)), graded with task.grade; `progress` prints a line a batch."""
+  n_rows = len(problems) * samples
+  responses, rewards_R, correct_R = [""] * n_rows, np.zeros(n_rows), np.zeros(n_rows, bool)
+  lengths_R, reasons = np.zeros(n_rows, int), collections.Counter()
+  t_start, generated = time.time(), 0
+  for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
+    _prompt_batches(problems, samples, tokenizer, batch_size)
+  ):
+    rollout = generate(prompt_BT, prompt_len_B, jax.random.fold_in(key, b))
+    tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+    real = take[: min(batch_size, n_rows - start)]
+    texts = [tokenizer.decode(tokens_BN[j, : lengths_B[j]]) for j in range(len(real))]
+    grades = task.grade(texts, [problems[i // samples] for i in real])
+    for i, text in zip(real, texts):
+      responses[i] = text
+    rewards_R[real] = [g.reward for g in grades]
+    correct_R[real] = [g.reason == "correct" for g in grades]
+    lengths_R[real] = lengths_B[: len(real)]
+    reasons.update(g.reason for g in grades)
+    generated += int(lengths_B.sum())
+    done, elapsed = real[-1] + 1, time.time() - t_start
+    if progress:
+      print(
+        f"  {done}/{n_rows} samples  reward {rewards_R[:done].mean():.3f}  correct "
+        f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
+        f"ETA {elapsed / done * (n_rows - done):.0f}s",
+        flush=True,
+      )
+  return Graded(responses, rewards_R, correct_R, lengths_R, reasons)
+
+
+def score(graded: Graded, samples: int, ks, max_new_tokens: int) -> dict:
+  """mean@k and pass@k over problems, the mean response length and the truncated share."""
+  shape = (-1, samples)
+  metrics = summarize(graded.rewards_R.reshape(shape), graded.correct_R.reshape(shape), ks)
+  metrics["response_length/mean"] = float(graded.lengths_R.mean())
+  metrics["truncated_fraction"] = float(np.mean(graded.lengths_R >= max_new_tokens))
+  return metrics
+
+
 def evaluate(c) -> dict:
   """Generates, grades and summarizes; returns the results dict (also written to c.out)."""
   r = c.rollout
@@ -102,65 +164,35 @@ def evaluate(c) -> dict:
       f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}"
     )
   ks = parse_ks(c.k, c.samples)
-  task = trainer.make_task(c)
-  cfg, params, tokenizer = trainer.load_model(c, task)
+  task = run_config.make_task(c)
+  cfg, params, tokenizer = run_config.load_model(c, task)
   sparse = schedule = None
   if r.sparse:
     sparse = schema.from_group(sj.SparseConfig, c, "rollout")
     schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
-  problems = _problems(task, c.num_problems)
-  n_rows = len(problems) * c.samples
-  batch_size = min(c.batch_size, n_rows)
+  problems = first_problems(task, c.num_problems)
+  batch_size = min(c.batch_size, len(problems) * c.samples)
   mode = f"sparse ({r.schedule})" if sparse else "dense"
   print(
     f"{task.name}: {len(problems)} problems x {c.samples} samples, {mode}, max_new_tokens "
     f"{r.max_new_tokens}, temperature {r.temperature}, batches of {batch_size}",
     flush=True,
   )
-
-  key = jax.random.PRNGKey(c.seed)
-  rewards_R, correct_R, lengths_R = np.zeros(n_rows), np.zeros(n_rows, bool), np.zeros(n_rows, int)
-  reasons, t_start, generated = collections.Counter(), time.time(), 0
-  for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
-    _prompt_batches(problems, c.samples, tokenizer, batch_size)
-  ):
-    rollout = sj.generate(
-      params,
-      cfg,
-      prompt_BT,
-      prompt_len_B,
-      jax.random.fold_in(key, b),
-      max_new_tokens=r.max_new_tokens,
-      sampling=sj.Sampling(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        eos_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id,
-      ),
-      sparse=sparse,
-      schedule=schedule,
-    )
-    tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-    real = take[: min(batch_size, n_rows - start)]
-    responses = [tokenizer.decode(tokens_BN[j, : lengths_B[j]]) for j in range(len(real))]
-    grades = task.grade(responses, [problems[i // c.samples] for i in real])
-    rewards_R[real] = [g.reward for g in grades]
-    correct_R[real] = [g.reason == "correct" for g in grades]
-    lengths_R[real] = lengths_B[: len(real)]
-    reasons.update(g.reason for g in grades)
-    generated += int(lengths_B.sum())
-    done, elapsed = real[-1] + 1, time.time() - t_start
-    print(
-      f"  {done}/{n_rows} samples  reward {rewards_R[:done].mean():.3f}  correct "
-      f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
-      f"ETA {elapsed / done * (n_rows - done):.0f}s",
-      flush=True,
-    )
-
+  generate = functools.partial(
+    sj.generate,
+    params,
+    cfg,
+    max_new_tokens=r.max_new_tokens,
+    sampling=sampling(r, tokenizer),
+    sparse=sparse,
+    schedule=schedule,
+  )
+  t_start = time.time()
+  graded = sample_and_grade(
+    generate, tokenizer, task, problems, c.samples, jax.random.PRNGKey(c.seed), batch_size, True
+  )
+  metrics = score(graded, c.samples, ks, r.max_new_tokens)
   shape = (len(problems), c.samples)
-  metrics = summarize(rewards_R.reshape(shape), correct_R.reshape(shape), ks)
-  metrics["response_length/mean"] = float(lengths_R.mean())
-  metrics["truncated_fraction"] = float(np.mean(lengths_R >= r.max_new_tokens))
   results = {
     "task": task.name,
     "path": c.task.path,
@@ -176,12 +208,14 @@ def evaluate(c) -> dict:
     "top_p": r.top_p,
     "seed": c.seed,
     "metrics": metrics,
-    "grade_reasons": dict(reasons),
+    "grade_reasons": dict(graded.reasons),
     "generation_s": time.time() - t_start,
     "per_problem": [
       {"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
       for p, n, mean in zip(
-        problems, correct_R.reshape(shape).sum(1), rewards_R.reshape(shape).mean(1)
+        problems,
+        graded.correct_R.reshape(shape).sum(1),
+        graded.rewards_R.reshape(shape).mean(1),
       )
     ],
   }

@@ -7,6 +7,7 @@ resume needs of it goes in the checkpoint meta (`meta`, read back by `restore`).
                closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk)
   KVMetrics    kv/read_fraction and kv/predicted_speedup of the step's rollouts
   PerfMetrics  perf/* (tokens/s, the engine's occupancy, train step time) and the learning rate
+  Evaluation   eval/dense/* and eval/sparse/*: mean@k and pass@k on held-out problems (config.eval)
   Checkpoint   the train state and every other hook's meta, every `ckpt_every` steps and at the end
   Profile      a jax.profiler trace of the steps config.profile_steps names, rollout and update
 
@@ -15,13 +16,16 @@ A hook runs after every `every`-th step only (`due`; 1: each step), as levanter'
 
 import dataclasses
 import functools
+import json
 from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
 
-from sparrow_jax import checkpoint, schema, sharding
+from sparrow_jax import checkpoint, logging, schema, sharding
+from sparrow_jax.data import rewards as reward_lib
 from sparrow_jax.mismatch import cost_model
+from sparrow_jax.rl import evaluate, run_config
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
 
@@ -244,6 +248,121 @@ class PerfMetrics(Hook):
       "perf/train_step_s": out.train_s,
       "lr": float(self.learning_rate(out.step)),
     }
+
+
+class Evaluation(Hook):
+  """mean@k and pass@k of the policy after every `every`-th step on held-out problems
+  (config.eval: the task's first eval.problems under eval.seed, eval.samples each; rl/evaluate.py
+  samples, grades and scores them): dense, and for sparse rollouts also under the step's own KV
+  budget (the table its rollouts ran under: a stage's, or the closed loop's) with the sparse
+  actor's LoRA, logged at the step as eval/dense/* and eval/sparse/*. Every evaluation draws with
+  the same key, dense and sparse alike, so two evaluations differ by the policy and the budget, not
+  by the draw. Each evaluation and mode shows eval.completions completions (each problem's first
+  sample) as TensorBoard text (eval/<mode>/samples) and rows of `samples_path` (None: another
+  process writes it); the history of every evaluation is in the checkpoint meta, so a resumed run
+  keeps it."""
+
+  def __init__(self, c, cfg, sparse, task, tokenizer, weights, samples_path: Optional[str]):
+    """`task`: the held-out task (eval.seed's); `weights(params, lora)`: the sampler's copy."""
+    self.e = schema.from_group(run_config.EvalConfig, c, "eval")
+    # rl/evaluate.py grades every row on one host: rows held by other processes it cannot read
+    run_config.require(
+      jax.process_count() == 1,
+      "eval.every",
+      self.e.every,
+      f"evaluation during training runs in a single process, not {jax.process_count()} (0 = off)",
+    )
+    self.every, self.cfg, self.sparse, self.task = self.e.every, cfg, sparse, task
+    self.tokenizer, self.weights, self.samples_path = tokenizer, weights, samples_path
+    self.problems = evaluate.first_problems(task, self.e.problems, "config.eval.problems")
+    _check_prompt_lengths(self.problems, tokenizer, c.rollout.max_prompt_len)
+    r = c.rollout
+    self.max_new_tokens, self.sampling = r.max_new_tokens, evaluate.sampling(r, tokenizer)
+    # The run's rows per step: a batch its engine and KV pool are sized (and checked) for.
+    self.batch_size = min(r.prompts_per_step * r.group_size, len(self.problems) * self.e.samples)
+    self.key = jax.random.PRNGKey(self.e.seed)
+    self.history = []  # {"step": logged step, metric: value, ...} per evaluation
+
+  def metrics(self, out: StepOutput) -> dict:
+    params, lora = self.weights(out.state.params, out.state.lora)
+    modes = {"dense": {}}
+    if out.budget is not None:
+      modes["sparse"] = dict(sparse=self.sparse, schedule=out.budget.table, lora=lora)
+    metrics, rows = {}, []
+    for mode, kwargs in modes.items():
+      generate = functools.partial(
+        engine.generate,
+        params,
+        self.cfg,
+        max_new_tokens=self.max_new_tokens,
+        sampling=self.sampling,
+        **kwargs,
+      )
+      graded = evaluate.sample_and_grade(
+        generate,
+        self.tokenizer,
+        self.task,
+        self.problems,
+        self.e.samples,
+        self.key,
+        self.batch_size,
+      )
+      scores = evaluate.score(graded, self.e.samples, self.e.ks, self.max_new_tokens)
+      metrics.update({f"eval/{mode}/{name}": value for name, value in scores.items()})
+      shown = _shown(graded, self.problems, self.e, out.step + 1, mode)
+      metrics[f"eval/{mode}/samples"] = _markdown(shown)
+      rows += shown
+    reward_lib.take_budget_exceeded()  # the evaluation's grading is not the step's
+    self.history.append(
+      {"step": out.step + 1, **{k: v for k, v in metrics.items() if not isinstance(v, str)}}
+    )
+    if self.samples_path:
+      logging.append_text(self.samples_path, "".join(json.dumps(row) + "\n" for row in rows))
+    return metrics
+
+  def meta(self) -> dict:
+    return {"eval_history": self.history}
+
+  def restore(self, meta: dict) -> None:
+    # A run that evaluates from its resume on (eval.every may change then) has no history before.
+    self.history = list(meta.get("eval_history", []))
+
+
+def _check_prompt_lengths(problems, tokenizer, max_prompt_len: int) -> None:
+  """The held-out prompts within rollout.max_prompt_len: the budget tables and the memory check
+  cover prompts up to it."""
+  _, lengths = tokenizer.encode_batch([p.prompt for p in problems])
+  run_config.require(
+    max(lengths) <= max_prompt_len,
+    "rollout.max_prompt_len",
+    max_prompt_len,
+    f"must hold the held-out prompts (config.eval): the longest has {max(lengths)} tokens",
+  )
+
+
+def _shown(graded, problems, e, step: int, mode: str) -> list:
+  """The rows of eval_samples.jsonl: the first sample of each of the first e.completions
+  problems."""
+  return [
+    {
+      "step": step,
+      "mode": mode,
+      "problem": str(p.id),
+      "prompt": p.prompt,
+      "completion": graded.responses[i * e.samples],
+      "reward": float(graded.rewards_R[i * e.samples]),
+    }
+    for i, p in enumerate(problems[: e.completions])
+  ]
+
+
+def _markdown(rows) -> str:
+  """Completions as TensorBoard text (markdown): each prompt and completion verbatim."""
+  return "\n\n".join(
+    f"**{r['problem']}**, reward {r['reward']:g}\n\n```\n{r['prompt']}\n```\n\n"
+    f"```\n{r['completion']}\n```"
+    for r in rows
+  )
 
 
 class Checkpoint(Hook):

@@ -1,7 +1,8 @@
 """The experiment config of a training run: the checks that run before anything is written, the
-components it builds (the model's config, the sparsity config, each device's engine) and the rule
-for resuming a workdir. The components check their own fields (`schema.from_group`); what is left
-here is what only the whole config, the model or the data know.
+components it builds (the task, the model and its config, the sparsity config, each device's
+engine) and the rule for resuming a workdir. The components check their own fields
+(`schema.from_group`); what is left here is what only the whole config, the model or the data
+know.
 """
 
 import dataclasses
@@ -18,10 +19,13 @@ import numpy as np
 from sparrow_jax import schema
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
+from sparrow_jax.data import tasks
+from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_config
+from sparrow_jax.model.hf import load_config, load_hf
+from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -30,6 +34,41 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 def require(ok: bool, field: str, value, allowed: str):
   if not ok:
     raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
+
+
+def make_task(c, seed: int | None = None):
+  """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
+  registry; an unknown name or unreadable data names the config fields."""
+  try:
+    return tasks.make_task(
+      c.task.name,
+      c.task.path or None,
+      seed=c.seed if seed is None else seed,
+      min_hops=c.task.min_hops,
+      max_hops=c.task.max_hops,
+    )
+  except (ValueError, OSError) as e:
+    raise ValueError(
+      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
+    ) from None
+
+
+def load_model(c, task):
+  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
+  dtype = jnp.dtype(c.model.dtype)
+  if c.model.hf_dir:
+    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
+    return cfg, params, load_tokenizer(c.model.hf_dir)
+  tokenizer = task.own_tokenizer
+  if tokenizer is None:
+    raise ValueError(
+      f"config.model.preset (random init) needs a task with its own vocabulary "
+      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
+      "dataset tasks"
+    )
+  preset = Qwen3Config.preset(c.model.preset)
+  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
+  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
 
 
 # Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
@@ -99,6 +138,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _check_profile_steps(c)
+  schema.from_group(EvalConfig, c, "eval")
   require(
     bool(c.model.hf_dir) != bool(c.model.preset),
     "model.hf_dir / model.preset",
@@ -167,6 +207,28 @@ def validate(c: ml_collections.ConfigDict) -> None:
       value = value[name]
     require(ok, field, value, allowed)
   _check_model_fits(c)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """The held-out evaluation during training, a config component (`schema.from_group(EvalConfig,
+  c, "eval")`; hooks.Evaluation runs it with rl/evaluate.py)."""
+
+  every: int = 0  # steps between evaluations (0: off)
+  problems: int = 16  # the held-out task's first problems (0: all of a finite task)
+  samples: int = 4  # n per problem: mean@n, pass@1 and pass@n
+  completions: int = 2  # completions shown per evaluation and mode (each problem's first sample)
+  seed: int = 1234  # the held-out task's seed and the sampling key
+
+  def __post_init__(self):
+    for name in ("every", "problems", "samples", "completions", "seed"):
+      value, least = getattr(self, name), 1 if name == "samples" else 0
+      if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise ValueError(f"EvalConfig.{name} = {value!r} is invalid: must be an int >= {least}")
+
+  @property
+  def ks(self) -> list:
+    return sorted({1, self.samples})
 
 
 def _check_profile_steps(c) -> None:
@@ -427,6 +489,8 @@ RESUMABLE_FIELDS = (
   "max_nonfinite_steps",
   "restart_from_scratch",
   "profile_steps",
+  "eval.every",
+  "eval.completions",
   "mesh.data",
   "mesh.fsdp",
   "mesh.tensor",

@@ -1,7 +1,7 @@
 """The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log,
 checkpoint. What a step does beside that (the KV budgets and the closed loop, the kv and perf
-metrics, the checkpoint with their meta) are hooks (rl/hooks.py); the config's checks and the
-components it builds are rl/run_config.py.
+metrics, the held-out evaluation, the checkpoint with their meta) are hooks (rl/hooks.py); the
+config's checks and the components it builds are rl/run_config.py.
 
 Everything a step needs is a pure function of (config, step, restored state): the data position is
 `step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
@@ -43,52 +43,14 @@ from sparrow_jax import checkpoint, records, sharding
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.attention import page_pool
 from sparrow_jax.data import rewards as reward_lib
-from sparrow_jax.data import tasks
-from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_hf, save_hf
+from sparrow_jax.model.hf import save_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import hooks, lease, run_config
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, speculative
 from sparrow_jax.sparsity import schedule as schedule_lib
-
-
-def make_task(c):
-  """The task of config `c` (its `task` group and `seed`) from the task registry; an unknown name
-  or unreadable data names the config fields."""
-  try:
-    return tasks.make_task(
-      c.task.name,
-      c.task.path or None,
-      seed=c.seed,
-      min_hops=c.task.min_hops,
-      max_hops=c.task.max_hops,
-    )
-  except (ValueError, OSError) as e:
-    raise ValueError(
-      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
-    ) from None
-
-
-def load_model(c, task):
-  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
-  dtype = jnp.dtype(c.model.dtype)
-  if c.model.hf_dir:
-    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
-    return cfg, params, load_tokenizer(c.model.hf_dir)
-  tokenizer = task.own_tokenizer
-  if tokenizer is None:
-    raise ValueError(
-      f"config.model.preset (random init) needs a task with its own vocabulary "
-      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
-      "dataset tasks"
-    )
-  preset = Qwen3Config.preset(c.model.preset)
-  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
-  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
 
 
 def export_policy(c, cfg, params, directory, task):
@@ -346,8 +308,8 @@ def train(c: ml_collections.ConfigDict) -> list:
 def _train(c, mesh, run: contextlib.ExitStack):
   """The run; what it holds until it ends (the workdir lock) goes on `run`."""
   run_config.check_resume(c)  # reads only: a changed config fails before the model loads
-  task = make_task(c)  # before the model: a bad dataset fails in seconds
-  cfg, params, tokenizer = load_model(c, task)
+  task = run_config.make_task(c)  # before the model: a bad dataset fails in seconds
+  cfg, params, tokenizer = run_config.load_model(c, task)
   r, sparse = c.rollout, run_config.sparse_config(c)
   n_prompts, n_rows = r.prompts_per_step, r.prompts_per_step * r.group_size
   engine_cfg = run_config.engine_config(c, cfg, n_rows // page_pool.row_shards())
@@ -362,12 +324,26 @@ def _train(c, mesh, run: contextlib.ExitStack):
   to_batch = jax.jit(ts.batch_from_rollout, out_shardings=sharding.rows(mesh))
   global_rows = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
   lo, hi = sharding.process_rows(sharding.rows(mesh), n_rows)  # this process's prompts
-  sample = _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse)
+  weights = _rollout_weights(state, mesh)
+  sample = _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse)
   cache_len = r.max_prompt_len + r.max_new_tokens
   budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len) if sparse else None
   hardware = cost_model.get_hardware(c.hardware) if sparse else None  # measured once, here
   kv = hooks.KVMetrics(c, cfg, sparse, engine_cfg, hardware)
   step_hooks = [hooks.PerfMetrics(lr), kv] + ([budgets] if budgets else [])
+  evaluation = None
+  if c.eval.every:
+    samples_path = os.path.join(c.workdir, "eval_samples.jsonl")
+    evaluation = hooks.Evaluation(
+      c,
+      cfg,
+      sparse,
+      run_config.make_task(c, c.eval.seed),
+      tokenizer,
+      weights,
+      samples_path if jax.process_index() == 0 else None,
+    )
+    step_hooks.append(evaluation)
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   metrics_log.as_path(c.workdir).mkdir(parents=True, exist_ok=True)
@@ -384,7 +360,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
   state, start = _restore(c, mgr, state, step_hooks)
   saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, n_prompts, step_hooks)
   if start >= c.total_steps:
-    _at_the_end(c, cfg, state, task, start)
+    _at_the_end(c, cfg, state, task, start, evaluation.history if evaluation else [])
     return []
   log = _StepLog(c, start)
   key = jax.random.PRNGKey(c.seed)
@@ -450,7 +426,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
       return log.rows
   mgr.wait_until_finished()
   log.close()
-  _finish(c, cfg, state, task, log.rows[-1], log.times)
+  _finish(c, cfg, state, task, log.rows[-1], log.times, evaluation.history if evaluation else [])
   log.done()
   return log.rows
 
@@ -504,11 +480,10 @@ def _param_shards(mesh) -> int:
   return mesh.shape["fsdp"] * mesh.shape["tensor"]
 
 
-def _sampler(c, cfg, tokenizer, mesh, state, engine_cfg, sparse):
+def _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse):
   """sample(state, this process's engine.Requests, key, StepBudget or None) -> (its rollout,
-  EngineStats): the engine over the policy's weights (gathered over fsdp once per rollout:
-  `_rollout_weights`)."""
-  weights = _rollout_weights(state, mesh)
+  EngineStats): the engine over the policy's weights (`weights`, `_rollout_weights`: gathered over
+  fsdp once per rollout)."""
   sampling = run_config.sampling(c, tokenizer)
 
   def sample(state, requests, key, budget):
@@ -544,7 +519,7 @@ def _restore(c, mgr, state, step_hooks):
   return state, int(meta["step"])
 
 
-def _at_the_end(c, cfg, state, task, start: int) -> None:
+def _at_the_end(c, cfg, state, task, start: int, eval_history: list) -> None:
   """A workdir restored at or past config.total_steps: a run cut after its last checkpoint gets
   what it had left; otherwise nothing runs and nothing is rewritten."""
   if start == c.total_steps and not epath.Path(c.workdir, "summary.json").exists():
@@ -554,7 +529,8 @@ def _at_the_end(c, cfg, state, task, start: int) -> None:
       + (" (hf export, summary)" if c.export_hf else " (summary)")
     )
     lead = jax.process_index() == 0
-    _finish(c, cfg, state, task, _logged_row(c.workdir, start) if lead else None, times=None)
+    last = _logged_row(c.workdir, start) if lead else None
+    _finish(c, cfg, state, task, last, None, eval_history)
     return
   _print(
     f"{c.workdir} is at step {start} >= config.total_steps = {c.total_steps}: nothing to "
@@ -581,7 +557,10 @@ class _StepLog:
     c, step = self.c, out.step
     if self.logger:
       self.logger.write(step + 1, metrics)
-    self.rows.append({k: np.asarray(v).tolist() for k, v in metrics.items()})
+    # text (an evaluation's completions) goes to TensorBoard only
+    self.rows.append(
+      {k: np.asarray(v).tolist() for k, v in metrics.items() if not isinstance(v, str)}
+    )
     self.times["rollout"] += out.rollout_s
     self.times["train_step"] += out.train_s
     self.nonfinite = self.nonfinite + 1 if metrics["skipped"] else 0
@@ -624,9 +603,10 @@ class _StepLog:
     )
 
 
-def _finish(c, cfg, state, task, last_row: dict, times) -> None:
+def _finish(c, cfg, state, task, last_row: dict, times, eval_history: list) -> None:
   """The end of a run after its last checkpoint: the exported policy (config.export_hf), then
-  summary.json, written last, so a workdir without one is a run cut before its end."""
+  summary.json (with every held-out evaluation: `eval`), written last, so a workdir without one is
+  a run cut before its end."""
   lead = jax.process_index() == 0
   if c.export_hf:  # every process joins the gather; the lead writes
     params = jax.tree_util.tree_map(sharding.to_host, state.params)
@@ -640,6 +620,7 @@ def _finish(c, cfg, state, task, last_row: dict, times) -> None:
           "steps": c.total_steps,
           "time_s": times,
           "last": _strict_json(last_row),
+          "eval": _strict_json(eval_history),
           "peak_rss_gib": records.peak_rss_gib(),  # this process's, the lead's
           # float results follow the code and the CPU type (docs/configuration.md)
           "command": records.command(),
