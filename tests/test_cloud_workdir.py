@@ -99,12 +99,14 @@ def test_of_two_runs_starting_together_one_holds_the_lease(tmp_path, monkeypatch
   work = fake_bucket.bucket(tmp_path, monkeypatch) + "/run"
   epath.Path(work).mkdir(parents=True)
   outcomes, started, both_read = [], threading.Barrier(2), threading.Barrier(2)
-  first_write, write = threading.local(), lease._write
+  starters_to_write, count, write = [2], threading.Lock(), lease._write
 
   def write_after_both_read(path, owner):
-    if not getattr(first_write, "done", False):
-      first_write.done = True
-      both_read.wait()
+    with count:  # the first two writes are the starters' (heartbeats begin after their settle)
+      starter = starters_to_write[0] > 0
+      starters_to_write[0] -= 1
+    if starter:
+      both_read.wait(timeout=30)
     write(path, owner)
 
   monkeypatch.setattr(lease, "_write", write_after_both_read)

@@ -255,13 +255,14 @@ def test_summary_without_the_last_row_is_written_not_a_traceback(tmp_path):
   work = tmp_path / "run"
   metrics_file(work, ROWS)
   assert trainer._logged_row(str(work), 3) is None
-  trainer._finish(small(work, total_steps=3), None, None, None, None, times=None)
+  trainer._finish(small(work, total_steps=3), None, None, None, None, None, [])
   summary = json.loads((work / "summary.json").read_text())
   assert summary.pop("peak_rss_gib") > 0
   assert summary == {
     "steps": 3,
     "time_s": None,
     "last": None,
+    "eval": [],
     "command": records.command(),
     "commit": records.commit_at_start(),
     "machine": records.machine(),
@@ -276,7 +277,7 @@ def test_summary_and_config_are_replaced_whole_or_not_at_all(tmp_path, monkeypat
   (work / "summary.json").write_text("old")
   with pytest.raises(TypeError):
     trainer._finish(
-      small(work, total_steps=3), None, None, None, {"step": 3, "x": object()}, times=None
+      small(work, total_steps=3), None, None, None, {"step": 3, "x": object()}, None, []
     )
   assert os.listdir(work) == ["summary.json"] and (work / "summary.json").read_text() == "old"
   (work / "config.json").write_text("old")
