@@ -46,15 +46,11 @@ class MetricsLogger:
     for name in APPEND_ONLY:
       _drop_rows_after(os.path.join(workdir, name), resume_step)
     self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = as_path(self.path).read_text() if as_path(self.path).exists() else ""
     if not is_local(workdir):
       record_writer.register_writer_factory(workdir.split(":")[0], _EpathRecordWriterFactory())
     self.writer = SummaryWriter(
       os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
     )
-    # local: appended to; an object store has no append, so the whole text is rewritten
-    self.jsonl = open(self.path, "a") if is_local(workdir) else None
-    self.text = kept
 
   def write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
@@ -73,13 +69,7 @@ class MetricsLogger:
           if np.isfinite(v):
             self.writer.add_scalar(f"{name}/{i:02d}", v, step)
         row[name] = [None if not np.isfinite(v) else v for v in value.tolist()]
-    line = json.dumps(row, allow_nan=False) + "\n"
-    if self.jsonl:
-      self.jsonl.write(line)
-      self.jsonl.flush()
-    else:
-      self.text += line
-      write_atomic(self.path, self.text)
+    append_text(self.path, json.dumps(row, allow_nan=False) + "\n")
     self.writer.flush()
 
   def _histogram(self, name, counts, step):
@@ -103,8 +93,6 @@ class MetricsLogger:
 
   def close(self) -> None:
     self.writer.close()
-    if self.jsonl:
-      self.jsonl.close()
 
 
 def _drop_rows_after(path: str, step: int) -> None:
