@@ -95,13 +95,6 @@ def _prompt_batches(problems, samples, tokenizer, batch_size):
     yield start, take, tokens_RT[take], lengths_R[take]
 
 
-def sampling(r, tokenizer) -> sj.Sampling:
-  """Sampling by the rollout group's temperature and top_p, with the tokenizer's EOS and pad."""
-  return sj.Sampling(
-    temperature=r.temperature, top_p=r.top_p, eos_ids=tokenizer.eos_ids, pad_id=tokenizer.pad_id
-  )
-
-
 class Graded(NamedTuple):
   """Every sample's completion and grade, problem-major: problem i's n samples are rows i * n on."""
 
@@ -183,7 +176,7 @@ def evaluate(c) -> dict:
     params,
     cfg,
     max_new_tokens=r.max_new_tokens,
-    sampling=sampling(r, tokenizer),
+    sampling=run_config.sampling(c, tokenizer),
     sparse=sparse,
     schedule=schedule,
   )

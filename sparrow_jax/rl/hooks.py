@@ -277,7 +277,7 @@ class Evaluation(Hook):
     self.problems = evaluate.first_problems(task, self.e.problems, "config.eval.problems")
     _check_prompt_lengths(self.problems, tokenizer, c.rollout.max_prompt_len)
     r = c.rollout
-    self.max_new_tokens, self.sampling = r.max_new_tokens, evaluate.sampling(r, tokenizer)
+    self.max_new_tokens, self.sampling = r.max_new_tokens, run_config.sampling(c, tokenizer)
     # The run's rows per step: a batch its engine and KV pool are sized (and checked) for.
     self.batch_size = min(r.prompts_per_step * r.group_size, len(self.problems) * self.e.samples)
     self.key = jax.random.PRNGKey(self.e.seed)
