@@ -80,6 +80,9 @@ def get_config():
   c.rl.num_minibatches = 4  # minibatches per pass: 4 updates per rollout batch
   c.rl.dapo_filter = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
   c.rl.micro_batches = 1  # gradient accumulation: each update's rows in this many slices
+  c.rl.length_buckets = ()  # row lengths the passes compile at, e.g. (4096, 8192): each slice of
+  #                                    rows at the smallest holding its longest row (() = off;
+  #                                    docs/configuration.md#length-buckets)
   c.rl.mask_alpha_below = 0.0  # a completion token whose exact alpha is under this leaves the
   #                                    policy loss (mismatch masking; 0 = off)
   c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole

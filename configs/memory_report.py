@@ -21,6 +21,7 @@ def get_config():
   c.parts = "train,sampler,calibrate,engine,compile_time,calibrate_run"  # what to measure (script)
   c.train_rows = 2  # rows per train step: one GRPO group of 2 ...
   c.micro_batches = 2  # ... one row per backward pass (gradient accumulation)
+  c.length_buckets = ""  # train also with rl.length_buckets, e.g. "4096,8192,16384" ("" = off)
   c.sampler_rows = 8  # sampled rows ...
   c.sampler_group = 8  # ... in groups of this many samples of one prompt (one prefill)
   c.mesh = "1,1,1"  # data,fsdp,tensor: figures per device (fake CPU devices:

@@ -74,6 +74,10 @@ def get_config():
   c.rl.num_minibatches = 4  # 4 updates of 64 rollouts per step
   c.rl.dapo_filter = False  # keep zero-variance groups (plain GRPO)
   c.rl.micro_batches = 8  # 8 rows per backward pass: one 38K row per GPU
+  # Each backward pass (and no-grad slice) at the smallest of these that holds its longest row,
+  # a minibatch's rows sorted by length into its micro-batches: responses average well under the
+  # 37K cutoff (docs/configuration.md#length-buckets; memory per bucket: memory_report.py)
+  c.rl.length_buckets = (4096, 8192, 16384, 38912)
   c.rl.mask_alpha_below = 0.0  # a completion token whose exact alpha is under this leaves the
   #                                    policy loss (mismatch masking; 0 = off)
   c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole

@@ -148,8 +148,9 @@ def _memory_rows(record) -> list:
     f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
     "per device.",
     "",
-    "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params "
+    "| bucketed temps |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for key, fig in record["results"].items():
     if "/" not in key:  # config, calibrate_run
@@ -159,7 +160,7 @@ def _memory_rows(record) -> list:
     lines.append(
       f"| {part} | {model} | {tokens} | {cell('args_gb')} | {cell('temp_gb')} | "
       f"**{fig['args_gb'] + fig['temp_gb']:.2f}** | {cell('insert_temp_gb')} | "
-      f"{cell('kv_gb')} | {cell('params_gb')} |"
+      f"{cell('kv_gb')} | {cell('params_gb')} | {cell('bucketed_temp_gb')} |"
     )
   return lines + [""]
 
@@ -167,7 +168,9 @@ def _memory_rows(record) -> list:
 _MEMORY_PARTS = (
   "train: the fused GRPO + TIS + DistillSparse step, weights and Adam states sharded over fsdp. "
   "sampler: the engine's full batch, each group's prompt prefilled into the pool (prefill temps) "
-  "and the decode chunk (args hold the pool, KV, and the weights gathered over fsdp, params)."
+  "and the decode chunk (args hold the pool, KV, and the weights gathered over fsdp, params). "
+  "bucketed temps: the train step's with `rl.length_buckets` (the record's `length_buckets`), its "
+  "passes at the smallest bucket that holds their rows (docs/configuration.md#length-buckets)."
 )
 
 

@@ -7,7 +7,10 @@ Each jitted function is lowered with `jax.ShapeDtypeStruct` inputs at full width
 compiled for this machine's backend; `compiled.memory_analysis()` gives the bytes of its arguments
 and of its temporaries (everything XLA allocates besides arguments and outputs) per device. Parts:
   train          the fused RL step with DistillSparse (GRPO + TIS + LoRA), `train_rows` rows of
-                 `length` tokens (prompt_len of them prompt), Adam states in the params' dtype.
+                 `length` tokens (prompt_len of them prompt), Adam states in the params' dtype;
+                 with `length_buckets`, also the temporaries of the step whose passes run at the
+                 smallest bucket holding their rows (rl.length_buckets): a length's own row is
+                 the memory at that bucket.
   sampler        the rollout as the trainer runs it by default: `sampler_rows` rows sampled sparsely
                  to `length` tokens by the engine's full batch (every row in a slot, a pool that
                  holds them at full length, each group's prompt prefilled once into it): the decode
@@ -120,10 +123,10 @@ def _on(tree, shardings):
   return jax.tree_util.tree_map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def train_step(model, length, c, dtype, mesh, layers=None):
+def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   cfg, params, lora = _model(model, dtype, layers)
   sc = ts.StepConfig(
-    rl=ts.RLConfig(micro_batches=c.micro_batches),
+    rl=ts.RLConfig(micro_batches=c.micro_batches, length_buckets=length_buckets),
     stats=ts.StatsConfig(bin_size=2048, num_bins=20),
     rollout=ts.RolloutConfig(group_size=c.train_rows, page_size=SPARSE.page_size),
   )
@@ -370,8 +373,14 @@ def main(argv):
   if "train" in parts:
     print(f"\ntrain step + DistillSparse, {c.train_rows} rows ({c.micro_batches} micro-batches)")
 
+    buckets = tuple(int(n) for n in c.length_buckets.split(",") if n)
+
     def measure_train(model, n):
-      fig = train_step(model, n, c, dtype, mesh)
+      fig = dict(train_step(model, n, c, dtype, mesh))
+      if buckets:  # the step with each pass at the smallest bucket holding its rows
+        fig["bucketed_temp_gb"] = train_step(model, n, c, dtype, mesh, length_buckets=buckets)[
+          "temp_gb"
+        ]
       return dict(fig, total_gb=fig["args_gb"] + fig["temp_gb"])
 
     _table(
@@ -385,7 +394,8 @@ def main(argv):
         ("temps", "temp_gb"),
         ("args+tmp", "total_gb"),
         ("compile s", "compile_s"),
-      ),
+      )
+      + ((("bucketed temps", "bucketed_temp_gb"),) if buckets else ()),
     )
   if "sampler" in parts:
     print(

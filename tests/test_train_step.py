@@ -474,3 +474,82 @@ def test_row_masking_drops_the_rows_whose_p1_alpha_is_under_it():
   )
   np.testing.assert_allclose(m["mask/row_frac"], rows.mean(), rtol=1e-6)
   assert float(m["mask/token_frac"]) == 0.0
+
+
+def with_ends(batch, ends):
+  """`batch` with row b's completion ended before position ends[b] (as a row that stopped early)."""
+  keep_BS = jnp.arange(batch.tokens.shape[1])[None] < jnp.asarray(ends)[:, None]
+  return batch.replace(gen_mask=batch.gen_mask & keep_BS)
+
+
+def test_a_pass_runs_at_the_smallest_bucket_holding_its_longest_row():
+  S, lengths = 36, ts.bucket_lengths((16, 24, 40), 36)
+  assert lengths == (16, 24, 36)
+  tokens = jnp.ones((2, S), jnp.int32)
+
+  def fn(batch):  # the length it ran at, and a per-row array of it
+    return batch.tokens.shape[1], batch.tokens.astype(jnp.float32)
+
+  for end, ran_at in ((10, 16), (16, 16), (17, 24), (30, 36)):
+    batch = ts.Batch(
+      tokens=tokens,
+      gen_mask=jnp.arange(S)[None] == end - 1,
+      prompt_len=jnp.full((2,), 4),
+      logp_rollout=jnp.zeros((2, S)),
+      rewards=jnp.zeros(2),
+    )
+    n, per_row = ts.in_length_bucket(lambda b: (jnp.int32(fn(b)[0]), fn(b)[1]), batch, lengths)
+    assert int(n) == ran_at
+    np.testing.assert_array_equal(per_row, jnp.arange(S)[None].repeat(2, 0) < ran_at)
+
+
+@pytest.mark.parametrize(
+  "rl",
+  [
+    ts.RLConfig(micro_batches=2, loss_agg="seq-mean-token-sum-norm", entropy_coef=0.01),
+    ts.RLConfig(num_minibatches=2, micro_batches=2, mask_alpha_below=0.05),
+  ],
+  ids=["one_update", "minibatches_masked"],
+)
+def test_length_buckets_give_the_unbucketed_step(rl, monkeypatch):
+  """Rows that stopped early, run through buckets (16, 24; rows are 36 tokens) with their
+  micro-batches sorted by length: the same update and metrics as every pass at the full length,
+  one executable over batches of different lengths, whose passes were traced at exactly the
+  bucket lengths."""
+  params, lora, _, _ = setup()
+  opt = lora_opt = optax.sgd(0.1)  # an update linear in the gradient (Adam's scales up rounding)
+  batches = [
+    with_ends(make_batch(params, lora, seed=20 + i), ends)
+    for i, ends in enumerate(([14, 36, 16, 12, 22, 36, 15, 24], [13, 15, 16, 14, 12, 16, 11, 10]))
+  ]
+  traced = []
+  hidden_states = ts.hidden_states
+  monkeypatch.setattr(
+    ts,
+    "hidden_states",
+    lambda p, b, *a, **k: traced.append(b.tokens.shape[1]) or hidden_states(p, b, *a, **k),
+  )
+  out = {}
+  for buckets in ((), (16, 24)):
+    sc = dataclasses.replace(SC, rl=dataclasses.replace(rl, length_buckets=buckets))
+    step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
+    traced.clear()
+    out[buckets] = [step(state_of(params, opt, lora, lora_opt), b, BUDGET) for b in batches]
+    assert step._cache_size() == 1
+    assert set(traced) == set(ts.bucket_lengths(buckets, 36))
+  for (full, m_full), (cut, m_cut) in zip(out[()], out[(16, 24)]):
+    jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), cut.params, full.params
+    )
+    jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=2e-4), cut.lora, full.lora
+    )
+    assert m_cut.keys() == m_full.keys()
+    for key in m_full:
+      np.testing.assert_allclose(m_cut[key], m_full[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_length_buckets_are_checked():
+  for buckets, why in (((24, 16), "increasing"), ((16, 18), "page_size")):
+    with pytest.raises(ValueError, match=f"length_buckets.*{why}"):
+      ts.StepConfig(rl=ts.RLConfig(length_buckets=buckets), rollout=SC.rollout)

@@ -76,6 +76,10 @@ class RLConfig:
   num_minibatches: int = 1
   dapo_filter: bool = False  # drop zero-variance groups from the loss (DAPO dynamic sampling)
   micro_batches: int = 1  # gradient accumulation: rows of a minibatch per backward pass / n
+  # Row lengths the passes compile at (`bucket_lengths`): each slice of rows a pass runs (a
+  # micro-batch, a no-grad slice) runs cut to the smallest that holds its longest row, the rows of
+  # a minibatch sorted by length into its micro-batches first; () = every pass at the full length.
+  length_buckets: tuple = ()
   # Mismatch masking (losses.mismatch_mask) by the exact alpha = sum_x min(p, q) of each completion
   # token, p the pre-update dense policy, q the rollout's: the dense policy loss leaves out a token
   # whose alpha is under mask_alpha_below, and every token of a row whose p1 alpha (over its
@@ -104,6 +108,12 @@ class RLConfig:
     require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
     require(self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
+    require(
+      all(isinstance(n, int) and n >= 1 for n in self.length_buckets)
+      and list(self.length_buckets) == sorted(set(self.length_buckets)),
+      "length_buckets",
+      "must be increasing positive token counts (() = off)",
+    )
     require(0 <= self.mask_alpha_below <= 1, "mask_alpha_below", "must lie in [0, 1] (0 = off)")
     require(
       0 <= self.mask_row_alpha_below <= 1, "mask_row_alpha_below", "must lie in [0, 1] (0 = off)"
@@ -191,6 +201,12 @@ class StepConfig:
       "bin_size",
       f"must be a positive multiple of rollout.page_size ({page_size})",
     )
+    _require(
+      self.rl,
+      all(n % page_size == 0 for n in self.rl.length_buckets),
+      "length_buckets",
+      f"must be multiples of rollout.page_size ({page_size}): whole pages, as the sampler reads",
+    )
 
   @classmethod
   def from_config(cls, c) -> "StepConfig":
@@ -247,13 +263,58 @@ def next_token_aligned(x_BS):
   return jnp.pad(x_BS[:, :-1], pad)
 
 
+def row_ends(batch):
+  """[B] one past each row's last real token: the prompt and all up to the last completion token,
+  so a token left out of the loss (a hole in gen_mask) still conditions the tokens after it."""
+  pos_BS = jnp.arange(batch.tokens.shape[1])[None]
+  return jnp.max(jnp.where(batch.gen_mask, pos_BS + 1, batch.prompt_len[:, None]), axis=1)
+
+
 def _valid_mask(batch):
-  """The rows' real tokens: the prompt and all up to the last completion token, so a token left
-  out of the loss (a hole in gen_mask) still conditions the tokens after it."""
-  S = batch.tokens.shape[1]
-  pos_BS = jnp.arange(S)[None]
-  end_B = jnp.max(jnp.where(batch.gen_mask, pos_BS + 1, batch.prompt_len[:, None]), axis=1)
-  return pos_BS < end_B[:, None]
+  """The rows' real tokens (`row_ends`)."""
+  return jnp.arange(batch.tokens.shape[1])[None] < row_ends(batch)[:, None]
+
+
+def bucket_lengths(length_buckets, S: int) -> tuple:
+  """The row lengths the passes over rows of S tokens compile at: the buckets under S, then S."""
+  return tuple(n for n in length_buckets if n < S) + (S,)
+
+
+def _batch_of(rows):
+  return rows if isinstance(rows, Batch) else rows[0]
+
+
+def in_length_bucket(fn, rows, lengths, *args):
+  """fn(rows, *args) -> (out, per_row), run on `rows` (a Batch, or a tuple led by the Batch, of
+  per-row arrays; sequence axis 1) cut to the smallest of `lengths` that holds their longest row
+  (`row_ends`), per_row's arrays padded back to the full length lengths[-1] with zeros. One
+  program: a lax.switch of one branch per length, of which only the chosen one runs."""
+  if len(lengths) == 1:
+    return fn(rows, *args)
+  on_tokens = lambda f: lambda x: f(x) if x.ndim >= 2 else x
+
+  def at_length(n):
+    def run(rows, *args):
+      cut = jax.tree_util.tree_map(on_tokens(lambda x: x[:, :n]), rows)
+      out, per_row = fn(cut, *args)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, lengths[-1] - n)) + ((0, 0),) * (x.ndim - 2))
+      return out, jax.tree_util.tree_map(on_tokens(pad), per_row)
+
+    return run
+
+  i = jnp.searchsorted(jnp.asarray(lengths), jnp.max(row_ends(_batch_of(rows))))
+  return jax.lax.switch(i, [at_length(n) for n in lengths], rows, *args)
+
+
+def _by_length(rows, lengths):
+  """`rows` sorted by length (`row_ends`) when there are buckets, so that consecutive slices of
+  them fit short ones, and a function putting per-row results back in the given order."""
+  if len(lengths) == 1:
+    return rows, lambda per_row: per_row
+  order = jnp.argsort(row_ends(_batch_of(rows)))
+  back = jnp.argsort(order)
+  take = lambda idx: lambda tree: jax.tree_util.tree_map(lambda x: x[idx] if x.ndim else x, tree)
+  return take(order)(rows), take(back)
 
 
 def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, budget=None):
@@ -288,11 +349,21 @@ def token_stats(params, x_BSD, batch, cfg, sc: StepConfig, with_top: bool = Fals
 
 
 def policy_loss(
-  params, batch, adv_B, cfg, sc: StepConfig, logp_old_BS=None, ref_params=None, weights=(1.0, 1.0)
+  params,
+  batch,
+  adv_B,
+  cfg,
+  sc: StepConfig,
+  logp_old_BS=None,
+  ref_params=None,
+  weights=(1.0, 1.0),
+  norm_len=None,
 ):
   """Dense GRPO/DAPO loss with TIS. logp_old=None: the old policy is these params (one update),
   and aux carries its hidden states and token statistics for the step's metrics. weights = (of the
-  policy-gradient term, of the token-mean terms): a micro-batch's share of its minibatch."""
+  policy-gradient term, of the token-mean terms): a micro-batch's share of its minibatch. norm_len:
+  the seq-mean-token-sum-norm constant, the batch's full row length (rows cut to a length bucket
+  keep it); None = this batch's."""
   mask = batch.gen_mask
   x_BSD = hidden_states(params, batch, cfg, sc)
   stats = token_stats(
@@ -305,7 +376,8 @@ def policy_loss(
   )
   w = losses.tis_weight(old, batch.logp_rollout, mask, sc.rl.tis_cap, sc.rl.tis_level)
   pg_weight, token_weight = weights
-  loss = pg_weight * losses.aggregate(pg * w, mask, sc.rl.loss_agg, mask.shape[1])
+  norm_len = mask.shape[1] if norm_len is None else norm_len
+  loss = pg_weight * losses.aggregate(pg * w, mask, sc.rl.loss_agg, norm_len)
   if sc.rl.entropy_coef:
     loss = loss - token_weight * sc.rl.entropy_coef * losses.aggregate(stats["entropy_BS"], mask)
   if ref_params is not None and sc.rl.kl_coef > 0:
@@ -323,11 +395,22 @@ def policy_loss(
 
 
 def distill_loss(
-  lora, params, batch, adv_B, logp_dense_BS, cfg, sc: StepConfig, sparse, budget, weights=(1.0, 1.0)
+  lora,
+  params,
+  batch,
+  adv_B,
+  logp_dense_BS,
+  cfg,
+  sc: StepConfig,
+  sparse,
+  budget,
+  weights=(1.0, 1.0),
+  norm_len=None,
 ):
   """DistillSparse: PPO on the sparse actor's own rollouts (its rollout log-probs are the old
   policy) + lambda * k3(dense -> sparse+LoRA). Base params are frozen (stop_gradient). aux carries
-  the sparse+LoRA hidden states (with the pre-update adapter: exactly the rollout policy q)."""
+  the sparse+LoRA hidden states (with the pre-update adapter: exactly the rollout policy q).
+  weights, norm_len: as `policy_loss`'s."""
   mask = batch.gen_mask
   params = jax.lax.stop_gradient(params)
   x_BSD = hidden_states(params, batch, cfg, sc, lora, sparse, budget)
@@ -338,22 +421,33 @@ def distill_loss(
   pg_weight, token_weight = weights
   kl = token_weight * losses.aggregate(losses.kl_penalty(logp_q, logp_dense_BS, "k3"), mask)
   loss = (
-    pg_weight * sc.distill.ppo_coef * losses.aggregate(pg, mask, sc.rl.loss_agg, mask.shape[1])
+    pg_weight
+    * sc.distill.ppo_coef
+    * losses.aggregate(pg, mask, sc.rl.loss_agg, mask.shape[1] if norm_len is None else norm_len)
     + sc.distill.kl_coef * kl
   )
   return loss, {"distill_kl": kl, "hidden": jax.lax.stop_gradient(x_BSD)}
 
 
-def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str):
+def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str, lengths=None):
   """value_and_grad of loss_fn(diff, rows, weights) -> (loss, aux), summed over n equal slices of
-  `rows` (a pytree of per-row arrays; a lax.scan holds one slice's activations at a time). Each
-  slice is weighted by its share of the whole batch's normalisers (tokens for token means, rows
-  for the sequence means of `loss_agg`), so the sum is the whole batch's loss and gradient. Scalars
-  in aux are summed, per-row arrays put back in row order."""
+  `rows` (a tuple led by the Batch, of per-row arrays; a lax.scan holds one slice's activations at
+  a time). Each slice is weighted by its share of the whole batch's normalisers (tokens for token
+  means, rows for the sequence means of `loss_agg`), so the sum is the whole batch's loss and
+  gradient. Scalars in aux are summed, per-row arrays put back in row order. lengths
+  (`bucket_lengths`): each slice runs `in_length_bucket`, the rows sorted by length first."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  lengths = lengths or (rows[0].tokens.shape[1],)
+
+  def bucketed_grad(part, weights):
+    (loss, aux), g = grad_fn(diff, part, weights)
+    return (loss, g), aux
+
   if n == 1:
-    return grad_fn(diff, rows, (1.0, 1.0))
+    (loss, grads), aux = in_length_bucket(bucketed_grad, rows, lengths, (1.0, 1.0))
+    return (loss, aux), grads
   B = rows[0].gen_mask.shape[0]
+  rows, in_row_order = _by_length(rows, lengths)
   parts = _row_slices(rows, n, "micro_batches")
   tokens_n = jnp.sum(parts[0].gen_mask, axis=(1, 2)).astype(jnp.float32)
   token_w_n = tokens_n / jnp.maximum(jnp.sum(tokens_n), 1.0)
@@ -361,14 +455,14 @@ def accumulated_grad(loss_fn, diff, rows, n: int, loss_agg: str):
 
   def body(grads, xs):
     part, pg_w, token_w = xs
-    (loss, aux), g = grad_fn(diff, part, (pg_w, token_w))
+    (loss, g), aux = in_length_bucket(bucketed_grad, part, lengths, (pg_w, token_w))
     return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), grads, g), (loss, aux)
 
   zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32), diff)
   grads, (loss_n, aux_n) = jax.lax.scan(body, zeros, (parts, pg_w_n, token_w_n))
   grads = jax.tree_util.tree_map(lambda g, x: g.astype(x.dtype), grads, diff)
   merge = lambda y: jnp.sum(y, 0) if y.ndim == 1 else y.reshape(B, *y.shape[2:])
-  return (jnp.sum(loss_n), jax.tree_util.tree_map(merge, aux_n)), grads
+  return (jnp.sum(loss_n), in_row_order(jax.tree_util.tree_map(merge, aux_n))), grads
 
 
 def _guarded_update(optimizer, grads, opt_state, params, loss):
@@ -390,15 +484,19 @@ def _rows(tree, stacked: bool = False):
   )
 
 
-def map_row_slices(fn, rows, n: int):
-  """fn(rows) -> a pytree of per-row arrays, computed over n equal slices of `rows` in turn (a
-  lax.map) and put back in row order: a no-grad pass over the whole batch then holds one slice's
-  attention temporaries, as a gradient pass does (the default's pre-update passes over 32 rows had
-  set its peak RSS)."""
+def map_row_slices(fn, rows, n: int, lengths=None):
+  """fn(rows) -> a pytree of per-row arrays, computed over n equal slices of `rows` (a Batch, or a
+  tuple led by the Batch) in turn (a lax.map) and put back in row order: a no-grad pass over the
+  whole batch then holds one slice's attention temporaries, as a gradient pass does (the default's
+  pre-update passes over 32 rows had set its peak RSS). lengths (`bucket_lengths`): each slice
+  runs `in_length_bucket`, the rows sorted by length first."""
+  lengths = lengths or (_batch_of(rows).tokens.shape[1],)
+  sliced = lambda rows: in_length_bucket(lambda r: ((), fn(r)), rows, lengths)[1]
   if n == 1:
-    return fn(rows)
-  out = jax.lax.map(fn, _row_slices(rows, n, "num_minibatches x micro_batches"))
-  return jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+    return sliced(rows)
+  rows, in_row_order = _by_length(rows, lengths)
+  out = jax.lax.map(sliced, _row_slices(rows, n, "num_minibatches x micro_batches"))
+  return in_row_order(jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), out))
 
 
 def _row_slices(rows, n: int, field: str):
@@ -501,8 +599,18 @@ def dense_update(params, opt_state, optimizer, rows, cfg, sc: StepConfig, ref_pa
   """One update of the base params on a minibatch rows = (batch, adv_B, logp_old_BS or None: the
   old policy is `params` itself, one update per batch). Returns (params, opt_state, aux of
   `policy_loss`, its metrics row, finite: whether the update was applied)."""
-  loss_fn = lambda p, rows, w: policy_loss(p, rows[0], rows[1], cfg, sc, rows[2], ref_params, w)
-  (loss, aux), grads = accumulated_grad(loss_fn, params, rows, sc.rl.micro_batches, sc.rl.loss_agg)
+  S = rows[0].tokens.shape[1]
+  loss_fn = lambda p, rows, w: policy_loss(
+    p, rows[0], rows[1], cfg, sc, rows[2], ref_params, w, norm_len=S
+  )
+  (loss, aux), grads = accumulated_grad(
+    loss_fn,
+    params,
+    rows,
+    sc.rl.micro_batches,
+    sc.rl.loss_agg,
+    bucket_lengths(sc.rl.length_buckets, S),
+  )
   params, opt_state, grad_norm, finite = _guarded_update(optimizer, grads, opt_state, params, loss)
   metrics = {"loss/policy": loss, "grad_norm/policy": grad_norm, "ppo/clip_frac": aux["clip_frac"]}
   return params, opt_state, aux, metrics, finite
@@ -514,10 +622,18 @@ def distill_update(
   """One DistillSparse update of the LoRA on a minibatch rows = (batch, adv_B, dense teacher
   log-probs), the sparse actor run on `base_params` (frozen). Returns (lora, lora_opt_state, aux of
   `distill_loss`, its metrics row, finite)."""
+  S = rows[0].tokens.shape[1]
   loss_fn = lambda lora, rows, w: distill_loss(
-    lora, base_params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w
+    lora, base_params, rows[0], rows[1], rows[2], cfg, sc, sparse, budget, w, norm_len=S
   )
-  (loss, aux), grads = accumulated_grad(loss_fn, lora, rows, sc.rl.micro_batches, sc.rl.loss_agg)
+  (loss, aux), grads = accumulated_grad(
+    loss_fn,
+    lora,
+    rows,
+    sc.rl.micro_batches,
+    sc.rl.loss_agg,
+    bucket_lengths(sc.rl.length_buckets, S),
+  )
   lora, lora_opt_state, grad_norm, finite = _guarded_update(
     lora_optimizer, grads, lora_opt_state, lora, loss
   )
@@ -572,19 +688,31 @@ def mismatch_masking(batch, alpha_BS, sc: StepConfig):
   return keep_BS, metrics
 
 
-def _rollout_acceptance(state, batch, dense, x_q_BSD, cfg, sc, sparse, budget, pass_slices):
+def _rollout_acceptance(state, batch, dense, x_q_BSD, cfg, sc, sparse, budget, slices, lengths):
   """Exact alpha_BS between the pre-update dense policy and the rollout policy q (the state's
   params and LoRA under the sparse budget: x_q_BSD when a gradient pass computed it, else a no-grad
-  pass)."""
+  pass), over `slices` slices of the rows in turn."""
   if sparse is None:
     return jnp.where(batch.gen_mask, 1.0, 0.0)  # dense rollouts: the rollout policy is p itself
-  if x_q_BSD is None:
-    x_q_BSD = map_row_slices(
-      lambda b: hidden_states(state.params, b, cfg, sc, state.lora, sparse, budget),
-      batch,
-      pass_slices,
-    )
-  return exact_acceptance(state.params, dense["hidden"], x_q_BSD, cfg, sc)
+
+  def alpha(rows):
+    b, x_p_BSD, x_q_BSD = rows
+    if x_q_BSD is None:
+      x_q_BSD = hidden_states(state.params, b, cfg, sc, state.lora, sparse, budget)
+    return exact_acceptance(state.params, x_p_BSD, x_q_BSD, cfg, sc)
+
+  return map_row_slices(alpha, (batch, dense["hidden"], x_q_BSD), slices, lengths)
+
+
+def _dense_pass(params, batch, cfg, sc: StepConfig, slices, lengths):
+  """The pre-update dense policy p over the batch, no gradient, `slices` slices of rows in turn:
+  hidden states and `token_stats` (with the top-20 when the rollout kept its own)."""
+
+  def dense(b):
+    x_BSD = hidden_states(params, b, cfg, sc)
+    return dict(hidden=x_BSD, **token_stats(params, x_BSD, b, cfg, sc, b.top_logp is not None))
+
+  return map_row_slices(dense, batch, slices, lengths)
 
 
 def make_train_step(
@@ -627,17 +755,18 @@ def make_train_step(
     single = sc.rl.ppo_epochs * sc.rl.num_minibatches == 1 and not masking
     # no-grad passes over the full batch run in slices of a gradient pass's rows
     pass_slices = sc.rl.num_minibatches * sc.rl.micro_batches
+    lengths = bucket_lengths(sc.rl.length_buckets, batch.tokens.shape[1])
+    acceptance_of = lambda dense, x_q: _rollout_acceptance(
+      state, batch, dense, x_q, cfg, sc, sparse, budget, pass_slices, lengths
+    )
     # The pre-update dense policy p over the full batch (hidden, logp, entropy_BS, top): with one
     # update it comes out of that update's gradient pass, else out of a no-grad pass first.
     dense = None
     if not single:
-      x_p = map_row_slices(lambda b: hidden_states(state.params, b, cfg, sc), batch, pass_slices)
-      dense = dict(
-        hidden=x_p, **token_stats(state.params, x_p, batch, cfg, sc, batch.top_logp is not None)
-      )
+      dense = _dense_pass(state.params, batch, cfg, sc, pass_slices, lengths)
     alpha, loss_mask, mask_metrics = None, None, {}
     if masking:
-      alpha = _rollout_acceptance(state, batch, dense, None, cfg, sc, sparse, budget, pass_slices)
+      alpha = acceptance_of(dense, None)
       loss_mask, mask_metrics = mismatch_masking(batch, alpha, sc)
     params, opt_state = state.params, state.opt_state
     lora, lora_opt_state = state.lora, state.lora_opt_state
@@ -681,7 +810,7 @@ def make_train_step(
     metrics.update(rollout_metrics(batch, dense, sc))
     metrics.update(mask_metrics)
     if sc.stats.exact_acceptance and alpha is None:
-      alpha = _rollout_acceptance(state, batch, dense, x_q, cfg, sc, sparse, budget, pass_slices)
+      alpha = acceptance_of(dense, x_q)
     metrics.update(_acceptance_metrics(batch, dense["logp"], dense.get("top"), alpha, sc))
     new_state = state.replace(
       step=state.step + 1,
