@@ -91,7 +91,7 @@ FULL_LAYERS = 28
 ROOT = records.ROOT
 
 
-def _median_s(calls, runs):
+def median_seconds(calls, runs):
   """Median seconds per call of each thunk, the calls interleaved so they share the machine's load.
   A thunk runs one call and blocks on its result."""
   for call in calls:
@@ -246,7 +246,9 @@ def bench_decode(config):
 
       return run
 
-    dense_s, *sparse_s = _median_s([call(None)] + [call(sp) for sp in sparse_configs], config.runs)
+    dense_s, *sparse_s = median_seconds(
+      [call(None)] + [call(sp) for sp in sparse_configs], config.runs
+    )
     del state["caches"]
     dense_tps = config.batch * c.steps / dense_s
     dense1 = cost_model.dense_rollout_cost(cfg, context, c.steps, 1, hw)
@@ -375,7 +377,7 @@ def weight_read_ms(params, runs):
     body = lambda i, acc: acc + sum(jnp.sum(x + i.astype(x.dtype)) for x in leaves)
     return jax.lax.fori_loop(0, 16, body, jnp.float32(0.0))
 
-  return _median_s([lambda: jax.block_until_ready(passes(leaves))], runs)[0] * 1e3 / 16
+  return median_seconds([lambda: jax.block_until_ready(passes(leaves))], runs)[0] * 1e3 / 16
 
 
 SAMPLERS = ("sparrow_jax sj.generate", "tunix generate.Sampler")
@@ -525,7 +527,7 @@ def bench_tunix(config):
 
     return run
 
-  ours_s, ours_l, tunix_s, tunix_l = _median_s(
+  ours_s, ours_l, tunix_s, tunix_l = median_seconds(
     [ours(short), ours(long), theirs(short), theirs(long)], config.runs
   )
   read_ms = weight_read_ms(params, config.runs)
@@ -780,7 +782,7 @@ def bench_speculative(config):
 
     names = ["dense", "sparse"] + [f"speculate{k}" for k in e.drafts]
     calls = [chunk("dense", 0), chunk("sparse", 0)] + [chunk(f"speculate{k}", k) for k in e.drafts]
-    seconds = _median_s(calls, config.runs)
+    seconds = median_seconds(calls, config.runs)
     for name, sec in zip(names, seconds):
       tokens, accepted, rounds = (None if x is None else np.asarray(x) for x in emitted[name])
       row = dict(context=context, setting=name, seconds=sec, tokens=int(tokens.sum()))

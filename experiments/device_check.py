@@ -260,7 +260,7 @@ def time_decode(config):
 
     return call
 
-  seconds = bench_rollout._median_s([run("dense"), run("sparse")], c.runs)
+  seconds = bench_rollout.median_seconds([run("dense"), run("sparse")], c.runs)
   for name, s in zip(("dense", "sparse"), seconds):
     del rows[name]["compiled"]
     rows[name]["tok_s"] = c.batch * c.steps / s
