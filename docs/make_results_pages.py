@@ -145,8 +145,9 @@ def _memory_rows(record) -> list:
     f"Target {c['target']}, mesh (data, fsdp, tensor) = ({c['mesh']}), {c['dtype']}; "
     f"train: {c['train_rows']} rows in {c['micro_batches']} micro-batches; sampler: "
     f"{c['sampler_rows']} rows in groups of {c['sampler_group']}, prompt "
-    f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps. GB = 1e9 bytes, "
-    "per device.",
+    f"{c['prompt_len']}, decode chunks of {c['engine_chunk']} steps"
+    + (f"; bucketed: length buckets {c['length_buckets']}" if c.get("length_buckets") else "")
+    + ". GB = 1e9 bytes, per device.",
     "",
     "| part | model | tokens a row | args | temps | args + temps | prefill temps | KV | params "
     "| bucketed temps |",
@@ -1376,6 +1377,39 @@ def speculative_training_page(records) -> str:
   return "\n".join(lines)
 
 
+def train_step_buckets_page(records) -> str:
+  """docs/results/train_step_buckets.md from experiments/bench_train_step.py's record."""
+  lines = [
+    "# The train step with length buckets (measured)",
+    "",
+    "`experiments/bench_train_step.py` times the fused train step on one batch of long-tailed "
+    "rows (random weights and tokens, completion lengths geometric with mean cutoff / 2, capped "
+    "at the cutoff) at the full row length and with `rl.length_buckets` "
+    "([configuration.md](../configuration.md#length-buckets)), the two interleaved call by call; "
+    "median seconds per step.",
+    "",
+  ]
+  for record in records:
+    r, c = record["results"], record["results"]["config"]
+    m = r["model"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{m['layers']} layers, width {m['width']}, vocab {m['vocab']} ({c['model']} shape); "
+      f"{c['prompts'] * c['group_size']} rows of {c['prompt'] + c['cutoff']} tokens (prompt "
+      f"{c['prompt']}), {r['completion_tokens']} completion tokens; {c['num_minibatches']} "
+      f"update(s) x {c['micro_batches']} micro-batches; buckets {tuple(c['length_buckets'])}, "
+      f"the micro-batches ran at {r['micro_batch_buckets']}.",
+      "",
+      "| setting | s a step | completion tokens/s |",
+      "|---|---|---|",
+    ]
+    for name, t in r["times"].items():
+      lines.append(f"| {name} | {t['seconds']:.3f} | {t['tokens_per_s']:,.0f} |")
+    lines += ["", f"Bucketed / full speed: **{r['speedup']:.2f}x**.", ""]
+  return "\n".join(lines)
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -1395,6 +1429,7 @@ PAGES = {
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
+  "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),
 }
 
 

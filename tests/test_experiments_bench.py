@@ -282,6 +282,29 @@ def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
   assert set(report["results"]["ratios"]) >= {"engine/static dense", "sparse/dense engine"}
 
 
+def test_bench_train_step_times_both_settings_and_writes_its_record(tmp_path):
+  """At toy size: the full-length and the bucketed step run the same rows; the record carries the
+  micro-batches' buckets, which the long-tailed rows spread over more than one."""
+  record = tmp_path / "buckets.json"
+  out = _run(
+    "bench_train_step",
+    "--config.prompts=1",
+    "--config.group_size=4",
+    "--config.prompt=32",
+    "--config.cutoff=64",
+    "--config.micro_batches=2",
+    "--config.length_buckets=(48,64)",
+    "--config.runs=1",
+    f"--config.out={record}",
+  ).stdout
+  assert "full:" in out and "bucketed:" in out, out
+  report = json.loads(record.read_text())
+  assert {"command", "commit", "machine", "date"} <= set(report)
+  r = report["results"]
+  assert set(r["times"]) == {"full", "bucketed"} and r["speedup"] > 0
+  assert all(b in (48, 64, 96) for b in r["micro_batch_buckets"]), r["micro_batch_buckets"]
+
+
 def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   """Qwen3-0.6B at full width, 3 of its layers (2 dense, 1 sparse; a full-depth compile is what the
   script is for, the test checks the parts and figures), 512-token rows: every table prints and the
