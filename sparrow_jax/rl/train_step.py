@@ -21,7 +21,9 @@ Memory is linear in the row length: every pass is `qwen3.forward_hidden` (scanne
 layers, blockwise attention) and every vocabulary-sized quantity (log-probs, entropy, top-20, exact
 alpha) comes from `qwen3.map_logits` in sequence chunks; `micro_batches` accumulates each update's
 gradient over slices of its rows inside the jit (the losses' normalisers stay those of the whole
-minibatch, so the update is the same).
+minibatch, so the update is the same). With `length_buckets`, each such slice of rows runs cut to
+the smallest bucket that holds its longest row (`in_length_bucket`, a lax.switch: one program),
+the rows of a minibatch sorted by length into its micro-batches first.
 
 Sequences are right-padded rows of prompt + completion; every per-token array is aligned to them:
 value[b, s] concerns token s (its log-prob given tokens < s), and `gen_mask[b, s]` marks completion
