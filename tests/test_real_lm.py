@@ -104,6 +104,7 @@ def test_study_schedule_is_a_kv_schedule_and_rechooses_from_the_record(study, tm
     f"--config.from_record={tmp / 'mismatch.json'}",
     "--config.stats.tau=0.0",  # every budget meets it: the smallest everywhere
     f"--config.schedule_out={tmp_path / 's.json'}",
+    f"--config.plot_dir={tmp_path}",  # not the shipped assets/real_lm plot
   )
   rechosen = KVSchedule.parse(str(tmp_path / "s.json"), 4, field="schedule")
   assert set(rechosen.values) == {1} and "table mean/exact at tau 0.0" in out

@@ -204,13 +204,14 @@ def head(rollout, n: int):
 @pytest.mark.slow
 def test_sampled_rows_do_not_depend_on_placement():
   ref, _ = run(3, temperature=1.0)
+  # Placements that share a compiled chunk (slots, rounds per chunk, pool) with another run here.
   variants = [
-    run(3, temperature=1.0, slots=2, chunk=5)[0],
+    run(3, temperature=1.0, slots=2, chunk=5)[0],  # 1 round a chunk
     run(3, temperature=1.0, slots=3, chunk=9, pages=30)[0],  # rows wait and are preempted
-    run(3, temperature=1.0, chunk=4)[0],
+    run(3, temperature=1.0, slots=4, chunk=4)[0],
   ]
-  four, _ = run(3, temperature=1.0, rows=slice(0, 4), slots=4)
-  two, _ = run(3, temperature=1.0, rows=slice(0, 2), slots=2)
+  four, _ = run(3, temperature=1.0, rows=slice(0, 4), slots=4, chunk=4)
+  two, _ = run(3, temperature=1.0, rows=slice(0, 2), slots=2, chunk=5)
   for got, want in [(v, ref) for v in variants] + [(four, head(ref, 4)), (two, head(four, 2))]:
     assert_same_rows(got, want)
     # alpha sums a row's probabilities: its rounding follows the batch's width
@@ -246,12 +247,12 @@ def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score
   dense_fn = policy.pool_decode_attention_fn(None, None, None)
   active = jnp.ones(S, bool)
   step = jax.jit(
-    lambda pool, token, length: qwen3.decode_step(
+    lambda pool, token, length, active: qwen3.decode_step(
       PARAMS, token, CFG, page_pool.layer_views(pool, table, length, active), attention_fn=dense_fn
     )
   )
   for t in range(prompt.shape[1] - 1):
-    _, layers = step(pool, jnp.asarray(prompt[:, t]), jnp.full(S, t, jnp.int32))
+    _, layers = step(pool, jnp.asarray(prompt[:, t]), jnp.full(S, t, jnp.int32), active)
     pool = page_pool.from_layers(pool, layers)
   length = jnp.full(S, prompt.shape[1] - 1, jnp.int32)
   budget = engine._budget(SCHEDULE, sparse, PR * Z)
@@ -285,9 +286,7 @@ def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score
     kept = [prompt[b, -1]] + np.asarray(out["tokens"])[b, : n_emit[b] - 1].tolist()
     for j, token in enumerate(kept):
       one = jnp.asarray(prompt[:, -1]).at[b].set(token)
-      only = jnp.arange(S) == b
-      views = page_pool.layer_views(pool, table, length + j, only)
-      _, layers = qwen3.decode_step(PARAMS, one, CFG, views, attention_fn=dense_fn)
+      _, layers = step(pool, one, length + j, jnp.arange(S) == b)
       pool = page_pool.from_layers(pool, layers)
   for name in ("k_stored", "v_stored", "summaries"):
     for got, want in zip(getattr(spec_pool, name), getattr(pool, name)):
