@@ -777,6 +777,30 @@ def _decode_section(r, config) -> list:
       f"{row['dense_tok_s']:.2f} | {row['sparse_tok_s']:.2f} | **{row['ratio']:.2f}x** | "
       f"{row['cost_model']:.2f}x | {row['with_weights']:.2f}x |"
     )
+  return lines + [""] + _split_table(r.get("split", []))
+
+
+def _split_table(split) -> list:
+  """Where a step's time goes (bench_rollout.step_split), and the rate each part reads at."""
+  if not split:
+    return []
+  lines = [
+    "Where a step's time goes, from the same calls and two stand-ins for attention (none: the "
+    "rest of the step, weights, cache appends and sampling; page selection alone), at the timed "
+    "steps' middle; GB/s = the bytes a part must read / its time (the weights; a dense layer's K "
+    "and V; a sparse layer's budget of K and V and every page's mean key), beside the one "
+    "bandwidth the cost model prices every byte at:",
+    "",
+    "| context | rest of a step (ms) | weights GB/s | dense layer (ms) | GB/s | sparse layer (ms) "
+    "| GB/s | of it page selection (ms) | cost model GB/s |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for part in split:
+    lines.append(
+      f"| {part['context']} | {part['rest_ms']:.1f} | {part['weights_gbs']:.1f} | "
+      f"{part['dense_layer_ms']:.1f} | {part['dense_gbs']:.1f} | {part['sparse_layer_ms']:.1f} | "
+      f"{part['sparse_gbs']:.1f} | {part['select_ms']:.1f} | {part['model_gbs']:.1f} |"
+    )
   return lines + [""]
 
 

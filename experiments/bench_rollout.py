@@ -80,7 +80,7 @@ import numpy as np
 from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
-from sparrow_jax.attention import page_pool, paged_cache
+from sparrow_jax.attention import page_pool, paged_cache, select
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, programs, sampler
@@ -138,23 +138,54 @@ def filled_cache(cfg, batch, context, steps, page_size, dtype, key):
   return tuple(caches)
 
 
+PROBES = ("", "none", "select")  # decode_loop's `probe`: the real step, or a stand-in for attention
+
+
+def _probe_fn(probe, sparse, budget, max_selected):
+  """Attention stand-ins that split a step's time: "none" reads no cache (what is left is the
+  weights, the cache appends and the sampling), "select" runs every layer's page selection
+  (scores and top-k) and reads no page."""
+  if probe == "none":
+    return lambda layer, q_BKGE, cache, lengths_B: q_BKGE
+
+  def select_only(layer, q_BKGE, cache, lengths_B):
+    page_idx_BKN, n_valid_BK = select.decode_pages(
+      q_BKGE,
+      cache.summaries[0],
+      lengths_B,
+      budget.budget_pages(lengths_B),
+      sparse,
+      min(max_selected, cache.num_pages),
+    )
+    picked_BK = jnp.sum(page_idx_BKN, axis=-1) + n_valid_BK  # keeps every output of it live
+    return q_BKGE + 1e-30 * picked_BK[..., None, None].astype(q_BKGE.dtype)
+
+  return select_only
+
+
 @functools.partial(
   jax.jit,
-  static_argnames=("cfg", "sparse", "max_selected", "steps", "context"),
+  static_argnames=("cfg", "sparse", "max_selected", "steps", "context", "probe"),
   donate_argnames=("caches",),
 )
-def decode_loop(params, token_B, caches, budget, *, cfg, sparse, max_selected, steps, context):
+def decode_loop(
+  params, token_B, caches, budget, *, cfg, sparse, max_selected, steps, context, probe=""
+):
   """`steps` greedy decode steps from caches rewound to `context` tokens, dense (sparse=None) or
   with the sampler's sparse policy, as the engine runs them (params split by layer once, before
-  the calls, as engine.run splits them once per rollout). Returns (token, caches)."""
+  the calls, as engine.run splits them once per rollout), or with `probe`'s stand-in for every
+  layer's attention (`_probe_fn`). Returns (token, caches)."""
+  if probe not in PROBES:
+    raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
   # The keys a previous call wrote past `context` need no rewinding: each append rewrites its slot
   # and its page's centroid, and a page is scored only once every slot of it is rewritten.
   caches = tuple(c.replace(lengths=jnp.full_like(c.lengths, context)) for c in caches)
-  attention_fn = (
-    policy.decode_attention_fn(sparse, budget, max_selected)
-    if sparse is not None
-    else policy.dense_decode_fn()
-  )
+  if probe:
+    attention_fn = _probe_fn(probe, sparse, budget, max_selected)
+  elif sparse is not None:
+    attention_fn = policy.decode_attention_fn(sparse, budget, max_selected)
+  else:
+    attention_fn = policy.dense_decode_fn()
 
   def body(i, carry):
     token_B, caches = carry
@@ -169,6 +200,44 @@ def format_decode_row(row) -> str:
     f"{row['context']:>8} {row['budget']:>7} {row['dense_layers']:>12} "
     f"{row['dense_tok_s']:>12.2f} {row['sparse_tok_s']:>13.2f} {row['ratio']:>6.2f}x "
     f"{row['cost_model']:>10.2f}x {row['with_weights']:>8.2f}x"
+  )
+
+
+def step_split(cfg, tokens, budget_tokens, rest_s, select_s, sparse_row, hw, config):
+  """Where a decode step's time goes at `tokens` cached tokens a row (the timed steps' middle), from
+  the calls' medians: the rest of the step (no attention: weights, cache appends, sampling), a
+  dense layer, a sparse layer (from the row with the fewest dense layers) and its page selection,
+  each with the bytes it must read per second, beside the bandwidth the cost model prices every
+  byte at."""
+  c = config.decode
+  layers, d = cfg.num_hidden_layers, sparse_row["dense_layers"]
+  step_s = lambda tok_s: config.batch * c.steps / tok_s
+  kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * hw.dtype_bytes  # K and V, one layer
+  summaries = tokens // 16 * cfg.num_key_value_heads * cfg.head_dim * hw.dtype_bytes  # mean keys
+  dense_layer_s = (step_s(sparse_row["dense_tok_s"]) - rest_s) / layers
+  sparse_layer_s = (step_s(sparse_row["sparse_tok_s"]) - rest_s - d * dense_layer_s) / (layers - d)
+  per_step = lambda seconds: seconds / c.steps * 1e3  # ms a step
+  gbs = lambda nbytes, seconds: nbytes * c.steps / seconds / 1e9
+  return dict(
+    context=sparse_row["context"],
+    rest_ms=per_step(rest_s),
+    weights_gbs=gbs(cost_model.param_count(cfg) * hw.dtype_bytes, rest_s),
+    dense_layer_ms=per_step(dense_layer_s),
+    dense_gbs=gbs(config.batch * tokens * kv_token, dense_layer_s),
+    sparse_layer_ms=per_step(sparse_layer_s),
+    sparse_gbs=gbs(config.batch * (budget_tokens * kv_token + summaries), sparse_layer_s),
+    select_ms=per_step((select_s - rest_s) / layers),
+    model_gbs=hw.mem_bandwidth / 1e9,
+  )
+
+
+def format_split(part) -> str:
+  return (
+    f"    a step at {part['context']}: rest {part['rest_ms']:.1f} ms (weights at "
+    f"{part['weights_gbs']:.1f} GB/s), a dense layer {part['dense_layer_ms']:.1f} ms "
+    f"({part['dense_gbs']:.1f} GB/s), a sparse layer {part['sparse_layer_ms']:.1f} ms "
+    f"({part['sparse_gbs']:.1f} GB/s) of which selection {part['select_ms']:.1f} ms; the cost "
+    f"model prices every byte at {part['model_gbs']:.1f} GB/s"
   )
 
 
@@ -219,7 +288,7 @@ def bench_decode(config):
     f"{'context':>8} {'budget':>7} {'dense layers':>12} {'dense tok/s':>12} {'sparse tok/s':>13} "
     f"{'ratio':>7} {'cost model':>11} {'+weights':>9}"
   )
-  rows = []
+  rows, split = [], []
   for context in c.contexts:
     caches = filled_cache(cfg, config.batch, context, c.steps, 16, dtype, jax.random.PRNGKey(1))
     budget_np = sampler.budget_table(schedule, caches[0].max_len, sparse_configs[0])
@@ -229,7 +298,7 @@ def bench_decode(config):
     state = {"caches": caches}
     del caches
 
-    def call(sparse):
+    def call(sparse, probe=""):
       def run():
         token, state["caches"] = decode_loop(
           params,
@@ -241,13 +310,16 @@ def bench_decode(config):
           max_selected=max_selected,
           steps=c.steps,
           context=context,
+          probe=probe,
         )
         jax.block_until_ready(token)
 
       return run
 
-    dense_s, *sparse_s = median_seconds(
-      [call(None)] + [call(sp) for sp in sparse_configs], config.runs
+    all_sparse = sj.SparseConfig(page_size=16, dense_layers=0)
+    probes = [call(None, "none"), call(all_sparse, "select")]
+    rest_s, select_s, dense_s, *sparse_s = median_seconds(
+      probes + [call(None)] + [call(sp) for sp in sparse_configs], config.runs
     )
     del state["caches"]
     dense_tps = config.batch * c.steps / dense_s
@@ -274,6 +346,13 @@ def bench_decode(config):
         )
       )
       print(format_decode_row(rows[-1]), flush=True)
+    fewest = min(rows[-len(sparse_configs) :], key=lambda row: row["dense_layers"])
+    if fewest["dense_layers"] < cfg.num_hidden_layers:  # a sparse layer was timed
+      split.append(
+        step_split(cfg, context + c.steps // 2, budget_tokens, rest_s, select_s, fewest, hw, config)
+      )
+  for part in split:
+    print(format_split(part))
   return dict(
     backend=jax.default_backend(),
     cores=os.cpu_count(),
@@ -289,6 +368,7 @@ def bench_decode(config):
       dtype_bytes=hw.dtype_bytes,
     ),
     rows=rows,
+    split=split,
     seconds=time.perf_counter() - start,
   )
 

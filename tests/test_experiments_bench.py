@@ -190,7 +190,11 @@ def test_bench_rollout_decode_prints_a_row_per_dense_layers_and_writes_a_record(
   assert [(row["context"], row["dense_layers"]) for row in rows] == [(256, 1), (256, 0)]
   bench_rollout = _load("bench_rollout")
   assert all(bench_rollout.format_decode_row(row) in lines for row in rows), out
+  (split,) = r["decode"]["split"]  # the row with the fewest dense layers, d = 0
+  assert split["context"] == 256 and bench_rollout.format_split(split) in lines, out
+  assert all(np.isfinite(v) for v in split.values()), split  # differences of times: any sign
   page = _load_pages().decode_rollout_page([record])
+  assert f"| 256 | {split['rest_ms']:.1f} | {split['weights_gbs']:.1f} |" in page, page
   assert "## End-to-end decode" in page and ("## Against tunix" in page) == ("tunix" in r)
   for row in rows:
     assert (
