@@ -43,6 +43,11 @@ because our rows do not share prompt pages (so the batch scales both costs alike
 leaves parameter reads out (amortized over a large rollout batch); at batch <= 4 on a CPU they are
 not negligible, so a second prediction adds steps * I * params * bytes (one read of the weights per
 step for the whole batch) to both costs.
+Beside the rows, each context's step is split (`step_split`) with two more calls interleaved with
+the others: attention replaced by nothing (the rest of a step: weights, cache appends, sampling)
+and by page selection alone. A dense layer is (dense step - rest) / layers, a sparse layer comes
+from the row with the fewest dense layers, and each part's GB/s is the bytes it must read over
+its time, beside the one bandwidth the cost model prices every byte at.
 
 (c) Dense decode tokens/s of a tiny Qwen3 (TINY below) in our sampler (sj.generate) and in
 google-tunix's (tunix.generate.sampler.Sampler over tunix.models.qwen3), our random weights copied
