@@ -85,7 +85,7 @@ import numpy as np
 from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
-from sparrow_jax.attention import page_pool, paged_cache, select
+from sparrow_jax.attention import page_pool, paged_cache
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, programs, sampler
@@ -154,13 +154,8 @@ def _probe_fn(probe, sparse, budget, max_selected):
     return lambda layer, q_BKGE, cache, lengths_B: q_BKGE
 
   def select_only(layer, q_BKGE, cache, lengths_B):
-    page_idx_BKN, n_valid_BK = select.decode_pages(
-      q_BKGE,
-      cache.summaries[0],
-      lengths_B,
-      budget.budget_pages(lengths_B),
-      sparse,
-      min(max_selected, cache.num_pages),
+    page_idx_BKN, n_valid_BK = policy.cache_pages(
+      q_BKGE, cache, lengths_B, sparse, budget, max_selected
     )
     picked_BK = jnp.sum(page_idx_BKN, axis=-1) + n_valid_BK  # keeps every output of it live
     return q_BKGE + 1e-30 * picked_BK[..., None, None].astype(q_BKGE.dtype)

@@ -197,6 +197,19 @@ def dense_decode_fn(impl="auto"):
   return attention
 
 
+def cache_pages(q_BKGE, cache, lengths_B, sparse: select.SparseConfig, budget, max_selected: int):
+  """`select.decode_pages` on a single-layer cache: the pages a sparse layer reads, at most
+  `max_selected`, under `budget.budget_pages(cached_len)`."""
+  return select.decode_pages(
+    q_BKGE,
+    cache.summaries[0],
+    lengths_B,
+    budget.budget_pages(lengths_B),
+    sparse,
+    min(max_selected, cache.num_pages),
+  )
+
+
 def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
   """An `attention_fn` for qwen3.decode_step: layers below `dense_layers` read every cached token,
   the others the pages `select.decode_pages` picks under `budget.budget_pages(cached_len)` (a
@@ -211,14 +224,7 @@ def decode_attention_fn(sparse: select.SparseConfig, budget, max_selected: int):
         f"the cache keeps {cache.page_score!r} page summaries, SparseConfig."
         f"page_score is {sparse.page_score!r}"
       )
-    page_idx_BKN, n_valid_BK = select.decode_pages(
-      q_BKGE,
-      cache.summaries[0],
-      lengths_B,
-      budget.budget_pages(lengths_B),
-      sparse,
-      min(max_selected, cache.num_pages),
-    )
+    page_idx_BKN, n_valid_BK = cache_pages(q_BKGE, cache, lengths_B, sparse, budget, max_selected)
     return decode_attention(
       q_BKGE,
       cache.keys(0),
