@@ -833,7 +833,18 @@ def _tunix_section(r) -> list:
       f"| {name} | {s['short_s']:.3f} | {s['long_s']:.3f} | {s['tok_s']:.1f} | "
       f"{s['step_ms']:.2f} | {s['per_read']:.2f}x |"
     )
+  split, read = r["step_split"], r["weight_read_ms"]
+  ours_step = r["samplers"]["sparrow_jax sj.generate"]["step_ms"]
   return lines + [
+    "",
+    "Our step split, from the same calls with the engine's paged attention replaced (ms per "
+    "step, x the weight read):",
+    "",
+    "| our step | no attention | the page gather alone in its place |",
+    "|---|---|---|",
+    f"| {ours_step:.2f} ({ours_step / read:.2f}x) | {split['no attention']:.2f} "
+    f"({split['no attention'] / read:.2f}x) | {split['page gather alone']:.2f} "
+    f"({split['page gather alone'] / read:.2f}x) |",
     "",
     f"Ours / tunix: **{r['ours_over_tunix']:.2f}x**; same greedy tokens: {r['same_tokens']}/"
     f"{r['tokens']}. {TUNIX_AIM:g}x tunix needs a step of {aim_step:.2f} ms, "

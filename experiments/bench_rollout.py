@@ -85,7 +85,7 @@ import numpy as np
 from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
-from sparrow_jax.attention import page_pool, paged_cache
+from sparrow_jax.attention import page_pool, paged_cache, reference
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, programs, sampler
@@ -463,6 +463,45 @@ def weight_read_ms(params, runs):
 SAMPLERS = ("sparrow_jax sj.generate", "tunix generate.Sampler")
 
 
+def _no_attention(q_BKGE, *_):
+  return q_BKGE
+
+
+def _page_gather_only(q_BKGE, k_pages_XZE, v_pages_XZE, page_idx_BKN, *_):
+  """Reads the pages the attention would (the same gather) and nothing more."""
+  read = lambda pages: jnp.mean(pages.at[page_idx_BKN].get(mode="clip"), axis=(2, 3))[:, :, None]
+  return q_BKGE + read(k_pages_XZE) + read(v_pages_XZE)
+
+
+# Stand-ins for the paged attention inside our decode step (reference.paged_decode_attention, what
+# the engine's decode chunk reads the pool through on CPU), which split the step: with no attention
+# at all, the rest (weights, cache appends, sampling); with the page gather alone, what reading the
+# pages costs before any arithmetic on them.
+STEP_PROBES = {"no attention": _no_attention, "page gather alone": _page_gather_only}
+
+
+def with_attention(run, attention):
+  """run() with the engine's decode chunk compiled around `attention` in place of the paged
+  attention: a new jit of the chunk's function, traced on its first call with the stand-in in
+  place (jit caches a trace per function, so the engine's own chunk keeps the real attention)."""
+  raw = programs.decode_chunk.__wrapped__
+  chunk = jax.jit(
+    functools.wraps(raw)(lambda *a, **k: raw(*a, **k)),
+    static_argnames=("cfg", "steps", "sparse", "sampling"),
+    donate_argnames=("pool",),
+  )
+
+  def probed():
+    real_attention, real_chunk = reference.paged_decode_attention, programs.decode_chunk
+    reference.paged_decode_attention, programs.decode_chunk = attention, chunk
+    try:
+      return run()
+    finally:
+      reference.paged_decode_attention, programs.decode_chunk = real_attention, real_chunk
+
+  return probed
+
+
 def sampler_figures(batch, gen, seconds, read_ms) -> dict:
   """Each sampler's decode tok/s and ms per decode step from its median call times at the two
   generation lengths (`seconds`: name -> (short, long)); the difference cancels prefill and
@@ -495,6 +534,12 @@ def print_tunix(fig) -> None:
     f"    roofline: reading the {fig['weight_bytes'] / 1e6:.1f} MB of weights once takes "
     f"{fig['weight_read_ms']:.2f} ms (measured); a decode step takes {ours['step_ms']:.2f} ms "
     f"here ({ours['per_read']:.2f}x the read), {theirs['step_ms']:.2f} ms in tunix"
+  )
+  split = fig["step_split"]
+  print(
+    f"    our step split: {ours['step_ms']:.2f} ms in all, "
+    f"{split['no attention']:.2f} ms with no attention, "
+    f"{split['page gather alone']:.2f} ms with the page gather alone in its place"
   )
   print(
     f"    ours / tunix: {fig['ours_over_tunix']:.2f}x; same greedy tokens: "
@@ -578,9 +623,9 @@ def bench_tunix(config):
   }
   outputs = {}
 
-  def ours(n):
+  def ours(n, name="ours"):
     def run():
-      outputs["ours", n] = np.asarray(
+      outputs[name, n] = np.asarray(
         sj.generate(
           params,
           cfg,
@@ -607,12 +652,20 @@ def bench_tunix(config):
 
     return run
 
-  ours_s, ours_l, tunix_s, tunix_l = median_seconds(
-    [ours(short), ours(long), theirs(short), theirs(long)], config.runs
+  probes = [
+    with_attention(ours(n, name), attention)
+    for name, attention in STEP_PROBES.items()
+    for n in (short, long)
+  ]
+  ours_s, ours_l, tunix_s, tunix_l, *probe_s = median_seconds(
+    [ours(short), ours(long), theirs(short), theirs(long), *probes], config.runs
   )
   read_ms = weight_read_ms(params, config.runs)
   seconds = dict(zip(SAMPLERS, [(ours_s, ours_l), (tunix_s, tunix_l)]))
   by_sampler = sampler_figures(B, (short, long), seconds, read_ms)
+  split = sampler_figures(
+    B, (short, long), dict(zip(STEP_PROBES, zip(*[iter(probe_s)] * 2))), read_ms
+  )
   a, b = outputs["ours", long], outputs["tunix", long]
   same = int(np.sum(a[:, : b.shape[1]] == b)) if a.shape[0] == b.shape[0] else 0
   fig = dict(
@@ -628,6 +681,7 @@ def bench_tunix(config):
     gen=[short, long],
     runs=config.runs,
     samplers=by_sampler,
+    step_split={name: f["step_ms"] for name, f in split.items()},
     weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
     weight_read_ms=read_ms,
     ours_over_tunix=by_sampler[SAMPLERS[0]]["tok_s"] / by_sampler[SAMPLERS[1]]["tok_s"],

@@ -221,6 +221,7 @@ def test_tunix_figures_print_and_render_alike(capsys):
     gen=[32, 160],
     runs=5,
     samplers=samplers,
+    step_split={"no attention": 3.1, "page gather alone": 4.4},
     weight_bytes=67_100_000,
     weight_read_ms=4.0,
     ours_over_tunix=samplers[ours]["tok_s"] / samplers[theirs]["tok_s"],
@@ -239,6 +240,45 @@ def test_tunix_figures_print_and_render_alike(capsys):
   ratio = f"{fig['ours_over_tunix']:.2f}x"
   assert f"ours / tunix: {ratio}" in printed and f"Ours / tunix: **{ratio}**" in page
   assert "same greedy tokens: 640/640" in printed and "same greedy tokens: 640/640" in page
+  assert "3.10 ms with no attention, 4.40 ms with the page gather alone" in printed
+  assert "| 3.10 (0.78x) | 4.40 (1.10x) |" in page
+
+
+def test_step_probes_replace_the_engines_attention_and_nothing_after():
+  """(c)'s step split: each stand-in changes what the engine's decode computes (so it took the
+  attention's place), and the engine's own decode is unchanged after and between them."""
+  bench_rollout = _load("bench_rollout")
+  cfg = sj.Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+  )
+  params = sj.init_params(cfg, jax.random.PRNGKey(0))
+  prompt_BT = np.random.default_rng(0).integers(1, 64, (2, 20)).astype(np.int32)
+
+  def run():
+    return np.asarray(
+      sj.generate(
+        params,
+        cfg,
+        prompt_BT,
+        np.full((2,), 20, np.int32),
+        jax.random.PRNGKey(0),
+        max_new_tokens=12,
+        sampling=sj.Sampling(temperature=0.0),
+      ).tokens
+    )
+
+  before = run()
+  for attention in bench_rollout.STEP_PROBES.values():
+    probed = bench_rollout.with_attention(run, attention)
+    assert not np.array_equal(probed(), before)
+    np.testing.assert_array_equal(run(), before)
 
 
 @pytest.mark.parametrize(
