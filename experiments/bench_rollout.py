@@ -663,9 +663,8 @@ def bench_tunix(config):
   read_ms = weight_read_ms(params, config.runs)
   seconds = dict(zip(SAMPLERS, [(ours_s, ours_l), (tunix_s, tunix_l)]))
   by_sampler = sampler_figures(B, (short, long), seconds, read_ms)
-  split = sampler_figures(
-    B, (short, long), dict(zip(STEP_PROBES, zip(*[iter(probe_s)] * 2))), read_ms
-  )
+  probe_seconds = {name: tuple(probe_s[2 * i : 2 * i + 2]) for i, name in enumerate(STEP_PROBES)}
+  split = sampler_figures(B, (short, long), probe_seconds, read_ms)
   a, b = outputs["ours", long], outputs["tunix", long]
   same = int(np.sum(a[:, : b.shape[1]] == b)) if a.shape[0] == b.shape[0] else 0
   fig = dict(
