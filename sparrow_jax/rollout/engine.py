@@ -247,16 +247,19 @@ def full_batch(
   max_len: int,
   sparse: Optional[SparseConfig],
   chunk_steps: int = EngineConfig.chunk_steps,
+  speculate: int = 0,
 ) -> EngineConfig:
   """Slots for a device's `rows` rows at once (whole GRPO groups: a group runs on one device) and a
   pool that holds them all at `max_len` tokens (their pages, a prompt template page per group, the
-  trash page): no row waits or is preempted, and a row stops costing once it ends."""
+  trash page): no row waits or is preempted, and a row stops costing once it ends. `speculate` as
+  `EngineConfig.speculate`."""
   groups = max(-(-rows // group_size), 1)
   slots = groups * group_size
   return EngineConfig(
     num_slots=slots,
     num_pages=slots * -(-max_len // page_size(sparse)) + groups + 1,
     chunk_steps=chunk_steps,
+    speculate=speculate,
   )
 
 
@@ -280,6 +283,7 @@ def generate(
   schedule=None,
   lora=None,
   prefill_group: int = 1,
+  speculate: int = 0,
 ) -> sampler.Rollout:
   """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]])
   through the engine, every row of a device in a slot at once and a pool that holds them all.
@@ -290,12 +294,33 @@ def generate(
   decoding. `lora` (a model.lora.LoRA) is applied in this actor only. Rows stop at their first of
   `sampling.eos_ids` (kept in the completion). Same key -> same output. On a mesh the prompts may
   be global arrays and the rollout comes back as global arrays with rows over data x fsdp (each
-  process's own)."""
+  process's own).
+
+  speculate = k > 0: exact mode (rollout/speculative.py). The sparse actor (sparse, schedule, lora)
+  drafts k tokens a round and the dense policy verifies them, so every row is a sample of the
+  dense policy (greedy: dense greedy) and its logprobs are the dense policy's; the rollout adds
+  `alpha`, each drafted token's acceptance rate. Needs `sparse`.
+
+  Args:
+    params, cfg: the model (`init_params` / `load_hf`). prompt_BT [B, T] int, prompt_len_B [B].
+    key: the rollout's PRNG key; row b's tokens depend only on it and b.
+    max_new_tokens: tokens each row may generate. sampling: temperature, top-p / top-k, EOS, pad.
+  Returns:
+    sampler.Rollout: tokens [B, max_new_tokens] (pad after a row's end), logprobs [B, N] of the
+    policy sampled, lengths [B]; top log-probs with `sampling.num_top_logprobs`; alpha [B, N]
+    (NaN where nothing was drafted) with `speculate`."""
+  if speculate and sparse is None:
+    raise ValueError(
+      f"generate(speculate={speculate!r}) drafts with the sparse actor: pass "
+      "sparse=SparseConfig(...) (and a schedule), or speculate=0 for dense rollouts"
+    )
   B, T = np.shape(prompt_BT)
   mesh = jax.sharding.get_mesh()
   rows_sh = None if mesh.empty else sharding.rows(mesh)
   lo, hi = (0, B) if rows_sh is None else sharding.process_rows(rows_sh, B)
-  engine = full_batch(B // page_pool.row_shards(), prefill_group, T + max_new_tokens, sparse)
+  engine = full_batch(
+    B // page_pool.row_shards(), prefill_group, T + max_new_tokens, sparse, speculate=speculate
+  )
   requests = Requests(
     _local_rows(prompt_BT, lo, hi),
     _local_rows(prompt_len_B, lo, hi),

@@ -141,8 +141,9 @@ def speculative_chunk(
   (params alone) verifies. Slots as `decode_chunk`'s; a slot emits 1 to draft + 1 tokens a
   round, its tokens the first n_gen_after - n_gen_before columns of the [S, rounds * (draft + 1)]
   outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token).
-  Returns (pool, slots, out, rounds run, per-slot counters: accepted drafts, rounds, KV pages
-  read and the pages dense decoding of the emitted tokens reads)."""
+  Returns (pool, slots, out, rounds run, per-slot counters: rounds, tokens emitted, drafts judged
+  (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and the pages dense
+  decoding of the emitted tokens reads)."""
   params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
   draft_fn = policy.pool_decode_attention_fn(
     sparse, budget, None if budget is None else budget.max_selected
@@ -167,8 +168,10 @@ def speculative_chunk(
       top_lp=jnp.zeros((S, W, num_top), jnp.float32), top_id=jnp.zeros((S, W, num_top), jnp.int32)
     )
   count = dict(
-    accepted=jnp.zeros(S, jnp.int32),
     rounds=jnp.zeros(S, jnp.int32),
+    emitted=jnp.zeros(S, jnp.int32),
+    judged=jnp.zeros(S, jnp.int32),
+    accepted=jnp.zeros(S, jnp.int32),
     read=jnp.zeros(S, jnp.float32),
     dense=jnp.zeros(S, jnp.float32),
   )
@@ -254,9 +257,14 @@ def speculative_chunk(
     dense_read_S = jnp.sum(
       jnp.where(c_C[None] < m_S[:, None], L * -(-(length[:, None] + c_C[None] + 1) // Z), 0), axis=1
     )
+    # Only what the row emits counts: a draft is judged where the round emits a token at its
+    # offset (an accepted draft or the residual after it), so the bonus token and the drafts past
+    # a rejection or past a cut by EOS or max_new are not (m_S is 0 in an idle slot).
     count = dict(
-      accepted=count["accepted"] + jnp.where(active, n_acc_S, 0),
       rounds=count["rounds"] + active,
+      emitted=count["emitted"] + m_S,
+      judged=count["judged"] + jnp.minimum(m_S, k),
+      accepted=count["accepted"] + jnp.minimum(m_S, n_acc_S),
       read=count["read"] + jnp.where(active, read + L * -(-length // Z), 0.0),
       dense=count["dense"] + dense_read_S.astype(jnp.float32),
     )

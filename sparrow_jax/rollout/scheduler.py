@@ -80,11 +80,15 @@ class EngineStats:
   computed_row_steps: int = 0  # slots decoded x decode steps
   preemptions: int = 0
   peak_pages: int = 0  # most pool pages in use at once
-  # Speculative rollouts: row-rounds run, drafts proposed and accepted, and the KV pages (x layers)
-  # the rounds read, drafts and verification together, next to what dense decoding of the same
-  # tokens reads.
+  # Speculative rollouts: row-rounds run, tokens they emitted, drafts run (speculate a round),
+  # drafts judged (those at the offsets of emitted tokens: the accepted ones and the rejected one
+  # a residual replaced; not the bonus, nor drafts past a rejection or a cut by EOS or max_new) and
+  # accepted, and the KV pages (x layers) the rounds read, drafts and verification together, next
+  # to what dense decoding of the same tokens reads.
   rounds: int = 0
+  emitted: int = 0
   drafted: int = 0
+  judged: int = 0
   accepted: int = 0
   kv_pages_read: float = 0.0
   kv_pages_dense: float = 0.0
@@ -92,11 +96,12 @@ class EngineStats:
   @property
   def accepted_per_round(self) -> float:
     """Tokens a row-round emits on average: accepted drafts plus the residual or bonus token."""
-    return (self.accepted + self.rounds) / max(self.rounds, 1)
+    return self.emitted / max(self.rounds, 1)
 
   @property
   def draft_acceptance(self) -> float:
-    return self.accepted / max(self.drafted, 1)
+    """Accepted drafts over judged ones: the sampled counterpart of the drafts' mean alpha."""
+    return self.accepted / max(self.judged, 1)
 
   @property
   def occupancy(self) -> float:
@@ -520,10 +525,9 @@ class Scheduler:
 
   def _count_rounds(self, count: dict) -> None:
     """A speculative chunk's per-slot counters (host arrays) into the rollout's stats."""
-    rounds = int(np.sum(count["rounds"]))
-    self.stats.rounds += rounds
-    self.stats.drafted += rounds * self.engine.speculate
-    self.stats.accepted += int(np.sum(count["accepted"]))
+    for name in ("rounds", "emitted", "judged", "accepted"):
+      setattr(self.stats, name, getattr(self.stats, name) + int(np.sum(count[name])))
+    self.stats.drafted += int(np.sum(count["rounds"])) * self.engine.speculate
     self.stats.kv_pages_read += float(np.sum(count["read"]))
     self.stats.kv_pages_dense += float(np.sum(count["dense"]))
 

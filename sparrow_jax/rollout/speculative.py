@@ -61,6 +61,14 @@ def residual_logits(logp_p_V, logq_V):
   return jnp.where(jnp.sum(residual_V) > 0, jnp.log(residual_V), logp_p_V)
 
 
+def n_accepted(u_k, logp_d_k, logq_d_k):
+  """How many drafts a round keeps: draft i is kept when u_i < p(d_i) / q(d_i), up to the first
+  that is not. Strict: u can be 0, and a draft the dense policy gives no mass is never kept."""
+  # log u < log p - log q  <=>  u < p / q; q(d) > 0 (d was drawn from q), and u < 1.
+  ok_k = jnp.log(u_k) < logp_d_k - logq_d_k
+  return jnp.sum(jnp.cumprod(ok_k.astype(jnp.int32)))
+
+
 def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C):
   """One row's acceptance of k drafts (C = k + 1 positions).
 
@@ -73,9 +81,7 @@ def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C):
   keys = jax.vmap(draw_keys)(token_keys_C)
   u_k = jax.vmap(jax.random.uniform)(keys[1][:k])
   take = lambda logp_XV, x_X: jnp.take_along_axis(logp_XV, x_X[:, None], axis=1)[:, 0]
-  # log u < log p - log q  <=>  u < p / q; q(d) > 0 (d was drawn from q), and u < 1.
-  ok_k = jnp.log(u_k) < take(logp_p_CV[:k], draft_k) - take(logq_kV, draft_k)
-  n = jnp.sum(jnp.cumprod(ok_k.astype(jnp.int32)))
+  n = n_accepted(u_k, take(logp_p_CV[:k], draft_k), take(logq_kV, draft_k))
   # After all k accepted the bonus is drawn from p_k: the residual against q = 0.
   logq_V = jnp.where(n < k, logq_kV[jnp.minimum(n, k - 1)], -jnp.inf)
   fix = jax.random.categorical(keys[2][n], residual_logits(logp_p_CV[n], logq_V))
