@@ -56,5 +56,8 @@ def get_config():
   #                                    (KVSchedule JSON: configs/real_lm_rl.py, the decode bench)
   c.from_record = ""  # a record of this study: only re-choose the tables from its p5 surface
   #                                    at stats.tau and write schedule_out (no model runs)
+  c.recompute_from = ""  # a record of this study: rewrite its derived fields (tables' pages,
+  #                                    the paper's, post-EOS counts) and the plot from its stored
+  #                                    statistics into config.record (no model runs)
   c.plot_dir = "assets/real_lm"  # mismatch_*.png go here ("" = no plots)
   return c

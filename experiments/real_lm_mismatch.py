@@ -14,10 +14,15 @@ attention against dense on long sampled responses, and the calibrated KV-budget 
 3. Statistics per candidate, overall and per position bin of stats.bin_size cached tokens (the
    binning of schedules and calibration, schedule.position_bin): mean, p1 / p5 / p10 / p50, the
    share of tokens with alpha > 0.999, an alpha histogram; the calibrated table at stats.tau
-   (calibrate.choose_schedule) from the exact p5 and from the top-20 bound's; the paper's tables
-   evaluated at the same cached lengths.
+   (calibrate.choose_schedule) from the exact p5 and from the top-20 bound's, its pages read at
+   each bin's last cached length; the paper's tables at the same lengths; per bin, the scored
+   tokens that follow their row's first EOS.
 Writes config.record (a results record; docs/results/real_lm_mismatch.md is generated from it) and
-mismatch_*.png plots into config.plot_dir.
+mismatch_*.png plots into config.plot_dir. config.recompute_from rewrites a record's derived fields
+(tables, pages, post-EOS counts, the plot) from its stored statistics, without the model:
+
+  python experiments/real_lm_mismatch.py \\
+      --config.recompute_from=docs/results/real_lm_mismatch.json
 """
 
 import functools
@@ -161,17 +166,84 @@ def _floats(x):
   return np.asarray([np.nan if v is None else v for v in x], np.float64)
 
 
+def bin_bounds(num_bins, page_size, bin_size):
+  """The first and the last cached length of each position bin -> (first_B, last_B): position_bin
+  counts a length's pages rounded up, so bin b holds the lengths whose pages fall in
+  [b, b + 1) x bin_size / page_size, from b x bin_size - page_size + 1 to (b + 1) x bin_size -
+  page_size."""
+  b = np.arange(num_bins)
+  return np.maximum(b * bin_size - page_size + 1, 0), (b + 1) * bin_size - page_size
+
+
+def pages_at_bins(sched, num_bins, page_size, bin_size):
+  """A schedule's pages read at each of our bins' last cached length (top-k + always-kept, capped
+  at the cached pages: the bin's largest budget) and that as a share of the pages cached there ->
+  (pages, share) lists. A table of our own bins reads the same pages over the whole bin below the
+  cap; the paper's tables (2000-token bins) may step up inside one of ours."""
+  last = bin_bounds(num_bins, page_size, bin_size)[1]
+  pages = np.asarray(sched.budget_pages(jnp.asarray(last)))
+  cached = np.maximum(-(-last // sched.page_size), 1)  # a one-page bin 0 ends at no cached page
+  return pages.tolist(), (pages / cached).tolist()
+
+
 def paper_pages(num_bins, bin_size, page_size):
-  """The paper's tau-0.86 tables at the end of each of our bins: pages read (top-k + 3, at most
-  the cached pages) and that as a share of the cached pages."""
+  """The paper's tau-0.86 tables at each of our bins' last cached length: pages read and that as
+  a share of the cached pages (pages_at_bins)."""
   out = {}
-  ends = (np.arange(num_bins) + 1) * bin_size
   for model in PAPER_MODELS:
-    sched = KVSchedule.paper(model, 0.86)
-    pages = np.asarray(sched.budget_pages(jnp.asarray(ends - 1)))  # the bin's last step
-    cached = ends // page_size
-    out[model] = {"pages": pages.tolist(), "share": (np.minimum(pages, cached) / cached).tolist()}
+    pages, share = pages_at_bins(KVSchedule.paper(model, 0.86), num_bins, page_size, bin_size)
+    out[model] = {"pages": pages, "share": share}
   return out
+
+
+def scored_counts(prompt_len_B, gen_len_B, first_eos_B, page_size, bin_size, num_bins):
+  """Scored tokens per position bin and, of them, those after their row's first EOS (first_eos:
+  its index among the row's generated tokens, -1: none) -> (count_bin, post_eos_bin) int lists.
+  A right-padded row's generated tokens sit at prompt_len .. prompt_len + gen_len - 1 and each is
+  binned at its own index (calibrate.token_bins); tokens past the last bin count in neither."""
+  count, post = np.zeros(num_bins, np.int64), np.zeros(num_bins, np.int64)
+  for p, n, e in zip(prompt_len_B, gen_len_B, first_eos_B):
+    g = np.arange(int(n))
+    bins = np.asarray(schedule_lib.position_bin(p + g, page_size, bin_size))
+    inside = bins < num_bins
+    count += np.bincount(bins[inside], minlength=num_bins)
+    post += np.bincount(bins[inside & (e >= 0) & (g > e)], minlength=num_bins)
+  return count.tolist(), post.tolist()
+
+
+def stored_gen_lengths(r):
+  """Each row's generated tokens, from a record's settings: max_new_tokens unless the row stopped
+  at its first EOS (which the completion keeps)."""
+  return [e + 1 if r["stop_at_eos"] and e >= 0 else r["max_new_tokens"] for e in r["first_eos"]]
+
+
+def derived(r, gen_len_B):
+  """The fields of a record's results that follow from its stored statistics and rows: the
+  calibrated tables, the paper's pages, the post-EOS counts -> (fields, the mean-score / exact
+  KVSchedule). Raises when the rows' lengths do not give the recorded tokens per bin."""
+  page, bin_size, num_bins = r["page_size"], r["bin_size"], r["num_bins"]
+  tables, schedule = choose_tables(
+    r["stats"],
+    r["candidates"],
+    r["quest_candidates"],
+    r["tau"],
+    r["quantile"],
+    page,
+    bin_size,
+    num_bins,
+  )
+  count, post = scored_counts(r["prompt_len"], gen_len_B, r["first_eos"], page, bin_size, num_bins)
+  if count != list(r["count_bin"]):
+    raise ValueError(
+      f"rows' lengths {list(gen_len_B)} give {count} tokens per bin, not the "
+      f"recorded {r['count_bin']}"
+    )
+  fields = {
+    "tables": tables,
+    "paper_tables": paper_pages(num_bins, bin_size, page),
+    "post_eos_bin": post,
+  }
+  return fields, schedule
 
 
 def plot(plot_dir, results):
@@ -181,6 +253,7 @@ def plot(plot_dir, results):
   import matplotlib.pyplot as plt
 
   s, bin_size = results["stats"], results["bin_size"]
+  first, last = bin_bounds(results["num_bins"], results["page_size"], bin_size)
   mean_runs = [n for n in s if n.startswith("mean/")]
   colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, len(mean_runs)))
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -189,8 +262,7 @@ def plot(plot_dir, results):
     h = np.asarray(s[name]["exact"]["histogram"], float)
     axes[0].stairs(h / max(h.sum(), 1), edges, color=color, label=name)
     p5 = _floats(s[name]["exact"]["p5_bin"])
-    x = (np.arange(len(p5)) + 0.5) * bin_size
-    axes[1].plot(x, p5, marker="o", color=color, label=name)
+    axes[1].plot(np.mean([first, last], 0), p5, marker="o", color=color, label=name)
   axes[0].set_yscale("log")
   axes[0].set_xlabel("exact alpha")
   axes[0].set_ylabel("share of tokens")
@@ -200,26 +272,20 @@ def plot(plot_dir, results):
   axes[1].set_ylabel("p5 of exact alpha")
   axes[1].set_title(f"(F2) p5 per {bin_size}-token bin, fixed budgets")
   axes[1].legend(fontsize=7)
-  for kind, style in (("exact", "-"), ("topk20", ":")):
-    v = results["tables"][f"mean/{kind}"]["pages_bin"]
-    axes[2].step(
-      np.arange(len(v) + 1) * bin_size,
-      [v[0]] + v,
-      where="pre",
+  for kind, style in (("exact", "-"), ("topk20", ":")):  # each bin's pages over its own lengths
+    axes[2].stairs(
+      results["tables"][f"mean/{kind}"]["pages_bin"],
+      np.append(first, last[-1] + 1),
+      baseline=None,  # no edges down to 0 pages, off a log axis
+      lw=1.5,
       ls=style,
       color="black",
       label=f"ours ({kind} alpha)",
     )
   for model, d in results["paper_tables"].items():
-    axes[2].plot(
-      (np.arange(len(d["pages"])) + 1) * bin_size,
-      d["pages"],
-      marker=".",
-      alpha=0.6,
-      label=f"paper {model}",
-    )
+    axes[2].plot(last, d["pages"], marker=".", alpha=0.6, label=f"paper {model}")
   axes[2].set_xlabel("cached length (tokens)")
-  axes[2].set_ylabel("pages read (top-k + 3)")
+  axes[2].set_ylabel("pages read at the bin's last step (top-k + 3)")
   axes[2].set_yscale("log")
   axes[2].set_title(f"(F3) calibrated table, tau {results['tau']}")
   axes[2].legend(fontsize=7)
@@ -240,12 +306,11 @@ def choose_tables(st, cands, quest, tau, quantile, page, bin_size, num_bins):
       sched = cal.choose_schedule(
         tail_CB, names, tau, page_size=page, always_kept=3, bin_size=bin_size, quantile=quantile
       )
-      ends = (np.arange(num_bins) + 1) * bin_size
-      pages = np.asarray(sched.budget_pages(jnp.asarray(ends - 1)))  # the bin's last step
+      pages, share = pages_at_bins(sched, num_bins, page, bin_size)
       tables[f"{score}/{kind}"] = {
         "topk_bin": list(sched.values),
-        "pages_bin": pages.tolist(),
-        "share_bin": (np.minimum(pages, ends // page) / (ends // page)).tolist(),
+        "pages_bin": pages,
+        "share_bin": share,
         "meets_tau_bin": (np.nanmax(np.where(np.isnan(tail_CB), -1, tail_CB), 0) >= tau).tolist(),
       }
       schedules[f"{score}/{kind}"] = sched
@@ -283,6 +348,30 @@ def from_record(c):
     r["paper_tables"] = paper_pages(r["num_bins"], r["bin_size"], r["page_size"])
     print(f"wrote {plot(c.plot_dir, r)}")
   return tables
+
+
+def recompute(c):
+  """Writes config.record: the record config.recompute_from with its derived fields (`derived`)
+  and the plot made again from its stored statistics (no model runs). Its machine and date stay
+  the measurement's; command and commit become this run's, the rollouts' own kept in
+  results["measured_by"]."""
+  with open(c.recompute_from) as f:
+    old = json.load(f)
+  r = old["results"]
+  fields, _ = derived(r, stored_gen_lengths(r))
+  r = dict(r, **fields)
+  r.setdefault("measured_by", {"command": old["command"], "commit": old["commit"]})
+  if c.plot_dir:
+    os.makedirs(c.plot_dir, exist_ok=True)
+    r["plot"] = os.path.relpath(plot(c.plot_dir, r), records.ROOT)
+  record = dict(old, command=records.command(), commit=records.commit_at_start(), results=r)
+  with open(c.record, "w") as f:
+    json.dump(record, f, indent=1)
+    f.write("\n")
+  for name, t in r["tables"].items():
+    print(f"table {name}: top-k per bin {t['topk_bin']}, pages per bin {t['pages_bin']}")
+  print(f"wrote {c.record}")
+  return record
 
 
 def run(c) -> dict:
@@ -370,9 +459,6 @@ def run(c) -> dict:
       "mean_gap": float(np.mean(exact - top)),
       "max_gap": float(np.max(exact - top)),
     }
-  tables, schedule = choose_tables(
-    st, cands, quest, tau, c.stats.quantile, page, bin_size, num_bins
-  )
   count_bin = st[runs[0][0]]["exact"]["count_bin"]
   results = {
     "model": c.model.hf_dir,
@@ -399,12 +485,12 @@ def run(c) -> dict:
     "quest_candidates": list(quest),
     "stats": st,
     "bound": bound,
-    "tables": tables,
-    "paper_tables": paper_pages(num_bins, bin_size, page),
     "generate_seconds": round(gen_seconds, 1),
     "pass_seconds": [round(s, 1) for s in pass_seconds],
-    "seconds": round(time.time() - t_start, 1),
   }
+  fields, schedule = derived(results, gen_BS.sum(1))
+  results.update(fields, seconds=round(time.time() - t_start, 1))
+  tables = results["tables"]
   for name in st:
     e = st[name]["exact"]
     print(
@@ -427,7 +513,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   c = flags.FLAGS.config
-  from_record(c) if c.from_record else run(c)
+  if c.recompute_from:
+    recompute(c)
+  else:
+    from_record(c) if c.from_record else run(c)
 
 
 if __name__ == "__main__":
