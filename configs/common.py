@@ -83,8 +83,17 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.pool_gb = 0.0  # each device's KV page pool, GB (0: room for all its rows at
   #                                    prompt + max_new_tokens, so no row waits or is preempted)
   c.chunk_steps = 16  # decode steps between the engine's scheduler passes
-  c.speculate = 0  # exact mode: the sparse policy drafts this many tokens a round, the dense
-  #                                    policy verifies them (rows are dense samples); 0 = off
+  # (an int or "auto": a field of any type, which --config.rollout.speculate=auto can set)
+  c.speculate = ml_collections.FieldReference(
+    0, field_type=object
+  )  # exact mode: the sparse policy drafts this many tokens a round, the dense
+  #                                    policy verifies them (rows are dense samples); 0 = off;
+  #                                    "auto": per position bin, a k of speculate_ks or dense
+  #                                    decoding, whichever the roofline prices fastest at the
+  #                                    bin's measured acceptance (docs/rollout_engine.md)
+  c.speculate_ks = (1, 2, 4)  # the draft counts "auto" chooses from
+  c.speculate_hardware = "this_machine"  # the hardware "auto" prices rounds on (a cost_model
+  #                                    HARDWARE key, or this_machine: measured at start)
   c.page_size = 16  # tokens per KV page (power of two; the paper uses 16)
   c.dense_layers = 1  # first layers kept dense (the paper: 2 of 28)
   c.attention_impl = "auto"  # auto (the GPU / TPU kernel on its platform, else xla) | xla |

@@ -89,6 +89,32 @@ def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
   assert len(hook.meta()["adaptive"]["topk"]) == bins
 
 
+def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes():
+  c = config(TABLE)
+  c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"
+  hook, cfg = budgets(c)
+  first = hook.for_step(0)
+  n = c.stats.num_bins
+  assert first.drafts.k_bin == (0,) * n  # nothing measured yet: dense decoding
+  np.testing.assert_array_equal(hook.metrics(output(0, first))["rollout/draft_k_bin"], [0] * n)
+  mean = [0.2, 0.5, np.nan, 0.9, 0.99, 0.999, 0.95][:n]
+  count = [10, 10, 0, 10, 10, 10, 10][:n]
+  hook.end_step(output(0, first), {"acceptance/mean_bin": mean, "acceptance/count_bin": count})
+  plan = hook.for_step(1).drafts
+  kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
+  sparse = run_config.sparse_config(c)
+  assert plan == cost_model.draft_plan(cfg, first.schedule, sparse, mean, **kw)
+  assert plan.k_bin[2] == 0 and max(plan.k_bin) > 0  # an empty bin stays dense
+  # a bin with no tokens keeps its last acceptance
+  hook.end_step(
+    output(1, first), {"acceptance/mean_bin": [0.0] * n, "acceptance/count_bin": [0] * n}
+  )
+  assert hook.for_step(2).drafts == plan
+  resumed, _ = budgets(c)
+  resumed.restore(json.loads(json.dumps(hook.meta(), allow_nan=False)))
+  assert resumed.for_step(2).drafts == plan
+
+
 def test_kv_metrics_price_the_steps_rollouts():
   c = config(TABLE)
   hook_budgets, cfg = budgets(c)

@@ -17,7 +17,7 @@ from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.model import qwen3
 from sparrow_jax.rollout import engine, programs, sampler, speculative
 from sparrow_jax.sparsity import policy
-from sparrow_jax.sparsity.schedule import KVSchedule
+from sparrow_jax.sparsity.schedule import DraftPlan, KVSchedule
 from tests.helpers import tiny_config
 
 # A Markov chain on V tokens: the dense p(x | previous) and a draft q far from it.
@@ -365,6 +365,60 @@ def test_generate_speculates_exactly_and_refuses_it_without_a_sparse_actor():
     sj.generate(*args, **kw, speculate=3)
 
 
+def run_plan(plan, temperature=0.0, slots=6, chunk=16, pages=200):
+  """`run` with exact mode's regime switch: each row-round drafts the plan's k at its length."""
+  config = engine.EngineConfig(
+    num_slots=slots, num_pages=pages, chunk_steps=chunk, speculate=3, draft_switch=True
+  )
+  return engine.run(
+    PARAMS,
+    CFG,
+    engine.Requests(PROMPT, PROMPT_LEN, MAX_NEW, group_size=2),
+    jax.random.PRNGKey(1),
+    engine=config,
+    sampling=sj.Sampling(eos_ids=EOS, temperature=temperature),
+    sparse=SPARSE,
+    schedule=SCHEDULE,
+    draft_plan=plan,
+  )
+
+
+MIXED = DraftPlan((0, 3, 0, 2, 3), page_size=4, bin_size=8)  # dense, 3, dense, 2, then 3 drafts
+
+
+@pytest.mark.slow
+def test_a_draft_plan_switches_per_bin_and_rows_stay_the_dense_policy_s():
+  dense, _ = run(0, sparse=None, schedule=None)
+  stats = {}
+  for plan in (MIXED, DraftPlan((0,), 4, 8), DraftPlan((3,), 4, 8)):
+    rows, stats[plan.k_bin] = run_plan(plan)
+    assert_same_rows(rows, dense)  # greedy: dense greedy, whatever the plan
+  assert stats[(0,)].drafted == 0 and stats[(0,)].emitted == stats[(0,)].rounds  # dense rounds
+  assert stats[(3,)].drafted == 3 * stats[(3,)].rounds
+  assert 0 < stats[MIXED.k_bin].drafted < 3 * stats[MIXED.k_bin].rounds
+  # A plan of k everywhere is the fixed-k engine, bit for bit.
+  fixed, fixed_stats = run(3, temperature=1.0)
+  planned, planned_stats = run_plan(DraftPlan((3,), 4, 8), temperature=1.0)
+  assert_same_rows(planned, fixed, atol=0)
+  np.testing.assert_array_equal(np.asarray(planned.alpha), np.asarray(fixed.alpha))
+  assert planned_stats == fixed_stats
+  # Sampled rows do not depend on their placement, which decides the chunks' programs (a chunk
+  # with no row drafting runs dense rounds only).
+  ref, _ = run_plan(MIXED, temperature=1.0)
+  for slots, chunk, pages in ((3, 9, 60), (2, 5, 200)):
+    assert_same_rows(run_plan(MIXED, 1.0, slots, chunk, pages)[0], ref)
+
+
+def test_a_draft_plan_by_cached_length():
+  plan = DraftPlan((0, 3, 2), page_size=4, bin_size=8)
+  # position_bin: whole pages cached // 2 pages a bin; past the last bin the last value holds
+  np.testing.assert_array_equal(plan.k_by_len(20), [0] * 5 + [3] * 8 + [2] * 8)
+  with pytest.raises(ValueError, match="DraftPlan.k_bin must be ints >= 0"):
+    DraftPlan((1, -1), 4, 8)
+  with pytest.raises(ValueError, match="draft_switch needs speculate > 0"):
+    engine.EngineConfig(draft_switch=True)
+
+
 def test_engine_config_checks_speculate():
   with pytest.raises(ValueError, match="EngineConfig.speculate must be an int >= 0"):
     engine.EngineConfig(speculate=-1)
@@ -395,3 +449,20 @@ def test_a_speculative_training_step_logs_dense_rollouts(tmp_path):
     assert 1 <= row["rollout/accepted_per_round"] <= 3
     assert 0 <= row["rollout/draft_acceptance"] <= 1
     assert 0 < row["kv/read_fraction"]
+
+
+@pytest.mark.slow
+def test_auto_speculation_starts_dense_and_drafts_where_the_acceptance_pays(tmp_path):
+  """rollout.speculate = "auto" through the trainer: the first step decodes densely (nothing
+  measured), later steps draft in the bins the roofline prices faster, and every step's rollouts
+  stay the dense policy's (TIS weights 1)."""
+  from sparrow_jax.rl import trainer
+  from tests.test_trainer import small
+
+  c = small(tmp_path / "run", total_steps=3, rollout__speculate="auto")
+  c.rollout.speculate_hardware = "tpu_v5e"  # bandwidth-bound: drafting pays at high acceptance
+  rows = trainer.train(c)
+  assert not np.any(rows[0]["rollout/draft_k_bin"])
+  assert np.any(rows[1]["rollout/draft_k_bin"]) and rows[1]["rollout/accepted_per_round"] > 1
+  for row in rows:
+    assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["tis/weight_min"] > 1 - 1e-2

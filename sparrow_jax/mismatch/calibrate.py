@@ -408,22 +408,21 @@ def speculative_plan(
     raise ValueError(f"ks (draft tokens per round) must be integers >= 1, got {list(ks)}")
   position_bin(0, sparse.page_size, bin_size)  # whole pages a bin
   hw = cost_model.get_hardware(hardware)
-  common = dict(rows=rows, hardware=hw)
+  common = dict(ks=ks, rows=rows, hardware=hw, sparse=sparse)
   plan = {name: [] for name in ("cached_len", "topk", "k", "tokens_per_round", "speedup")}
   for b, alpha_C in enumerate(mean_CB.T):
     cached_len = (b + 0.5) * bin_size
-    dense = cost_model.roofline_round_rate(cfg, None, cached_len, k=0, alpha=1.0, **common)
+    dense = cost_model.roofline_round_rate(
+      cfg, None, cached_len, k=0, alpha=1.0, rows=rows, hardware=hw
+    )
     best = (dense, None, 0)
     for c, alpha in zip(cands, alpha_C):
       if np.isnan(alpha):
         continue
       schedule = candidate_schedule(c, sparse, bin_size)
-      for k in ks:
-        rate = cost_model.roofline_round_rate(
-          cfg, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
-        )
-        if rate > best[0]:
-          best = (rate, c, k)
+      k, rate, _ = cost_model.best_draft(cfg, schedule, cached_len, alpha, **common)
+      if rate > best[0]:
+        best = (rate, c, k)
     rate, topk, k = best
     per_round = 1.0 if topk is None else alpha_C[cands.index(topk)]
     per_round = float(cost_model.expected_tokens_per_round(per_round, k))

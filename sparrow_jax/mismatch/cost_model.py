@@ -54,7 +54,7 @@ import numpy as np
 from sparrow_jax.attention.paged_cache import page_score_fns
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.sparsity.schedule import KVSchedule, position_bin
+from sparrow_jax.sparsity.schedule import DraftPlan, KVSchedule, position_bin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,6 +592,60 @@ def roofline_round_rate(
   cfg, hw = _config(model), get_hardware(hardware)
   passes = _round_passes(cfg, hw, schedule, cached_len, k, sparse, page_selection)
   return float(rows * expected_tokens_per_round(alpha, k) / _round_time(cfg, hw, rows, *passes))
+
+
+def best_draft(
+  model,
+  schedule: KVSchedule,
+  cached_len: float,
+  alpha: float,
+  *,
+  ks,
+  rows: float,
+  hardware="h200",
+  sparse: SparseConfig | None = None,
+) -> tuple:
+  """The draft count whose rounds `roofline_round_rate` prices fastest at cached_len, the drafts
+  under `schedule` at mean acceptance alpha, against dense decoding -> (k, its rate, the dense
+  rate); k = 0 (dense) unless a k of `ks` beats it, ties to the smaller k."""
+  common = dict(rows=rows, hardware=hardware)
+  dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common)
+  best = (0, dense)
+  for k in ks:
+    rate = roofline_round_rate(
+      model, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
+    )
+    if rate > best[1]:
+      best = (k, rate)
+  return (*best, dense)
+
+
+def draft_plan(
+  model,
+  schedule: KVSchedule,
+  sparse: SparseConfig,
+  alpha_bin,
+  *,
+  bin_size: int,
+  ks,
+  rows: float,
+  hardware,
+) -> DraftPlan:
+  """Exact mode's regime switch: per position bin of bin_size tokens, the draft count (0: dense
+  decoding) `best_draft` picks at the bin's middle cached length for the drafts' mean acceptance
+  there, alpha_bin[b] (NaN: not measured, dense)."""
+  k_bin = []
+  for b, alpha in enumerate(np.asarray(alpha_bin, np.float64)):
+    if np.isnan(alpha):
+      k_bin.append(0)
+      continue
+    cached_len = (b + 0.5) * bin_size
+    k_bin.append(
+      best_draft(
+        model, schedule, cached_len, alpha, ks=ks, rows=rows, hardware=hardware, sparse=sparse
+      )[0]
+    )
+  return DraftPlan(tuple(k_bin), sparse.page_size, bin_size)
 
 
 def peak_memory_bytes(

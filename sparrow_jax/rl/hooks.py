@@ -4,7 +4,9 @@ returns the metrics it adds (`metrics`), then acts on the logged metrics (`end_s
 resume needs of it goes in the checkpoint meta (`meta`, read back by `restore`).
 
   Budgets      the KV budget each step samples and trains under: rollout.schedule's stage, or the
-               closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk)
+               closed loop's table, which each step's acceptance tail moves (schedule.adapt_topk);
+               with rollout.speculate = "auto", exact mode's drafts per bin, which each step's
+               mean acceptance prices (cost_model.draft_plan)
   KVMetrics    kv/read_fraction and kv/predicted_speedup of the step's rollouts
   PerfMetrics  perf/* (tokens/s, the engine's occupancy, train step time) and the learning rate
   Evaluation   eval/dense/* and eval/sparse/*: mean@k and pass@k on held-out problems (config.eval)
@@ -37,6 +39,7 @@ class StepBudget(NamedTuple):
   schedule: schedule_lib.KVSchedule  # its schedule (the closed loop's table, when adaptive)
   pages_by_len: np.ndarray  # its pages kept at each cached length, on the host
   table: schedule_lib.BudgetTable  # the same, placed on the mesh, with the run's static cap
+  drafts: Optional[schedule_lib.DraftPlan] = None  # rollout.speculate = "auto": drafts per bin
 
 
 @dataclasses.dataclass
@@ -84,9 +87,11 @@ class Budgets(Hook):
   table changes only the traced BudgetTable: neither the sampler nor the train step recompiles.
   Each distinct schedule's table is built and placed once."""
 
-  def __init__(self, c, cfg, sparse, mesh, cache_len: int):
+  def __init__(self, c, cfg, sparse, mesh, cache_len: int, rows: int = 1):
+    """rows: the rows a device decodes at once (exact mode's switch prices rounds for them)."""
     r = c.rollout
     self.loop = _ClosedLoop(c) if schedule_lib.parse_adaptive(r.schedule, r.page_size) else None
+    self.switch = _DraftSwitch(c, cfg, sparse, rows) if r.speculate == "auto" else None
     self.stages = (
       ((0, self.loop.first),) if self.loop else schedule_lib.parse_stages(r.schedule, r.page_size)
     )
@@ -104,25 +109,65 @@ class Budgets(Hook):
     schedule = self.stages[stage][1]
     if self.loop:
       schedule = dataclasses.replace(schedule, values=self.loop.state.topk)
-    return StepBudget(stage, schedule, self._host(schedule), self._placed(schedule))
+    drafts = self.switch.plan(schedule) if self.switch else None
+    return StepBudget(stage, schedule, self._host(schedule), self._placed(schedule), drafts)
 
   def metrics(self, out: StepOutput) -> dict:
     metrics = {"kv/schedule_stage": out.budget.stage}
     if self.loop:
       start = self._host(self.stages[out.budget.stage][1])
       metrics.update(self.loop.metrics(out, start, self.cfg, self.sparse))
+    if self.switch:  # the drafts per bin the step's rollout ran (0: dense decoding)
+      metrics["rollout/draft_k_bin"] = np.asarray(out.budget.drafts.k_bin, np.int32)
     return metrics
 
   def end_step(self, out: StepOutput, metrics: dict) -> None:
     if self.loop:  # the next step's table, a function of this step's tail: a resume replays it
       self.loop.advance(metrics)
+    if self.switch:
+      self.switch.advance(metrics)
 
   def meta(self) -> dict:
-    return {"adaptive": self.loop.meta()} if self.loop else {}
+    meta = {"adaptive": self.loop.meta()} if self.loop else {}
+    return meta | ({"drafts": self.switch.meta()} if self.switch else {})
 
   def restore(self, meta: dict) -> None:
     if self.loop:
       self.loop.restore(meta["adaptive"])
+    if self.switch:
+      self.switch.restore(meta["drafts"])
+
+
+class _DraftSwitch:
+  """rollout.speculate = "auto": exact mode's drafts per position bin, priced each step by the
+  roofline of `rollout.speculate_hardware` (cost_model.draft_plan: the k of rollout.speculate_ks,
+  or dense decoding, with the most tokens/s) at each bin's mean acceptance of the sparse actor's
+  drafts. That acceptance is the train step's exact alpha (acceptance/mean_bin: dense p against the
+  sparse actor q on the rollout's dense samples), measured in every bin whatever ran there, so a
+  dense bin can switch to drafting. A bin not yet measured decodes densely: the first step is
+  dense decoding, never slower than it."""
+
+  def __init__(self, c, cfg, sparse, rows: int):
+    self.cfg, self.sparse, self.rows = cfg, sparse, rows
+    self.ks, self.bin_size = tuple(c.rollout.speculate_ks), c.stats.bin_size
+    self.hardware = cost_model.get_hardware(c.rollout.speculate_hardware)
+    self.alpha = [float("nan")] * c.stats.num_bins
+
+  def plan(self, schedule) -> schedule_lib.DraftPlan:
+    kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
+    return cost_model.draft_plan(self.cfg, schedule, self.sparse, self.alpha, **kw)
+
+  def advance(self, metrics: dict) -> None:
+    """The step's mean acceptance per bin replaces the last where the bin had tokens."""
+    count = np.asarray(metrics["acceptance/count_bin"])
+    mean = np.asarray(metrics["acceptance/mean_bin"], np.float64)
+    self.alpha = [float(m) if n else a for a, m, n in zip(self.alpha, mean, count)]
+
+  def meta(self) -> dict:  # strict JSON: an unmeasured bin is null
+    return {"alpha": [None if np.isnan(a) else a for a in self.alpha]}
+
+  def restore(self, meta: dict) -> None:
+    self.alpha = [float("nan") if a is None else float(a) for a in meta["alpha"]]
 
 
 class _ClosedLoop:

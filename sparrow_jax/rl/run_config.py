@@ -192,7 +192,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
     ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
     ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
-    ("rollout.speculate", r.speculate >= 0, "must be >= 0 (0 = off)"),
+    (
+      "rollout.speculate",
+      r.speculate == "auto" or (isinstance(r.speculate, int) and r.speculate >= 0),
+      'must be an int >= 0 (0 = off) or "auto"',
+    ),
+    (
+      "rollout.speculate_ks",
+      len(r.speculate_ks) > 0 and all(isinstance(k, int) and k >= 1 for k in r.speculate_ks),
+      "must be draft counts >= 1, e.g. (1, 2, 4)",
+    ),
     ("distill.rank", not c.distill.enabled or c.distill.rank >= 1, "must be >= 1"),
     ("distill.alpha", not c.distill.enabled or c.distill.alpha > 0, "must be > 0"),
     ("distill.learning_rate", not c.distill.enabled or c.distill.learning_rate > 0, "must be > 0"),
@@ -325,7 +334,9 @@ def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineCon
   )
   if r.engine_slots:
     config = dataclasses.replace(config, num_slots=r.engine_slots)
-  if r.speculate:
+  if r.speculate == "auto":  # the regime switch: drafts per bin up to the largest of speculate_ks
+    config = dataclasses.replace(config, speculate=max(r.speculate_ks), draft_switch=True)
+  elif r.speculate:
     config = dataclasses.replace(config, speculate=r.speculate)
   if r.pool_gb:
     config = dataclasses.replace(

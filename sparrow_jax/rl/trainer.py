@@ -327,7 +327,7 @@ def _train(c, mesh, run: contextlib.ExitStack):
   weights = _rollout_weights(state, mesh)
   sample = _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse)
   cache_len = r.max_prompt_len + r.max_new_tokens
-  budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len) if sparse else None
+  budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len, engine_cfg.num_slots) if sparse else None
   hardware = cost_model.get_hardware(c.hardware) if sparse else None  # measured once, here
   kv = hooks.KVMetrics(c, cfg, sparse, engine_cfg, hardware)
   step_hooks = [hooks.PerfMetrics(lr), kv] + ([budgets] if budgets else [])
@@ -498,6 +498,7 @@ def _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse):
       sparse=sparse,
       schedule=None if budget is None else budget.table,
       lora=lora,
+      draft_plan=None if budget is None else budget.drafts,
     )
 
   return sample

@@ -36,7 +36,7 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.rollout import programs, sampler, scheduler
 from sparrow_jax.rollout.programs import row_key
 from sparrow_jax.rollout.scheduler import EngineConfig, EngineStats, Requests
-from sparrow_jax.sparsity.schedule import BudgetTable
+from sparrow_jax.sparsity.schedule import BudgetTable, DraftPlan
 
 __all__ = ["EngineConfig", "EngineStats", "Requests", "row_key", "run", "generate", "full_batch"]
 
@@ -150,16 +150,18 @@ class _Programs:
   def copy(self, pool, pairs):
     return programs.copy_pages(pool, self.to_global(pairs[0]), self.to_global(pairs[1]))
 
-  def decode(self, pool, slots):
+  def decode(self, pool, slots, drafts: bool = True):
     """One chunk -> (pool, host outputs, n_gen and active after it, steps (rounds) run, and
-    exact mode's per-slot counters, else None)."""
+    exact mode's per-slot counters, else None). drafts=False: exact mode's chunk of dense rounds
+    (no row drafts in it)."""
     args = (*self.split, pool, self.budget, self.key)
     args += ({k: self.to_global(v) for k, v in slots.items()},)
     kw = dict(cfg=self.cfg, sparse=self.sparse, sampling=self.sampling)
     count = None
     if self.speculate:
+      draft, rounds = (self.speculate, self.rounds) if drafts else (0, self.steps)
       pool, after, out, steps_run, count = programs.speculative_chunk(
-        *args, rounds=self.rounds, draft=self.speculate, **kw
+        *args, rounds=rounds, draft=draft, **kw
       )
       count = {k: self.to_local(v) for k, v in count.items()}
     else:
@@ -181,13 +183,15 @@ def run(
   schedule=None,
   lora=None,
   order: Optional[Sequence[int]] = None,
+  draft_plan: Optional[DraftPlan] = None,
 ):
   """Samples a completion for every request row through the engine.
 
   order: the order rows are admitted in (a permutation of the rows; default: row order); it changes
   nothing in the output. sparse / schedule / lora as `generate`; schedule may be a BudgetTable,
   used as is (its max_selected, when 0, from its largest budget rounded up to a power of two). The
-  pool keeps keys and values in the embedding's dtype.
+  pool keeps keys and values in the embedding's dtype. draft_plan (with engine.draft_switch):
+  exact mode's drafts per position bin, capped at engine.speculate.
   On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of engine.num_pages pages
   and engine.num_slots slots, and a group runs on one device. With several processes each passes
   the rows its devices hold (`Requests.first_row`), schedules them on its own devices and gets them
@@ -203,6 +207,14 @@ def run(
   Z = page_size(sparse)
   max_len = max(-(-(T + max_new) // Z) * Z, T + max_new)
   budget = None if sparse is None else _budget(schedule, sparse, max_len)
+  if (draft_plan is not None) != engine.draft_switch or (draft_plan and sparse is None):
+    raise ValueError(
+      "engine.run takes a draft_plan (with sparse) exactly when EngineConfig.draft_switch is on"
+    )
+  draft_by_len = None
+  if draft_plan is not None:
+    draft_by_len = np.minimum(draft_plan.k_by_len(max_len), engine.speculate)
+    budget = budget.replace(draft_by_len=jnp.asarray(draft_by_len))
   score = sparse.page_score if sparse is not None else "mean"
   pool = page_pool.init_pool(cfg, engine.num_pages, Z, params["embed"].dtype, score)
   progs = _Programs.of(
@@ -236,7 +248,8 @@ def run(
     sched.grow()
     width = sched.width(not engine.drain_slots or _any_process(sched.wants_all_slots()))
     slots, at = sched.chunk_inputs(width)
-    pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots)
+    drafts = draft_by_len is None or _any_process(sched.drafts_ahead(draft_by_len))
+    pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, drafts)
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
   return _rollout(sched, sampling), sched.stats
 

@@ -140,10 +140,13 @@ def speculative_chunk(
   each: the sparse actor (params with `lora`, pages under `budget`) drafts, the dense policy
   (params alone) verifies. Slots as `decode_chunk`'s; a slot emits 1 to draft + 1 tokens a
   round, its tokens the first n_gen_after - n_gen_before columns of the [S, rounds * (draft + 1)]
-  outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token).
-  Returns (pool, slots, out, rounds run, per-slot counters: rounds, tokens emitted, drafts judged
-  (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and the pages dense
-  decoding of the emitted tokens reads)."""
+  outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token). With
+  `budget.draft_by_len` (exact mode's regime switch) a row's round drafts that many tokens at its
+  cached length, at most `draft`: 0 makes the round one dense decoding step (its token drawn from
+  p_0 as a bonus token is), and `draft` = 0 compiles the program for chunks with no drafts.
+  Returns (pool, slots, out, rounds run, per-slot counters: rounds, tokens emitted, drafts run,
+  drafts judged (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and
+  the pages dense decoding of the emitted tokens reads)."""
   params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
   draft_fn = policy.pool_decode_attention_fn(
     sparse, budget, None if budget is None else budget.max_selected
@@ -170,6 +173,7 @@ def speculative_chunk(
   count = dict(
     rounds=jnp.zeros(S, jnp.int32),
     emitted=jnp.zeros(S, jnp.int32),
+    drafted=jnp.zeros(S, jnp.int32),
     judged=jnp.zeros(S, jnp.int32),
     accepted=jnp.zeros(S, jnp.int32),
     read=jnp.zeros(S, jnp.float32),
@@ -181,9 +185,13 @@ def speculative_chunk(
     sparse_pages = pages if pages_by_len is None else jnp.minimum(pages_by_len[length_S], pages)
     return (L_dense * pages + (L - L_dense) * sparse_pages).astype(jnp.float32)
 
+  draft_by_len = None if budget is None else budget.draft_by_len
+
   def body(carry):
     j, pool, s, out, count = carry
     active, length = s["active"], s["length"]
+    # the drafts each row runs this round; the loop runs the most any running row does
+    k_S = jnp.full_like(length, k) if draft_by_len is None else jnp.minimum(draft_by_len[length], k)
     keys_SC = jax.vmap(
       lambda r, t: jax.vmap(lambda c: row_key(key, r, t + c))(jnp.arange(C, dtype=t.dtype))
     )(s["row"], s["n_gen"])
@@ -200,22 +208,15 @@ def speculative_chunk(
         token,
         drafts_Sk.at[:, i].set(token),
         logq_SkV.at[:, i].set(logq_SV),
-        read + pages_read(length + i + 1),
+        read + jnp.where(i < k_S, pages_read(length + i + 1), 0.0),
       )
 
     V = cfg.vocab_size
-    pool, _, drafts_Sk, logq_SkV, read = jax.lax.fori_loop(
-      0,
-      k,
-      draft_step,
-      (
-        pool,
-        s["token"],
-        jnp.zeros((S, k), jnp.int32),
-        jnp.zeros((S, k, V), jnp.float32),
-        jnp.zeros(S, jnp.float32),
-      ),
-    )
+    drafting = (pool, s["token"], jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, V)), jnp.zeros(S))
+    if k:  # a program of dense rounds (k = 0) has no draft step to trace
+      drafts_run = k if draft_by_len is None else jnp.max(jnp.where(active, k_S, 0))
+      drafting = jax.lax.fori_loop(0, drafts_run, draft_step, drafting)
+    pool, _, drafts_Sk, logq_SkV, read = drafting
     layers = page_pool.layer_views(pool, table, length, active)
     tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
     logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
@@ -223,7 +224,7 @@ def speculative_chunk(
       logits_SCV.reshape(S * C, V), sampling.temperature, sampling.top_p, sampling.top_k
     ).reshape(S, C, V)
     emitted_SC, n_acc_S, logp_SC, alpha_Sk = jax.vmap(speculative.accept_round)(
-      logp_SCV, logq_SkV, drafts_Sk, keys_SC
+      logp_SCV, logq_SkV, drafts_Sk, keys_SC, k_S
     )
     # What the row keeps: up to its first EOS and its max_new.
     c_C = jnp.arange(C)
@@ -240,7 +241,7 @@ def speculative_chunk(
     rows_SC = jnp.broadcast_to(jnp.arange(S)[:, None], (S, C))
     put = lambda buf, x: buf.at[rows_SC, cols_SC].set(x, mode="drop")
     alpha_SC = jnp.pad(alpha_Sk, ((0, 0), (0, 1)), constant_values=jnp.nan)
-    alpha_SC = jnp.where(c_C[None] < k, alpha_SC, jnp.nan)
+    alpha_SC = jnp.where(c_C[None] < k_S[:, None], alpha_SC, jnp.nan)
     out = dict(
       out,
       tokens=put(out["tokens"], emitted_SC),
@@ -263,7 +264,8 @@ def speculative_chunk(
     count = dict(
       rounds=count["rounds"] + active,
       emitted=count["emitted"] + m_S,
-      judged=count["judged"] + jnp.minimum(m_S, k),
+      drafted=count["drafted"] + jnp.where(active, k_S, 0),
+      judged=count["judged"] + jnp.minimum(m_S, k_S),
       accepted=count["accepted"] + jnp.minimum(m_S, n_acc_S),
       read=count["read"] + jnp.where(active, read + L * -(-length // Z), 0.0),
       dense=count["dense"] + dense_read_S.astype(jnp.float32),

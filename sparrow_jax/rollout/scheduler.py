@@ -42,6 +42,10 @@ class EngineConfig:
   # the dense policy verifies them in one pass, so rows are the dense policy's samples; a chunk
   # runs chunk_steps // (speculate + 1) rounds (at least one). 0: off (rows sampled as decoded).
   speculate: int = 0
+  # Exact mode's regime switch (`engine.run`'s draft_plan): each row-round drafts the plan's k at
+  # its cached length (at most speculate; 0: one dense step), and a chunk in which no row drafts
+  # runs chunk_steps dense rounds instead (a second compiled program, built on first use).
+  draft_switch: bool = False
 
   def __post_init__(self):
     for name, low in (
@@ -55,6 +59,8 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < low:
         raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+    if self.draft_switch and not self.speculate:
+      raise ValueError("EngineConfig.draft_switch needs speculate > 0 (the most drafts a round)")
     if self.drain_slots >= self.num_slots:
       raise ValueError(
         f"EngineConfig.drain_slots ({self.drain_slots}) must be below num_slots "
@@ -69,7 +75,9 @@ class EngineConfig:
   @property
   def chunk_tokens(self) -> int:
     """The most positions a row's chunk writes past its cache (and tokens it may advance)."""
-    return self.chunk_rounds * (self.speculate + 1) if self.speculate else self.chunk_steps
+    if self.speculate and not self.draft_switch:
+      return self.chunk_rounds * (self.speculate + 1)
+    return self.chunk_steps
 
 
 @dataclasses.dataclass
@@ -80,7 +88,7 @@ class EngineStats:
   computed_row_steps: int = 0  # slots decoded x decode steps
   preemptions: int = 0
   peak_pages: int = 0  # most pool pages in use at once
-  # Speculative rollouts: row-rounds run, tokens they emitted, drafts run (speculate a round),
+  # Speculative rollouts: row-rounds run, tokens they emitted, drafts run,
   # drafts judged (those at the offsets of emitted tokens: the accepted ones and the rejected one
   # a residual replaced; not the bonus, nor drafts past a rejection or a cut by EOS or max_new) and
   # accepted, and the KV pages (x layers) the rounds read, drafts and verification together, next
@@ -100,8 +108,9 @@ class EngineStats:
 
   @property
   def draft_acceptance(self) -> float:
-    """Accepted drafts over judged ones: the sampled counterpart of the drafts' mean alpha."""
-    return self.accepted / max(self.judged, 1)
+    """Accepted drafts over judged ones: the sampled counterpart of the drafts' mean alpha (NaN
+    when no draft was judged)."""
+    return self.accepted / self.judged if self.judged else float("nan")
 
   @property
   def occupancy(self) -> float:
@@ -475,6 +484,16 @@ class Scheduler:
     self.compact(self.engine.drain_slots)
     return self.engine.drain_slots
 
+  def drafts_ahead(self, draft_by_len: np.ndarray) -> bool:
+    """Whether a running row may draft in its next chunk (exact mode's regime switch): a round
+    starting at any of the next chunk_steps cached lengths drafts by draft_by_len."""
+    last = len(draft_by_len) - 1
+    for r in self.running():
+      length = r.prompt_len + len(r.tokens) - 1
+      if np.any(draft_by_len[min(length, last) : min(length + self.engine.chunk_steps, last + 1)]):
+        return True
+    return False
+
   def chunk_inputs(self, width: int) -> tuple:
     """The first `width` slots of every shard as the decode-chunk program takes them: dict of
     [shards * width] arrays token, length, n_gen, max_new, row, active and the page_table; and
@@ -525,9 +544,8 @@ class Scheduler:
 
   def _count_rounds(self, count: dict) -> None:
     """A speculative chunk's per-slot counters (host arrays) into the rollout's stats."""
-    for name in ("rounds", "emitted", "judged", "accepted"):
+    for name in ("rounds", "emitted", "drafted", "judged", "accepted"):
       setattr(self.stats, name, getattr(self.stats, name) + int(np.sum(count[name])))
-    self.stats.drafted += int(np.sum(count["rounds"])) * self.engine.speculate
     self.stats.kv_pages_read += float(np.sum(count["read"]))
     self.stats.kv_pages_dense += float(np.sum(count["dense"]))
 

@@ -61,29 +61,37 @@ def residual_logits(logp_p_V, logq_V):
   return jnp.where(jnp.sum(residual_V) > 0, jnp.log(residual_V), logp_p_V)
 
 
-def n_accepted(u_k, logp_d_k, logq_d_k):
+def n_accepted(u_k, logp_d_k, logq_d_k, drafts=None):
   """How many drafts a round keeps: draft i is kept when u_i < p(d_i) / q(d_i), up to the first
-  that is not. Strict: u can be 0, and a draft the dense policy gives no mass is never kept."""
+  that is not (and the first `drafts`, when given). Strict: u can be 0, and a draft the dense
+  policy gives no mass is never kept."""
   # log u < log p - log q  <=>  u < p / q; q(d) > 0 (d was drawn from q), and u < 1.
   ok_k = jnp.log(u_k) < logp_d_k - logq_d_k
+  if drafts is not None:
+    ok_k &= jnp.arange(ok_k.shape[0]) < drafts
   return jnp.sum(jnp.cumprod(ok_k.astype(jnp.int32)))
 
 
-def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C):
+def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C, drafts=None):
   """One row's acceptance of k drafts (C = k + 1 positions).
 
   logp_p_CV: the dense distributions p_0 .. p_k after x_0, d_1 .. d_k (`sampler.sampled_logp`);
   logq_kV: the drafts' distributions q_0 .. q_{k-1}; draft_k: d_1 .. d_k; token_keys_C: the keys
-  of the tokens the round emits at offsets 0 .. k. Returns (tokens_C, n_accepted, logp_C,
-  alpha_k): the round emits tokens_C[: n_accepted + 1] (the accepted drafts, then the residual or
-  bonus token); logp_C their log-probs under p; alpha_k each draft's acceptance rate."""
+  of the tokens the round emits at offsets 0 .. k; drafts: the row's own draft count this round,
+  at most k (exact mode's regime switch; the drafts past it are not judged; 0 draws the one token
+  from p_0). Returns (tokens_C, n_accepted, logp_C, alpha_k): the round emits
+  tokens_C[: n_accepted + 1] (the accepted drafts, then the residual or bonus token); logp_C their
+  log-probs under p; alpha_k each draft's acceptance rate."""
   k = draft_k.shape[0]
+  drafts = k if drafts is None else drafts
   keys = jax.vmap(draw_keys)(token_keys_C)
   u_k = jax.vmap(jax.random.uniform)(keys[1][:k])
   take = lambda logp_XV, x_X: jnp.take_along_axis(logp_XV, x_X[:, None], axis=1)[:, 0]
-  n = n_accepted(u_k, take(logp_p_CV[:k], draft_k), take(logq_kV, draft_k))
-  # After all k accepted the bonus is drawn from p_k: the residual against q = 0.
-  logq_V = jnp.where(n < k, logq_kV[jnp.minimum(n, k - 1)], -jnp.inf)
+  n = n_accepted(u_k, take(logp_p_CV[:k], draft_k), take(logq_kV, draft_k), drafts)
+  # After all drafts accepted the bonus is drawn from p_n: the residual against q = 0.
+  logq_V = jnp.full(logp_p_CV.shape[1:], -jnp.inf)
+  if k:
+    logq_V = jnp.where(n < drafts, logq_kV[jnp.minimum(n, k - 1)], logq_V)
   fix = jax.random.categorical(keys[2][n], residual_logits(logp_p_CV[n], logq_V))
   fix = fix.astype(jnp.int32)
   C = k + 1

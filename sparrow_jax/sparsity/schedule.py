@@ -486,9 +486,34 @@ class BudgetTable:
   pages_by_len: jax.Array  # [max_len + 1] pages kept at each cached length
   # the decode's static cap on selected pages (sampler.max_selected_pages); 0: from the table
   max_selected: int = flax.struct.field(pytree_node=False, default=0)
+  # exact mode's regime switch: drafts a round starting at each cached length runs (a DraftPlan's
+  # k_by_len; 0: the round decodes densely); None: every round drafts the engine's speculate
+  draft_by_len: Optional[jax.Array] = None
 
   def budget_pages(self, cached_len):
     return self.pages_by_len[cached_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPlan:
+  """Exact mode's regime per position bin (`rollout.speculate = "auto"`): k_bin[b] sparse drafts a
+  round for a round that starts with its cached length in bin b (position_bin), 0 for plain dense
+  decoding there; past the last bin the last value holds. Any k keeps rows exact (every token is
+  the dense policy's), so the plan decides speed only (`cost_model.draft_plan` prices it)."""
+
+  k_bin: tuple
+  page_size: int
+  bin_size: int
+
+  def __post_init__(self):
+    position_bin(0, self.page_size, self.bin_size)  # whole pages a bin
+    if not self.k_bin or not all(_is_int(k) and k >= 0 for k in self.k_bin):
+      raise ValueError(f"DraftPlan.k_bin must be ints >= 0, one a bin, got {self.k_bin!r}")
+
+  def k_by_len(self, max_len: int) -> np.ndarray:
+    """[max_len + 1] int32: the drafts of a round starting at each cached length."""
+    bins = np.asarray(position_bin(np.arange(max_len + 1), self.page_size, self.bin_size))
+    return np.asarray(self.k_bin, np.int32)[np.minimum(bins, len(self.k_bin) - 1)]
 
 
 def position_bin(cached_len, page_size: int, bin_size: int):
