@@ -65,15 +65,4 @@ def get_config():
   c.engine.settings = ("static", "engine")  # which settings run (each dense and sparse)
   c.engine.record = ""  # write the results record here (JSON), e.g. docs/results/...
 
-  # (e) exact mode (rollout.speculate) beside dense and lossy sparse decoding, one pool
-  c.speculative = ml_collections.ConfigDict()
-  c.speculative.layers = 2  # layers kept of the qwen3-1.7b shape
-  c.speculative.dense_layers = 0  # layers the drafts keep dense (the verifier: all)
-  c.speculative.vocab_size = 0  # 0 = 151936 * layers / 28, as (b)
-  c.speculative.contexts = (16384, 32768)  # cached tokens per row
-  c.speculative.steps = 16  # tokens per timed chunk (exact mode: the rounds drafting as many)
-  c.speculative.drafts = (2, 4, 8)  # k, draft tokens per round
-  c.speculative.tau = 0.86  # the paper's Qwen3-1.7B table at this tau (the drafts' budget)
-  c.speculative.temperature = 1.0  # sampling temperature of every setting
-  c.speculative.record = ""  # write the results record here (JSON), e.g. docs/results/...
   return c

@@ -85,7 +85,7 @@ import numpy as np
 from configs import common
 import sparrow_jax as sj
 from sparrow_jax import records
-from sparrow_jax.attention import page_pool, paged_cache, reference
+from sparrow_jax.attention import paged_cache, reference
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import hf, qwen3
 from sparrow_jax.rollout import engine, programs, sampler
@@ -822,133 +822,15 @@ def bench_engine(config):
   return results
 
 
-# ------------------------------------------------------------- (e) exact mode: draft and verify
-
-
-@functools.partial(jax.jit, static_argnames=("page_score",), donate_argnames=("k", "v", "s"))
-def _fill_pool_layer(k, v, s, key, *, page_score):
-  """One layer of a pool filled with random keys and values (unit normal, as (b)'s cache) on every
-  page, and their page summaries."""
-  key_k, key_v = jax.random.split(key)
-  k = jax.random.normal(key_k, k.shape, jnp.float32).astype(k.dtype)
-  v = jax.random.normal(key_v, v.shape, jnp.float32).astype(v.dtype)
-  return k, v, paged_cache.page_score_fns(page_score).summary(k).astype(s.dtype)
-
-
-def filled_pool(cfg, pages: int, page_size: int, key):
-  pool = page_pool.init_pool(cfg, pages, page_size)
-  layers = [
-    _fill_pool_layer(k, v, s, jax.random.fold_in(key, i), page_score=pool.page_score)
-    for i, (k, v, s) in enumerate(zip(pool.k_stored, pool.v_stored, pool.summaries))
-  ]
-  names = ("k_stored", "v_stored", "summaries")
-  return pool.replace(**{n: tuple(x[j] for x in layers) for j, n in enumerate(names)})
-
-
-def bench_speculative(config):
-  """(e) Tokens/s of exact mode (sparse drafts, dense verify) beside dense and lossy sparse
-  decoding: the engine's own decode programs over one pool (same rows, same pages), rows at a fixed
-  context of random cached keys (as (b)); a timed call is one chunk of `steps` tokens (dense,
-  sparse) or of the rounds that draft as many (exact mode, k per round), median over `runs`."""
-  e = config.speculative
-  cfg = model_config(e.layers, e.vocab_size)
-  params = qwen3.init_params(cfg, jax.random.PRNGKey(0))
-  sparse = sj.SparseConfig(page_size=16, dense_layers=e.dense_layers)
-  sampling = sampler.Sampling(temperature=e.temperature)
-  B, Z, T = config.batch, sparse.page_size, e.steps
-  results = dict(config=e.to_dict(), batch=B, model=dataclasses.asdict(cfg), rows=[])
-  print(f"(e) exact mode: {cfg.num_hidden_layers} layers of qwen3-1.7b, batch {B}, {T} tokens")
-  for context in e.contexts:
-    PR = -(-(context + T + max(e.drafts) + 2) // Z)
-    pool = filled_pool(cfg, B * PR + 1, Z, jax.random.PRNGKey(1))
-    table = np.arange(1, B * PR + 1, dtype=np.int32).reshape(B, PR)
-    slots = dict(
-      token=np.ones(B, np.int32),
-      length=np.full(B, context, np.int32),
-      n_gen=np.ones(B, np.int32),
-      max_new=np.full(B, 10 * T, np.int32),
-      row=np.arange(B, dtype=np.int32),
-      active=np.ones(B, bool),
-      page_table=table,
-    )
-    schedule = KVSchedule.paper("qwen3-1.7b", tau=e.tau)
-    budget = engine._budget(schedule, sparse, PR * Z)
-    state = {"pool": pool}
-    emitted = {}
-
-    def chunk(name, k):
-      def call():
-        key = jax.random.PRNGKey(2)
-        if k:
-          out = programs.speculative_chunk(
-            params,
-            None,
-            state["pool"],
-            budget,
-            key,
-            slots,
-            cfg=cfg,
-            rounds=-(-T // (k + 1)),
-            draft=k,
-            sparse=sparse,
-            sampling=sampling,
-          )
-          emitted[name] = (out[1]["n_gen"] - 1, out[4]["accepted"], out[4]["rounds"])
-        else:
-          out = programs.decode_chunk(
-            params,
-            None,
-            state["pool"],
-            None if name == "dense" else budget,
-            key,
-            slots,
-            cfg=cfg,
-            steps=T,
-            sparse=None if name == "dense" else sparse,
-            sampling=sampling,
-          )
-          emitted[name] = (out[1]["n_gen"] - 1, None, None)
-        state["pool"] = out[0]
-        jax.block_until_ready(out[1]["n_gen"])
-
-      return call
-
-    names = ["dense", "sparse"] + [f"speculate{k}" for k in e.drafts]
-    calls = [chunk("dense", 0), chunk("sparse", 0)] + [chunk(f"speculate{k}", k) for k in e.drafts]
-    seconds = median_seconds(calls, config.runs)
-    for name, sec in zip(names, seconds):
-      tokens, accepted, rounds = (None if x is None else np.asarray(x) for x in emitted[name])
-      row = dict(context=context, setting=name, seconds=sec, tokens=int(tokens.sum()))
-      row["tokens_per_s"] = row["tokens"] / sec
-      if accepted is not None:
-        row["accepted_per_round"] = float((accepted.sum() + rounds.sum()) / rounds.sum())
-        row["draft_acceptance"] = float(accepted.sum() / (rounds.sum() * int(name[9:])))
-      results["rows"].append(row)
-    dense = results["rows"][-len(names)]["tokens_per_s"]
-    for row in results["rows"][-len(names) :]:
-      row["vs_dense"] = row["tokens_per_s"] / dense
-      extra = (
-        f"  accepted/round {row['accepted_per_round']:.2f}" if "accepted_per_round" in row else ""
-      )
-      print(
-        f"  {context:6d}  {row['setting']:11s} {row['tokens_per_s']:8.1f} tok/s"
-        f"  {row['vs_dense']:.2f}x dense{extra}"
-      )
-    state.clear()  # the pool goes before the next context's is made
-    del pool
-  if e.record:
-    records.write_record(os.path.join(ROOT, e.record), results)
-    print(f"    record: {e.record}")
-  return results
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   parts = config.parts.split(",")
-  if set(parts) - {"b", "c", "d", "e"}:
-    raise ValueError(f"parts takes b, c, d and/or e, got {config.parts!r}")
+  if set(parts) - {"b", "c", "d"}:
+    raise ValueError(
+      f"parts takes b, c and/or d, got {config.parts!r} (exact mode: experiments/bench_exact.py)"
+    )
   results = {}
   if "b" in parts:
     results["decode"] = bench_decode(config)
@@ -956,8 +838,6 @@ def main(argv):
     results["tunix"] = bench_tunix(config)
   if "d" in parts:
     bench_engine(config)
-  if "e" in parts:
-    bench_speculative(config)
   results = {part: fig for part, fig in results.items() if fig is not None}
   if config.out and results:
     records.write_record(os.path.join(ROOT, config.out), dict(config=config.to_dict(), **results))

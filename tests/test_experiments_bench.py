@@ -290,7 +290,7 @@ def test_step_probes_replace_the_engines_attention_and_nothing_after():
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
     ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
     ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
-    ("bench_rollout", "--config.parts=f", "parts takes b, c, d and/or e, got 'f'"),
+    ("bench_rollout", "--config.parts=f", "parts takes b, c and/or d, got 'f'"),
     ("bench_rollout", "--config.parts=d --config.engine.settings=batch", "engine.settings takes"),
   ],
 )
@@ -324,6 +324,35 @@ def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
   )
   assert runs["dense/engine"]["rows_in_flight"] > runs["dense/static"]["rows_in_flight"]
   assert set(report["results"]["ratios"]) >= {"engine/static dense", "sparse/dense engine"}
+
+
+def test_bench_exact_times_every_setting_and_renders_its_verdicts(tmp_path):
+  """bench_exact at toy size: a row per setting and shape, in the record as printed, the switch's
+  plan in its row, and the page's verdict lines from them."""
+  path = tmp_path / "speculative_rollout.json"
+  out = _run(
+    "bench_exact",
+    "--config.shapes.contexts=512",
+    "--config.shapes.layers=1",
+    "--config.shapes.steps=4",
+    "--config.shapes.bin_size=256",
+    "--config.runs=1",
+    "--config.hardware=h200",
+    "--config.trained.rollout.prompts_per_step=1",
+    "--config.trained.rollout.group_size=2",
+    "--config.trained.rollout.max_new_tokens=24",
+    f"--config.record={path}",
+  ).stdout
+  record = json.load(open(path))
+  rows = record["results"]["rows"]
+  settings = ["dense", "dense again", "sparse", "speculate2", "speculate4", "auto"]
+  assert [r["setting"] for r in rows] == settings * 2
+  assert [r["context"] for r in rows] == [512] * 6 + ["trained"] * 6
+  for row in rows:
+    assert f"{row['setting']:11s} {row['tokens_per_s']:8.1f} tok/s" in out
+  assert all("plan_k_bin" in r for r in rows if r["setting"] == "auto")
+  page = load_file("docs/make_results_pages.py").speculative_rollout_page([record])
+  assert page.count("never slower than dense") == 2
 
 
 def test_bench_train_step_times_both_settings_and_writes_its_record(tmp_path):

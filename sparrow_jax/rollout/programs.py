@@ -152,6 +152,7 @@ def speculative_chunk(
     sparse, budget, None if budget is None else budget.max_selected
   )
   verify_fn = policy.pool_verify_attention_fn()
+  dense_fn = policy.pool_decode_attention_fn(None, None, None)
   s0, k, C, Z = slots, draft, draft + 1, pool.page_size
   pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
   eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
@@ -218,8 +219,12 @@ def speculative_chunk(
       drafting = jax.lax.fori_loop(0, drafts_run, draft_step, drafting)
     pool, _, drafts_Sk, logq_SkV, read = drafting
     layers = page_pool.layer_views(pool, table, length, active)
-    tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
-    logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
+    if k:
+      tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
+      logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
+    else:  # a program of dense rounds: each a dense decode step, which appends x_0 as it does
+      logits_SV, layers = qwen3.decode_step(params, s["token"], cfg, layers, attention_fn=dense_fn)
+      logits_SCV = logits_SV[:, None]
     logp_SCV = sampler.sampled_logp(
       logits_SCV.reshape(S * C, V), sampling.temperature, sampling.top_p, sampling.top_k
     ).reshape(S, C, V)
@@ -233,7 +238,8 @@ def speculative_chunk(
     m_S = jnp.minimum(jnp.minimum(n_acc_S + 1, first_eos_S + 1), s["max_new"] - s["n_gen"])
     m_S = jnp.where(active, m_S, 0)
     keep_S = jnp.where(active, n_acc_S + 1, 0)
-    layers = tuple(x.write_span(kv[0], kv[1], length, keep_S) for x, kv in zip(layers, new_kv))
+    if k:  # the cache keeps x_0 and the accepted drafts, as dense decoding of them leaves it
+      layers = tuple(x.write_span(kv[0], kv[1], length, keep_S) for x, kv in zip(layers, new_kv))
     pool = page_pool.from_layers(pool, layers)
     cols_SC = jnp.where(
       c_C[None] < m_S[:, None], (s["n_gen"] - s0["n_gen"])[:, None] + c_C[None], W

@@ -88,11 +88,13 @@ def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C, drafts=None):
   u_k = jax.vmap(jax.random.uniform)(keys[1][:k])
   take = lambda logp_XV, x_X: jnp.take_along_axis(logp_XV, x_X[:, None], axis=1)[:, 0]
   n = n_accepted(u_k, take(logp_p_CV[:k], draft_k), take(logq_kV, draft_k), drafts)
-  # After all drafts accepted the bonus is drawn from p_n: the residual against q = 0.
-  logq_V = jnp.full(logp_p_CV.shape[1:], -jnp.inf)
+  # After all drafts accepted the bonus is drawn from p_n itself (a dense step's draw), at a
+  # rejection from the residual against q_n.
+  fix_V = logp_p_CV[n]
   if k:
-    logq_V = jnp.where(n < drafts, logq_kV[jnp.minimum(n, k - 1)], logq_V)
-  fix = jax.random.categorical(keys[2][n], residual_logits(logp_p_CV[n], logq_V))
+    residual_V = residual_logits(fix_V, logq_kV[jnp.minimum(n, k - 1)])
+    fix_V = jnp.where(n < drafts, residual_V, fix_V)
+  fix = jax.random.categorical(keys[2][n], fix_V)
   fix = fix.astype(jnp.int32)
   C = k + 1
   tokens_C = jnp.where(jnp.arange(C) < n, jnp.pad(draft_k, (0, 1)), fix)

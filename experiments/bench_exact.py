@@ -1,0 +1,286 @@
+"""Exact mode (sparse drafts, dense verify) beside dense and lossy sparse decoding, with fixed draft
+counts and with the regime switch (`rollout.speculate = "auto"`), tokens/s side by side in one run.
+
+  python experiments/bench_exact.py --config=configs/bench_exact.py \\
+      [--config.record=docs/results/speculative_rollout.json]
+
+(1) Long context, random model: the engine's own decode programs over one page pool (the same rows
+and pages for every setting), a Qwen3-1.7B-shaped model cut to `shapes.layers` layers with random
+weights, rows at a fixed context of random cached keys (bench_rollout (b)'s cache). A timed call is
+one chunk of `steps` tokens (dense, sparse) or of the rounds that draft as many (exact mode); the
+calls are interleaved and a cell is the median over `runs` after a warm-up call. dense: every
+layer reads every cached page; sparse: the paper's tau table (lossy: rows are the sparse policy's);
+speculateK: K sparse drafts and one dense verification pass a round; auto: the regime switch's
+plan, priced by `cost_model.draft_plan` on this machine's measured roofline at the drafts' mean
+acceptance measured at this context (the speculateK rows' judged drafts, as the trainer measures
+acceptance before it plans), then run as the engine runs it (a chunk with no drafts runs the
+dense-round program).
+
+(2) A trained model at its own context: the shipped tiny model on its task's prompts (the default
+job's prompts, group size and cutoff), whole rollouts through `engine.run` (prefill, decode, refill)
+for dense, sparse (its calibrated table), speculateK and auto, interleaved, median over `runs`.
+auto's plan comes from the drafts' mean acceptance per position bin measured on the speculateK
+rollout (`Rollout.alpha`), priced as in (1). Exact rows are dense samples and sparse ones are not,
+so the settings' rows have different lengths: tokens/s counts each setting's own tokens.
+
+Every ratio is measured in this run. `record` writes a results record, from which
+docs/make_results_pages.py makes docs/results/speculative_rollout.md.
+"""
+
+import dataclasses
+import functools
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+from experiments.bench_rollout import median_seconds, model_config
+import sparrow_jax as sj
+from sparrow_jax import records
+from sparrow_jax.attention import page_pool, paged_cache
+from sparrow_jax.mismatch import calibrate, cost_model
+from sparrow_jax.model import qwen3
+from sparrow_jax.rl import run_config
+from sparrow_jax.rollout import engine, programs, sampler
+from sparrow_jax.sparsity.schedule import DraftPlan, KVSchedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.partial(jax.jit, static_argnames=("page_score",), donate_argnames=("k", "v", "s"))
+def _fill_pool_layer(k, v, s, key, *, page_score):
+  """One layer of a pool filled with random keys and values (unit normal, as bench_rollout (b)'s
+  cache) on every page, and their page summaries."""
+  key_k, key_v = jax.random.split(key)
+  k = jax.random.normal(key_k, k.shape, jnp.float32).astype(k.dtype)
+  v = jax.random.normal(key_v, v.shape, jnp.float32).astype(v.dtype)
+  return k, v, paged_cache.page_score_fns(page_score).summary(k).astype(s.dtype)
+
+
+def filled_pool(cfg, pages: int, page_size: int, key):
+  pool = page_pool.init_pool(cfg, pages, page_size)
+  layers = [
+    _fill_pool_layer(k, v, s, jax.random.fold_in(key, i), page_score=pool.page_score)
+    for i, (k, v, s) in enumerate(zip(pool.k_stored, pool.v_stored, pool.summaries))
+  ]
+  names = ("k_stored", "v_stored", "summaries")
+  return pool.replace(**{n: tuple(x[j] for x in layers) for j, n in enumerate(names)})
+
+
+def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware) -> DraftPlan:
+  """The regime switch's plan for measured per-bin acceptances (cost_model.draft_plan)."""
+  kw = dict(bin_size=bin_size, ks=ks, rows=rows, hardware=hardware)
+  return cost_model.draft_plan(cfg, schedule, sparse, alpha_bin, **kw)
+
+
+def _row(setting, seconds, tokens, count=None, plan=None) -> dict:
+  tokens = int(tokens)
+  row = dict(setting=setting, seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds)
+  if count is not None:
+    emitted, rounds = int(np.sum(count["emitted"])), int(np.sum(count["rounds"]))
+    judged, accepted = int(np.sum(count["judged"])), int(np.sum(count["accepted"]))
+    row["accepted_per_round"] = emitted / max(rounds, 1)
+    row["draft_acceptance"] = accepted / judged if judged else None
+  if plan is not None:
+    row["plan_k_bin"] = list(plan.k_bin)
+  return row
+
+
+def _ratios(rows) -> list:
+  dense = rows[0]["tokens_per_s"]
+  for row in rows:
+    row["vs_dense"] = float(row["tokens_per_s"] / dense)
+  return rows
+
+
+def _print(label, rows):
+  for row in rows:
+    extra = ""
+    if row.get("accepted_per_round") is not None:
+      extra += f"  accepted/round {row['accepted_per_round']:.2f}"
+    if "plan_k_bin" in row:
+      extra += f"  plan {row['plan_k_bin']}"
+    print(
+      f"  {label:>8}  {row['setting']:11s} {row['tokens_per_s']:8.1f} tok/s"
+      f"  {row['vs_dense']:.2f}x dense{extra}",
+      flush=True,
+    )
+
+
+def bench_shapes(config, hardware) -> list:
+  """(1): the settings at each context of the random long-context model."""
+  e = config.shapes
+  cfg = model_config(e.layers, e.vocab_size)
+  params = qwen3.init_params(cfg, jax.random.PRNGKey(0))
+  sparse = sj.SparseConfig(page_size=16, dense_layers=e.dense_layers)
+  sampling = sampler.Sampling(temperature=config.temperature)
+  B, Z, T, K = config.batch, sparse.page_size, e.steps, max(config.drafts)
+  schedule = KVSchedule.paper("qwen3-1.7b", tau=e.tau)
+  out = []
+  print(f"(1) {cfg.num_hidden_layers} layers of qwen3-1.7b, random weights, batch {B}, {T} tokens")
+  for context in e.contexts:
+    PR = -(-(context + T + K + 2) // Z)
+    state = {"pool": filled_pool(cfg, B * PR + 1, Z, jax.random.PRNGKey(1))}
+    slots = dict(
+      token=np.ones(B, np.int32),
+      length=np.full(B, context, np.int32),
+      n_gen=np.ones(B, np.int32),
+      max_new=np.full(B, 10 * T, np.int32),
+      row=np.arange(B, dtype=np.int32),
+      active=np.ones(B, bool),
+      page_table=np.arange(1, B * PR + 1, dtype=np.int32).reshape(B, PR),
+    )
+    budget = engine._budget(schedule, sparse, PR * Z)
+    got = {}
+
+    def chunk(name, k, budget=budget, speculative=True):
+      def call():
+        key = jax.random.PRNGKey(2)
+        dense = name.startswith("dense")
+        kw = dict(cfg=cfg, sparse=None if dense else sparse, sampling=sampling)
+        pool, params_, bud = state["pool"], params, None if dense else budget
+        if speculative:
+          rounds = -(-T // (k + 1))
+          res = programs.speculative_chunk(
+            params_, None, pool, bud, key, slots, rounds=rounds, draft=k, **kw
+          )
+          got[name] = (res[1]["n_gen"] - 1, res[2]["alpha"], res[4])
+        else:
+          res = programs.decode_chunk(params_, None, pool, bud, key, slots, steps=T, **kw)
+          got[name] = (res[1]["n_gen"] - 1, None, None)
+        state["pool"] = res[0]
+        jax.block_until_ready(res[1]["n_gen"])
+
+      return call
+
+    names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
+    calls = [chunk(n, 0, speculative=False) for n in names[:3]]
+    calls += [chunk(f"speculate{k}", k) for k in config.drafts]
+    # The acceptance the plan is priced at: the speculate runs' judged drafts, measured first.
+    for call in calls[3:]:
+      call()
+    alpha = np.concatenate([np.asarray(got[n][1]).ravel() for n in names[3:]])
+    alpha = float(np.nanmean(alpha))
+    num_bins = context // e.bin_size + 1
+    plan = priced_plan(
+      cfg, schedule, sparse, [alpha] * num_bins, e.bin_size, tuple(config.drafts), B, hardware
+    )
+    by_len = np.minimum(plan.k_by_len(PR * Z), K)
+    drafts = bool(np.any(by_len[context : context + T]))  # the engine's choice of program
+    auto_budget = budget.replace(draft_by_len=jnp.asarray(by_len))
+    names.append("auto")
+    calls.append(chunk("auto", K if drafts else 0, budget=auto_budget))
+    seconds = median_seconds(calls, config.runs)
+    rows = []
+    for name, sec in zip(names, seconds):
+      tokens, _, count = got[name]
+      rows.append(
+        _row(name, sec, np.sum(tokens), count, plan if name == "auto" else None)
+        | dict(context=context)
+      )
+    rows[-1]["measured_alpha"] = alpha
+    _print(str(context), _ratios(rows))
+    out += rows
+    state.clear()  # the pool goes before the next context's is made
+  return out
+
+
+def bench_trained(config, hardware) -> list:
+  """(2): whole rollouts of the shipped tiny model on its own task's prompts."""
+  c = config.trained
+  task = run_config.make_task(c)
+  cfg, params, tokenizer = run_config.load_model(c, task)
+  sparse = run_config.sparse_config(c)
+  schedule = KVSchedule.parse(c.rollout.schedule, c.rollout.page_size)
+  sampling = run_config.sampling(c, tokenizer)
+  r = c.rollout
+  problems = task.sample(r.prompts_per_step, 0)
+  ids = [tokenizer.encode(p.prompt) for p in problems for _ in range(r.group_size)]
+  prompt, prompt_len = calibrate.pad_prompts(ids, tokenizer.pad_id)
+  requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, r.group_size)
+  rows_per_device = len(prompt_len)
+  K = max(config.drafts)
+  base = run_config.engine_config(c, cfg, rows_per_device)
+  print(f"(2) {c.model.hf_dir}: {rows_per_device} rows of {r.max_new_tokens} tokens at most")
+  got = {}
+
+  def rollout(name, k=0, plan=None):
+    setting = dataclasses.replace(base, speculate=k, draft_switch=plan is not None)
+
+    def call():
+      out, stats = engine.run(
+        params,
+        cfg,
+        requests,
+        jax.random.PRNGKey(3),
+        engine=setting,
+        sampling=sampling,
+        sparse=None if name.startswith("dense") else sparse,
+        schedule=None if name.startswith("dense") else schedule,
+        draft_plan=plan,
+      )
+      got[name] = (out, stats)
+
+    return call
+
+  names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
+  calls = [rollout(n) for n in names[:3]]
+  calls += [rollout(f"speculate{k}", k) for k in config.drafts]
+  calls[-1]()  # the largest k's rollout: the drafts' acceptance per bin the plan is priced at
+  out, _ = got[names[-1]]
+  alpha_BN = np.asarray(out.alpha, np.float64)
+  bins = (prompt_len[:, None] + np.arange(alpha_BN.shape[1])[None]) // c.stats.bin_size
+  alpha_bin = [
+    float(np.nanmean(alpha_BN[bins == b])) if np.any(~np.isnan(alpha_BN[bins == b])) else np.nan
+    for b in range(c.stats.num_bins)
+  ]
+  plan = priced_plan(
+    cfg,
+    schedule,
+    sparse,
+    alpha_bin,
+    c.stats.bin_size,
+    tuple(config.drafts),
+    base.num_slots,
+    hardware,
+  )
+  names.append("auto")
+  calls.append(rollout("auto", K, plan))
+  seconds = median_seconds(calls, config.runs)
+  rows = []
+  for name, sec in zip(names, seconds):
+    out, stats = got[name]
+    row = _row(name, sec, np.sum(out.lengths), None, plan if name == "auto" else None)
+    if stats.rounds:
+      row["accepted_per_round"] = stats.accepted_per_round
+      row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance
+    rows.append(row | dict(context="trained"))
+  rows[-1]["measured_alpha_bin"] = [None if np.isnan(a) else a for a in alpha_bin]
+  _print("trained", _ratios(rows))
+  return rows
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
+  config = flags.FLAGS.config
+  hardware = cost_model.get_hardware(config.hardware)
+  print(f"the switch prices rounds on {hardware.name}", flush=True)
+  rows = []
+  if config.shapes.contexts:
+    rows += bench_shapes(config, hardware)
+  if config.trained.enabled:
+    rows += bench_trained(config, hardware)
+  if config.record:
+    results = dict(config=config.to_dict(), hardware=dataclasses.asdict(hardware), rows=rows)
+    records.write_record(os.path.join(ROOT, config.record), results)
+    print(f"    record: {config.record}")
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: tests import scripts beside others that define --config.
+  config_flags.DEFINE_config_file("config", "configs/bench_exact.py", "experiment config")
+  app.run(main)
