@@ -13,8 +13,8 @@ layer reads every cached page; sparse: the paper's tau table (lossy: rows are th
 speculateK: K sparse drafts and one dense verification pass a round; auto: the regime switch's
 plan, priced by `cost_model.draft_plan` on this machine's measured roofline at the drafts' mean
 acceptance measured at this context (the speculateK rows' judged drafts, as the trainer measures
-acceptance before it plans), then run as the engine runs it (a chunk with no drafts runs the
-dense-round program).
+acceptance before it plans), then run as the engine runs it (a chunk runs the program of the
+most drafts its rounds take; none: the dense-round program).
 
 (2) A trained model at its own context: the shipped tiny model on its task's prompts (the default
 job's prompts, group size and cutoff), whole rollouts through `engine.run` (prefill, decode, refill)
@@ -45,7 +45,7 @@ from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import qwen3
 from sparrow_jax.rl import run_config
 from sparrow_jax.rollout import engine, programs, sampler
-from sparrow_jax.sparsity.schedule import DraftPlan, KVSchedule
+from sparrow_jax.sparsity.schedule import KVSchedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,10 +70,14 @@ def filled_pool(cfg, pages: int, page_size: int, key):
   return pool.replace(**{n: tuple(x[j] for x in layers) for j, n in enumerate(names)})
 
 
-def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware) -> DraftPlan:
-  """The regime switch's plan for measured per-bin acceptances (cost_model.draft_plan)."""
-  kw = dict(bin_size=bin_size, ks=ks, rows=rows, hardware=hardware)
-  return cost_model.draft_plan(cfg, schedule, sparse, alpha_bin, **kw)
+def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware, dense) -> tuple:
+  """The regime switch's plan for measured per-bin acceptances, as the trainer prices it: every
+  pass costs what a measured dense step (dense = (seconds per step, mean cached length)) takes
+  beyond the roofline (cost_model.pass_overhead, draft_plan) -> (plan, that overhead)."""
+  overhead = cost_model.pass_overhead(cfg, hardware, rows, dense[1], dense[0])
+  hw = dataclasses.replace(hardware, pass_overhead_s=overhead)
+  kw = dict(bin_size=bin_size, ks=ks, rows=rows, hardware=hw)
+  return cost_model.draft_plan(cfg, schedule, sparse, alpha_bin, **kw), overhead
 
 
 def _row(setting, seconds, tokens, count=None, plan=None) -> dict:
@@ -159,20 +163,24 @@ def bench_shapes(config, hardware) -> list:
     names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
     calls = [chunk(n, 0, speculative=False) for n in names[:3]]
     calls += [chunk(f"speculate{k}", k) for k in config.drafts]
-    # The acceptance the plan is priced at: the speculate runs' judged drafts, measured first.
+    # What the plan is priced at, measured first: the speculate runs' judged drafts' acceptance
+    # and a dense step's seconds.
+    dense_s = median_seconds(calls[:1], 1)[0] / T
     for call in calls[3:]:
       call()
     alpha = np.concatenate([np.asarray(got[n][1]).ravel() for n in names[3:]])
     alpha = float(np.nanmean(alpha))
     num_bins = context // e.bin_size + 1
-    plan = priced_plan(
-      cfg, schedule, sparse, [alpha] * num_bins, e.bin_size, tuple(config.drafts), B, hardware
+    ks = tuple(config.drafts)
+    alpha_bin = [alpha] * num_bins
+    plan, overhead = priced_plan(
+      cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, (dense_s, context)
     )
     by_len = np.minimum(plan.k_by_len(PR * Z), K)
-    drafts = bool(np.any(by_len[context : context + T]))  # the engine's choice of program
+    draft = int(by_len[context : context + T].max())  # the engine's choice of program
     auto_budget = budget.replace(draft_by_len=jnp.asarray(by_len))
     names.append("auto")
-    calls.append(chunk("auto", K if drafts else 0, budget=auto_budget))
+    calls.append(chunk("auto", draft, budget=auto_budget))
     seconds = median_seconds(calls, config.runs)
     rows = []
     for name, sec in zip(names, seconds):
@@ -181,7 +189,7 @@ def bench_shapes(config, hardware) -> list:
         _row(name, sec, np.sum(tokens), count, plan if name == "auto" else None)
         | dict(context=context)
       )
-    rows[-1]["measured_alpha"] = alpha
+    rows[-1].update(measured_alpha=alpha, pass_overhead_s=overhead)
     _print(str(context), _ratios(rows))
     out += rows
     state.clear()  # the pool goes before the next context's is made
@@ -229,7 +237,11 @@ def bench_trained(config, hardware) -> list:
   names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
   calls = [rollout(n) for n in names[:3]]
   calls += [rollout(f"speculate{k}", k) for k in config.drafts]
-  calls[-1]()  # the largest k's rollout: the drafts' acceptance per bin the plan is priced at
+  # What the plan is priced at, measured first: a dense rollout's seconds per decode step, and
+  # the drafts' acceptance per bin on the largest k's rollout.
+  dense_s = median_seconds(calls[:1], 1)[0] / got["dense"][1].decode_steps
+  cached = float(np.mean(prompt_len + got["dense"][0].lengths / 2))
+  calls[-1]()
   out, _ = got[names[-1]]
   alpha_BN = np.asarray(out.alpha, np.float64)
   bins = (prompt_len[:, None] + np.arange(alpha_BN.shape[1])[None]) // c.stats.bin_size
@@ -237,7 +249,7 @@ def bench_trained(config, hardware) -> list:
     float(np.nanmean(alpha_BN[bins == b])) if np.any(~np.isnan(alpha_BN[bins == b])) else np.nan
     for b in range(c.stats.num_bins)
   ]
-  plan = priced_plan(
+  plan, overhead = priced_plan(
     cfg,
     schedule,
     sparse,
@@ -246,6 +258,7 @@ def bench_trained(config, hardware) -> list:
     tuple(config.drafts),
     base.num_slots,
     hardware,
+    (dense_s, cached),
   )
   names.append("auto")
   calls.append(rollout("auto", K, plan))
@@ -259,6 +272,7 @@ def bench_trained(config, hardware) -> list:
       row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance
     rows.append(row | dict(context="trained"))
   rows[-1]["measured_alpha_bin"] = [None if np.isnan(a) else a for a in alpha_bin]
+  rows[-1]["pass_overhead_s"] = overhead
   _print("trained", _ratios(rows))
   return rows
 

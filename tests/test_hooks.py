@@ -99,20 +99,27 @@ def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes
   np.testing.assert_array_equal(hook.metrics(output(0, first))["rollout/draft_k_bin"], [0] * n)
   mean = [0.2, 0.5, np.nan, 0.9, 0.99, 0.999, 0.95][:n]
   count = [10, 10, 0, 10, 10, 10, 10][:n]
-  hook.end_step(output(0, first), {"acceptance/mean_bin": mean, "acceptance/count_bin": count})
+  step = {"acceptance/mean_bin": mean, "acceptance/count_bin": count}
+  # a dense step as fast as the roofline: no pass overhead
+  hook.end_step(dataclasses.replace(output(0, first), rollout_s=1e-9), step)
   plan = hook.for_step(1).drafts
   kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
   sparse = run_config.sparse_config(c)
   assert plan == cost_model.draft_plan(cfg, first.schedule, sparse, mean, **kw)
   assert plan.k_bin[2] == 0 and max(plan.k_bin) > 0  # an empty bin stays dense
   # a bin with no tokens keeps its last acceptance
-  hook.end_step(
-    output(1, first), {"acceptance/mean_bin": [0.0] * n, "acceptance/count_bin": [0] * n}
-  )
+  empty = {"acceptance/mean_bin": [0.0] * n, "acceptance/count_bin": [0] * n}
+  hook.end_step(output(1, hook.for_step(1)), empty)  # a drafting step: no overhead measured
   assert hook.for_step(2).drafts == plan
   resumed, _ = budgets(c)
   resumed.restore(json.loads(json.dumps(hook.meta(), allow_nan=False)))
   assert resumed.for_step(2).drafts == plan
+  # A dense step of 0.2 s a decode step (output's 2 s over 10 steps) prices every pass with the
+  # 0.2 s the roofline leaves unexplained: a round of k + 1 passes no longer pays anywhere.
+  slow, _ = budgets(c)
+  slow.end_step(output(0, first), step)
+  assert slow.meta()["drafts"]["pass_overhead_s"] == pytest.approx(0.2, rel=1e-3)
+  assert slow.for_step(1).drafts.k_bin == (0,) * n
 
 
 def test_kv_metrics_price_the_steps_rollouts():

@@ -63,6 +63,10 @@ class Hardware:
   peak_flops: float  # dense matmul FLOP/s at the rollout dtype
   mem_bandwidth: float  # memory bytes/s
   dtype_bytes: int = 2  # bytes per KV element at that dtype (bf16)
+  # Seconds each forward pass costs beyond its roofline (dispatch, sampling, bookkeeping): 0 in
+  # the published specs; measured for one model on one machine by `pass_overhead`, where a small
+  # model's passes are bound by it rather than by FLOPs or bytes.
+  pass_overhead_s: float = 0.0
 
   @property
   def intensity(self) -> float:
@@ -507,7 +511,18 @@ def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_P, flops_P,
   n_params = param_count(cfg)
   flops_P = rows * (2 * n_params * queries_P + flops_P)
   bytes_P = hw.dtype_bytes * n_params + rows * bytes_P
-  return float(np.sum(np.maximum(flops_P / hw.peak_flops, bytes_P / hw.mem_bandwidth)))
+  roofline = np.sum(np.maximum(flops_P / hw.peak_flops, bytes_P / hw.mem_bandwidth))
+  return float(roofline + len(queries_P) * hw.pass_overhead_s)
+
+
+def pass_overhead(model, hardware, rows: float, cached_len: float, measured_step_s: float) -> float:
+  """A forward pass's seconds beyond the roofline: a measured dense decode step of `rows` rows at
+  `cached_len` cached tokens less what `hardware`'s roofline prices it at (>= 0)."""
+  hw = dataclasses.replace(get_hardware(hardware), pass_overhead_s=0.0)
+  predicted = rows / roofline_round_rate(
+    model, None, cached_len, k=0, alpha=1.0, rows=rows, hardware=hw
+  )
+  return max(float(measured_step_s) - predicted, 0.0)
 
 
 def alpha_by_length(alpha_bin, cached_len, page_size: int, bin_size: int):

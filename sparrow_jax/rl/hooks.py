@@ -125,7 +125,7 @@ class Budgets(Hook):
     if self.loop:  # the next step's table, a function of this step's tail: a resume replays it
       self.loop.advance(metrics)
     if self.switch:
-      self.switch.advance(metrics)
+      self.switch.advance(out, metrics)
 
   def meta(self) -> dict:
     meta = {"adaptive": self.loop.meta()} if self.loop else {}
@@ -145,7 +145,9 @@ class _DraftSwitch:
   drafts. That acceptance is the train step's exact alpha (acceptance/mean_bin: dense p against the
   sparse actor q on the rollout's dense samples), measured in every bin whatever ran there, so a
   dense bin can switch to drafting. A bin not yet measured decodes densely: the first step is
-  dense decoding, never slower than it."""
+  dense decoding, never slower than it. A step decoded densely throughout also measures what a
+  forward pass costs beyond the roofline (cost_model.pass_overhead: its seconds per decode step),
+  which the later steps' prices add to every pass: a small model's passes are bound by it."""
 
   def __init__(self, c, cfg, sparse, rows: int):
     self.cfg, self.sparse, self.rows = cfg, sparse, rows
@@ -157,17 +159,28 @@ class _DraftSwitch:
     kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
     return cost_model.draft_plan(self.cfg, schedule, self.sparse, self.alpha, **kw)
 
-  def advance(self, metrics: dict) -> None:
-    """The step's mean acceptance per bin replaces the last where the bin had tokens."""
+  def advance(self, out: StepOutput, metrics: dict) -> None:
+    """The step's mean acceptance per bin replaces the last where the bin had tokens; a dense
+    step's decode time sets the pass overhead."""
     count = np.asarray(metrics["acceptance/count_bin"])
     mean = np.asarray(metrics["acceptance/mean_bin"], np.float64)
     self.alpha = [float(m) if n else a for a, m, n in zip(self.alpha, mean, count)]
+    steps = out.engine_stats.decode_steps
+    if not any(out.budget.drafts.k_bin) and steps:
+      cached = float(np.mean(out.prompt_len_B + out.lengths_B / 2))
+      overhead = cost_model.pass_overhead(
+        self.cfg, self.hardware, self.rows, cached, out.rollout_s / steps
+      )
+      self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
 
   def meta(self) -> dict:  # strict JSON: an unmeasured bin is null
-    return {"alpha": [None if np.isnan(a) else a for a in self.alpha]}
+    alpha = [None if np.isnan(a) else a for a in self.alpha]
+    return {"alpha": alpha, "pass_overhead_s": self.hardware.pass_overhead_s}
 
   def restore(self, meta: dict) -> None:
     self.alpha = [float("nan") if a is None else float(a) for a in meta["alpha"]]
+    overhead = meta["pass_overhead_s"]
+    self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
 
 
 class _ClosedLoop:

@@ -66,6 +66,13 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
+def _most_of_processes(n: int) -> int:
+  """The largest of every process's n: every process then runs the same program."""
+  if jax.process_count() == 1:
+    return n
+  return int(np.max(multihost_utils.process_allgather(np.asarray(n))))
+
+
 def _budget(schedule, sparse, max_len: int) -> BudgetTable:
   """The BudgetTable over cached lengths 0..max_len of a schedule, or a BudgetTable built once by
   the caller (the trainer's, one cap for all its stages) as it is; its max_selected set (from the
@@ -109,8 +116,8 @@ class _Programs:
   sparse: Optional[SparseConfig]
   budget: Optional[BudgetTable]
   steps: int
-  speculate: int  # draft tokens per round (exact mode), 0: off
-  rounds: int  # exact mode's rounds per chunk
+  speculate: int  # draft tokens per round (exact mode; the most, with the regime switch), 0: off
+  rounds_of: Any  # exact mode's rounds per chunk of a draft count (EngineConfig.rounds_of)
   shards: int  # the pool's shards, every process's
   local: int  # this process's
   rows_sh: Any  # the rows' sharding on a mesh, else None
@@ -150,18 +157,17 @@ class _Programs:
   def copy(self, pool, pairs):
     return programs.copy_pages(pool, self.to_global(pairs[0]), self.to_global(pairs[1]))
 
-  def decode(self, pool, slots, drafts: bool = True):
+  def decode(self, pool, slots, draft: int):
     """One chunk -> (pool, host outputs, n_gen and active after it, steps (rounds) run, and
-    exact mode's per-slot counters, else None). drafts=False: exact mode's chunk of dense rounds
-    (no row drafts in it)."""
+    exact mode's per-slot counters, else None). draft: the most drafts a round of an exact-mode
+    chunk runs (0: dense rounds only)."""
     args = (*self.split, pool, self.budget, self.key)
     args += ({k: self.to_global(v) for k, v in slots.items()},)
     kw = dict(cfg=self.cfg, sparse=self.sparse, sampling=self.sampling)
     count = None
     if self.speculate:
-      draft, rounds = (self.speculate, self.rounds) if drafts else (0, self.steps)
       pool, after, out, steps_run, count = programs.speculative_chunk(
-        *args, rounds=rounds, draft=draft, **kw
+        *args, rounds=self.rounds_of(draft), draft=draft, **kw
       )
       count = {k: self.to_local(v) for k, v in count.items()}
     else:
@@ -229,7 +235,7 @@ def run(
     budget=budget,
     steps=engine.chunk_steps,
     speculate=engine.speculate,
-    rounds=engine.chunk_rounds,
+    rounds_of=engine.rounds_of,
   )
   sched = scheduler.Scheduler(engine, requests, Z, progs.local, order, sampling.eos_ids)
   while True:
@@ -248,8 +254,10 @@ def run(
     sched.grow()
     width = sched.width(not engine.drain_slots or _any_process(sched.wants_all_slots()))
     slots, at = sched.chunk_inputs(width)
-    drafts = draft_by_len is None or _any_process(sched.drafts_ahead(draft_by_len))
-    pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, drafts)
+    draft = engine.speculate
+    if draft_by_len is not None:
+      draft = _most_of_processes(sched.drafts_ahead(draft_by_len))
+    pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
   return _rollout(sched, sampling), sched.stats
 

@@ -43,8 +43,9 @@ class EngineConfig:
   # runs chunk_steps // (speculate + 1) rounds (at least one). 0: off (rows sampled as decoded).
   speculate: int = 0
   # Exact mode's regime switch (`engine.run`'s draft_plan): each row-round drafts the plan's k at
-  # its cached length (at most speculate; 0: one dense step), and a chunk in which no row drafts
-  # runs chunk_steps dense rounds instead (a second compiled program, built on first use).
+  # its cached length (at most speculate; 0: one dense step), and each chunk runs the program of
+  # the most drafts a round of it can run (one compiled program per draft count, built on first
+  # use; 0: chunk_steps dense rounds).
   draft_switch: bool = False
 
   def __post_init__(self):
@@ -70,12 +71,18 @@ class EngineConfig:
   @property
   def chunk_rounds(self) -> int:
     """Speculative rounds per chunk."""
-    return max(self.chunk_steps // (self.speculate + 1), 1)
+    return self.rounds_of(self.speculate)
+
+  def rounds_of(self, draft: int) -> int:
+    """Rounds of `draft` drafts per chunk (dense rounds, draft 0: chunk_steps)."""
+    return max(self.chunk_steps // (draft + 1), 1)
 
   @property
   def chunk_tokens(self) -> int:
     """The most positions a row's chunk writes past its cache (and tokens it may advance)."""
-    if self.speculate and not self.draft_switch:
+    if self.draft_switch:  # dense rounds, or fewer drafts: at most this (rounds_of)
+      return max(self.chunk_steps, self.speculate + 1)
+    if self.speculate:
       return self.chunk_rounds * (self.speculate + 1)
     return self.chunk_steps
 
@@ -484,15 +491,15 @@ class Scheduler:
     self.compact(self.engine.drain_slots)
     return self.engine.drain_slots
 
-  def drafts_ahead(self, draft_by_len: np.ndarray) -> bool:
-    """Whether a running row may draft in its next chunk (exact mode's regime switch): a round
-    starting at any of the next chunk_steps cached lengths drafts by draft_by_len."""
-    last = len(draft_by_len) - 1
+  def drafts_ahead(self, draft_by_len: np.ndarray) -> int:
+    """The most drafts a running row's round may run in the next chunk (exact mode's regime
+    switch): a chunk's rounds start within a row's next chunk_steps cached lengths."""
+    last, most = len(draft_by_len) - 1, 0
     for r in self.running():
-      length = r.prompt_len + len(r.tokens) - 1
-      if np.any(draft_by_len[min(length, last) : min(length + self.engine.chunk_steps, last + 1)]):
-        return True
-    return False
+      length = min(r.prompt_len + len(r.tokens) - 1, last)
+      window = draft_by_len[length : min(length + self.engine.chunk_steps, last + 1)]
+      most = max(most, int(window.max()))
+    return most
 
   def chunk_inputs(self, width: int) -> tuple:
     """The first `width` slots of every shard as the decode-chunk program takes them: dict of
