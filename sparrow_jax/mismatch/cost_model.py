@@ -63,9 +63,9 @@ class Hardware:
   peak_flops: float  # dense matmul FLOP/s at the rollout dtype
   mem_bandwidth: float  # memory bytes/s
   dtype_bytes: int = 2  # bytes per KV element at that dtype (bf16)
-  # Seconds each forward pass costs beyond its roofline (dispatch, sampling, bookkeeping): 0 in
-  # the published specs; measured for one model on one machine by `pass_overhead`, where a small
-  # model's passes are bound by it rather than by FLOPs or bytes.
+  # Seconds each query position of a forward pass costs beyond its roofline (dispatch, sampling,
+  # bookkeeping): 0 in the published specs; measured for one model on one machine by
+  # `pass_overhead`, where a small model's passes are bound by it rather than by FLOPs or bytes.
   pass_overhead_s: float = 0.0
 
   @property
@@ -512,7 +512,9 @@ def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_P, flops_P,
   flops_P = rows * (2 * n_params * queries_P + flops_P)
   bytes_P = hw.dtype_bytes * n_params + rows * bytes_P
   roofline = np.sum(np.maximum(flops_P / hw.peak_flops, bytes_P / hw.mem_bandwidth))
-  return float(roofline + len(queries_P) * hw.pass_overhead_s)
+  # the overhead comes with every query position (a verification's k + 1 positions each sample,
+  # test and write as a decode step's one does)
+  return float(roofline + np.sum(queries_P) * hw.pass_overhead_s)
 
 
 def pass_overhead(model, hardware, rows: float, cached_len: float, measured_step_s: float) -> float:
