@@ -1,4 +1,5 @@
-"""Exact mode on the embedded default job: configs/default.py with `rollout.speculate = 4`, so
+"""Exact mode on the embedded default job (configs/default.py, whose `rollout.speculate = 4` it
+states again for the training test written before its runs), so
 every rollout is the dense policy's own sample (the sparse actor, quest's tau-0.86 table and the
 DistillSparse LoRA, drafts 4 tokens a round; the dense policy verifies them in one pass) while the
 drafts still read the sparse budget. docs/rollout_engine.md has the round and the training test.

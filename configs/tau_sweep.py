@@ -68,6 +68,7 @@ def get_config():
   c.train.rollout.page_score = (
     "mean"  # `surface` is the mean-key centroids' (quest runs set theirs)
   )
+  c.train.rollout.speculate = 0  # the sweep studies lossy rollouts: rows are the sparse actor's
 
   # Held-out score of each run's exported policy (<workdir>/hf): experiments/evaluate.py, dense,
   # on the run's task and max_new_tokens, written to <workdir>/eval.json.

@@ -37,7 +37,9 @@ def test_run_logs_tensorboard_curves(small_run):
 
 
 def config(**changes):
-  """The default config with changes given as group__field=value."""
+  """The default config with changes given as group__field=value, its rollouts lossy sparse (the
+  path most tests here check; exact mode's own tests set rollout__speculate)."""
+  changes = {"rollout__speculate": 0, **changes}
   c = default.get_config()
   for dotted, value in changes.items():
     node = c
