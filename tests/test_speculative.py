@@ -452,17 +452,16 @@ def test_a_speculative_training_step_logs_dense_rollouts(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_speculation_starts_dense_and_drafts_where_the_acceptance_pays(tmp_path):
+def test_auto_speculation_starts_dense_and_stays_exact(tmp_path):
   """rollout.speculate = "auto" through the trainer: the first step decodes densely (nothing
-  measured), later steps draft in the bins the roofline prices faster, and every step's rollouts
-  stay the dense policy's (TIS weights 1)."""
+  measured), every step logs the drafts per bin it ran (a later step's follow the hooks' pricing,
+  tests/test_hooks.py; on this CPU the tiny model's measured pass overhead keeps them dense), and
+  every step's rollouts stay the dense policy's (TIS weights 1)."""
   from sparrow_jax.rl import trainer
   from tests.test_trainer import small
 
-  c = small(tmp_path / "run", total_steps=3, rollout__speculate="auto")
-  c.rollout.speculate_hardware = "tpu_v5e"  # bandwidth-bound: drafting pays at high acceptance
-  rows = trainer.train(c)
+  rows = trainer.train(small(tmp_path / "run", total_steps=3, rollout__speculate="auto"))
   assert not np.any(rows[0]["rollout/draft_k_bin"])
-  assert np.any(rows[1]["rollout/draft_k_bin"]) and rows[1]["rollout/accepted_per_round"] > 1
   for row in rows:
+    assert len(row["rollout/draft_k_bin"]) == len(rows[0]["rollout/draft_k_bin"])
     assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["tis/weight_min"] > 1 - 1e-2
