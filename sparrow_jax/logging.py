@@ -1,4 +1,4 @@
-"""Metrics out: TensorBoard (tensorboardX writer) and a metrics.jsonl that notebooks can read.
+"""Metrics out: TensorBoard (tensorboardX event files) and a metrics.jsonl that notebooks can read.
 
 Nothing a kill can tear: the JSONL logs (APPEND_ONLY) are only appended to (a torn last line, a
 write the kill cut, is dropped when the run resumes), and whole files are replaced atomically
@@ -13,10 +13,12 @@ events go through epath (`_EpathRecordWriter`).
 import io
 import json
 import os
+import time
 
 from etils import epath
 import numpy as np
-from tensorboardX import SummaryWriter, record_writer
+from tensorboardX import event_file_writer, record_writer, summary
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 
 
 def is_local(path: str) -> bool:
@@ -45,29 +47,35 @@ class MetricsLogger:
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     for name in APPEND_ONLY:
       _drop_rows_after(os.path.join(workdir, name), resume_step)
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.workdir, self.path = workdir, os.path.join(workdir, "metrics.jsonl")
     if not is_local(workdir):
       record_writer.register_writer_factory(workdir.split(":")[0], _EpathRecordWriterFactory())
-    self.writer = SummaryWriter(
+    self.writer = _Events(
       os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
     )
 
   def write(self, step: int, metrics: dict) -> None:
+    try:
+      self._write(step, metrics)
+    except OSError as e:  # a full disk's errno says neither what nor where
+      raise OSError(f"writing step {step}'s metrics to {self.workdir}: {e.strerror or e}") from None
+
+  def _write(self, step: int, metrics: dict) -> None:
     row = {"step": step}
     for name, value in metrics.items():
       if isinstance(value, str):
-        self.writer.add_text(name, value, step)
+        self.writer.add(summary.text(name, value), step)
         continue
       value = np.asarray(value)
       if name.endswith("histogram"):
         self._histogram(name, value, step)
       elif value.ndim == 0:
-        self.writer.add_scalar(name, float(value), step)
+        self.writer.add(summary.scalar(name, float(value)), step)
         row[name] = float(value) if np.isfinite(value) else None  # strict JSON: no NaN
       else:  # per position bin: one curve per bin, skipping empty (NaN) bins
         for i, v in enumerate(value.tolist()):
           if np.isfinite(v):
-            self.writer.add_scalar(f"{name}/{i:02d}", v, step)
+            self.writer.add(summary.scalar(f"{name}/{i:02d}", v), step)
         row[name] = [None if not np.isfinite(v) else v for v in value.tolist()]
     append_text(self.path, json.dumps(row, allow_nan=False) + "\n")
     self.writer.flush()
@@ -79,7 +87,7 @@ class MetricsLogger:
       return
     limits = np.linspace(0, 1, n + 1)[1:]
     centers = limits - 0.5 / n
-    self.writer.add_histogram_raw(
+    histogram = summary.histogram_raw(
       name,
       min=0.0,
       max=1.0,
@@ -88,11 +96,34 @@ class MetricsLogger:
       sum_squares=float((counts * centers**2).sum()),
       bucket_limits=limits.tolist(),
       bucket_counts=counts.tolist(),
-      global_step=step,
     )
+    self.writer.add(histogram, step)
 
   def close(self) -> None:
     self.writer.close()
+
+
+class _Events:
+  """A TensorBoard event file written in the calling thread, so that a write that fails (a full
+  disk) raises in the step that made it. tensorboardX's SummaryWriter writes from a thread of its
+  own, which such an error ends, and the next step then blocks forever on its full queue."""
+
+  def __init__(self, logdir: str, purge_step: int | None):
+    event_file_writer.directory_check(logdir)  # through epath's writer for a URL (as the files)
+    self.events = event_file_writer.EventsWriter(os.path.join(logdir, "events"))
+    if purge_step is not None:  # TensorBoard drops the events of earlier files from this step on
+      self.events.write_event(
+        Event(step=purge_step, session_log=SessionLog(status=SessionLog.START))
+      )
+
+  def add(self, summary_proto, step: int) -> None:
+    self.events.write_event(Event(summary=summary_proto, step=int(step), wall_time=time.time()))
+
+  def flush(self) -> None:
+    self.events.flush()
+
+  def close(self) -> None:
+    self.events.close()
 
 
 def _drop_rows_after(path: str, step: int) -> None:
@@ -149,6 +180,8 @@ def write_atomic(path: str, text: str) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+  except OSError as e:  # a full disk's errno says neither what nor where
+    raise OSError(f"writing {path}: {e.strerror or e}") from None
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)

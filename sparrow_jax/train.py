@@ -1,10 +1,10 @@
 """The main job: `python -m sparrow_jax.train --config=configs/default.py [--config.FIELD=VALUE]`.
 
 Every error in the command line or the config (an unknown field, a value of the wrong type or out
-of range, a bad file or dataset, a workdir in use), a code sandbox that cannot be built, or a
-checkpoint write that fails (a full disk), ends the job with one line naming it on stderr and exit
-status 2; `--verbose` (or SPARROW_VERBOSE=1) shows the traceback instead, and the libraries' absl
-log lines, which are quiet by default.
+of range, a bad file or dataset, a workdir in use, sizes no device holds), a code sandbox that
+cannot be built, or a write that fails (a full disk: a checkpoint, the metrics), ends the job with
+one line naming it on stderr and exit status 2; `--verbose` (or SPARROW_VERBOSE=1) shows the
+traceback instead, and the libraries' absl log lines, which are quiet by default.
 SIGTERM saves a checkpoint at the end of the step under way and exits with status 0
 (rl/trainer.py `Preemption`).
 """

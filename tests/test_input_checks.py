@@ -4,16 +4,20 @@ int32. Each case goes through `trainer.train` up to the point where the train st
 (here replaced by a stop), so a check that does not fire fails the test at once, not after
 training into NaNs."""
 
+import errno
 import gzip
 import json
 import os
+import re
 import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from configs import default
 from sparrow_jax.rl import run_config, trainer
+from sparrow_jax.sparsity import schedule as schedule_lib
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
 
@@ -263,37 +267,131 @@ def test_task_file_damage_is_one_line_before_the_workdir(tmp_path, stop_before_s
   assert not work.exists()
 
 
-def test_a_pool_no_machine_holds_is_refused_before_the_workdir(tmp_path, stop_before_state):
-  work = tmp_path / "run"
-  with pytest.raises(
-    ValueError,
-    match=(
-      r"config\.rollout\.pool_gb = 1000000\.0 is invalid: a device needs at least 1e\+06 GB \(a KV "
-      r"pool of \d+ pages"
-    ),
-  ):
-    trainer.train(small(work, rollout__pool_gb=1e6))
-  assert not work.exists()
+DEVICE_GB = 4  # the device the size checks measure against, fixed: not this machine's memory
 
 
-def test_too_many_rollouts_for_the_device_are_refused_before_the_workdir(
-  tmp_path, stop_before_state, monkeypatch
+@pytest.fixture
+def device_of(monkeypatch):
+  monkeypatch.setattr(run_config, "device_memory_bytes", lambda device: DEVICE_GB * 10**9)
+  monkeypatch.setattr(run_config, "host_memory_bytes", lambda: 4 * DEVICE_GB * 10**9)
+
+
+# Every size a config scales: (changes to the small config, or to the shipped tiny model's
+# config.json; the one line). Unchecked, the rank passed every check and ended in
+# RESOURCE_EXHAUSTED building the state; a model too wide or deep for the device was read whole
+# before any size check (here, with only its config.json edited, its weights' shapes were refused
+# instead); the draft window, decode chunk, slots, bins and updates passed every check (to wasted
+# decoding, an int32 overflow in the step's trace, hours of compilation) and the evaluation's
+# problems were generated for hours; the rows, pool and batch were refused as a KV pool's size;
+# the page size and row length were checked already.
+GB = r"[\d.e+]+ GB"
+OVERSIZED = {
+  "lora_rank": (
+    {"distill__rank": 10**8},
+    None,
+    rf"config\.distill\.rank = 100000000 is invalid: the LoRA adapters and their Adam moments: "
+    rf"{GB}; a device needs at least {GB} \(the train step {GB} by XLA's memory analysis",
+  ),
+  "ffn_width": (
+    {},
+    {"intermediate_size": 10**7},
+    r"config\.model\.hf_dir = '.*' is invalid: the params and their Adam moments, of 2 layers, "
+    r"hidden_size 128, intermediate_size 10000000, vocab_size 210",
+  ),
+  "hidden_width": ({}, {"hidden_size": 10**6}, r"config\.model\.hf_dir = .* hidden_size 1000000"),
+  "vocab_width": ({}, {"vocab_size": 10**7}, r"config\.model\.hf_dir = .* vocab_size 10000000"),
+  "layers": ({}, {"num_hidden_layers": 10**5}, r"config\.model\.hf_dir = .* of 100000 layers"),
+  "rows": (
+    {"rollout__group_size": 10**6},
+    None,
+    r"config\.rollout\.prompts_per_step / group_size / max_prompt_len / max_new_tokens = "
+    r"\(4, 1000000, 64, 40\) is invalid: the step's batch, activations, gradients and logits "
+    r"chunks, of 4000000 rows a backward pass",
+  ),
+  "pool_gb": (
+    {"rollout__pool_gb": 1e6},
+    None,
+    rf"config\.rollout\.pool_gb = 1000000\.0 is invalid: a KV pool of \d+ pages: 1e\+06 GB; a "
+    rf"device needs at least {GB} .* more than this cpu device's {DEVICE_GB} GB",
+  ),
+  "prompts_per_step": (
+    {"rollout__prompts_per_step": 10**9},
+    None,
+    r"config\.rollout\.prompts_per_step = '1000000000 \(x group_size 4\)' is invalid: a device's "
+    r"4000000000 rows of max_prompt_len \+ max_new_tokens = 104 tokens take",
+  ),
+  "eval_problems": (
+    {"eval__every": 1, "eval__problems": 10**9},
+    None,
+    r"config\.eval\.problems = '1000000000 \(x eval\.samples 4\)' is invalid: 1000000000 "
+    r"problems x 4 samples of up to rollout\.max_prompt_len = 64 tokens take up to",
+  ),
+  "draft_window": (
+    {"rollout__speculate": 10**6},
+    None,
+    r"config\.rollout\.speculate = 1000000 is invalid: .* k \+ 1 <= rollout\.max_new_tokens "
+    r"\(40\)",
+  ),
+  "decode_chunk": (
+    {"rollout__chunk_steps": 10**6},
+    None,
+    r"config\.rollout\.chunk_steps = 1000000 is invalid: must be in \[1, rollout\.max_new_tokens "
+    r"= 40\]",
+  ),
+  "engine_slots": (
+    {"rollout__engine_slots": 10**6},
+    None,
+    r"config\.rollout\.engine_slots = 1000000 is invalid: must be at most the 16 rows a device "
+    r"decodes",
+  ),
+  "num_bins": (
+    {"stats__num_bins": 2**31 - 1},
+    None,
+    r"config\.stats\.num_bins = 2147483647 is invalid: must be at most the row length",
+  ),
+  "ppo_epochs": (
+    {"rl__ppo_epochs": 10**6},
+    None,
+    r"config\.rl\.ppo_epochs = 1000000 is invalid: ppo_epochs x num_minibatches = 1000000 "
+    r"updates a step must be <= 64",
+  ),
+  "page_size": (
+    {"rollout__page_size": 2**20},
+    None,
+    r"config\.stats\.bin_size = 16 is invalid: must be a positive multiple of "
+    r"rollout\.page_size \(1048576\)",
+  ),
+  "row_length": (
+    {"rollout__max_new_tokens": 10**6},
+    None,
+    r"config\.rollout\.max_prompt_len \+ max_new_tokens = 1000064 is invalid: must be <= the "
+    r"model's max_position_embeddings",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERSIZED))
+def test_oversized_sizes_are_one_line_before_the_workdir(
+  tmp_path, stop_before_state, device_of, name
 ):
-  """Every row's pages at full length (the default pool) against a device of 1 GB (the check's
-  source of the size, fixed here so the test does not depend on this machine's memory)."""
-  monkeypatch.setattr(run_config, "device_memory_bytes", lambda device: 10**9)
+  """On the tiny model, against a device of DEVICE_GB: the memory check compiles the step from
+  abstract inputs (XLA's numbers), before the weights are read."""
+  changes, model_fields, message = OVERSIZED[name]
   work = tmp_path / "run"
-  with pytest.raises(
-    ValueError,
-    match=(
-      r"config\.rollout\.prompts_per_step = '8192 \(x group_size 4\)' is invalid: a device needs "
-      r"at least [\d.]+ GB .* more than this cpu device's 1 GB"
-    ),
-  ):
-    trainer.train(small(work, rollout__prompts_per_step=8192))
+  if model_fields:
+    hf_dir = model_variant(str(tmp_path / "model"), "config.json", merged(**model_fields))
+    c = tiny_model_config(work, hf_dir)
+  else:
+    c = small(work, **changes)
+  with pytest.raises(ValueError, match=message) as raised:
+    trainer.train(c)
+  assert "\n" not in str(raised.value).strip()
   assert not work.exists()
-  with pytest.raises(_Reached):  # a step that fits passes
-    trainer.train(small(work, rollout__prompts_per_step=4))
+
+
+def test_a_step_that_fits_passes_the_size_checks(tmp_path, stop_before_state, device_of):
+  with pytest.raises(_Reached):
+    trainer.train(small(tmp_path / "run", rollout__prompts_per_step=4))
 
 
 @pytest.mark.parametrize(
@@ -319,3 +417,207 @@ def test_schedule_values_past_int32_are_refused(tmp_path, schedule, words):
     ValueError, match=rf"config\.rollout\.schedule = '.*schedule\.json': .*{words}"
   ):
     run_config.validate(config(workdir=str(tmp_path / "run"), rollout__schedule=str(path)))
+
+
+def numeric_fields(c) -> dict:
+  """{dotted field: value} of every number (or tuple of numbers) of config `c`."""
+  number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  return {
+    field: value
+    for field, value in run_config._flat(c.to_dict()).items()
+    if number(value) or (isinstance(value, tuple) and all(number(v) for v in value))
+  }
+
+
+# An out-of-range value of every numeric field of configs/default.py, each refused by the check
+# of the component that owns the field (train_step's RLConfig, DistillConfig, StatsConfig and
+# RolloutConfig, SparseConfig, Sampling, LoopConfig, EvalConfig, PointerChase) or of run_config.
+OUT_OF_RANGE = {
+  "ckpt_every": 0,
+  "distill.alpha": 0.0,
+  "distill.kl_coef": -1.0,
+  "distill.learning_rate": 0.0,
+  "distill.ppo_coef": -1.0,
+  "distill.rank": 0,
+  "distributed.num_processes": 0,
+  "distributed.process_id": -2,
+  "eval.completions": -1,
+  "eval.every": 41,
+  "eval.problems": -1,
+  "eval.samples": 0,
+  "eval.seed": -1,
+  "keep_checkpoints": 0,
+  "max_nonfinite_steps": 0,
+  "mesh.data": 0,
+  "mesh.fsdp": 0,
+  "mesh.tensor": 0,
+  "profile_steps": (3, 1),
+  "rl.dual_clip": 0.5,
+  "rl.entropy_coef": -0.01,
+  "rl.eps_high": -0.1,
+  "rl.eps_low": 1.0,
+  "rl.grpo_std_ddof": 2,
+  "rl.kl_coef": -1.0,
+  "rl.learning_rate": 0.0,
+  "rl.length_buckets": (4096,),
+  "rl.logits_chunk": 0,
+  "rl.mask_alpha_below": 1.5,
+  "rl.mask_row_alpha_below": -0.5,
+  "rl.max_grad_norm": 0.0,
+  "rl.micro_batches": 0,
+  "rl.num_minibatches": 0,
+  "rl.ppo_epochs": 0,
+  "rl.tis_cap": 0.5,
+  "rl.warmup_steps": -1,
+  "rl.weight_decay": -1.0,
+  "rollout.adaptive_headroom": 0.5,
+  "rollout.adaptive_lower": 1.5,
+  "rollout.adaptive_lower_share": 0.5,
+  "rollout.adaptive_min_tokens": 0,
+  "rollout.adaptive_raise": 1.0,
+  "rollout.adaptive_window": 0,
+  "rollout.chunk_steps": 0,
+  "rollout.dense_layers": -1,
+  "rollout.engine_slots": -1,
+  "rollout.group_size": 1,
+  "rollout.max_new_tokens": 0,
+  "rollout.max_prompt_len": 0,
+  "rollout.num_top_logprobs": -1,
+  "rollout.page_size": 12,
+  "rollout.pool_gb": -1.0,
+  "rollout.prompts_per_step": 0,
+  "rollout.speculate": -1,
+  "rollout.speculate_ks": (0,),
+  "rollout.temperature": 0.0,
+  "rollout.top_p": 0.5,
+  "seed": -1,
+  "stats.bin_size": 0,
+  "stats.num_bins": 0,
+  "stats.quantile": 60.0,
+  "stats.tau": 1.5,
+  "task.max_hops": 100,
+  "task.min_hops": 0,
+  "total_steps": 0,
+}
+
+
+def test_every_numeric_field_has_an_out_of_range_case():
+  """A field added to the config without a range check fails here until it has one (and a case)."""
+  assert set(numeric_fields(default.get_config())) == set(OUT_OF_RANGE)
+
+
+@pytest.mark.parametrize("field", sorted(OUT_OF_RANGE))
+def test_an_out_of_range_value_is_one_line_naming_its_field(tmp_path, field):
+  """The config checks that run before the model is read (validate, then the task's own)."""
+  c = config(workdir=str(tmp_path / "run"), **{field.replace(".", "__"): OUT_OF_RANGE[field]})
+  with pytest.raises(ValueError, match=rf"^config\.{re.escape(field)}\b") as raised:
+    run_config.validate(c)
+    run_config.make_task(c)
+  assert "\n" not in str(raised.value)
+
+
+# Each setting of exact mode, evaluation, length buckets and the workdir that cannot run, refused in
+# one line naming the field and what it may be. Unchecked, exact mode with dense rollouts and a
+# draft window past the rows ran (drafting nothing, or wasted drafts), an evaluation every 100
+# steps of a 40-step run never ran, and a bucket past the rows was dropped.
+SETTINGS = {
+  "speculate_with_dense_rollouts": (
+    {"rollout__speculate": 2, "rollout__sparse": False, "distill__enabled": False},
+    r"config\.rollout\.speculate = 2 is invalid: must be 0 with dense rollouts "
+    r"\(rollout\.sparse = False\)",
+  ),
+  "speculate_auto_with_dense_rollouts": (
+    {"rollout__speculate": "auto", "rollout__sparse": False, "distill__enabled": False},
+    r"config\.rollout\.speculate = 'auto' is invalid: must be 0 with dense rollouts",
+  ),
+  "speculate_negative": (
+    {"rollout__speculate": -3},
+    r"config\.rollout\.speculate = -3 is invalid: must be 0 \(off\), \"auto\" \(a draft count of "
+    r"speculate_ks per position bin\), or an int k of draft tokens a round with k \+ 1 <= "
+    r"rollout\.max_new_tokens \(400\)",
+  ),
+  "speculate_past_the_rows": (
+    {"rollout__speculate": 400},
+    r"config\.rollout\.speculate = 400 is invalid: .* k \+ 1 <= rollout\.max_new_tokens \(400\)",
+  ),
+  "speculate_not_an_int": (
+    {"rollout__speculate": 2.5},
+    r"config\.rollout\.speculate = 2\.5 is invalid: must be 0 \(off\), \"auto\"",
+  ),
+  "speculate_unknown_word": (
+    {"rollout__speculate": "fast"},
+    r"config\.rollout\.speculate = 'fast' is invalid: must be 0 \(off\), \"auto\"",
+  ),
+  "speculate_ks_past_the_rows": (
+    {"rollout__speculate": "auto", "rollout__speculate_ks": (1, 2, 400)},
+    r"config\.rollout\.speculate_ks = \(1, 2, 400\) is invalid: draft counts k of "
+    r"rollout\.speculate = \"auto\" must have k \+ 1 <= rollout\.max_new_tokens \(400\)",
+  ),
+  "eval_every_past_the_run": (
+    {"eval__every": 100},
+    r"config\.eval\.every = 100 is invalid: must be 0 \(off\) or at most total_steps \(40\)",
+  ),
+  "length_buckets_past_the_rows": (
+    {"rl__length_buckets": (512, 1024)},
+    r"config\.rl\.length_buckets = \(512, 1024\) is invalid: must be at most the row length "
+    r"max_prompt_len \+ max_new_tokens = 912 \(\[1024\] past it; \(\) = off\)",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_settings_that_cannot_run_are_one_line(tmp_path, name):
+  changes, message = SETTINGS[name]
+  with pytest.raises(ValueError, match=message) as raised:
+    run_config.validate(config(workdir=str(tmp_path / "run"), **changes))
+  assert "\n" not in str(raised.value)
+
+
+def _no_flock(f, operation):
+  raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "unknown_url_scheme", "no_flock"])
+def test_a_workdir_that_cannot_be_locked_is_refused_before_it_is_made(
+  tmp_path, monkeypatch, stop_before_state, where
+):
+  """Unchecked, the first and third were made (or failed to be) after the model was loaded, with an
+  OSError naming no field; the second was a KeyError traceback."""
+  (tmp_path / "a_file").write_text("")
+  work, words = {
+    "under_a_file": (
+      str(tmp_path / "a_file" / "run"),
+      r"a_file cannot hold its lock \(Not a directory\)",
+    ),
+    "unknown_url_scheme": ("nofs://bucket/run", r"no file system for nofs://"),
+    "no_flock": (str(tmp_path / "run"), r"cannot hold its lock \(No locks available\)"),
+  }[where]
+  if where == "no_flock":
+    monkeypatch.setattr(run_config.fcntl, "flock", _no_flock)
+  with pytest.raises(
+    ValueError, match=rf"config\.workdir = '{re.escape(work)}' is invalid: .*{words}: must be a"
+  ) as raised:
+    trainer.train(small(work))
+  assert "\n" not in str(raised.value)
+  assert not os.path.exists(work)
+
+
+@pytest.mark.parametrize("how", ["not_utf8", "permission_denied"])
+def test_an_unreadable_schedule_file_is_one_line(tmp_path, monkeypatch, how):
+  """A file that exists but does not read (as root, permissions do not stop a read: the open is
+  made to fail as it does for another user)."""
+  path = tmp_path / "schedule.json"
+  path.write_bytes(b"\xff\xfe{")
+  if how == "permission_denied":
+
+    def denied(*args, **kwargs):
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(schedule_lib, "open", denied, raising=False)
+  with pytest.raises(
+    ValueError,
+    match=rf"config\.rollout\.schedule = '{re.escape(str(path))}': cannot read the file .*; must "
+    r"be 'fixed:PAGES', 'paper:MODEL:TAU' or the path of a readable KVSchedule JSON file",
+  ) as raised:
+    run_config.validate(config(workdir=str(tmp_path / "run"), rollout__schedule=str(path)))
+  assert "\n" not in str(raised.value)

@@ -465,43 +465,66 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
   assert not set(stale) & set(os.listdir(work))
 
 
-def test_a_failed_checkpoint_write_is_one_line_not_buried_in_library_logs(tmp_path):
-  """A checkpoint write that fails ends the run with its one-line error alone on stderr, not under
-  orbax's logs (quiet unless --verbose) nor the tracebacks of its writes still in flight
-  (checkpoint._run_in_new_loop). A file-size limit stands in for a full disk: both fail the
-  write (EFBIG, ENOSPC) the same way, and the limit needs no privileges."""
-  import resource
-  import signal
+# The CLI on a disk that fills once the first checkpoint is written. A file-size limit stands in for
+# a full disk (both fail a write, EFBIG and ENOSPC, the same way, and the limit needs no
+# privileges): at 100 kB only the second checkpoint's array files fail (its write fails); at 1 byte
+# every write does, the metrics and TensorBoard's events of step 2 first.
+FULL_DISK_AFTER_CHECKPOINT_1 = """
+import resource, signal, sys
+from absl import app
+from sparrow_jax import checkpoint, train
 
+save, limit = checkpoint.save, int(sys.argv.pop(1))
+
+def save_then_fill_the_disk(mgr, step, state, meta):
+  save(mgr, step, state, meta)
+  if step == 1:
+    mgr.wait_until_finished()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+checkpoint.save = save_then_fill_the_disk
+app.run(train.main, flags_parser=train._parse_flags)
+"""
+
+
+@pytest.mark.parametrize("limit", [100_000, 1], ids=["checkpoint_write_fails", "every_write_fails"])
+def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_restores(tmp_path, limit):
+  """A write that fails for lack of space ends the run with its one-line error alone on stderr:
+  not under orbax's logs (quiet unless --verbose), nor the tracebacks of its writes still in flight
+  (checkpoint._run_in_new_loop); TensorBoard's events are written in the step's own thread
+  (logging._Events), so their failed write ends the run too, where a writer thread of their own
+  died and left the run blocked. The checkpoint before it (the only one kept) stays, and the same
+  command resumes from it."""
   from tests.helpers import subprocess_env
 
-  def limit_file_size():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
-
-  # The limit fails the tests' compilation cache writes too (a warning of jax's): this run reads
-  # that cache but writes none.
+  # The limit would fail the tests' compilation cache writes too (a warning of jax's): this run
+  # reads that cache but writes none.
   env = dict(subprocess_env(), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")
   work = tmp_path / "run"
-  out = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "sparrow_jax.train",
-      "--config=configs/default.py",
-      f"--config.workdir={work}",
-      *SMALL,
-      "--config.total_steps=1",
-      "--config.export_hf=False",
-    ],
+  args = [
+    f"--config.workdir={work}",
+    *SMALL,
+    "--config.total_steps=2",
+    "--config.ckpt_every=1",
+    "--config.keep_checkpoints=1",
+    "--config.export_hf=False",
+  ]
+  run = lambda *cmd: subprocess.run(
+    [sys.executable, *cmd, "--config=configs/default.py", *args],
     cwd=ROOT,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=300,
     env=env,
-    preexec_fn=limit_file_size,
   )
+  out = run("-c", FULL_DISK_AFTER_CHECKPOINT_1, str(limit))
   assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
   lines = out.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-3000:]
-  assert "step 1/1" in out.stdout  # the step ran; its checkpoint's write failed
+  assert "step 1/2" in out.stdout
+  assert "1" in os.listdir(work / "checkpoints")
+  again = run("-m", "sparrow_jax.train")
+  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+  assert f"resumed from {work} at step 1" in again.stdout
+  assert os.listdir(work / "checkpoints") == ["2"]

@@ -115,21 +115,20 @@ class PointerChase:
   kind: str = "synthetic"
 
   def __post_init__(self):
-    if not 1 <= self.min_hops <= self.max_hops:
-      raise ValueError(
-        f"PointerChase needs 1 <= min_hops <= max_hops, got min_hops="
-        f"{self.min_hops}, max_hops={self.max_hops}"
-      )
-    if self.distractor_min < 1 or self.distractor_frac < 0:
-      raise ValueError(
-        f"PointerChase.distractor_min must be >= 1 and distractor_frac >= 0, got "
-        f"{self.distractor_min}, {self.distractor_frac}"
-      )
-    if self.max_keys > NUM_SYMBOLS:
-      raise ValueError(
-        f"PointerChase: max_hops={self.max_hops} with distractor_frac="
-        f"{self.distractor_frac} needs {self.max_keys} symbols; only {NUM_SYMBOLS}"
-      )
+    for name, ok, allowed in (
+      ("min_hops", self.min_hops >= 1, "must be >= 1"),
+      ("max_hops", self.max_hops >= self.min_hops, f"must be >= min_hops ({self.min_hops})"),
+      ("distractor_min", self.distractor_min >= 1, "must be >= 1"),
+      ("distractor_frac", self.distractor_frac >= 0, "must be >= 0"),
+      (
+        "max_hops",
+        self.max_keys <= NUM_SYMBOLS,
+        f"with distractor_frac {self.distractor_frac} needs {self.max_keys} symbols, more "
+        f"than the {NUM_SYMBOLS} there are",
+      ),
+    ):
+      if not ok:
+        raise ValueError(f"PointerChase.{name} = {getattr(self, name)!r} is invalid: {allowed}")
 
   @property
   def max_keys(self) -> int:

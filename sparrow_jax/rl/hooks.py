@@ -104,6 +104,11 @@ class Budgets(Hook):
     )
     self.cfg, self.sparse = cfg, sparse
 
+  @property
+  def example_table(self) -> schedule_lib.BudgetTable:
+    """A table as every step's (one shape, one static cap): to compile the train step up front."""
+    return self._placed(self.stages[0][1])
+
   def for_step(self, step: int) -> StepBudget:
     stage = schedule_lib.stage_index(self.stages, step)
     schedule = self.stages[stage][1]
@@ -332,6 +337,7 @@ class Evaluation(Hook):
     )
     self.every, self.cfg, self.sparse, self.task = self.e.every, cfg, sparse, task
     self.tokenizer, self.weights, self.samples_path = tokenizer, weights, samples_path
+    run_config.check_evaluation_rows(c, task)
     self.problems = evaluate.first_problems(task, self.e.problems, "config.eval.problems")
     _check_prompt_lengths(self.problems, tokenizer, c.rollout.max_prompt_len)
     r = c.rollout

@@ -6,9 +6,12 @@ know.
 """
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
+import tempfile
+from typing import NamedTuple
 
 from etils import epath
 import jax
@@ -19,8 +22,9 @@ import numpy as np
 from sparrow_jax import schema
 from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
-from sparrow_jax.data import tasks
+from sparrow_jax.data import synthetic, tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.logging import is_local
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
@@ -38,37 +42,52 @@ def require(ok: bool, field: str, value, allowed: str):
 
 def make_task(c, seed: int | None = None):
   """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
-  registry; an unknown name or unreadable data names the config fields."""
-  try:
-    return tasks.make_task(
-      c.task.name,
-      c.task.path or None,
-      seed=c.seed if seed is None else seed,
-      min_hops=c.task.min_hops,
-      max_hops=c.task.max_hops,
-    )
-  except (ValueError, OSError) as e:
-    raise ValueError(
-      f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: {e}"
-    ) from None
+  registry; an unknown name or unreadable data names the config fields, a synthetic task's own
+  settings their field."""
+  with schema.naming_config_fields({"task": synthetic.PointerChase}):
+    try:
+      return tasks.make_task(
+        c.task.name,
+        c.task.path or None,
+        seed=c.seed if seed is None else seed,
+        min_hops=c.task.min_hops,
+        max_hops=c.task.max_hops,
+      )
+    except (ValueError, OSError) as e:
+      if str(e).startswith(f"{synthetic.PointerChase.__name__}."):
+        raise
+      raise ValueError(
+        f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: "
+        f"{e}"
+      ) from None
 
 
-def load_model(c, task):
-  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
-  dtype = jnp.dtype(c.model.dtype)
+def load_tokenizer_of(c, task):
+  """The model dir's tokenizer, or for a random preset model the task's own vocabulary."""
   if c.model.hf_dir:
-    cfg, params = load_hf(c.model.hf_dir, dtype=dtype)
-    return cfg, params, load_tokenizer(c.model.hf_dir)
-  tokenizer = task.own_tokenizer
-  if tokenizer is None:
+    return load_tokenizer(c.model.hf_dir)
+  if task.own_tokenizer is None:
     raise ValueError(
       f"config.model.preset (random init) needs a task with its own vocabulary "
       f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
       "dataset tasks"
     )
-  preset = Qwen3Config.preset(c.model.preset)
-  cfg = Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
-  return cfg, init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype), tokenizer
+  return task.own_tokenizer
+
+
+def load_model(c, task):
+  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
+  tokenizer = load_tokenizer_of(c, task)
+  cfg = model_config(c, tokenizer)
+  return cfg, load_params(c, cfg), tokenizer
+
+
+def load_params(c, cfg: Qwen3Config):
+  """The weights of config.model.hf_dir, or the preset's random init (`cfg`: `model_config`)."""
+  dtype = jnp.dtype(c.model.dtype)
+  if c.model.hf_dir:
+    return load_hf(c.model.hf_dir, dtype=dtype)[1]
+  return init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype)
 
 
 # Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
@@ -138,7 +157,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _check_profile_steps(c)
-  schema.from_group(EvalConfig, c, "eval")
+  _check_evaluation(c)
+  _check_distributed(c.distributed)
+  _check_row_length_fields(c)
   require(
     bool(c.model.hf_dir) != bool(c.model.preset),
     "model.hf_dir / model.preset",
@@ -163,6 +184,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   )
   adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
   if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
+    sparse = sparse_config(c)  # its own fields first, named as theirs
     stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
     for _, schedule in stages:
       require(
@@ -175,11 +197,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
         c.stats.quantile, f"config.rollout.schedule = {r.schedule!r}", "config.stats.quantile"
       )
       try:
-        sampler.check_geometry(schedule, sparse_config(c))
+        sampler.check_geometry(schedule, sparse)
       except ValueError as e:
         raise ValueError(f"config.rollout.schedule = {r.schedule!r} is invalid: {e}") from None
   if adaptive:
     _validate_adaptive(c, *adaptive)
+  # The loop's ranges in every run, not only adaptive ones: a bad value is refused even where it
+  # is not read yet; its share against stats.quantile binds only the adaptive runs that pool it.
+  schema.from_group(schedule_lib.LoopConfig, c, "rollout", *(("stats",) if adaptive else ()))
   for field, ok, allowed in (
     ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
     ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
@@ -188,14 +213,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
     ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
     ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
-    ("rollout.num_top_logprobs", r.num_top_logprobs >= 0, "must be >= 0 (0 = off)"),
     ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
     ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
-    ("rollout.chunk_steps", r.chunk_steps >= 1, "must be >= 1"),
     (
-      "rollout.speculate",
-      r.speculate == "auto" or (isinstance(r.speculate, int) and r.speculate >= 0),
-      'must be an int >= 0 (0 = off) or "auto"',
+      "rollout.chunk_steps",
+      1 <= r.chunk_steps <= r.max_new_tokens,
+      f"must be in [1, rollout.max_new_tokens = {r.max_new_tokens}]: a chunk runs that many "
+      "decode steps of every slot, and no row decodes more",
     ),
     (
       "rollout.speculate_ks",
@@ -215,6 +239,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for name in field.split("."):
       value = value[name]
     require(ok, field, value, allowed)
+  _check_speculate(c)
   _check_model_fits(c)
 
 
@@ -254,6 +279,86 @@ def _check_profile_steps(c) -> None:
   )
 
 
+def _check_evaluation(c) -> None:
+  e = schema.from_group(EvalConfig, c, "eval")
+  require(
+    e.every <= c.total_steps,
+    "eval.every",
+    e.every,
+    f"must be 0 (off) or at most total_steps ({c.total_steps}): an evaluation runs after every "
+    "eval.every-th step",
+  )
+
+
+def _check_distributed(d) -> None:
+  """-1 is "detected from the cluster" (trainer.init_distributed)."""
+  require(
+    d.num_processes == -1 or d.num_processes >= 1,
+    "distributed.num_processes",
+    d.num_processes,
+    "-1 (detected) or >= 1",
+  )
+  last = d.num_processes - 1 if d.num_processes >= 1 else INT_MAX
+  require(
+    d.process_id == -1 or 0 <= d.process_id <= last,
+    "distributed.process_id",
+    d.process_id,
+    f"-1 (detected) or in [0, {last}] (num_processes - 1)",
+  )
+
+
+def _check_speculate(c) -> None:
+  """Exact mode drafts with the sparse policy, so it needs sparse rollouts. A round drafts k
+  tokens and verifies k + 1 positions, and no row emits more than max_new_tokens: a longer window
+  drafts tokens no row can keep."""
+  r = c.rollout
+  fits = lambda k: isinstance(k, int) and not isinstance(k, bool) and 0 <= k < r.max_new_tokens
+  window = f"k + 1 <= rollout.max_new_tokens ({r.max_new_tokens})"
+  if r.speculate == "auto":
+    require(
+      all(fits(k) for k in r.speculate_ks),
+      "rollout.speculate_ks",
+      r.speculate_ks,
+      f'draft counts k of rollout.speculate = "auto" must have {window}',
+    )
+  else:
+    require(
+      fits(r.speculate),
+      "rollout.speculate",
+      r.speculate,
+      f'must be 0 (off), "auto" (a draft count of speculate_ks per position bin), or an int '
+      f"k of draft tokens a round with {window}",
+    )
+  require(
+    r.speculate == 0 or r.sparse,
+    "rollout.speculate",
+    r.speculate,
+    "must be 0 with dense rollouts (rollout.sparse = False): the sparse policy drafts",
+  )
+
+
+def _check_row_length_fields(c) -> None:
+  """Sizes bounded by the rows' length max_prompt_len + max_new_tokens: a length bucket longer than
+  the rows is never chosen (a row of the full length runs at it already), and a position bin past
+  a row's end holds nothing."""
+  length = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  long = [n for n in c.rl.length_buckets if n > length]
+  require(
+    not long,
+    "rl.length_buckets",
+    c.rl.length_buckets,
+    f"must be at most the row length max_prompt_len + max_new_tokens = {length} ({long} past "
+    "it; () = off)",
+  )
+  require(
+    c.stats.num_bins <= length,
+    "stats.num_bins",
+    c.stats.num_bins,
+    f"must be at most the row length max_prompt_len + max_new_tokens = {length}: a bin past "
+    "a row's end holds nothing",
+  )
+
+
 def _validate_adaptive(c, tau, base):
   """What 'adaptive:TAU:BASE' needs beyond its spec (which `parse_adaptive` checks)."""
   r, s = c.rollout, c.stats
@@ -284,12 +389,17 @@ def _validate_adaptive(c, tau, base):
     r.schedule,
     "BASE's top-k are all 0, so its ceiling (rollout.adaptive_headroom x the largest) is 0",
   )
-  schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")  # its own checks
 
 
-def model_config(c) -> Qwen3Config:
-  """The model's config.json (read without its weights) or preset."""
-  return load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
+def model_config(c, tokenizer=None) -> Qwen3Config:
+  """The model's config.json (read without its weights) or preset, the preset sized to
+  `tokenizer`'s vocabulary when given (as `load_model` initialises it)."""
+  if c.model.hf_dir:
+    return load_config(c.model.hf_dir)
+  preset = Qwen3Config.preset(c.model.preset)
+  if tokenizer is None:
+    return preset
+  return Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
 
 
 def _check_model_fits(c):
@@ -352,26 +462,95 @@ def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineCon
   return config
 
 
+def host_memory_bytes() -> int | None:
+  """The host's physical memory; None when it is not known."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError):
+    return None
+
+
 def device_memory_bytes(device) -> int | None:
   """What one device can hold: its allocator's limit (GPU, TPU), or on the CPU the host's physical
   memory split over its local devices; None when neither is known."""
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
-  if device.platform != "cpu":
-    return None
-  try:
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError):
+  host = host_memory_bytes() if device.platform == "cpu" else None
+  if not host:
     return None
   return host // max(sum(d.platform == "cpu" for d in jax.local_devices()), 1)
 
 
-def check_memory(c, cfg: Qwen3Config, engine_cfg, params_bytes: int, device) -> None:
-  """Refuses, before the workdir is written, a step whose KV page pool and train state cannot fit
-  one device: the pool (engine_cfg's pages) plus params and Adam's two moments (and the reference
-  with rl.kl_coef) is a lower bound of what a step holds. Without the check the pool is allocated
-  in the first rollout, after the workdir is written."""
+def device_bytes(tree, shardings) -> int:
+  """Bytes one device holds of the (abstract) arrays of `tree` laid out by `shardings`."""
+  sizes = jax.tree.map(
+    lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize, tree, shardings
+  )
+  return sum(jax.tree.leaves(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """One device's bytes of the compiled train step, from XLA (`memory_analysis()` of the step
+  lowered from abstract inputs: nothing allocated): `peak` its arguments, outputs and temporaries
+  (activations, gradients, logits chunks) with the donated state counted once; of them `state` the
+  train state, of which `lora` the LoRA adapters and their Adam moments, and `metrics` the outputs
+  beside the state."""
+
+  peak: int
+  state: int
+  lora: int
+  metrics: int
+
+  @classmethod
+  def of(cls, compiled, state, shardings) -> "StepMemory":
+    m = compiled.memory_analysis()
+    lora = (state.lora, state.lora_opt_state)
+    return cls(
+      peak=m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes,
+      state=device_bytes(state, shardings),
+      lora=device_bytes(lora, (shardings.lora, shardings.lora_opt_state)),
+      metrics=m.output_size_in_bytes - m.alias_size_in_bytes,
+    )
+
+
+def check_rows(c, rows_per_device: int, device) -> None:
+  """A device's rows of the step, checked before its prompts are made and read (`check_inputs`,
+  which would take hours over a huge batch): as int32 token ids alone (a lower bound of the step's
+  memory) they must fit the device, and engine_slots may not exceed them (a slot without a row
+  stays empty)."""
+  r, have = c.rollout, device_memory_bytes(device)
+  length = r.max_prompt_len + r.max_new_tokens
+  need = rows_per_device * length * 4
+  require(
+    not have or need <= have,
+    "rollout.prompts_per_step",
+    f"{r.prompts_per_step} (x group_size {r.group_size})",
+    f"a device's {rows_per_device} rows of max_prompt_len + max_new_tokens = {length} tokens "
+    f"take {need / 1e9:.3g} GB as token ids alone, more than this {device.platform} device's "
+    f"{have / 1e9:.3g} GB: lower it or group_size, or add devices on mesh.data",
+  )
+  slots = engine.full_batch(rows_per_device, r.group_size, length, sparse_config(c)).num_slots
+  require(
+    r.engine_slots <= slots,
+    "rollout.engine_slots",
+    r.engine_slots,
+    f"must be at most the {slots} rows a device decodes (0 = all of them)",
+  )
+
+
+def check_memory(c, cfg: Qwen3Config, engine_cfg, step: StepMemory, device) -> None:
+  """Refuses, before the model's weights are read or the workdir written, a run one device cannot
+  hold. The train state stays on the device throughout; beside it the rollout holds its KV page
+  pool (engine_cfg's pages) and the train step its batch, activations, gradients, logits chunks and
+  metrics (`step`, XLA's numbers). The larger of the two must fit. The refusal names the fields of
+  what does not fit: the train state's larger part when the state alone does not (no smaller batch
+  helps then), else the pool when it is the rollout that does not fit and the larger addition, else
+  the step's larger addition."""
   have = device_memory_bytes(device)
   if not have:
     return
@@ -379,24 +558,91 @@ def check_memory(c, cfg: Qwen3Config, engine_cfg, params_bytes: int, device) -> 
   score = sparse.page_score if sparse else "mean"
   page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
   pool = engine_cfg.num_pages * page
-  state = params_bytes * (3 + (c.rl.kl_coef > 0))
-  if pool + state <= have:
+  rollout = step.state + pool
+  if max(step.peak, rollout) <= have:
     return
+  parts = _memory_parts(c, cfg, engine_cfg, step, pool)
+  if step.state > have:
+    names = ("lora", "model")
+  elif rollout > have and (step.peak <= have or pool >= step.peak - step.state):
+    names = ("pool",)
+  else:
+    names = ("metrics", "rows")
+  part = max((parts[n] for n in names), key=lambda p: p.size)
+  gb = lambda n: f"{n / 1e9:.3g} GB"
+  require(
+    False,
+    part.field,
+    part.value,
+    f"{part.what}: {gb(part.size)}; a device needs at least {gb(max(step.peak, rollout))} (the "
+    f"train step {gb(step.peak)} by XLA's memory analysis, the rollout with its KV pool "
+    f"{gb(rollout)}; the train state {gb(step.state)}, its LoRA {gb(step.lora)}), more than this "
+    f"{device.platform} device's {gb(have)}: {part.fix}",
+  )
+
+
+class _MemoryPart(NamedTuple):
+  field: str
+  value: object
+  what: str
+  fix: str
+  size: int
+
+
+def _memory_parts(c, cfg, engine_cfg, step: StepMemory, pool: int) -> dict:
+  """What a device holds, by the config fields that scale each part."""
   r = c.rollout
-  field, value = (
+  model_field = "model.hf_dir" if c.model.hf_dir else "model.preset"
+  reference = ", and the reference params (rl.kl_coef > 0)" if c.rl.kl_coef > 0 else ""
+  pool_field, pool_value = (
     ("rollout.pool_gb", r.pool_gb)
     if r.pool_gb
     else ("rollout.prompts_per_step", f"{r.prompts_per_step} (x group_size {r.group_size})")
   )
-  require(
-    False,
-    field,
-    value,
-    f"a device needs at least {(pool + state) / 1e9:.3g} GB (a KV pool of {engine_cfg.num_pages} "
-    f"pages, {pool / 1e9:.3g} GB, and {state / 1e9:.3g} GB of train state), more than this "
-    f"{device.platform} device's {have / 1e9:.3g} GB: lower it, or bound the pool with "
-    "rollout.pool_gb / engine_slots",
-  )
+  rows = r.prompts_per_step * r.group_size // (c.rl.num_minibatches * c.rl.micro_batches)
+  length = r.max_prompt_len + r.max_new_tokens
+  return {
+    "lora": _MemoryPart(
+      "distill.rank",
+      c.distill.rank,
+      "the LoRA adapters and their Adam moments",
+      "lower it",
+      step.lora,
+    ),
+    "model": _MemoryPart(
+      model_field,
+      c.model[model_field.split(".")[1]],
+      f"the params and their Adam moments{reference}, of {cfg.num_hidden_layers} layers, "
+      f"hidden_size {cfg.hidden_size}, intermediate_size {cfg.intermediate_size}, vocab_size "
+      f"{cfg.vocab_size}",
+      "a smaller model, or shard it over more devices (mesh.fsdp, mesh.tensor)",
+      step.state - step.lora,
+    ),
+    "pool": _MemoryPart(
+      pool_field,
+      pool_value,
+      f"a KV pool of {engine_cfg.num_pages} pages",
+      "lower it, or bound the pool with rollout.pool_gb / engine_slots",
+      pool,
+    ),
+    "metrics": _MemoryPart(
+      "stats.num_bins",
+      c.stats.num_bins,
+      "the step's metrics, some per position bin",
+      "lower it",
+      step.metrics,
+    ),
+    "rows": _MemoryPart(
+      "rollout.prompts_per_step / group_size / max_prompt_len / max_new_tokens",
+      (r.prompts_per_step, r.group_size, r.max_prompt_len, r.max_new_tokens),
+      f"the step's batch, activations, gradients and logits chunks, of {rows} rows a backward "
+      f"pass (prompts_per_step x group_size / (rl.num_minibatches x rl.micro_batches)) of "
+      f"{length} tokens",
+      "fewer or shorter rows a pass: raise rl.micro_batches, lower prompts_per_step, group_size, "
+      "the lengths or distill.rank, or add devices on mesh.data",
+      step.peak - step.state - step.metrics,
+    ),
+  }
 
 
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
@@ -432,6 +678,23 @@ def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
     f"must be a task the model's tokenizer can read: {unknown} of its {sum(lengths)} prompt "
     f"tokens are the unknown token (id {unknown_id}) of config.model.hf_dir = "
     f"{c.model.hf_dir!r}; use a model made for this task",
+  )
+
+
+def check_evaluation_rows(c, task) -> None:
+  """The held-out evaluation's rows within the host's memory: it encodes every row's prompt at once
+  (rl/evaluate.py), padded to the longest, up to max_prompt_len int32 tokens (an endless task
+  generates every problem first)."""
+  e, r = c.eval, c.rollout
+  problems = min(e.problems or len(task), len(task)) if hasattr(task, "__len__") else e.problems
+  need, have = problems * e.samples * r.max_prompt_len * 4, host_memory_bytes()
+  require(
+    not have or need <= have,
+    "eval.problems",
+    f"{e.problems} (x eval.samples {e.samples})",
+    f"{problems} problems x {e.samples} samples of up to rollout.max_prompt_len = "
+    f"{r.max_prompt_len} tokens take up to {need / 1e9:.3g} GB, more than this host's "
+    f"{have / 1e9:.3g} GB: lower eval.problems or eval.samples",
   )
 
 
@@ -487,6 +750,33 @@ def _encode_prompts(task, tokenizer, first_step: int, unknown_id, batch: int = 1
       real = np.arange(tokens.shape[1])[None, :] < lengths_B[:, None]
       unknown += int(np.sum((tokens == unknown_id) & real))
   return problems, lengths, unknown
+
+
+def check_workdir(workdir: str) -> None:
+  """The workdir can be made and locked (trainer.workdir_lock), checked before anything is written
+  there: a URL needs an epath file system for its scheme (the lease is written through it); a local
+  path needs its nearest existing folder to hold a file with an flock, which a probe file there
+  (unnamed, gone when closed) tries. A file system without flock (some network mounts) would fail
+  the lock only after the workdir was made."""
+  allowed = (
+    "must be a directory path whose nearest existing folder is writable on a file system with "
+    "flock, or a URL of a file system epath knows (gs://, s3://)"
+  )
+  if not is_local(workdir):
+    try:
+      epath.Path(workdir)
+    except KeyError:  # etils' registry of URL schemes
+      scheme = workdir.split("://")[0]
+      require(False, "workdir", workdir, f"no file system for {scheme}://: {allowed}")
+    return
+  folder = os.path.abspath(workdir)
+  while not os.path.lexists(folder):
+    folder = os.path.dirname(folder)
+  try:
+    with tempfile.TemporaryFile(dir=folder) as probe:
+      fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    require(False, "workdir", workdir, f"{folder} cannot hold its lock ({e.strerror}): {allowed}")
 
 
 # Fields that may differ when a workdir is resumed: how long to run and what to keep, not what runs.

@@ -49,6 +49,10 @@ from sparrow_jax.sparsity import policy, schedule
 
 DISTILL_BASES = ("pre_update", "updated")  # DistillConfig.base
 TOP_K = 20  # top log-probs per token for the acceptance lower bound (the reference's k)
+# The step traces each of its ppo_epochs x num_minibatches updates into its one program, so its
+# compile time grows with their number; PPO's usual 1-4 epochs of up to 16 minibatches stay well
+# under this.
+MAX_UPDATES = 64
 
 
 def _require(config, ok: bool, name: str, allowed: str) -> None:
@@ -107,8 +111,16 @@ class RLConfig:
     require(self.loss_agg in losses.AGGREGATIONS, "loss_agg", f"one of {losses.AGGREGATIONS}")
     require(self.kl_coef >= 0, "kl_coef", "must be >= 0")
     require(self.kl_kind in losses.KL_KINDS, "kl_kind", f"one of {losses.KL_KINDS}")
-    require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+    require(self.entropy_coef >= 0, "entropy_coef", "must be >= 0 (a bonus; 0 = off)")
     require(self.num_minibatches >= 1, "num_minibatches", "must be >= 1")
+    require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+    updates = self.ppo_epochs * self.num_minibatches
+    require(
+      updates <= MAX_UPDATES,
+      "ppo_epochs" if self.ppo_epochs > 1 else "num_minibatches",
+      f"ppo_epochs x num_minibatches = {updates} updates a step must be <= {MAX_UPDATES}: each "
+      "is compiled into the step's one program",
+    )
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
     require(
       all(isinstance(n, int) and n >= 1 for n in self.length_buckets)
@@ -243,9 +255,10 @@ class Batch:
   top_ids: Optional[jax.Array] = None  # [B, S, 20] their token ids
 
   @classmethod
-  def abstract(cls, rows: int, length: int, top: bool = True) -> "Batch":
-    """The shapes and dtypes of a batch, with the top-20 if `top` (jax.ShapeDtypeStruct leaves):
-    to lower and compile the train step without allocating one (experiments/memory_report.py)."""
+  def abstract(cls, rows: int, length: int, top_k: int = TOP_K) -> "Batch":
+    """The shapes and dtypes of a batch, with the rollout's top-`top_k` log-probs (0: none)
+    (jax.ShapeDtypeStruct leaves): to lower and compile the train step without allocating one
+    (experiments/memory_report.py)."""
     sds = jax.ShapeDtypeStruct
     return cls(
       tokens=sds((rows, length), jnp.int32),
@@ -253,8 +266,8 @@ class Batch:
       prompt_len=sds((rows,), jnp.int32),
       logp_rollout=sds((rows, length), jnp.float32),
       rewards=sds((rows,), jnp.float32),
-      top_logp=sds((rows, length, TOP_K), jnp.float32) if top else None,
-      top_ids=sds((rows, length, TOP_K), jnp.int32) if top else None,
+      top_logp=sds((rows, length, top_k), jnp.float32) if top_k else None,
+      top_ids=sds((rows, length, top_k), jnp.int32) if top_k else None,
     )
 
 

@@ -9,12 +9,13 @@ table is in the checkpoint meta. So a run killed at any point and restarted with
 replays exactly the steps an uninterrupted run would have taken.
 
 A run never loses data: every check that can run before the workdir is written does
-(`run_config.validate`, then `run_config.check_inputs` against the task and the model), so a config
-error leaves no workdir behind; one run holds a workdir at a time (`workdir_lock`); whole files are
-replaced atomically and metrics.jsonl is append-only (temporary files a kill left are removed at
-the next start); only a checkpoint that does not read as one (or fails its checksums) is moved
-aside, any other restore error stops the run, changing nothing, and a workdir whose checkpoints
-are all unreadable is refused rather than restarted at step 0, unless
+(`run_config.validate`, then `run_config.check_inputs` against the task and the model, and
+`run_config.check_memory` with the train step compiled from abstract inputs, before the weights
+are read), so a config error leaves no workdir behind; one run holds a workdir at a time
+(`workdir_lock`); whole files are replaced atomically and metrics.jsonl is append-only (temporary
+files a kill left are removed at the next start); only a checkpoint that does not read as one (or
+fails its checksums) is moved aside, any other restore error stops the run, changing nothing, and
+a workdir whose checkpoints are all unreadable is refused rather than restarted at step 0, unless
 config.restart_from_scratch (sparrow_jax.checkpoint). SIGTERM ends the run after the step under
 way with a checkpoint of it (`Preemption`).
 """
@@ -202,15 +203,36 @@ def _state_init(c, optimizer, lora_opt):
   return init, make_lora
 
 
-def _build_state(c, params, mesh, optimizer, lora_opt):
-  """The initial TrainState, born sharded on `mesh` (optimizer and LoRA states are created on
-  their shards), and its shardings."""
+def _abstract_state(c, cfg, mesh, optimizer, lora_opt):
+  """(the train state's shapes and dtypes, its shardings on `mesh`): the state `_build_state`
+  makes from params of `cfg`, with nothing allocated and no weights read."""
+  params = jax.eval_shape(
+    lambda: init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.dtype(c.model.dtype))
+  )
+  init, make_lora = _state_init(c, optimizer, lora_opt)
+  state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
+  return state, ts.state_sharding(state, mesh, optimizer, lora_opt)
+
+
+def _placed_like(abstract, shardings):
+  """The abstract arrays `abstract` on `shardings` (a matching tree, or one sharding for all)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, abstract)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+    abstract,
+    shardings,
+  )
+
+
+def _build_state(c, params, shardings, optimizer, lora_opt):
+  """The initial TrainState, born on `shardings` (`_abstract_state`'s: the optimizer and LoRA
+  states are created on their shards)."""
   init, make_lora = _state_init(c, optimizer, lora_opt)
   lora = make_lora(params) if make_lora else None
-  shardings = ts.state_sharding(jax.eval_shape(init, params, lora), mesh, optimizer, lora_opt)
   params = sharding.place(params, shardings.params)
   lora = None if lora is None else sharding.place(lora, shardings.lora)
-  return jax.jit(init, out_shardings=shardings)(params, lora), shardings
+  return jax.jit(init, out_shardings=shardings)(params, lora)
 
 
 def lower_step(c):
@@ -222,18 +244,13 @@ def lower_step(c):
   mesh = make_mesh(c)
   r = c.rollout
   cfg = run_config.model_config(c)
-  params = jax.eval_shape(
-    lambda: init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.dtype(c.model.dtype))
-  )
   _, optimizer, lora_opt = _optimizers(c)
-  init, make_lora = _state_init(c, optimizer, lora_opt)
-  state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
-  shardings = ts.state_sharding(state, mesh, optimizer, lora_opt)
+  state, shardings = _abstract_state(c, cfg, mesh, optimizer, lora_opt)
   step = ts.make_train_step(
     cfg, ts.StepConfig.from_config(c), optimizer, lora_opt, run_config.sparse_config(c), shardings
   )
   length = r.max_prompt_len + r.max_new_tokens
-  batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs > 0)
+  batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs)
   budget = (
     schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32)) if r.sparse else None
   )
@@ -307,24 +324,20 @@ def train(c: ml_collections.ConfigDict) -> list:
 
 def _train(c, mesh, run: contextlib.ExitStack):
   """The run; what it holds until it ends (the workdir lock) goes on `run`."""
+  run_config.check_workdir(c.workdir)
   run_config.check_resume(c)  # reads only: a changed config fails before the model loads
   task = run_config.make_task(c)  # before the model: a bad dataset fails in seconds
-  cfg, params, tokenizer = run_config.load_model(c, task)
+  tokenizer = run_config.load_tokenizer_of(c, task)
+  cfg = run_config.model_config(c, tokenizer)  # its weights are read once the step fits
   r, sparse = c.rollout, run_config.sparse_config(c)
   n_prompts, n_rows = r.prompts_per_step, r.prompts_per_step * r.group_size
-  engine_cfg = run_config.engine_config(c, cfg, n_rows // page_pool.row_shards())
-  params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params)) // _param_shards(mesh)
-  run_config.check_memory(c, cfg, engine_cfg, params_bytes, jax.local_devices()[0])
+  device, device_rows = jax.local_devices()[0], n_rows // page_pool.row_shards()
+  run_config.check_rows(c, device_rows, device)
   run_config.check_inputs(c, task, cfg, tokenizer)
+  engine_cfg = run_config.engine_config(c, cfg, device_rows)
   lr, optimizer, lora_opt = _optimizers(c)
-  state, shardings = _build_state(c, params, mesh, optimizer, lora_opt)
-  del params
-  step_config = ts.StepConfig.from_config(c)
-  train_step = ts.make_train_step(cfg, step_config, optimizer, lora_opt, sparse, shardings)
-  to_batch = jax.jit(ts.batch_from_rollout, out_shardings=sharding.rows(mesh))
-  global_rows = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
-  lo, hi = sharding.process_rows(sharding.rows(mesh), n_rows)  # this process's prompts
-  weights = _rollout_weights(state, mesh)
+  abstract, shardings = _abstract_state(c, cfg, mesh, optimizer, lora_opt)
+  weights = _rollout_weights(abstract, mesh)
   sample = _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse)
   cache_len = r.max_prompt_len + r.max_new_tokens
   budgets = hooks.Budgets(c, cfg, sparse, mesh, cache_len, engine_cfg.num_slots) if sparse else None
@@ -344,6 +357,22 @@ def _train(c, mesh, run: contextlib.ExitStack):
       samples_path if jax.process_index() == 0 else None,
     )
     step_hooks.append(evaluation)
+  step_config = ts.StepConfig.from_config(c)
+  train_step = ts.make_train_step(cfg, step_config, optimizer, lora_opt, sparse, shardings)
+  # Compiled from abstract inputs before any weight is read, for XLA's memory analysis of the
+  # step. The jit keeps the executable for inputs of these shapes and shardings, so the loop's
+  # first call does not compile it again.
+  compiled = train_step.lower(
+    _placed_like(abstract, shardings),
+    _placed_like(ts.Batch.abstract(n_rows, cache_len, r.num_top_logprobs), sharding.rows(mesh)),
+    budgets.example_table if budgets else None,
+  ).compile()
+  step_memory = run_config.StepMemory.of(compiled, abstract, shardings)
+  run_config.check_memory(c, cfg, engine_cfg, step_memory, device)
+  state = _build_state(c, run_config.load_params(c, cfg), shardings, optimizer, lora_opt)
+  to_batch = jax.jit(ts.batch_from_rollout, out_shardings=sharding.rows(mesh))
+  global_rows = lambda x: sharding.from_local_rows(np.asarray(x), sharding.rows(mesh), n_rows)
+  lo, hi = sharding.process_rows(sharding.rows(mesh), n_rows)  # this process's prompts
 
   # Nothing is written before this point, so a config error leaves no workdir (or the old one).
   metrics_log.as_path(c.workdir).mkdir(parents=True, exist_ok=True)
@@ -473,11 +502,6 @@ def remove_stale_tmp(workdir: str) -> None:
     epath.Path(workdir, name).unlink()
   if stale:
     _print(f"removed temporary files a killed run left in {workdir}: {', '.join(stale)}")
-
-
-def _param_shards(mesh) -> int:
-  """The ways FSDP and tensor parallelism split the params (each device holds about 1 / this)."""
-  return mesh.shape["fsdp"] * mesh.shape["tensor"]
 
 
 def _sampler(c, cfg, tokenizer, weights, engine_cfg, sparse):

@@ -324,10 +324,9 @@ class KVSchedule:
         model, tau = spec[len("paper:") :].split(":")
         schedule = cls.paper(model, float(tau))
       elif os.path.isfile(spec):
-        with open(spec) as f:
-          schedule = cls.from_json(f.read())
+        schedule = cls.from_json(_read_schedule_file(spec))
       else:
-        raise ValueError("not 'fixed:PAGES', 'paper:MODEL:TAU' or an existing KVSchedule JSON file")
+        raise ValueError(f"not {SPEC_FORMS}")
     except ValueError as e:
       raise ValueError(f"{field} = {spec!r}: {e}") from None
     if schedule.page_size != page_size:
@@ -351,13 +350,29 @@ class KVSchedule:
 
   @classmethod
   def from_json(cls, text: str) -> "KVSchedule":
-    d = json.loads(text)
+    try:
+      d = json.loads(text)
+    except ValueError as e:
+      raise ValueError(f"not JSON ({e}): a KVSchedule JSON holds {list(_FIELDS)}") from None
     if not isinstance(d, dict) or set(d) != set(_FIELDS):
       got = sorted(d) if isinstance(d, dict) else type(d).__name__
       raise ValueError(f"KVSchedule JSON must have exactly the fields {list(_FIELDS)}, got {got}")
     if not isinstance(d["values"], list):
       raise ValueError(f"KVSchedule JSON 'values' must be a list of ints, got {d['values']!r}")
     return cls(**d)
+
+
+SPEC_FORMS = "'fixed:PAGES', 'paper:MODEL:TAU' or the path of a readable KVSchedule JSON file"
+
+
+def _read_schedule_file(path: str) -> str:
+  """The text of a schedule file; one that exists but does not read as text (permissions, I/O, not
+  UTF-8) is a ValueError naming what is allowed."""
+  try:
+    with open(path) as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read the file ({e}); must be {SPEC_FORMS}") from None
 
 
 def parse_stages(spec: str, page_size: int, field: str = "config.rollout.schedule") -> tuple:
