@@ -1,8 +1,12 @@
-"""The notebooks run headless: every code cell executes on a small run and calibration surface."""
+"""The notebooks are valid in the current nbformat and run headless: every code cell executes on a
+small run and calibration surface."""
 
+import glob
 import json
 import os
+import warnings
 
+import nbformat
 import numpy as np
 import pytest
 
@@ -15,6 +19,19 @@ NOTEBOOK = os.path.join(
   "notebooks",
   "sparrow_tail_stats.ipynb",
 )
+
+
+@pytest.mark.parametrize(
+  "path",
+  sorted(glob.glob(os.path.join(os.path.dirname(NOTEBOOK), "*.ipynb"))),
+  ids=os.path.basename,
+)
+def test_notebook_is_valid_in_the_current_format(path):
+  """What nbformat only warns about today (a cell without an id) is an error in its later
+  versions, so a warning fails here too."""
+  with open(path, encoding="utf-8") as f, warnings.catch_warnings():
+    warnings.simplefilter("error")
+    nbformat.validate(nbformat.read(f, as_version=nbformat.NO_CONVERT))
 
 
 def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
