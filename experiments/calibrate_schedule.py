@@ -23,6 +23,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
+import numpy as np
 
 import sparrow_jax as sj
 from sparrow_jax import records, schema
@@ -134,6 +135,43 @@ def speculative_report(c, result, cfg, sparse):
   return plan
 
 
+def plot_calibration(path: str, result: cal.Calibration):
+  """PNG: the schedule's percentile vs schedule bin for every candidate with the tau line and the
+  chosen candidate marked (top), and the chosen top-k per bin (bottom)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  tail_CB, name = result.tail[result.quantile], cal.percentile_name(result.quantile)
+  num_bins = tail_CB.shape[1]
+  x_B = (np.arange(num_bins) + 0.5) * result.bin_size
+  fig, (ax_tail, ax_k) = plt.subplots(
+    2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+  )
+  colors = matplotlib.colormaps["viridis"](np.linspace(0, 1, len(result.candidates)))
+  for c, tail_B, color in zip(result.candidates, tail_CB, colors):
+    ax_tail.plot(x_B, tail_B, marker=".", color=color, label=f"top-k {c}")
+  pick_B = [result.candidates.index(v) for v in result.schedule.values]
+  ax_tail.plot(x_B, tail_CB[pick_B, np.arange(num_bins)], "kx", markersize=9, label="chosen")
+  ax_tail.axhline(result.tau, color="red", linestyle="--", label=f"tau = {result.tau:.2f}")
+  ax_tail.set_ylabel(f"{name} acceptance rate")
+  ax_tail.set_title(
+    f"Calibration ({result.alpha} alpha, "
+    f"{'on' if result.on_policy else 'off'}-policy rollouts): {name} per "
+    f"{result.bin_size}-token bin of cached length"
+  )
+  ax_tail.legend(fontsize=6, ncol=3, loc="lower left")
+  ax_k.stairs(
+    result.schedule.values, np.arange(num_bins + 1) * result.bin_size, baseline=None, color="black"
+  )
+  ax_k.set_ylabel(f"chosen top-k pages\n(+{result.schedule.always_kept} always kept)")
+  ax_k.set_xlabel("cached length (tokens)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def calibrate(c):
   """Config -> calibration -> the three files in c.out_dir."""
   t0 = time.time()
@@ -167,7 +205,7 @@ def calibrate(c):
   with open(os.path.join(c.out_dir, "surface.json"), "w") as f:
     items = cal.surface_dict(result).items()  # one key per line, lists kept on theirs
     f.write("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in items) + "\n}\n")
-  cal.plot_calibration(os.path.join(c.out_dir, "calibration.png"), result)
+  plot_calibration(os.path.join(c.out_dir, "calibration.png"), result)
   print(f"[calibrate] candidates (top-k pages): {list(result.candidates)}")
   print(
     f"[calibrate] tokens per bin: {result.count.max(0).tolist()}"
