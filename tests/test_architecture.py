@@ -82,7 +82,14 @@ def test_model_knows_qwen3_only_and_kernel_imports_its_twin_only():
 
 # Packages from the bottom up: a module imports only from its own package and the ones below it.
 LAYERS = (
-  ("sparrow_jax.sharding", "sparrow_jax.schema", "sparrow_jax.records", "sparrow_jax.logging"),
+  # the core, and the code sandbox (stdlib only: its child runs without the library)
+  (
+    "sparrow_jax.sharding",
+    "sparrow_jax.schema",
+    "sparrow_jax.records",
+    "sparrow_jax.logging",
+    "sparrow_jax.sandbox",
+  ),
   ("sparrow_jax.attention", "sparrow_jax.data"),  # the attention ops; tasks, rewards, tokenizer
   ("kernels",),  # the Pallas kernels, beside their jnp twins
   ("sparrow_jax.model", "sparrow_jax.checkpoint"),

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from sparrow_jax.data import rewards, sandbox, tasks
+from sparrow_jax.data import rewards, tasks
+from sparrow_jax.sandbox import runner
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def shared_process_passes(program, problem):
   """The former script grading: prefix, program and check in one process, which must exit 0."""
   tests = problem.reference
   source = "\n".join([tests.prefix, program, tests.script])
-  run = sandbox.run_cases(source, "stdio", [""], limits=sandbox.SandboxLimits.make(**LIMITS))
+  run = runner.run_cases(source, "stdio", [""], limits=runner.SandboxLimits.make(**LIMITS))
   return run.cases[0]["status"] == "ok"
 
 
@@ -143,13 +144,13 @@ def test_only_plain_data_comes_back(humaneval, namespaces):
 def test_forged_records_and_replies_on_every_descriptor_fail(humaneval, namespaces):
   problem = humaneval["HumanEval/0"]
   assert grade(FORGE_EVERY_FD, problem, namespaces=namespaces).reward == 0.0
-  run = sandbox.run_cases(
+  run = runner.run_cases(
     FORGE_EVERY_FD,
     "script",
     [None],
     prefix=problem.reference.prefix,
     script=problem.reference.script,
-    limits=sandbox.SandboxLimits.make(namespaces=namespaces, **LIMITS),
+    limits=runner.SandboxLimits.make(namespaces=namespaces, **LIMITS),
   )
   assert run.cases[0]["status"] == "error" and "verdict" not in run.cases[0]
   if os.geteuid() == 0:  # no other process's descriptors or memory for the sandbox uid
@@ -167,13 +168,13 @@ def test_the_check_is_not_in_the_candidates_memory(humaneval):
     "print(find('def has_close' + '_elements('), find('def ' + 'check('))"
   )
   assert "def check(" in problem.reference.script
-  run = sandbox.run_cases(
+  run = runner.run_cases(
     peek,
     "script",
     [None],
     prefix=problem.reference.prefix,
     script=problem.reference.script,
-    limits=sandbox.SandboxLimits.make(**LIMITS),
+    limits=runner.SandboxLimits.make(**LIMITS),
   )
   assert run.cases[0]["stdout"] == "True False\n", run.cases[0]
 
@@ -219,14 +220,12 @@ def test_candidate_names_come_from_trusted_code():
   prefix = (
     "import math\ndef helper(x):\n  return x\ndef solve(x):\n  '''Doc.'''\n  import os\n  pass\n"
   )
-  assert sandbox.candidate_names(prefix, "def check(c):\n  assert c(1)\ncheck(solve)\n") == [
-    "solve"
-  ]
-  assert sandbox.candidate_names("", "assert extra(1) == helper(1)\nhelper = 1") == ["extra"]
+  assert runner.candidate_names(prefix, "def check(c):\n  assert c(1)\ncheck(solve)\n") == ["solve"]
+  assert runner.candidate_names("", "assert extra(1) == helper(1)\nhelper = 1") == ["extra"]
   with pytest.raises(ValueError, match="take nothing from the candidate"):
-    sandbox.candidate_names(prefix.replace("pass", "return 1"), "assert solve(1) == 1")
+    runner.candidate_names(prefix.replace("pass", "return 1"), "assert solve(1) == 1")
   with pytest.raises(ValueError, match="do not parse"):
-    sandbox.candidate_names("def (", "assert f()")
+    runner.candidate_names("def (", "assert f()")
 
 
 @pytest.mark.parametrize(
@@ -278,13 +277,13 @@ def test_the_candidates_stdout_survives_a_check_that_ends_first():
     "print('still here')\n"
     "def f(): return 1\n"
   )
-  run = sandbox.run_cases(
+  run = runner.run_cases(
     program,
     "script",
     [None],
     prefix="",
     script="assert f() == 1\n",
-    limits=sandbox.SandboxLimits.make(**LIMITS),
+    limits=runner.SandboxLimits.make(**LIMITS),
   )
   assert run.cases[0]["status"] == "ok" and run.cases[0]["stdout"] == "still here\n", run.cases[0]
 
@@ -326,12 +325,12 @@ def test_a_flood_of_output_is_capped_per_case_and_per_batch():
   tests = {"inputs": ["\n"] * 20, "outputs": ["x\n"] * 20}
   flood = "import sys\nsys.stdout.write('y' * (1 << 20))\n"
   limits = dict(LIMITS, output_bytes=1 << 20, batch_output_bytes=3 << 20)
-  run = sandbox.run_cases(
+  run = runner.run_cases(
     flood,
     "stdio",
     tests["inputs"],
     stop_on_failure=False,
-    limits=sandbox.SandboxLimits.make(**limits),
+    limits=runner.SandboxLimits.make(**limits),
   )
   assert len(run.cases) == 3 and run.cases[-1]["status"] == "output_limit", len(run.cases)
   assert sum(len(c["stdout"]) for c in run.cases) <= 3 << 20

@@ -11,8 +11,8 @@ import socket
 
 import pytest
 
-from sparrow_jax.data import sandbox
 from sparrow_jax.data.rewards import code_reward, grade_code, grade_code_batch
+from sparrow_jax.sandbox import runner
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ def fenced(program):
 
 
 def stdio_run(program, **overrides):
-  limits = sandbox.SandboxLimits.make(**{**LIMITS, **overrides})
-  return sandbox.run_cases(program, "stdio", [""], limits=limits)
+  limits = runner.SandboxLimits.make(**{**LIMITS, **overrides})
+  return runner.run_cases(program, "stdio", [""], limits=limits)
 
 
 @pytest.fixture(params=[True, False], ids=["namespaces", "fallback"])
@@ -228,9 +228,9 @@ def test_parallel_pool_isolates_a_fork_bomb_from_correct_solutions():
 
 
 def test_probe_and_cleanup(tmp_path):
-  facts = sandbox.probe(sandbox.SandboxLimits(**LIMITS))
+  facts = runner.probe(runner.SandboxLimits(**LIMITS))
   assert facts["works"], facts
   if os.geteuid() == 0:
     assert facts["uid"] != 0
-  sandbox.run_cases("open('scratch', 'w').write('x')", "stdio", [""], work_root=str(tmp_path))
+  runner.run_cases("open('scratch', 'w').write('x')", "stdio", [""], work_root=str(tmp_path))
   assert list(tmp_path.iterdir()) == []

@@ -11,13 +11,13 @@ import threading
 
 import pytest
 
-from sparrow_jax.data import sandbox
+from sparrow_jax.sandbox import runner
 
 pytestmark = pytest.mark.slow
 
 LIMITS = dict(timeout_s=3.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SANDBOX_DIR = os.path.dirname(os.path.abspath(sandbox.__file__))
+SANDBOX_DIR = os.path.dirname(os.path.abspath(runner.__file__))
 READ_EACH = (
   "import sys\nfor path in sys.stdin.read().split():\n  try:\n    open(path).read()\n"
   "    print('read', path)\n  except OSError as e:\n    print('no', path, type(e).__name__)\n"
@@ -29,8 +29,8 @@ root_only = pytest.mark.skipif(
 
 
 def run(program, stdin="", **overrides):
-  limits = sandbox.SandboxLimits.make(**{**LIMITS, **overrides})
-  result = sandbox.run_cases(program, "stdio", [stdin], limits=limits)
+  limits = runner.SandboxLimits.make(**{**LIMITS, **overrides})
+  result = runner.run_cases(program, "stdio", [stdin], limits=limits)
   assert result.error is None and len(result.cases) == 1, result
   return result
 
@@ -69,7 +69,7 @@ def test_program_sees_neither_the_project_nor_other_files(world_readable_files):
   # The interpreter's prefixes are exposed at their own paths (CI's venv lives inside the clone,
   # e.g. /check/<clone>/.venv), so their top-level directories appear too, holding nothing but the
   # prefix.
-  prefixes = sandbox._python_paths()
+  prefixes = runner._python_paths()
   tops = {path.split(os.sep)[1] for path in prefixes}
   assert (
     set(eval(listing))
@@ -163,10 +163,20 @@ def namespaces_or_fallback(request):
   return request.param
 
 
-def _sandbox_in_subprocess(code, python=sys.executable, checkout=SANDBOX_DIR, preexec_fn=None):
-  """Runs `code` with `sandbox` imported from `checkout` (stdlib only, so any interpreter will
-  do)."""
-  script = f"import sys\nsys.path.insert(0, {checkout!r})\nimport sandbox\n{code}"
+def _checkout(directory):
+  """`directory` holding the sandbox package alone, beside an empty sparrow_jax/__init__.py: the
+  sandbox is stdlib only, so any interpreter can import it from there, and no jax is imported."""
+  package = directory / "sparrow_jax"
+  shutil.copytree(SANDBOX_DIR, package / "sandbox", ignore=shutil.ignore_patterns("__pycache__"))
+  (package / "__init__.py").touch()
+  return str(directory)
+
+
+def _sandbox_in_subprocess(code, checkout, python=sys.executable, preexec_fn=None):
+  """Runs `code` with the sandbox's modules imported from `checkout` (see _checkout)."""
+  script = (
+    f"import sys\nsys.path.insert(0, {checkout!r})\nfrom sparrow_jax.sandbox import runner\n{code}"
+  )
   done = subprocess.run(
     [python, "-I", "-c", script], capture_output=True, text=True, timeout=60, preexec_fn=preexec_fn
   )
@@ -181,33 +191,33 @@ def _drop_cap_sys_admin():
 
 
 @root_only
-def test_without_namespaces_the_sandbox_refuses_unless_told_to_fall_back():
+def test_without_namespaces_the_sandbox_refuses_unless_told_to_fall_back(tmp_path):
   """Root without CAP_SYS_ADMIN (Docker's default profile) cannot unshare the namespaces."""
   code = (
-    "run = lambda **L: sandbox.run_cases('print(1)', 'stdio', [''], "
-    "limits=sandbox.SandboxLimits(timeout_s=3.0, **L))\n"
-    "try:\n  run()\nexcept sandbox.SandboxSetupError as e:\n  print('refused:', e)\n"
+    "run = lambda **L: runner.run_cases('print(1)', 'stdio', [''], "
+    "limits=runner.SandboxLimits(timeout_s=3.0, **L))\n"
+    "try:\n  run()\nexcept runner.SandboxSetupError as e:\n  print('refused:', e)\n"
     "fallback = run(namespaces=False)\n"
     "print(fallback.cases[0]['stdout'].strip(), fallback.isolation['netns'])"
   )
-  out = _sandbox_in_subprocess(code, preexec_fn=_drop_cap_sys_admin)
+  out = _sandbox_in_subprocess(code, _checkout(tmp_path), preexec_fn=_drop_cap_sys_admin)
   assert out.startswith("refused: unshare(") and "SandboxLimits(namespaces=False)" in out, out
   assert out.endswith("\n1 False\n"), out
 
 
 def test_a_setup_failure_raises(monkeypatch):
-  paths = sandbox._python_paths()
-  monkeypatch.setattr(sandbox, "_python_paths", lambda: paths + ["/nonexistent/sparrow_site"])
-  with pytest.raises(sandbox.SandboxSetupError, match="/nonexistent/sparrow_site does not exist"):
-    sandbox.run_cases("print(1)", "stdio", [""], limits=sandbox.SandboxLimits(**LIMITS))
+  paths = runner._python_paths()
+  monkeypatch.setattr(runner, "_python_paths", lambda: paths + ["/nonexistent/sparrow_site"])
+  with pytest.raises(runner.SandboxSetupError, match="/nonexistent/sparrow_site does not exist"):
+    runner.run_cases("print(1)", "stdio", [""], limits=runner.SandboxLimits(**LIMITS))
 
 
 def test_an_interpreter_path_under_tmp_is_exposed(monkeypatch, tmp_path):
   site = tmp_path / "site"
   site.mkdir(mode=0o755)
   (site / "marker.txt").write_text("here")
-  paths = sandbox._python_paths()
-  monkeypatch.setattr(sandbox, "_python_paths", lambda: paths + [str(site)])
+  paths = runner._python_paths()
+  monkeypatch.setattr(runner, "_python_paths", lambda: paths + [str(site)])
   result = run(f"print(open({str(site / 'marker.txt')!r}).read())")
   assert result.cases[0]["stdout"] == "here\n" and str(site) in result.isolation["exposed"]
 
@@ -222,18 +232,16 @@ def test_checkout_and_venv_under_tmp(tmp_path):
   )
   site = next(venv.glob("lib/python*/site-packages"))
   (site / "sparrow_tmp_module.py").write_text("X = 42\n")
-  checkout.mkdir()
-  for name in ("sandbox.py", "sandbox_child.py"):
-    shutil.copy(os.path.join(SANDBOX_DIR, name), checkout / name)
+  _checkout(checkout)
   for path in (tmp_path, venv, checkout):
     os.chmod(path, 0o755)
   code = (
-    "run = sandbox.run_cases('import csv, hashlib, cmath\\nprint(cmath.sqrt(-1))\\n"
+    "run = runner.run_cases('import csv, hashlib, cmath\\nprint(cmath.sqrt(-1))\\n"
     "import sparrow_tmp_module', 'stdio', [''])\n"
     "print(run.error, run.cases[0]['stdout'].strip(), run.isolation.get('preimported_only'),\n"
     "      run.cases[0]['stderr'].strip().splitlines()[-1])"
   )
-  out = _sandbox_in_subprocess(code, python=str(venv / "bin" / "python"), checkout=str(checkout))
+  out = _sandbox_in_subprocess(code, str(checkout), python=str(venv / "bin" / "python"))
   assert out == ("None 1j None ModuleNotFoundError: No module named 'sparrow_tmp_module'\n"), out
 
 

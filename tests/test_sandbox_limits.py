@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from sparrow_jax.data import rewards, sandbox
+from sparrow_jax.data import rewards
+from sparrow_jax.sandbox import runner
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,9 @@ def test_a_correct_program_beside_a_setsid_flood_passes():
 
 def test_a_wrong_answer_stops_at_its_first_failing_case(monkeypatch):
   runs = []
-  run_cases = sandbox.run_cases
+  run_cases = runner.run_cases
   monkeypatch.setattr(
-    sandbox, "run_cases", lambda *a, **k: runs.append(run_cases(*a, **k)) or runs[-1]
+    runner, "run_cases", lambda *a, **k: runs.append(run_cases(*a, **k)) or runs[-1]
   )
   tests = {"inputs": [f"{i} 1\n" for i in range(20)], "outputs": [f"{i + 1}\n" for i in range(20)]}
   assert rewards.grade_code(fenced("print(0)"), tests, **LIMITS) == (0.0, "wrong_answer")
@@ -81,7 +82,7 @@ def test_syscalls_of_another_architecture_kill_the_program():
     "f = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))\n"
     "print('reached', f(), flush=True)"
   )
-  run = sandbox.run_cases(program, "stdio", [""], limits=sandbox.SandboxLimits(**LIMITS))
+  run = runner.run_cases(program, "stdio", [""], limits=runner.SandboxLimits(**LIMITS))
   case = run.cases[0]
   assert run.isolation["seccomp_keys"], run.isolation
   assert "reached" not in case["stdout"] and case["exit"] == -signal.SIGSYS, case
@@ -121,9 +122,9 @@ def _wait_for(condition, limit_s):
 
 def test_a_killed_grader_leaves_no_process_and_no_directory(tmp_path):
   grader = (
-    "import sys\nfrom sparrow_jax.data import sandbox\n"
-    "sandbox.run_cases('while True:\\n  pass', 'stdio', [''] * 3, work_root=sys.argv[1],"
-    " limits=sandbox.SandboxLimits(timeout_s=30.0, cpu_s=60))"
+    "import sys\nfrom sparrow_jax.sandbox import runner\n"
+    "runner.run_cases('while True:\\n  pass', 'stdio', [''] * 3, work_root=sys.argv[1],"
+    " limits=runner.SandboxLimits(timeout_s=30.0, cpu_s=60))"
   )
   proc = subprocess.Popen([sys.executable, "-c", grader, str(tmp_path)])
   try:
@@ -143,13 +144,13 @@ def test_a_killed_grader_leaves_no_process_and_no_directory(tmp_path):
 def test_startup_removes_only_the_leftovers_of_dead_graders(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  owners = {"dead": (dead.pid, 1), "live": (os.getpid(), sandbox._start_time(os.getpid()))}
+  owners = {"dead": (dead.pid, 1), "live": (os.getpid(), runner._start_time(os.getpid()))}
   for name, (pid, start) in owners.items():
     directory = tmp_path / f"sparrow_sandbox_{name}"
     directory.mkdir()
     (directory / "owner.json").write_text(json.dumps({"pid": pid, "start": start}))
   (tmp_path / "sparrow_sandbox_unowned").mkdir()  # another version's, or still being made
-  sandbox.remove_leftovers(str(tmp_path))
+  runner.remove_leftovers(str(tmp_path))
   assert sorted(p.name for p in tmp_path.iterdir()) == [
     "sparrow_sandbox_live",
     "sparrow_sandbox_unowned",
@@ -158,11 +159,11 @@ def test_startup_removes_only_the_leftovers_of_dead_graders(tmp_path):
 
 def test_a_named_cgroup_must_have_the_cpu_controller_for_its_children(tmp_path):
   (tmp_path / "cgroup.subtree_control").write_text("cpu io memory\n")
-  assert sandbox._cgroup_root(str(tmp_path)) == str(tmp_path)
+  assert runner._cgroup_root(str(tmp_path)) == str(tmp_path)
   (tmp_path / "cgroup.subtree_control").write_text("io memory\n")
-  sandbox._cgroup_root.cache_clear()
-  with pytest.raises(sandbox.SandboxSetupError, match="cpu controller"):
-    sandbox._cgroup_root(str(tmp_path))
-  assert sandbox._cgroup_root("none") is None
+  runner._cgroup_root.cache_clear()
+  with pytest.raises(runner.SandboxSetupError, match="cpu controller"):
+    runner._cgroup_root(str(tmp_path))
+  assert runner._cgroup_root("none") is None
   with pytest.raises(ValueError, match="cpu_cgroup"):
-    sandbox.SandboxLimits(cpu_cgroup="")
+    runner.SandboxLimits(cpu_cgroup="")

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from sparrow_jax.data import sandbox
+from sparrow_jax.sandbox import runner
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class CodeTests:
   """A code problem's tests. mode "stdio": inputs are stdin texts, outputs the expected stdout;
   "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
   HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports
-  and the prompt's stubs and helpers, comes before both; see sandbox.candidate_names)."""
+  and the prompt's stubs and helpers, comes before both; see runner.candidate_names)."""
 
   mode: str
   inputs: tuple = (None,)
@@ -362,7 +362,7 @@ def _passed(tests, case):
 
 
 def _judge(tests):
-  """The streamed check of one case (see sandbox.run_cases); a grader bug fails the case, and
+  """The streamed check of one case (see runner.run_cases); a grader bug fails the case, and
   grading the whole run then reports it."""
 
   def judge(case):
@@ -382,14 +382,14 @@ def grade_code(
   the passed fraction when `partial`; 0.0 "budget_exceeded" when `deadline` (time.monotonic())
   ends it first."""
   tests = parse_tests(tests)
-  sandbox_limits = sandbox.SandboxLimits.make(**limits)
+  sandbox_limits = runner.SandboxLimits.make(**limits)
   program = extract_code(response)
   if program is None:
     return Grade(0.0, "no_code")
   if deadline is not None and time.monotonic() >= deadline:
     return Grade(0.0, "budget_exceeded")
   try:
-    run = sandbox.run_cases(
+    run = runner.run_cases(
       program,
       tests.mode,
       tests.inputs,
@@ -449,7 +449,7 @@ def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **lim
   reason "budget_exceeded" (counted for take_budget_exceeded)."""
   if len(responses) != len(tests):
     raise ValueError(f"{len(responses)} responses but {len(tests)} tests")
-  budget_s = sandbox.SandboxLimits.make(**limits).batch_budget_s
+  budget_s = runner.SandboxLimits.make(**limits).batch_budget_s
   deadline = None if budget_s is None else time.monotonic() + budget_s
   workers = max_workers or os.cpu_count() or 1
   grade = lambda r, t: grade_code(r, t, partial=partial, deadline=deadline, **limits)

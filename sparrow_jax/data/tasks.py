@@ -26,8 +26,9 @@ import zlib
 
 import numpy as np
 
-from sparrow_jax.data import rewards, sandbox, synthetic
+from sparrow_jax.data import rewards, synthetic
 from sparrow_jax.data.tokenizer import chat_template
+from sparrow_jax.sandbox import runner
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,7 @@ FORMATS: dict[str, tuple[str, Callable]] = {
 REASONING_GYM = "math:reasoning_gym:"
 MATH_GRADING = ("timeout_s",)
 CODE_GRADING = ("partial", "max_workers") + tuple(
-  f.name for f in dataclasses.fields(sandbox.SandboxLimits)
+  f.name for f in dataclasses.fields(runner.SandboxLimits)
 )
 
 
@@ -466,8 +467,8 @@ def make_task(
       f"unknown grading option(s) {unknown} for {kind} task {name}; allowed: {allowed}"
     )
   if kind == "code":  # fail now, not as every sample graded 0 with "sandbox_error" later
-    sandbox.probe(
-      sandbox.SandboxLimits.make(
+    runner.probe(
+      runner.SandboxLimits.make(
         **{k: v for k, v in grading.items() if k not in ("partial", "max_workers")}
       )
     )

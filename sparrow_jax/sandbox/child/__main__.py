@@ -1,7 +1,7 @@
-"""The process side of the code sandbox (see sandbox.py). Stdlib only; run as a script, never
+"""The process side of the code sandbox (see runner.py). Stdlib only; run as a program, never
 imported.
 
-Started by `sandbox.run_cases` as `python -I -B sandbox_child.py` in a fresh session with a scrubbed
+Started by `runner.run_cases` as `python -I -B child/` in a fresh session with a scrubbed
 environment, cwd = the private work directory, stdin = the job (JSON), stdout = the result stream.
 Process tree, each layer doing what only it can:
 

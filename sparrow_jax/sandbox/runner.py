@@ -1,6 +1,6 @@
 """Runs untrusted programs (code-task rollouts) against test inputs, isolated from the trainer.
 
-Each call starts one sandbox process tree (sandbox_child.py) that runs the program once per test
+Each call starts one sandbox process tree (child/) that runs the program once per test
 case. What holds it in (Linux; measured on the project's machine, root in a VM container with
 CAP_SYS_ADMIN):
   - separate processes in their own session; a case ends on the first of three clocks: timeout_s of
@@ -48,7 +48,7 @@ native code could bypass it); processes that escaped the process group are kille
 root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the work
 directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
 umask keeps created files private; the interpreter's stdlib may be limited to PREIMPORT
-(sandbox_child) where the sandbox uid cannot read it. As non-root, the namespaces come with a user
+(child/) where the sandbox uid cannot read it. As non-root, the namespaces come with a user
 namespace (same isolation minus the uid drop: the program is root of its namespace, without
 capabilities, and sees only the read-only root); in the fallback the program keeps the caller's uid:
 no file protection and no process cap (RLIMIT_NPROC would count the trainer's threads), so run
@@ -76,7 +76,7 @@ import tempfile
 import threading
 import time
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child")
 MODES = ("stdio", "call", "script")
 UID_RANGE = (1 << 30, 1 << 20)  # start, size: ids far above any real account
 NOBODY = 65534
