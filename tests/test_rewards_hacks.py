@@ -11,7 +11,7 @@ import os
 import pytest
 
 from sparrow_jax.data import rewards, tasks
-from sparrow_jax.sandbox import runner
+from sparrow_jax.sandbox import runner, script_mode
 
 pytestmark = pytest.mark.slow
 
@@ -220,12 +220,14 @@ def test_candidate_names_come_from_trusted_code():
   prefix = (
     "import math\ndef helper(x):\n  return x\ndef solve(x):\n  '''Doc.'''\n  import os\n  pass\n"
   )
-  assert runner.candidate_names(prefix, "def check(c):\n  assert c(1)\ncheck(solve)\n") == ["solve"]
-  assert runner.candidate_names("", "assert extra(1) == helper(1)\nhelper = 1") == ["extra"]
+  assert script_mode.candidate_names(prefix, "def check(c):\n  assert c(1)\ncheck(solve)\n") == [
+    "solve"
+  ]
+  assert script_mode.candidate_names("", "assert extra(1) == helper(1)\nhelper = 1") == ["extra"]
   with pytest.raises(ValueError, match="take nothing from the candidate"):
-    runner.candidate_names(prefix.replace("pass", "return 1"), "assert solve(1) == 1")
+    script_mode.candidate_names(prefix.replace("pass", "return 1"), "assert solve(1) == 1")
   with pytest.raises(ValueError, match="do not parse"):
-    runner.candidate_names("def (", "assert f()")
+    script_mode.candidate_names("def (", "assert f()")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from sparrow_jax.sandbox import runner
+from sparrow_jax.sandbox import host, runner
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +175,8 @@ def _checkout(directory):
 def _sandbox_in_subprocess(code, checkout, python=sys.executable, preexec_fn=None):
   """Runs `code` with the sandbox's modules imported from `checkout` (see _checkout)."""
   script = (
-    f"import sys\nsys.path.insert(0, {checkout!r})\nfrom sparrow_jax.sandbox import runner\n{code}"
+    f"import sys\nsys.path.insert(0, {checkout!r})\n"
+    f"from sparrow_jax.sandbox import host, runner\n{code}"
   )
   done = subprocess.run(
     [python, "-I", "-c", script], capture_output=True, text=True, timeout=60, preexec_fn=preexec_fn
@@ -196,7 +197,7 @@ def test_without_namespaces_the_sandbox_refuses_unless_told_to_fall_back(tmp_pat
   code = (
     "run = lambda **L: runner.run_cases('print(1)', 'stdio', [''], "
     "limits=runner.SandboxLimits(timeout_s=3.0, **L))\n"
-    "try:\n  run()\nexcept runner.SandboxSetupError as e:\n  print('refused:', e)\n"
+    "try:\n  run()\nexcept host.SandboxSetupError as e:\n  print('refused:', e)\n"
     "fallback = run(namespaces=False)\n"
     "print(fallback.cases[0]['stdout'].strip(), fallback.isolation['netns'])"
   )
@@ -208,7 +209,7 @@ def test_without_namespaces_the_sandbox_refuses_unless_told_to_fall_back(tmp_pat
 def test_a_setup_failure_raises(monkeypatch):
   paths = runner._python_paths()
   monkeypatch.setattr(runner, "_python_paths", lambda: paths + ["/nonexistent/sparrow_site"])
-  with pytest.raises(runner.SandboxSetupError, match="/nonexistent/sparrow_site does not exist"):
+  with pytest.raises(host.SandboxSetupError, match="/nonexistent/sparrow_site does not exist"):
     runner.run_cases("print(1)", "stdio", [""], limits=runner.SandboxLimits(**LIMITS))
 
 

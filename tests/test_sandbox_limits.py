@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sparrow_jax.data import rewards
-from sparrow_jax.sandbox import runner
+from sparrow_jax.sandbox import host, runner
 
 pytestmark = pytest.mark.slow
 
@@ -144,13 +144,13 @@ def test_a_killed_grader_leaves_no_process_and_no_directory(tmp_path):
 def test_startup_removes_only_the_leftovers_of_dead_graders(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  owners = {"dead": (dead.pid, 1), "live": (os.getpid(), runner._start_time(os.getpid()))}
+  owners = {"dead": (dead.pid, 1), "live": (os.getpid(), host._start_time(os.getpid()))}
   for name, (pid, start) in owners.items():
     directory = tmp_path / f"sparrow_sandbox_{name}"
     directory.mkdir()
     (directory / "owner.json").write_text(json.dumps({"pid": pid, "start": start}))
   (tmp_path / "sparrow_sandbox_unowned").mkdir()  # another version's, or still being made
-  runner.remove_leftovers(str(tmp_path))
+  host.remove_leftovers(str(tmp_path))
   assert sorted(p.name for p in tmp_path.iterdir()) == [
     "sparrow_sandbox_live",
     "sparrow_sandbox_unowned",
@@ -159,11 +159,11 @@ def test_startup_removes_only_the_leftovers_of_dead_graders(tmp_path):
 
 def test_a_named_cgroup_must_have_the_cpu_controller_for_its_children(tmp_path):
   (tmp_path / "cgroup.subtree_control").write_text("cpu io memory\n")
-  assert runner._cgroup_root(str(tmp_path)) == str(tmp_path)
+  assert host._cgroup_root(str(tmp_path)) == str(tmp_path)
   (tmp_path / "cgroup.subtree_control").write_text("io memory\n")
-  runner._cgroup_root.cache_clear()
-  with pytest.raises(runner.SandboxSetupError, match="cpu controller"):
-    runner._cgroup_root(str(tmp_path))
-  assert runner._cgroup_root("none") is None
+  host._cgroup_root.cache_clear()
+  with pytest.raises(host.SandboxSetupError, match="cpu controller"):
+    host._cgroup_root(str(tmp_path))
+  assert host._cgroup_root("none") is None
   with pytest.raises(ValueError, match="cpu_cgroup"):
     runner.SandboxLimits(cpu_cgroup="")

@@ -218,7 +218,7 @@ class CodeTests:
   """A code problem's tests. mode "stdio": inputs are stdin texts, outputs the expected stdout;
   "call": inputs are argument lists of fn_name, outputs its return values; "script": `script` (e.g.
   HumanEval's check) must run to its end, calling the program's functions (`prefix`, e.g. imports
-  and the prompt's stubs and helpers, comes before both; see runner.candidate_names)."""
+  and the prompt's stubs and helpers, comes before both; see script_mode.candidate_names)."""
 
   mode: str
   inputs: tuple = (None,)

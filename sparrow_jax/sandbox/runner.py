@@ -14,7 +14,7 @@ CAP_SYS_ADMIN):
     the time a flood keeps it from a CPU, and the flood stops at its tree's CPU budget);
   - tied to the grader: its death (PR_SET_PDEATHSIG, or the result pipe losing its reader) kills the
     sandbox and removes its directory; each directory records its grader, and the first run of a
-    process removes the directories of dead graders (remove_leftovers);
+    process removes the directories of dead graders (host.remove_leftovers);
   - rlimits per test case: CPU seconds, address space, file size (which also caps stdout/stderr:
     they are memfds, so a program cannot fill the disk by printing), open files, no core dumps;
   - as root: the program runs as a random unprivileged uid/gid (2**30 + r, or nobody if that range
@@ -38,9 +38,9 @@ CAP_SYS_ADMIN):
     executes no candidate code, calling the candidate's functions through a proxy that passes plain
     data only; a pass is the token that the check alone knows, written after it ran to its end, so
     exiting early, patching builtins, exception hooks, signals, forking or forged output all fail.
-A sandbox that cannot be built as asked raises SandboxSetupError (an OSError) before any program
-runs: namespaces refused, a path to expose missing, no user namespace for the harness; never a
-silent downgrade. The fallback without namespaces runs only when asked for
+A sandbox that cannot be built as asked raises host.SandboxSetupError (an OSError) before any
+program runs: namespaces refused, a path to expose missing, no user namespace for the harness; never
+a silent downgrade. The fallback without namespaces runs only when asked for
 (`SandboxLimits(namespaces=False)`, e.g. under Docker's default seccomp profile) and is weaker
 (facts in `SandboxRun.isolation`): the program sees the host's world-readable files (site-packages,
 answer keys included); a Python audit hook refuses sockets, ctypes and process launches (soft:
@@ -48,22 +48,18 @@ native code could bypass it); processes that escaped the process group are kille
 root, and what that uid left in /tmp, /var/tmp and /dev/shm is removed; TMPDIR is the work
 directory, on disk under `work_root` (each file capped by RLIMIT_FSIZE, not their number), and the
 umask keeps created files private; the interpreter's stdlib may be limited to PREIMPORT
-(child/) where the sandbox uid cannot read it. As non-root, the namespaces come with a user
-namespace (same isolation minus the uid drop: the program is root of its namespace, without
+(child/privileges.py) where the sandbox uid cannot read it. As non-root, the namespaces come with
+a user namespace (same isolation minus the uid drop: the program is root of its namespace, without
 capabilities, and sees only the read-only root); in the fallback the program keeps the caller's uid:
 no file protection and no process cap (RLIMIT_NPROC would count the trainer's threads), so run
 training as root in a container or give the trainer its own user.
 """
 
-import ast
-import builtins
 import dataclasses
-import functools
 import importlib.util
 import json
 import math
 import os
-import random
 import resource
 import secrets
 import select
@@ -72,18 +68,14 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
-import threading
 import time
+
+from sparrow_jax.sandbox import host, script_mode
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child")
 MODES = ("stdio", "call", "script")
-UID_RANGE = (1 << 30, 1 << 20)  # start, size: ids far above any real account
-NOBODY = 65534
 STARTUP_S = 5.0  # interpreter start and namespace setup, added to the total timeout
 WALL_FACTOR = 10  # default max_wall_s per timeout_s
-PREFIX = "sparrow_sandbox_"
-OWNER = "owner.json"  # in each sandbox directory: the grader that made it (see remove_leftovers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +130,6 @@ class SandboxRun:
   past_deadline: bool = False  # the caller's deadline ended the run (then `cases` may be short)
 
 
-def _sandbox_uid():
-  """A fresh uid per run when we are root and the id range is mapped here; else None (keep ours)."""
-  if os.geteuid() != 0:
-    return None
-  start, size = UID_RANGE
-  with open("/proc/self/uid_map") as f:
-    ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
-  if any(inner <= start and start + size <= inner + count for inner, _, count in ranges):
-    return start + random.SystemRandom().randrange(size)
-  return NOBODY
-
-
 def _case_limits(limits):
   """(soft, hard) per rlimit, clamped to our own hard limits (we may lack CAP_SYS_RESOURCE)."""
   cpu = limits.cpu_s or math.ceil(limits.timeout_s) + 1
@@ -198,159 +178,6 @@ def _site_packages() -> tuple:
     paths += [p + ".libs" for p in paths if os.path.isdir(p + ".libs")]
     allowed.update(os.path.realpath(p) for p in paths)
   return sites, sorted(p for p in allowed if any(p.startswith(s + os.sep) for s in sites))
-
-
-def _kill_uid(uid):
-  """SIGKILLs every process of `uid` (fallback cleanup when no pid namespace held them)."""
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        if os.stat(f"/proc/{entry}").st_uid == uid:
-          os.kill(int(entry), signal.SIGKILL)
-      except OSError:  # exited meanwhile
-        pass
-
-
-class SandboxSetupError(OSError):
-  """The sandbox could not be built as asked (namespaces refused, file system setup failed): nothing
-  ran."""
-
-
-def _remove_files_of(uid):
-  """Fallback cleanup: what `uid` left in the shared temp directories (a fresh uid per run owns
-  nothing else there)."""
-  for directory in ("/tmp", "/var/tmp", "/dev/shm"):
-    try:
-      entries = list(os.scandir(directory))
-    except OSError:  # no such directory here
-      continue
-    for entry in entries:
-      try:
-        if entry.stat(follow_symlinks=False).st_uid != uid:
-          continue
-        if entry.is_dir(follow_symlinks=False):
-          shutil.rmtree(entry.path, ignore_errors=True)
-        else:
-          os.unlink(entry.path)
-      except OSError:  # removed meanwhile
-        pass
-
-
-def _start_time(pid):
-  """The start time of process `pid` (clock ticks since boot), or None if there is none: with the
-  pid it names one process, even after the pid is reused."""
-  try:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-      return int(f.read().rsplit(b")", 1)[1].split()[19])
-  except (OSError, ValueError, IndexError):
-    return None
-
-
-def remove_leftovers(directory):
-  """Removes the sandbox directories under `directory` whose grader is dead (killed before it could
-  clean up), with what their processes left: the processes of their uid (the fallback without a pid
-  namespace). Directories of a live grader, and any without an owner record, stay."""
-  try:
-    entries = [e for e in os.scandir(directory) if e.name.startswith(PREFIX) and e.is_dir()]
-  except OSError:  # no such directory
-    return
-  for entry in entries:
-    try:
-      with open(os.path.join(entry.path, OWNER)) as f:
-        owner = json.load(f)
-      if _start_time(owner["pid"]) == owner["start"]:
-        continue
-    except (OSError, ValueError, KeyError, TypeError):  # none (yet), or not ours
-      continue
-    uid = owner.get("uid")
-    if isinstance(uid, int) and UID_RANGE[0] <= uid < sum(UID_RANGE):
-      _kill_uid(uid)
-    if isinstance(owner.get("cgroup"), str) and os.path.basename(owner["cgroup"]) == entry.name:
-      _remove_cgroup(owner["cgroup"])
-    shutil.rmtree(entry.path, ignore_errors=True)
-
-
-_cleaned, _cleaned_lock = set(), threading.Lock()
-
-
-def _remove_leftovers_once(directory):
-  with _cleaned_lock:
-    if directory in _cleaned:
-      return
-    _cleaned.add(directory)
-  remove_leftovers(directory)
-
-
-def _own_cgroup():
-  """Our cgroup v2 directory (from /proc/self/cgroup and where cgroup2 is mounted), or None."""
-  try:
-    with open("/proc/self/cgroup") as f:
-      path = next(line[3:].strip() for line in f if line.startswith("0::"))
-    with open("/proc/self/mountinfo") as f:
-      mount = next(m.split()[4] for m in f if m.split(" - ")[1].split()[0] == "cgroup2")
-  except (OSError, StopIteration, IndexError):
-    return None
-  return os.path.join(mount, path.lstrip("/"))
-
-
-@functools.lru_cache
-def _cgroup_root(setting):
-  """Where sandbox cgroups are made for SandboxLimits.cpu_cgroup `setting`, or None: the CPU-budget
-  path. A cgroup v2 directory qualifies when the cpu controller is enabled for its children and we
-  may create them; raises SandboxSetupError for a named one that does not."""
-  if setting == "none":
-    return None
-  directory = _own_cgroup() if setting == "auto" else setting
-  try:
-    with open(os.path.join(directory, "cgroup.subtree_control")) as f:
-      usable = "cpu" in f.read().split() and os.access(directory, os.W_OK)
-  except (OSError, TypeError):
-    usable = False
-  if not usable and setting != "auto":
-    raise SandboxSetupError(
-      f"SandboxLimits.cpu_cgroup={setting!r} is not a cgroup v2 directory that we may write with "
-      "the cpu controller enabled for its children (cgroup.subtree_control)"
-    )
-  return directory if usable else None
-
-
-def _remove_cgroup(path):
-  """Kills whatever is left in a sandbox's cgroup and removes it (rmdir waits for the last exit)."""
-  try:
-    with open(os.path.join(path, "cgroup.kill"), "w") as f:
-      f.write("1")
-  except OSError:  # gone, or a kernel before 5.14: the pid namespace ended them
-    pass
-  for _ in range(200):
-    try:
-      os.rmdir(path)
-      return
-    except FileNotFoundError:
-      return
-    except OSError:  # its last processes are still exiting
-      time.sleep(0.01)
-
-
-def _make_run_dirs(work_root, uid, limits):
-  """(the run's directory, its cgroup or None), with the record that lets a later start remove
-  both if we are killed."""
-  directory = work_root or tempfile.gettempdir()
-  _remove_leftovers_once(directory)
-  root = _cgroup_root(limits.cpu_cgroup)
-  base = tempfile.mkdtemp(prefix=PREFIX, dir=directory)
-  cgroup = None if root is None else os.path.join(root, os.path.basename(base))
-  with open(os.path.join(base, OWNER), "w") as f:
-    owner = {"pid": os.getpid(), "start": _start_time(os.getpid()), "uid": uid, "cgroup": cgroup}
-    json.dump(owner, f)
-  if cgroup is not None:
-    try:
-      os.mkdir(cgroup)
-      with open(os.path.join(cgroup, "cpu.max"), "w") as f:
-        f.write(f"{max(int(limits.cpus * 100_000), 1000)} 100000")
-    except OSError as e:
-      shutil.rmtree(base, ignore_errors=True)
-      raise SandboxSetupError(f"cannot make the sandbox's cgroup {cgroup}: {e}") from None
-  return base, cgroup
 
 
 def _stream(proc, deadline, cap, judge):
@@ -403,80 +230,95 @@ def _parse(stream, complete=False):
     elif "sandbox_error" in record:
       error = record["sandbox_error"]
     elif "setup_error" in record:
-      raise SandboxSetupError(record["setup_error"])
+      raise host.SandboxSetupError(record["setup_error"])
     done = done or record.get("done", False)
   if not (done or complete) and error is None:
     error = "sandbox ended before reporting every case (harness killed, or the total timeout)"
   return cases, isolation, error
 
 
-def _bound(tree):
-  """Every name that code binds anywhere: assigned, defined, imported, a parameter or a caught
-  error."""
-  names = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-      names.add(node.id)
-    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-      names.add(node.name)
-    elif isinstance(node, ast.alias):
-      names.add((node.asname or node.name).split(".")[0])
-    elif isinstance(node, ast.arg):
-      names.add(node.arg)
-    elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
-      names.add(node.name)
-  return names
+def _checked_cases(mode, cases, fn_name):
+  """`cases` as a list; ValueError where they or `fn_name` do not fit `mode`."""
+  if mode not in MODES:
+    raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
+  if mode == "call" and not fn_name:
+    raise ValueError("sandbox mode 'call' needs fn_name")
+  cases = list(cases)
+  if mode == "script" and cases != [None]:
+    raise ValueError(f"sandbox mode 'script' takes one case, None, got {cases!r:.100}")
+  return cases
 
 
-def _is_stub(statement):
-  """Whether a statement of a function body leaves it to be written: pass, ..., a docstring,
-  imports."""
-  if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
-    return isinstance(statement.value.value, str) or statement.value.value is Ellipsis
-  return isinstance(statement, (ast.Pass, ast.Import, ast.ImportFrom))
-
-
-def candidate_names(prefix, script):
-  """The functions that a script-mode check takes from the candidate: the prefix's stubs (top-level
-  functions with nothing but a docstring, imports and pass in their body, like HumanEval's prompt
-  with `pass`), and the names the script reads that neither the prefix, the script nor builtins
-  bind. Helper functions with a body stay the prefix's own (trusted) ones in the check."""
-  try:
-    prefix_tree, script_tree = ast.parse(prefix), ast.parse(script)
-  except SyntaxError as e:
-    raise ValueError(f"script tests do not parse: {e}") from None
-  stubs = {
-    node.name
-    for node in prefix_tree.body
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(map(_is_stub, node.body))
+def _job(program, mode, cases, fn_name, prefix, stop_on_failure, limits, uid):
+  """What the child reads on its stdin: the program, its cases and the limits in the child's
+  terms."""
+  case_limits = _case_limits(limits)
+  max_wall_s = limits.max_wall_s or WALL_FACTOR * limits.timeout_s
+  site_packages, solution_paths = _site_packages()
+  return {
+    "program": program,
+    "mode": mode,
+    "cases": cases,
+    "fn_name": fn_name,
+    "prefix": prefix,
+    "stop_on_failure": stop_on_failure,
+    "timeout_s": limits.timeout_s,
+    "max_wall_s": max(max_wall_s, limits.timeout_s),
+    # the hard RLIMIT_CPU, counted over the case's whole process tree
+    "tree_cpu_s": case_limits["RLIMIT_CPU"][1],
+    "output_bytes": limits.output_bytes,
+    "batch_output_bytes": limits.batch_output_bytes,
+    "nproc": limits.nproc,
+    "tmpfs_mb": limits.tmpfs_mb,
+    "namespaces": limits.namespaces,
+    "uid": uid,
+    "case_limits": case_limits,
+    "python_paths": _python_paths(),
+    "parent_pid": os.getpid(),
+    "site_packages": site_packages,
+    "solution_paths": solution_paths,
   }
-  read = {
-    node.id
-    for node in ast.walk(script_tree)
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
-  }
-  free = read - _bound(prefix_tree) - _bound(script_tree) - set(dir(builtins))
-  if not stubs | free:
-    raise ValueError(
-      "script tests take nothing from the candidate: the prefix defines no stub function "
-      "and the script reads no name that the prefix and script leave unbound"
+
+
+def _run_child(job, limits, stop_at, judge):
+  """Starts the sandbox's process tree on `job` in its directory job["base"] (the child's stderr
+  goes to its file "err") and reads the result stream until _stream stops, then kills the tree.
+  Returns what _stream does."""
+  work = os.path.join(job["base"], "work")
+  os.mkdir(work, 0o700)
+  if job["uid"] is not None:
+    os.chown(work, job["uid"], job["uid"])
+  with open(os.path.join(job["base"], "job.json"), "w") as f:
+    json.dump(job, f)
+  env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+  if not limits.namespaces:  # no private /tmp: temp files go to the private work directory
+    env["TMPDIR"] = work
+  with (
+    open(os.path.join(job["base"], "job.json"), "rb") as stdin,
+    open(os.path.join(job["base"], "err"), "wb") as stderr,
+  ):
+    proc = subprocess.Popen(
+      [sys.executable, "-I", "-B", CHILD],
+      stdin=stdin,
+      stdout=subprocess.PIPE,
+      stderr=stderr,
+      cwd=work,
+      env=env,
+      start_new_session=True,
+      close_fds=True,
+      pass_fds=() if job.get("secret_fd") is None else (job["secret_fd"],),
     )
-  return sorted(stubs | free)
-
-
-def _secret_fd(script, token):
-  """A descriptor with the check's source and the token; only the check process will read it."""
-  fd = os.memfd_create("sandbox_check", os.MFD_CLOEXEC)
-  os.write(fd, json.dumps({"script": script, "token": token}).encode())
-  return fd
-
-
-def _certify(case, token):
-  """Script mode: a case passes only with the token, which exists in the check process alone."""
-  verdict = case.pop("verdict", None)
-  if case["status"] == "ok" and verdict != token:
-    case["status"] = "error"
-  return case
+  # The harness caps each case's output; this bounds a subverted harness too.
+  cap = (len(job["cases"]) + 4) * (4 * limits.output_bytes + 8192)
+  try:
+    return _stream(proc, stop_at, cap, judge)
+  finally:
+    try:
+      os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:  # the group is already gone
+      pass
+    proc.wait()
+    proc.stdout.close()
 
 
 def run_cases(
@@ -498,110 +340,48 @@ def run_cases(
   mode "stdio": each case is the stdin text; "call": each case is the list of arguments of `fn_name`
   (a function of the program, or a method of its class Solution), its JSON result is returned;
   "script": one case (None), the program runs after `prefix`, and `script` (after `prefix` too, in
-  another process) calls its functions (see candidate_names); status "ok" means that the check ran
-  to its end. `stop_on_failure` stops at the first case that crashes or times out, or that
-  `judge(case)` (if given; the caller's comparison with the expected output, which stays here)
+  another process) calls its functions (see script_mode.candidate_names); status "ok" means that
+  the check ran to its end. `stop_on_failure` stops at the first case that crashes or times out, or
+  that `judge(case)` (if given; the caller's comparison with the expected output, which stays here)
   fails as it streams in. `deadline` (time.monotonic()) ends the run early, `past_deadline` set.
   Thread-safe (no preexec_fn). Raises ValueError for a bad mode or a script that takes nothing from
   the program.
   """
-  if mode not in MODES:
-    raise ValueError(f"sandbox mode must be one of {MODES}, got {mode!r}")
-  if mode == "call" and not fn_name:
-    raise ValueError("sandbox mode 'call' needs fn_name")
-  cases = list(cases)
-  if mode == "script" and cases != [None]:
-    raise ValueError(f"sandbox mode 'script' takes one case, None, got {cases!r:.100}")
-  uid = _sandbox_uid()
-  cpu = _case_limits(limits)["RLIMIT_CPU"][1]
-  max_wall_s = limits.max_wall_s or WALL_FACTOR * limits.timeout_s
-  job = {
-    "program": program,
-    "mode": mode,
-    "cases": cases,
-    "fn_name": fn_name,
-    "prefix": prefix,
-    "stop_on_failure": stop_on_failure,
-    "timeout_s": limits.timeout_s,
-    "max_wall_s": max(max_wall_s, limits.timeout_s),
-    "tree_cpu_s": cpu,  # the hard RLIMIT_CPU, counted over the case's whole process tree
-    "output_bytes": limits.output_bytes,
-    "batch_output_bytes": limits.batch_output_bytes,
-    "nproc": limits.nproc,
-    "tmpfs_mb": limits.tmpfs_mb,
-    "namespaces": limits.namespaces,
-    "uid": uid,
-    "case_limits": _case_limits(limits),
-    "python_paths": _python_paths(),
-    "parent_pid": os.getpid(),
-  }
-  job["site_packages"], job["solution_paths"] = _site_packages()
+  cases = _checked_cases(mode, cases, fn_name)
+  uid = host.sandbox_uid()
+  job = _job(program, mode, cases, fn_name, prefix, stop_on_failure, limits, uid)
   token = secrets.token_hex(16) if mode == "script" else None
   if token:
-    job["names"] = candidate_names(prefix, script)
-  total = limits.total_timeout_s or job["max_wall_s"] * max(len(job["cases"]), 1) + STARTUP_S
+    job["names"] = script_mode.candidate_names(prefix, script)
+  total = limits.total_timeout_s or job["max_wall_s"] * max(len(cases), 1) + STARTUP_S
   own_deadline = time.monotonic() + total
-  base, cgroup = _make_run_dirs(work_root, uid, limits)
+  base, cgroup = host.make_run_dirs(work_root, uid, limits)
   job["base"], job["cgroup"] = base, cgroup
   secret_fd = None
   try:
     if token:
       # Not in the job: the harness forks the candidate's process, which can read its own memory.
-      secret_fd = job["secret_fd"] = _secret_fd(script, token)
-    work = os.path.join(base, "work")
-    os.mkdir(work, 0o700)
-    if uid is not None:
-      os.chown(work, uid, uid)
-    with open(os.path.join(base, "job.json"), "w") as f:
-      json.dump(job, f)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-    if not limits.namespaces:  # no private /tmp: temp files go to the private work directory
-      env["TMPDIR"] = work
-    with (
-      open(os.path.join(base, "job.json"), "rb") as stdin,
-      open(os.path.join(base, "err"), "w+b") as stderr,
-    ):
-      proc = subprocess.Popen(
-        [sys.executable, "-I", "-B", CHILD],
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        cwd=work,
-        env=env,
-        start_new_session=True,
-        close_fds=True,
-        pass_fds=() if secret_fd is None else (secret_fd,),
-      )
-      # The harness caps each case's output; this bounds a subverted harness too.
-      cap = (len(job["cases"]) + 4) * (4 * limits.output_bytes + 8192)
-      try:
-        stop_at = own_deadline if deadline is None else min(own_deadline, deadline)
-        data, why = _stream(proc, stop_at, cap, judge if stop_on_failure else None)
-      finally:
-        try:
-          os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:  # the group is already gone
-          pass
-        proc.wait()
-        proc.stdout.close()
-      past_deadline = why == "deadline" and deadline is not None and deadline <= own_deadline
-      text = data.decode("utf-8", "replace")
-      cases_out, isolation, error = _parse(text, complete=why == "failed" or past_deadline)
-      if error is not None:
-        stderr.seek(0)
-        tail = stderr.read(4096).decode("utf-8", "replace").strip()
-        error = f"{error}; {tail}" if tail else error
+      secret_fd = job["secret_fd"] = script_mode.secret_fd(script, token)
+    stop_at = own_deadline if deadline is None else min(own_deadline, deadline)
+    data, why = _run_child(job, limits, stop_at, judge if stop_on_failure else None)
+    past_deadline = why == "deadline" and deadline is not None and deadline <= own_deadline
+    text = data.decode("utf-8", "replace")
+    cases_out, isolation, error = _parse(text, complete=why == "failed" or past_deadline)
+    if error is not None:
+      with open(os.path.join(base, "err"), "rb") as f:
+        tail = f.read(4096).decode("utf-8", "replace").strip()
+      error = f"{error}; {tail}" if tail else error
     if uid is not None and not limits.namespaces:
-      _kill_uid(uid)
-      _remove_files_of(uid)
+      host.kill_uid(uid)
+      host.remove_files_of(uid)
     if token:
-      cases_out = [_certify(case, token) for case in cases_out]
+      cases_out = [script_mode.certify(case, token) for case in cases_out]
     return SandboxRun(cases_out, isolation, error, past_deadline)
   finally:
     if secret_fd is not None:
       os.close(secret_fd)
     if cgroup is not None:
-      _remove_cgroup(cgroup)
+      host.remove_cgroup(cgroup)
     shutil.rmtree(base, ignore_errors=True)
 
 
