@@ -15,7 +15,7 @@ def get_config():
   c.prompts = 4  # GRPO groups
   c.group_size = 8  # rows per group
   c.prompt = 512  # prompt tokens (every row's)
-  c.cutoff = 1024  # max completion tokens; lengths geometric with mean cutoff / 2 (bench_rollout)
+  c.cutoff = 1024  # max completion tokens; lengths geometric with mean cutoff / 2 (bench_engine)
   c.seed = 0  # the lengths, prompts, completions and rewards
   c.num_minibatches = 1  # updates per step
   c.micro_batches = 4  # backward passes per update: the rows sorted by length into them

@@ -8,7 +8,7 @@ python experiments/device_check.py --config=configs/device_check.py:smoke --conf
 
 import ml_collections
 
-from configs import bench_rollout
+from configs import bench_engine
 
 
 def get_config(arg: str = ""):
@@ -39,10 +39,10 @@ def get_config(arg: str = ""):
   c.decode.runs = 1 if smoke else 3  # timed calls (median)
   c.decode.dense_layers = 1 if smoke else 2  # first layers kept dense in sparse decode (paper: 2)
   c.decode.tau = 0.86  # the paper's Qwen3-1.7B budget table at this tau
-  # (4) the rollout engine on a long-tail workload (experiments/bench_rollout.py's (d)): a random
+  # (4) the rollout engine on a long-tail workload (experiments/bench_engine.py): a random
   # Qwen3-1.7B, 32 rows of geometric lengths (mean 16K) capped at 32K, dense vs sparse tokens/s on
   # one device: what compares with the paper's 640 / 1,416 tokens/s per GPU (Table 2, 4 H200s).
-  c.engine = bench_rollout.get_config().engine
+  c.engine = bench_engine.get_config().engine
   c.engine.update(
     model="default" if smoke else "qwen3-1.7b",
     layers=28,

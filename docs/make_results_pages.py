@@ -22,11 +22,12 @@ def _provenance(record) -> str:
 
 
 def engine_page(records) -> str:
-  """docs/results/rollout_engine.md from bench_rollout (d)'s engine_long_tail_*.json records."""
+  """docs/results/rollout_engine.md from experiments/bench_engine.py's engine_long_tail_*.json
+  records."""
   lines = [
     "# Rollout engine vs static batch (measured)",
     "",
-    "Long-tail rollouts (`experiments/bench_rollout.py` part (d)): per-row lengths drawn from "
+    "Long-tail rollouts (`experiments/bench_engine.py`): per-row lengths drawn from "
     "a geometric law with mean half the cutoff, forced with per-row `max_new_tokens`, run on "
     "the same rows and the same pool memory by the static batch (`EngineConfig(static=True)`:"
     " every row's pages at full length, admission only into an empty batch; finished rows "
@@ -34,7 +35,8 @@ def engine_page(records) -> str:
     "grow). Once few rows are left, both decode only their first `drain_slots` slots "
     "(`EngineConfig.drain_slots`, the rows moved there). tok/s counts the tokens the rollout "
     "keeps over wall time; occupancy = decoded tokens kept / (slots decoded x decode "
-    "steps).",
+    "steps). The commands that make these records: "
+    "[rollout_engine.md](../rollout_engine.md#engine-vs-static-batch-measured).",
     "",
   ]
   for record in records:
@@ -751,7 +753,7 @@ def decode_attention_page(records) -> str:
 
 
 def _decode_section(r, config) -> list:
-  """bench_rollout (b): end-to-end decode, dense vs sparse, beside the cost model's prediction."""
+  """bench_decode: end-to-end decode, dense vs sparse, beside the cost model's prediction."""
   c, hw, batch, runs = config["decode"], r["hardware"], config["batch"], config["runs"]
   read_s = r["params"] * hw["dtype_bytes"] / hw["mem_bandwidth"]
   lines = [
@@ -781,7 +783,7 @@ def _decode_section(r, config) -> list:
 
 
 def _split_table(split) -> list:
-  """Where a step's time goes (bench_rollout.step_split), and the rate each part reads at."""
+  """Where a step's time goes (bench_decode.step_split), and the rate each part reads at."""
   if not split:
     return []
   lines = [
@@ -808,7 +810,7 @@ TUNIX_AIM = 1.3  # the decode speed against tunix docs/decode_speed.md aims for
 
 
 def _tunix_section(r) -> list:
-  """bench_rollout (c): our dense sampler against google-tunix's, and the weight-read roofline."""
+  """bench_tunix: our dense sampler against google-tunix's, and the weight-read roofline."""
   m, v, (short, long) = r["model"], r["versions"], r["gen"]
   tunix_step = r["samplers"]["tunix generate.Sampler"]["step_ms"]
   aim_step = tunix_step / TUNIX_AIM
@@ -854,16 +856,17 @@ def _tunix_section(r) -> list:
 
 
 def decode_rollout_page(records) -> str:
-  """docs/results/decode_rollout.md from experiments/bench_rollout.py's (b) and (c) record."""
+  """docs/results/decode_rollout.md from the decode_rollout*.json records of
+  experiments/bench_decode.py and experiments/bench_tunix.py (one record may hold both)."""
   lines = [
     "# Sparse decode end to end on CPU, and against tunix (measured)",
     "",
-    "`experiments/bench_rollout.py` parts (b) and (c): decode steps of a truncated "
-    "Qwen3-1.7B-shaped model from a filled cache, the sampler's fair dense decode against its "
-    "sparse decode, with the cost model's prediction for the same setting (\"+ weight reads\" "
-    "adds one read of the weights a step, which a small batch on a CPU pays); and our dense "
-    "sampler against google-tunix's on one tiny model. What the figures mean: "
-    "[decode_speed.md](../decode_speed.md).",
+    "`experiments/bench_decode.py`: decode steps of a truncated Qwen3-1.7B-shaped model from a "
+    "filled cache, the sampler's fair dense decode against its sparse decode, with the cost "
+    "model's prediction for the same setting (\"+ weight reads\" adds one read of the weights a "
+    "step, which a small batch on a CPU pays); and `experiments/bench_tunix.py`: our dense "
+    "sampler against google-tunix's on one tiny model. What the figures mean, and the commands "
+    "that make them: [decode_speed.md](../decode_speed.md).",
     "",
   ]
   for record in records:
@@ -1297,8 +1300,14 @@ def real_lm_mismatch_page(records) -> str:
 
 
 def real_lm_decode_page(records) -> str:
-  """docs/results/real_lm_decode.md from bench_rollout (b) records run with decode.model_dir."""
-  lines = ["# Real-LM decode speed on this CPU (measured)", ""]
+  """docs/results/real_lm_decode.md from bench_decode records run with decode.model_dir."""
+  lines = [
+    "# Real-LM decode speed on this CPU (measured)",
+    "",
+    "`experiments/bench_decode.py` with `decode.model_dir` (the command: "
+    "[real_lm.md](../real_lm.md#decode-speed-with-the-real-weights)).",
+    "",
+  ]
   for record in records:
     r = record["results"]["decode"]
     lines += [
@@ -1508,7 +1517,7 @@ PAGES = {
   "threshold_sweep.md": ("threshold_sweep.json", threshold_sweep_page),
   "cost_model.md": ("cost_model.json", cost_model_page),
   "decode_attention.md": ("decode_attention.json", decode_attention_page),
-  "decode_rollout.md": ("decode_rollout.json", decode_rollout_page),
+  "decode_rollout.md": ("decode_rollout*.json", decode_rollout_page),
   "embedded_default.md": ("embedded_*.json", embedded_default_page),
   "distill_sparse.md": ("distill_sparse.json", distill_sparse_page),
   "real_lm_mismatch.md": ("real_lm_mismatch.json", real_lm_mismatch_page),

@@ -38,7 +38,6 @@ docs/results/decode_attention.md.
 
 import os
 import statistics
-import time
 
 from absl import app, flags
 import jax
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import timing
 from sparrow_jax import records
 from sparrow_jax.attention import paged_cache, reference, select
 from sparrow_jax.sparsity import policy
@@ -54,16 +54,9 @@ KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 2, 128, 16
 
 
 def _times_ms(calls, runs):
-  """(median, min) ms per call of each (fn, args), the calls interleaved run by run so that they
-  share whatever else loads the machine."""
-  for fn, args in calls:
-    jax.block_until_ready(fn(*args))
-  times = [[] for _ in calls]
-  for _ in range(runs):
-    for (fn, args), t in zip(calls, times):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      t.append(time.perf_counter() - start)
+  """(median, min) ms per call of each (fn, args), timed by `timing.interleaved_seconds`."""
+  thunks = [lambda fn=fn, args=args: jax.block_until_ready(fn(*args)) for fn, args in calls]
+  times = timing.interleaved_seconds(thunks, runs)
   return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 

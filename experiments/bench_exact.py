@@ -6,7 +6,7 @@ counts and with the regime switch (`rollout.speculate = "auto"`), tokens/s side 
 
 (1) Long context, random model: the engine's own decode programs over one page pool (the same rows
 and pages for every setting), a Qwen3-1.7B-shaped model cut to `shapes.layers` layers with random
-weights, rows at a fixed context of random cached keys (bench_rollout (b)'s cache). A timed call is
+weights, rows at a fixed context of random cached keys (bench_decode's cache). A timed call is
 one chunk of `steps` tokens (dense, sparse) or of the rounds that draft as many (exact mode); the
 calls are interleaved and a cell is the median over `runs` after a warm-up call. dense: every
 layer reads every cached page; sparse: the paper's tau table (lossy: rows are the sparse policy's);
@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-from experiments.bench_rollout import median_seconds, model_config
+from experiments.bench_decode import model_config
+from experiments.timing import median_seconds
 import sparrow_jax as sj
 from sparrow_jax import records
 from sparrow_jax.attention import page_pool, paged_cache
@@ -52,8 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.partial(jax.jit, static_argnames=("page_score",), donate_argnames=("k", "v", "s"))
 def _fill_pool_layer(k, v, s, key, *, page_score):
-  """One layer of a pool filled with random keys and values (unit normal, as bench_rollout (b)'s
-  cache) on every page, and their page summaries."""
+  """One layer of a pool filled with random keys and values (unit normal, as bench_decode's cache)
+  on every page, and their page summaries."""
   key_k, key_v = jax.random.split(key)
   k = jax.random.normal(key_k, k.shape, jnp.float32).astype(k.dtype)
   v = jax.random.normal(key_v, v.shape, jnp.float32).astype(v.dtype)

@@ -5,7 +5,7 @@
 
 One batch of `prompts x group_size` rows: random prompts of `prompt` tokens and random completions
 whose lengths are long-tailed as RL rollouts are (geometric with mean cutoff / 2, capped at the
-cutoff: bench_rollout's `long_tail_lengths`), sampled sparsely (the paper's table; the step's
+cutoff: bench_engine's `long_tail_lengths`), sampled sparsely (the paper's table; the step's
 exact-acceptance pass runs the sparse policy), DistillSparse off as in the paper's main runs. Both
 settings run the same step on the same rows, interleaved call by call (the machine's load falls on
 both alike); the figures are the median seconds per step and completion tokens per second, and the
@@ -21,7 +21,8 @@ from ml_collections import config_flags
 import numpy as np
 import optax
 
-from experiments.bench_rollout import engine_model, long_tail_lengths, median_seconds
+from experiments.bench_engine import engine_model, long_tail_lengths
+from experiments.timing import median_seconds
 import sparrow_jax as sj
 from sparrow_jax import records
 from sparrow_jax.rl import train_step as ts

@@ -14,10 +14,10 @@ them as JSON.
     Triton tuning alternatives (block tokens x dot / CUDA-core reduce) are timed at 32K, so
     kernels/sparse_decode.TUNING can be set from the measurement.
 (3) end-to-end decode of a random Qwen3-1.7B (28 layers, bfloat16, batch 16, cache filled directly
-    with 32K - 64 tokens, no prefill: experiments/bench_rollout.py's filled_cache and decode_loop),
+    with 32K - 64 tokens, no prefill: experiments/bench_decode.py's filled_cache and decode_loop),
     64 greedy steps dense vs sparse (the paper's tau-0.86 table, 2 dense layers): tok/s, compile
     seconds and the compiled temp size of each.
-(4) the rollout engine (experiments/bench_rollout.py's (d)) on long-tailed rows up to 32K: dense vs
+(4) the rollout engine (experiments/bench_engine.py) on long-tailed rows up to 32K: dense vs
     sparse useful tokens/s on this one device, rows in flight, occupancy.
 (5) dense training attention (attention/flash.py): the gradient of the model's attention ("auto":
     cuDNN on a GPU, splash on a TPU) against the blockwise jnp path, Qwen3-1.7B heads, bfloat16:
@@ -38,9 +38,8 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
-import bench_attention
-import bench_rollout
 from configs import device_check as device_check_config
+from experiments import bench_attention, bench_decode, bench_engine, timing
 from kernels import sparse_decode, sparse_decode_tpu
 import sparrow_jax as sj
 from sparrow_jax.attention import flash, reference
@@ -221,9 +220,9 @@ def time_tuning(config):
 
 def time_decode(config):
   c = config.decode
-  cfg = bench_rollout.model_config(c.layers, c.vocab_size)
+  cfg = bench_decode.model_config(c.layers, c.vocab_size)
   params = sj.init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
-  caches = bench_rollout.filled_cache(
+  caches = bench_decode.filled_cache(
     cfg, c.batch, c.context, c.steps, 16, jnp.bfloat16, jax.random.PRNGKey(1)
   )
   sparse = sj.SparseConfig(page_size=16, dense_layers=c.dense_layers)
@@ -235,7 +234,7 @@ def time_decode(config):
   del caches
   for name, sp in (("dense", None), ("sparse", sparse)):
     start = time.perf_counter()
-    lowered = bench_rollout.decode_loop.lower(
+    lowered = bench_decode.decode_loop.lower(
       params,
       token_B,
       state["caches"],
@@ -260,7 +259,7 @@ def time_decode(config):
 
     return call
 
-  seconds = bench_rollout.median_seconds([run("dense"), run("sparse")], c.runs)
+  seconds = timing.median_seconds([run("dense"), run("sparse")], c.runs)
   for name, s in zip(("dense", "sparse"), seconds):
     del rows[name]["compiled"]
     rows[name]["tok_s"] = c.batch * c.steps / s
@@ -375,7 +374,7 @@ def main(argv):
   parts = [("kernels", check_kernels), ("attention", time_attention)]
   if jax.default_backend() == "gpu":
     parts.append(("tuning", time_tuning))
-  parts += [("decode", time_decode), ("engine", bench_rollout.bench_engine)]
+  parts += [("decode", time_decode), ("engine", bench_engine.bench_engine)]
   parts.append(("train_attention", time_train_attention))
   run_parts(parts, config, report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start

@@ -1,7 +1,8 @@
-"""experiments/bench_attention.py, bench_rollout.py and cost_report.py end to end: each script run
-as its README command (`--config=configs/X.py`) with tiny overrides, checking that its tables and
-ratio lines are printed and that bad settings fail naming the value; each `--config.out` record
-holds the rows its script prints, and docs/make_results_pages.py renders those rows."""
+"""experiments/bench_attention.py, bench_decode.py, bench_tunix.py, bench_engine.py and
+cost_report.py end to end: each script run as its README command (`--config=configs/X.py`) with
+tiny overrides, checking that its tables and ratio lines are printed and that bad settings fail
+naming the value; each `--config.out` record holds the rows its script prints, and
+docs/make_results_pages.py renders those rows."""
 
 import json
 import os
@@ -128,12 +129,11 @@ def test_bench_attention_prints_a_row_per_context_and_writes_them_as_a_record(tm
     assert f"| {row['select_ms']:.3f} | {row['select_ratio']:.1f}x | " in page
 
 
-def test_bench_rollout_filled_cache_is_a_prefilled_cache():
-  """The random cache (b) decodes from: keys/values in slots [0, context), page centroids of
-  exactly those keys, nothing after, lengths = context."""
-  bench_rollout = _load("bench_rollout")
-  cfg = sj.Qwen3Config(**bench_rollout.TINY, max_position_embeddings=64)
-  caches = bench_rollout.filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
+def test_bench_decode_filled_cache_is_a_prefilled_cache():
+  """The random cache bench_decode decodes from: keys/values in slots [0, context), page centroids
+  of exactly those keys, nothing after, lengths = context."""
+  cfg = sj.Qwen3Config(**_load("bench_tunix").TINY, max_position_embeddings=64)
+  caches = _load("bench_decode").filled_cache(cfg, 2, 32, 3, 16, np.float32, jax.random.PRNGKey(0))
   assert len(caches) == cfg.num_hidden_layers
   for cache in caches:
     np.testing.assert_array_equal(cache.lengths, [32, 32])
@@ -148,18 +148,11 @@ def test_bench_rollout_filled_cache_is_a_prefilled_cache():
     )
 
 
-def test_bench_rollout_decode_prints_a_row_per_dense_layers_and_writes_a_record(tmp_path):
-  """(b) and (c) with `out`: (b) prints a row per dense_layers, its printed rows are the record's;
-  (c) with tunix.python set reruns the script there, (c) only: in an interpreter without
-  google-tunix it says how to make one (with tunix it runs the tiny comparison instead), and is
-  left out of the record, and of the page."""
+def test_bench_decode_prints_a_row_per_dense_layers_and_writes_a_record(tmp_path):
+  """With `out`: a row per dense_layers, its printed rows are the record's and the page's."""
   path = tmp_path / "decode_rollout.json"
   out = _run(
-    "bench_rollout",
-    "--config.parts=b,c",
-    f"--config.tunix.python={sys.executable}",
-    "--config.tunix.prompt=8",
-    "--config.tunix.gen=2,4",
+    "bench_decode",
     "--config.decode.layers=1",
     "--config.decode.dense_layers=1,0",
     "--config.decode.contexts=256",
@@ -168,34 +161,29 @@ def test_bench_rollout_decode_prints_a_row_per_dense_layers_and_writes_a_record(
     "--config.runs=1",
     f"--config.out={path}",
   ).stdout
-  assert "(b) decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
+  assert "decode only" in out and "truncated to 1 layers" in out and "this machine:" in out
   lines = out.splitlines()
   header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["context", "budget"])
   assert "cost model" in lines[header] and "+weights" in lines[header]
-  rows = [line.split() for line in lines[header + 1 : header + 3]]  # (c)'s lines follow
+  rows = [line.split() for line in lines[header + 1 : header + 3]]  # the step split follows
   assert [(r[0], r[2]) for r in rows] == [("256", "1"), ("256", "0")]
   assert all(len(r) == 8 and r[5].endswith("x") and r[7].endswith("x") for r in rows), rows
   assert lines[header + 3].split()[:1] != ["256"]  # no third row
-  assert (
-    "(c) skipped" in out
-    and "--config.tunix.python=VENV/bin/python" in out
-    or "ours / tunix:" in out
-  ), out
   record = json.load(open(path))
   assert {"command", "commit", "machine", "date"} <= set(record)
   r = record["results"]
-  assert ("tunix" in r) == ("ours / tunix:" in out)
+  assert "tunix" not in r
   assert r["config"]["decode"]["contexts"] == [256] and r["decode"]["layers"] == 1
   rows = r["decode"]["rows"]
   assert [(row["context"], row["dense_layers"]) for row in rows] == [(256, 1), (256, 0)]
-  bench_rollout = _load("bench_rollout")
-  assert all(bench_rollout.format_decode_row(row) in lines for row in rows), out
+  bench_decode = _load("bench_decode")
+  assert all(bench_decode.format_decode_row(row) in lines for row in rows), out
   (split,) = r["decode"]["split"]  # the row with the fewest dense layers, d = 0
-  assert split["context"] == 256 and bench_rollout.format_split(split) in lines, out
+  assert split["context"] == 256 and bench_decode.format_split(split) in lines, out
   assert all(np.isfinite(v) for v in split.values()), split  # differences of times: any sign
   page = _load_pages().decode_rollout_page([record])
   assert f"| 256 | {split['rest_ms']:.1f} | {split['weights_gbs']:.1f} |" in page, page
-  assert "## End-to-end decode" in page and ("## Against tunix" in page) == ("tunix" in r)
+  assert "## End-to-end decode" in page and "## Against tunix" not in page
   for row in rows:
     assert (
       f"| 256 | {row['budget']} | {row['dense_layers']} of 1 | {row['dense_tok_s']:.2f} | "
@@ -204,12 +192,37 @@ def test_bench_rollout_decode_prints_a_row_per_dense_layers_and_writes_a_record(
     ) in page
 
 
+def test_bench_tunix_reruns_under_tunix_python_and_records_only_what_ran(tmp_path):
+  """With tunix.python set the script reruns there: in an interpreter without google-tunix it says
+  how to make one (with tunix it runs the tiny comparison instead), and writes no record; with
+  tunix, the record holds the comparison and the page shows it alone."""
+  path = tmp_path / "decode_rollout.json"
+  out = _run(
+    "bench_tunix",
+    f"--config.tunix.python={sys.executable}",
+    "--config.tunix.prompt=8",
+    "--config.tunix.gen=2,4",
+    "--config.batch=1",
+    "--config.runs=1",
+    f"--config.out={path}",
+  ).stdout
+  assert (
+    "skipped" in out and "--config.tunix.python=VENV/bin/python" in out or "ours / tunix:" in out
+  ), out
+  assert path.exists() == ("ours / tunix:" in out)
+  if path.exists():
+    record = json.load(open(path))
+    assert "decode" not in record["results"]
+    page = _load_pages().decode_rollout_page([record])
+    assert "## End-to-end decode" not in page and "## Against tunix" in page
+
+
 def test_tunix_figures_print_and_render_alike(capsys):
-  """(c)'s figures, from made-up call times (google-tunix is not a dependency): what the script
-  prints and what the page shows are the same figures."""
-  bench_rollout = _load("bench_rollout")
-  ours, theirs = bench_rollout.SAMPLERS
-  samplers = bench_rollout.sampler_figures(
+  """bench_tunix's figures, from made-up call times (google-tunix is not a dependency): what the
+  script prints and what the page shows are the same figures."""
+  bench_tunix = _load("bench_tunix")
+  ours, theirs = bench_tunix.SAMPLERS
+  samplers = bench_tunix.sampler_figures(
     4, (32, 160), {ours: (0.5, 1.2), theirs: (0.6, 1.5)}, read_ms=4.0
   )
   assert samplers[ours]["tok_s"] == pytest.approx(4 * 128 / 0.7)
@@ -230,7 +243,7 @@ def test_tunix_figures_print_and_render_alike(capsys):
     tokens_per_row=dict(ours=160, tunix=160),
     versions=dict(tunix="0.0", jax="0.0", python="3"),
   )
-  bench_rollout.print_tunix(fig)
+  bench_tunix.print_tunix(fig)
   printed = capsys.readouterr().out
   record = dict(command="python x", commit="0" * 40, machine="m", date="d")
   page = _load_pages().decode_rollout_page([record | dict(results=dict(config={}, tunix=fig))])
@@ -245,9 +258,9 @@ def test_tunix_figures_print_and_render_alike(capsys):
 
 
 def test_step_probes_replace_the_engines_attention_and_nothing_after():
-  """(c)'s step split: each stand-in changes what the engine's decode computes (so it took the
-  attention's place), and the engine's own decode is unchanged after and between them."""
-  bench_rollout = _load("bench_rollout")
+  """bench_tunix's step split: each stand-in changes what the engine's decode computes (so it took
+  the attention's place), and the engine's own decode is unchanged after and between them."""
+  bench_tunix = _load("bench_tunix")
   cfg = sj.Qwen3Config(
     vocab_size=64,
     hidden_size=32,
@@ -275,8 +288,8 @@ def test_step_probes_replace_the_engines_attention_and_nothing_after():
     )
 
   before = run()
-  for attention in bench_rollout.STEP_PROBES.values():
-    probed = bench_rollout.with_attention(run, attention)
+  for attention in bench_tunix.STEP_PROBES.values():
+    probed = bench_tunix.with_attention(run, attention)
     assert not np.array_equal(probed(), before)
     np.testing.assert_array_equal(run(), before)
 
@@ -288,10 +301,9 @@ def test_step_probes_replace_the_engines_attention_and_nothing_after():
     ("bench_attention", "--config.impl=triton", "impl must be one of"),
     ("bench_attention", "--config.cache_tokens=1000", "got 1000"),
     ("bench_attention", "--config.contexts=2048,2056", "got [2056]"),
-    ("bench_rollout", "--config.decode.contexts=100", "got [100]"),
-    ("bench_rollout", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
-    ("bench_rollout", "--config.parts=f", "parts takes b, c and/or d, got 'f'"),
-    ("bench_rollout", "--config.parts=d --config.engine.settings=batch", "engine.settings takes"),
+    ("bench_decode", "--config.decode.contexts=100", "got [100]"),
+    ("bench_decode", "--config.decode.dense_layers=5", "decode.layers=4], got (5,)"),
+    ("bench_engine", "--config.engine.settings=batch", "engine.settings takes"),
   ],
 )
 def test_bad_settings_fail_naming_the_value(script, override, message):
@@ -300,13 +312,12 @@ def test_bad_settings_fail_naming_the_value(script, override, message):
 
 
 def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
-  """(d) at toy size: the static batch and the engine, dense and sparse, run the same forced
-  lengths over one pool; the record carries its provenance."""
+  """At toy size: the static batch and the engine, dense and sparse, run the same forced lengths
+  over one pool; the record carries its provenance."""
   record = tmp_path / "engine.json"
   # equal slot counts: both settings share compiled shapes; they differ in scheduling alone
   out = _run(
-    "bench_rollout",
-    "--config.parts=d",
+    "bench_engine",
     "--config.engine.prompts=2",
     "--config.engine.group_size=4",
     "--config.engine.cutoff=96",

@@ -1,6 +1,6 @@
 """The real-LM experiments end to end on a tiny random Llama dir (no download): the mismatch study
 writes a record whose figures its page renders and a schedule the trainer reads; re-choosing from
-the record at another tau needs no model; bench_rollout (b) decodes a model dir's own weights."""
+the record at another tau needs no model; bench_decode decodes a model dir's own weights."""
 
 import json
 import os
@@ -110,12 +110,12 @@ def test_study_schedule_is_a_kv_schedule_and_rechooses_from_the_record(study, tm
   assert set(rechosen.values) == {1} and "table mean/exact at tau 0.0" in out
 
 
-def test_bench_rollout_decodes_a_model_dir(tmp_path):
+def test_bench_decode_decodes_a_model_dir(tmp_path):
   cfg = _llama_dir(tmp_path / "model")
   path = tmp_path / "real_lm_decode.json"
   out = _run(
-    "bench_rollout",
-    "--config=configs/bench_rollout.py",
+    "bench_decode",
+    "--config=configs/bench_decode.py",
     f"--config.decode.model_dir={tmp_path / 'model'}",
     "--config.decode.schedule=fixed:4",
     "--config.decode.dense_layers=1",

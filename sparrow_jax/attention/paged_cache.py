@@ -214,7 +214,7 @@ def page_scores(qbar_BKXE, summary_BKPRE, page_score: str):
   sampler and the trainer use. The query features are rounded to the summaries' dtype and the dot
   accumulates in float32, so bfloat16 summaries are read as stored (no float32 copy). (rows, E)
   merge into one contracted axis F, a free reshape: with two contracted axes XLA CPU transposes
-  the whole summary block before its dot, at every decode step (bench_rollout.py part (b))."""
+  the whole summary block before its dot, at every decode step (bench_decode.py)."""
   feature_BKXRE = page_score_fns(page_score).query(qbar_BKXE).astype(summary_BKPRE.dtype)
   flat = lambda x: x.reshape(*x.shape[:-2], -1)
   return jnp.einsum(

@@ -124,7 +124,7 @@ def decode_pages(q_BKGE, summary_BKPRE, lengths_B, budget_B, sparse: SparseConfi
     [jnp.broadcast_to(always_valid_BA[:, None], (B, K, always_BA.shape[1])), top_valid_BKT], axis=-1
   )
   # Valid ids first and ascending (padding, P added to sort it last, after them): a gather that
-  # walks the cache forwards is faster than one in score order on CPU (bench_rollout.py (b)).
+  # walks the cache forwards is faster than one in score order on CPU (bench_decode.py).
   ids_BKN = jnp.clip(ids_BKN, 0, P - 1)
   sorted_BKN = jnp.sort(jnp.where(valid_BKN, ids_BKN, ids_BKN + P), axis=-1)
   page_idx_BKN = jnp.where(sorted_BKN < P, sorted_BKN, sorted_BKN - P)
