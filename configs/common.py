@@ -40,7 +40,7 @@ def model(*fields, **overrides) -> ml_collections.ConfigDict:
 
 
 def task(*fields, **overrides) -> ml_collections.ConfigDict:
-  """Where prompts come from (sparrow_jax.rl.run_config.make_task; seeded by the config's
+  """Where prompts come from (sparrow_jax.rl.build.make_task; seeded by the config's
   `seed`)."""
   c = ml_collections.ConfigDict()
   c.name = "synthetic:pointer_chase"  # registry name, e.g. math:polaris, code:taco
@@ -121,7 +121,7 @@ def stats(*fields, **overrides) -> ml_collections.ConfigDict:
 
 def evaluation(*fields, **overrides) -> ml_collections.ConfigDict:
   """Held-out evaluation during training (sparrow_jax.rl.hooks.Evaluation, the fields'
-  checks: rl.run_config.EvalConfig; docs/configuration.md#evaluation-during-training)."""
+  checks: rl.evaluate.EvalConfig; docs/configuration.md#evaluation-during-training)."""
   c = ml_collections.ConfigDict()
   c.every = 0  # steps between evaluations, dense and (sparse runs) under the step's budget;
   #                                    0 = off

@@ -44,7 +44,7 @@ from sparrow_jax import records
 from sparrow_jax.attention import page_pool, paged_cache
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import qwen3
-from sparrow_jax.rl import run_config
+from sparrow_jax.rl import build
 from sparrow_jax.rollout import engine, programs, sampler
 from sparrow_jax.sparsity.schedule import KVSchedule
 
@@ -200,11 +200,11 @@ def bench_shapes(config, hardware) -> list:
 def bench_trained(config, hardware) -> list:
   """(2): whole rollouts of the shipped tiny model on its own task's prompts."""
   c = config.trained
-  task = run_config.make_task(c)
-  cfg, params, tokenizer = run_config.load_model(c, task)
-  sparse = run_config.sparse_config(c)
+  task = build.make_task(c)
+  cfg, params, tokenizer = build.load_model(c, task)
+  sparse = build.sparse_config(c)
   schedule = KVSchedule.parse(c.rollout.schedule, c.rollout.page_size)
-  sampling = run_config.sampling(c, tokenizer)
+  sampling = build.sampling(c, tokenizer)
   r = c.rollout
   problems = task.sample(r.prompts_per_step, 0)
   ids = [tokenizer.encode(p.prompt) for p in problems for _ in range(r.group_size)]
@@ -212,7 +212,7 @@ def bench_trained(config, hardware) -> list:
   requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, r.group_size)
   rows_per_device = len(prompt_len)
   K = max(config.drafts)
-  base = run_config.engine_config(c, cfg, rows_per_device)
+  base = build.engine_config(c, cfg, rows_per_device)
   print(f"(2) {c.model.hf_dir}: {rows_per_device} rows of {r.max_new_tokens} tokens at most")
   got = {}
 

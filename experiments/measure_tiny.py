@@ -33,7 +33,7 @@ from sparrow_jax import records, schema
 from sparrow_jax.data import synthetic
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.mismatch import calibrate as cal
-from sparrow_jax.rl import run_config
+from sparrow_jax.rl import build
 from sparrow_jax.rollout.sampler import full_sequences
 from sparrow_jax.sparsity.schedule import KVSchedule
 
@@ -102,8 +102,8 @@ def load(c):
       "config.out is required with config.model.preset (the default writes to "
       "<model.hf_dir>/measurements.json)"
     )
-  task = run_config.make_task(c)
-  cfg, params, _ = run_config.load_model(c, task)
+  task = build.make_task(c)
+  cfg, params, _ = build.load_model(c, task)
   return task, cfg, params
 
 

@@ -40,9 +40,10 @@ from ml_collections import config_flags
 import numpy as np
 
 from configs import evaluate as evaluate_config
+from experiments import evaluate
 from sparrow_jax import records as results_records
 from sparrow_jax.mismatch import calibrate
-from sparrow_jax.rl import evaluate, trainer
+from sparrow_jax.rl import trainer
 
 KINDS = ("dense", "tau", "fixed", "adaptive", "quest", "quest_adaptive")
 # Per-run figures averaged over seeds per setting (p5_bin too, bin by bin).

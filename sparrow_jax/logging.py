@@ -16,9 +16,16 @@ import os
 import time
 
 from etils import epath
+import jax
 import numpy as np
 from tensorboardX import event_file_writer, record_writer, summary
 from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+
+def progress(message: str) -> None:
+  """A progress line, printed by the lead process only (every process runs the same loop)."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
 
 
 def is_local(path: str) -> bool:

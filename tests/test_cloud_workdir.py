@@ -12,7 +12,7 @@ from etils import epath
 import pytest
 
 from sparrow_jax.model.hf import load_hf
-from sparrow_jax.rl import lease, trainer
+from sparrow_jax.rl import lease, trainer, workdir
 from tests import fake_bucket
 from tests.helpers import subprocess_env
 from tests.test_trainer import small
@@ -61,8 +61,8 @@ HOLD = (
   "import sys, time\n"
   "from tests import fake_bucket\n"
   "fake_bucket.install()\n"
-  "from sparrow_jax.rl import trainer\n"
-  "with trainer.workdir_lock(sys.argv[1], lease_s=2.0, settle_s=0.2):\n"
+  "from sparrow_jax.rl import workdir\n"
+  "with workdir.workdir_lock(sys.argv[1], lease_s=2.0, settle_s=0.2):\n"
   "  print('held', flush=True)\n"
   "  time.sleep(600)\n"
 )
@@ -81,14 +81,14 @@ def test_lease_refuses_another_process_and_is_taken_over_once_stale(tmp_path, mo
     assert holder.stdout.readline().strip() == "held"
     time.sleep(3.0)  # past one lease: only the heartbeat keeps it
     with pytest.raises(ValueError, match=r"is in use by another run \(pid \d+ on .*heartbeat"):
-      with trainer.workdir_lock(work, **LEASE):
+      with workdir.workdir_lock(work, **LEASE):
         pass
   finally:
     holder.kill()
     holder.wait()
   time.sleep(2.5)
-  lock = epath.Path(work, trainer.LOCK_FILE)
-  with trainer.workdir_lock(work, **LEASE) as held:
+  lock = epath.Path(work, workdir.LOCK_FILE)
+  with workdir.workdir_lock(work, **LEASE) as held:
     assert json.loads(lock.read_text())["owner"] == held.owner
   assert not lock.exists()
 
@@ -114,7 +114,7 @@ def test_of_two_runs_starting_together_one_holds_the_lease(tmp_path, monkeypatch
   def start():
     started.wait()
     try:
-      with trainer.workdir_lock(work, **LEASE):
+      with workdir.workdir_lock(work, **LEASE):
         outcomes.append("held")
         time.sleep(1.0)
     except ValueError:

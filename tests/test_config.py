@@ -11,7 +11,7 @@ from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.calibrate import CalibrationConfig
 from sparrow_jax.model.config import PRESETS
 from sparrow_jax.model.hf import hf_tensor_specs
-from sparrow_jax.rl import run_config, train_step
+from sparrow_jax.rl import evaluate, train_step
 from sparrow_jax.rollout import engine
 from sparrow_jax.rollout.sampler import Sampling
 
@@ -73,7 +73,7 @@ def test_default_config_agrees_with_the_library_defaults():
   default.DEPARTS_FROM_LIBRARY."""
   steps = [(f.name, f.default_factory()) for f in dataclasses.fields(train_step.StepConfig)]
   rollout = [("rollout", x) for x in (SparseConfig(), Sampling(), engine.EngineConfig())]
-  evaluation = [("eval", run_config.EvalConfig())]
+  evaluation = [("eval", evaluate.EvalConfig())]
   departs = departures(default.get_config(), steps + rollout + evaluation)
   assert set(departs) == set(default.DEPARTS_FROM_LIBRARY), departs
   assert all(default.DEPARTS_FROM_LIBRARY.values())  # each says why

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from configs import evaluate as evaluate_config
-from sparrow_jax.rl import evaluate
+from experiments import evaluate as evaluate_script
+from sparrow_jax.rl import build, evaluate
 from tests.helpers import write_tiny_hf_dir
 
 pytestmark = pytest.mark.slow
@@ -128,7 +129,7 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
   c.model.hf_dir, c.task.name, c.seed = str(model_dir), "math:reasoning_gym:basic_arithmetic", 0
   c.num_problems, c.samples, c.k, c.batch_size = 3, 4, "1,4", 5
   c.rollout.max_new_tokens, c.out = 64, str(tmp_path / "r.json")
-  problems = evaluate.first_problems(evaluate.run_config.make_task(c), 3)
+  problems = evaluate.first_problems(build.make_task(c), 3)
   answer_of = {p.prompt: p.reference for p in problems}
   rows_seen = []
 
@@ -144,8 +145,8 @@ def test_evaluate_counts_correct_samples(tmp_path, monkeypatch):
       lengths.append(len(ids))
     return Rollout(np.array(tokens), np.zeros((len(tokens), max_new_tokens)), np.array(lengths))
 
-  monkeypatch.setattr(evaluate.sj, "generate", scripted_generate)
-  results = evaluate.evaluate(c)
+  monkeypatch.setattr(evaluate_script.sj, "generate", scripted_generate)
+  results = evaluate_script.evaluate(c)
   assert [p["correct"] for p in results["per_problem"]] == [1, 2, 3]
   m = results["metrics"]
   assert m["mean@1"] == m["mean@4"] == pytest.approx(6 / 12)

@@ -11,7 +11,7 @@ import pytest
 from configs import default
 from sparrow_jax import schema, sharding
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.rl import hooks, run_config
+from sparrow_jax.rl import build, hooks
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
 
@@ -27,8 +27,8 @@ def config(schedule: str):
 
 
 def budgets(c):
-  cfg = run_config.model_config(c)
-  return hooks.Budgets(c, cfg, run_config.sparse_config(c), MESH, CACHE_LEN), cfg
+  cfg = build.model_config(c)
+  return build.budgets(c, cfg, build.sparse_config(c), MESH, CACHE_LEN), cfg
 
 
 def output(step, budget, lengths=(300, 420, 17, 400)):
@@ -69,7 +69,7 @@ def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
       np.full(4, 460),
       np.asarray((300, 420, 17, 400)),
       cfg,
-      run_config.sparse_config(c),
+      build.sparse_config(c),
     )
   )
   # every measured bin fell off a cliff (p10 under tau): each is raised by adapt_topk's rule
@@ -104,7 +104,7 @@ def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes
   hook.end_step(dataclasses.replace(output(0, first), rollout_s=1e-9), step)
   plan = hook.for_step(1).drafts
   kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
-  sparse = run_config.sparse_config(c)
+  sparse = build.sparse_config(c)
   assert plan == cost_model.draft_plan(cfg, first.schedule, sparse, mean, **kw)
   assert plan.k_bin[2] == 0 and max(plan.k_bin) > 0  # an empty bin stays dense
   # a bin with no tokens keeps its last acceptance
@@ -125,9 +125,9 @@ def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes
 def test_kv_metrics_price_the_steps_rollouts():
   c = config(TABLE)
   hook_budgets, cfg = budgets(c)
-  sparse = run_config.sparse_config(c)
-  engine_cfg = run_config.engine_config(c, cfg, rows_per_device=16)
-  kv = hooks.KVMetrics(c, cfg, sparse, engine_cfg, "h200")
+  sparse = build.sparse_config(c)
+  engine_cfg = build.engine_config(c, cfg, rows_per_device=16)
+  kv = build.kv_metrics(c, cfg, sparse, engine_cfg, "h200")
   budget = hook_budgets.for_step(0)
   out = output(0, budget)
   metrics = kv.metrics(out)
@@ -136,9 +136,17 @@ def test_kv_metrics_price_the_steps_rollouts():
   )
   assert 0 < metrics["kv/read_fraction"] < 1
   assert metrics["kv/predicted_speedup"] == hooks.predicted_speedup(
-    c, cfg, sparse, budget.schedule, engine_cfg, "h200", out.prompt_len_B, out.lengths_B
+    cfg,
+    sparse,
+    budget.schedule,
+    engine_cfg,
+    "h200",
+    out.prompt_len_B,
+    out.lengths_B,
+    c.rollout.max_new_tokens,
+    c.rollout.group_size,
   )
-  dense = hooks.KVMetrics(c, cfg, None, engine_cfg, None).metrics(output(0, None))
+  dense = build.kv_metrics(c, cfg, None, engine_cfg, None).metrics(output(0, None))
   assert dense == {"kv/read_fraction": 1.0}
 
 
@@ -203,8 +211,8 @@ def test_evaluation_scores_dense_and_under_the_steps_own_budget(tmp_path):
   c.task.min_hops, c.task.max_hops = 4, 8
   c.eval.every, c.eval.problems, c.eval.samples, c.eval.completions = 2, 3, 2, 2
   hook_budgets, cfg = budgets(c)
-  sparse = run_config.sparse_config(c)
-  task = run_config.make_task(c, c.eval.seed)
+  sparse = build.sparse_config(c)
+  task = build.make_task(c, c.eval.seed)
   budget = hook_budgets.for_step(3)
   by_prompt = {p.prompt_ids: p for p in task.sample(3, 0)}
   calls = []
@@ -223,7 +231,7 @@ def test_evaluation_scores_dense_and_under_the_steps_own_budget(tmp_path):
 
   samples = tmp_path / "eval_samples.jsonl"
   weights = lambda params, lora: (params + "-gathered", lora)
-  hook = hooks.Evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, str(samples))
+  hook = build.evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, str(samples))
   out = dataclasses.replace(output(3, budget), state=types.SimpleNamespace(params="P", lora="L"))
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(hooks.engine, "generate", scripted_generate)
@@ -243,6 +251,6 @@ def test_evaluation_scores_dense_and_under_the_steps_own_budget(tmp_path):
   assert hook.history == [
     {"step": 4, **{k: v for k, v in metrics.items() if not k.endswith("/samples")}}
   ]
-  resumed = hooks.Evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, None)
+  resumed = build.evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, None)
   resumed.restore(json.loads(json.dumps(hook.meta())))
   assert resumed.history == hook.history

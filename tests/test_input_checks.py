@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import default
-from sparrow_jax.rl import run_config, trainer
+from sparrow_jax.rl import build, run_config, trainer
 from sparrow_jax.sparsity import schedule as schedule_lib
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
@@ -89,7 +89,7 @@ def stop_before_state(monkeypatch):
   def stop(*args, **kwargs):
     raise _Reached
 
-  monkeypatch.setattr(trainer, "_build_state", stop)
+  monkeypatch.setattr(build, "build_state", stop)
 
 
 # (file, edit, what the one line names). Unchecked, the first six raise tracebacks; the others
@@ -512,7 +512,7 @@ def test_an_out_of_range_value_is_one_line_naming_its_field(tmp_path, field):
   c = config(workdir=str(tmp_path / "run"), **{field.replace(".", "__"): OUT_OF_RANGE[field]})
   with pytest.raises(ValueError, match=rf"^config\.{re.escape(field)}\b") as raised:
     run_config.validate(c)
-    run_config.make_task(c)
+    build.make_task(c)
   assert "\n" not in str(raised.value)
 
 

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     c = importlib.import_module("configs.{name}").get_config()
     c.model.hf_dir, c.model.preset = "", "{preset}"  # the model's shapes, no weights
     c.distributed.enabled = False  # one process holds every fake device
-    lowered, shardings = trainer.lower_step(c)
+    lowered, shardings = build.lower_step(c)
     print("q", lowered.args_info[0][0].params["layers"]["q"].shape,
           shardings.params["layers"]["q"].spec)
     print("rows", lowered.args_info[0][1].tokens.shape)

@@ -16,7 +16,7 @@ import pytest
 from sparrow_jax import checkpoint, records
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.data import tasks
-from sparrow_jax.rl import run_config, trainer
+from sparrow_jax.rl import build, run_config, trainer, workdir
 from tests.helpers import ROOT, SMALL
 from tests.test_trainer import small
 
@@ -147,7 +147,7 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
   """A dataset task's prompts are all checked against max_prompt_len before anything is written,
   not only the first step's: a long one later in the data would stop the run at its step."""
   c = small(tmp_path / "run")
-  tokenizer = run_config.make_task(c).own_tokenizer
+  tokenizer = build.make_task(c).own_tokenizer
   problems = [
     tasks.Problem(id=f"p{i}", question="q", prompt="a;b", reference="1") for i in range(12)
   ]
@@ -162,7 +162,7 @@ def test_every_prompt_of_a_dataset_is_checked_up_front(tmp_path):
       rf"longer, the longest \('p{late}' of task 'math:toy'\) has 100 tokens"
     ),
   ):
-    run_config.check_inputs(c, dataset, run_config.model_config(c), tokenizer)
+    run_config.check_inputs(c, dataset, build.model_config(c), tokenizer)
 
 
 def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
@@ -172,7 +172,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
 
   c = config(workdir=str(tmp_path / "run"), task__name="math:reasoning_gym:basic_arithmetic")
   task = tasks.make_task(c.task.name, limit=8)
-  cfg, _, tokenizer = run_config.load_model(c, task)
+  cfg, _, tokenizer = build.load_model(c, task)
   with pytest.raises(
     ValueError,
     match=(
@@ -182,7 +182,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
     ),
   ):
     run_config.check_inputs(c, task, cfg, tokenizer)
-  run_config.check_inputs(c, run_config.make_task(config()), cfg, tokenizer)  # its own task reads
+  run_config.check_inputs(c, build.make_task(config()), cfg, tokenizer)  # its own task reads
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
@@ -197,7 +197,7 @@ def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
       "import fcntl, sys, time\n"
       "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
       "time.sleep(600)",
-      str(work / trainer.LOCK_FILE),
+      str(work / workdir.LOCK_FILE),
     ],
     stdout=subprocess.PIPE,
     text=True,
@@ -208,16 +208,16 @@ def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(f"error: config.workdir = '{work}' is in use by another run")
-    assert sorted(os.listdir(work)) == [trainer.LOCK_FILE]
+    assert sorted(os.listdir(work)) == [workdir.LOCK_FILE]
     with pytest.raises(ValueError, match="is in use by another run"):  # in-process too
-      with trainer.workdir_lock(str(work)):
+      with workdir.workdir_lock(str(work)):
         pass
   finally:
     holder.kill()
     holder.wait()
-  with trainer.workdir_lock(str(work)):  # a killed run leaves nothing stuck
+  with workdir.workdir_lock(str(work)):  # a killed run leaves nothing stuck
     with pytest.raises(ValueError, match=r"is in use by another run \(pid \d+ on "):
-      with trainer.workdir_lock(str(work)):
+      with workdir.workdir_lock(str(work)):
         pass
 
 
@@ -234,7 +234,7 @@ def test_torn_last_metrics_line_is_dropped_and_repaired(tmp_path):
   """A kill mid-write leaves a torn last line: a resume drops it and appends after whole rows."""
   path = metrics_file(tmp_path / "run", ROWS + '{"step": 3, "reward/me')
   assert [r["step"] for r in metrics_log.read_rows(str(path))] == [1, 2]
-  assert trainer._logged_row(str(tmp_path / "run"), 2) == {"step": 2, "reward/mean": 0.25}
+  assert workdir.logged_row(str(tmp_path / "run"), 2) == {"step": 2, "reward/mean": 0.25}
   logger = metrics_log.MetricsLogger(str(tmp_path / "run"), resume_step=2)
   logger.write(3, {"reward/mean": 1.0})
   logger.close()
@@ -254,8 +254,8 @@ def test_summary_without_the_last_row_is_written_not_a_traceback(tmp_path):
   null (the lookup raised StopIteration)."""
   work = tmp_path / "run"
   metrics_file(work, ROWS)
-  assert trainer._logged_row(str(work), 3) is None
-  trainer._finish(small(work, total_steps=3), None, None, None, None, None, [])
+  assert workdir.logged_row(str(work), 3) is None
+  workdir.write_summary(small(work, total_steps=3), None, None, None, None, None, [])
   summary = json.loads((work / "summary.json").read_text())
   assert summary.pop("peak_rss_gib") > 0
   assert summary == {
@@ -276,7 +276,7 @@ def test_summary_and_config_are_replaced_whole_or_not_at_all(tmp_path, monkeypat
   work.mkdir()
   (work / "summary.json").write_text("old")
   with pytest.raises(TypeError):
-    trainer._finish(
+    workdir.write_summary(
       small(work, total_steps=3), None, None, None, {"step": 3, "x": object()}, None, []
     )
   assert os.listdir(work) == ["summary.json"] and (work / "summary.json").read_text() == "old"

@@ -58,16 +58,13 @@ def test_a_wrong_answer_stops_at_its_first_failing_case(monkeypatch):
   assert len(runs[1].cases) == 20
 
 
-def test_a_grading_batch_past_its_budget_scores_0_and_is_counted():
+def test_a_grading_batch_past_its_budget_scores_0_with_its_reason():
   slow = fenced("import time\ntime.sleep(0.5)\na, b = map(int, input().split())\nprint(a + b)")
   tests = {"inputs": ["1 2\n"] * 8, "outputs": ["3\n"] * 8}
-  rewards.take_budget_exceeded()
   grades = rewards.grade_code_batch(
     [slow, slow], [tests, tests], max_workers=2, batch_budget_s=1.5, **LIMITS
   )
   assert grades == [(0.0, "budget_exceeded")] * 2
-  assert rewards.take_budget_exceeded() == 2
-  assert rewards.take_budget_exceeded() == 0
 
 
 def test_syscalls_of_another_architecture_kill_the_program():

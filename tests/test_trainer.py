@@ -14,7 +14,7 @@ import pytest
 from configs import default
 import sparrow_jax as sj
 from sparrow_jax.data.tokenizer import load_tokenizer
-from sparrow_jax.rl import hooks, run_config, trainer
+from sparrow_jax.rl import build, hooks, run_config, trainer, workdir
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import programs
 from sparrow_jax.sparsity.schedule import KVSchedule
@@ -179,9 +179,9 @@ def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
 def test_export_policy_round_trips(tmp_path):
   """A random-preset policy exports with the synthetic task's tokenizer and loads back bit-exact."""
   c = config(model__hf_dir="", model__preset="tiny")
-  task = run_config.make_task(c)
-  cfg, params, _ = run_config.load_model(c, task)
-  trainer.export_policy(c, cfg, params, str(tmp_path / "hf"), task)
+  task = build.make_task(c)
+  cfg, params, _ = build.load_model(c, task)
+  workdir.export_policy(c, cfg, params, str(tmp_path / "hf"), task)
   cfg2, params2 = sj.load_hf(str(tmp_path / "hf"))
   assert cfg2 == cfg
   for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params2)):
@@ -225,9 +225,9 @@ def test_schedule_stages_switch_without_recompiling(tmp_path):
 
 def test_mesh_that_does_not_fit_the_devices_or_the_batch_names_the_field():
   with pytest.raises(ValueError, match=r"config\.mesh .*does not match the 1 devices"):
-    trainer.make_mesh(config(mesh__data=2))
+    build.make_mesh(config(mesh__data=2))
   with pytest.raises(ValueError, match=r"config\.rl\.micro_batches .*multiple of mesh data x fsdp"):
-    trainer.make_mesh(config(rl__micro_batches=16))  # 32 rows / 4 minibatches / 16 = 0.5
+    build.make_mesh(config(rl__micro_batches=16))  # 32 rows / 4 minibatches / 16 = 0.5
 
 
 def test_random_preset_needs_a_task_with_its_own_vocabulary():
@@ -235,7 +235,7 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
 
   c = config(model__hf_dir="", model__preset="tiny")
   with pytest.raises(ValueError, match="config.model.preset .* own vocabulary"):
-    run_config.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
+    build.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
 
 
 def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
@@ -466,9 +466,17 @@ def test_predicted_speedup_prices_the_runs_own_engine():
   schedule = KVSchedule.paper("qwen3-1.7b", 0.86)
   prompt_lens, lengths = [1024] * 32, [37 * 1024 // 2] * 32
   speedup = lambda config: hooks.predicted_speedup(
-    c, cfg, run_config.sparse_config(c), schedule, config, "h200", prompt_lens, lengths
+    cfg,
+    build.sparse_config(c),
+    schedule,
+    config,
+    "h200",
+    prompt_lens,
+    lengths,
+    c.rollout.max_new_tokens,
+    c.rollout.group_size,
   )
-  ours = run_config.engine_config(c, cfg, rows_per_device=32)
+  ours = build.engine_config(c, cfg, rows_per_device=32)
   assert (ours.num_slots, ours.num_pages) == (32, 31706)  # 60 GB of bf16 pages
   rate = lambda s: cost_model.roofline_engine_rate(
     cfg,

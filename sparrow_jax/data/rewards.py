@@ -433,20 +433,10 @@ def code_reward(response: str, tests: Any, *, partial: bool = False, **limits) -
   return grade_code(response, tests, partial=partial, **limits).reward
 
 
-_budget_exceeded = [0, threading.Lock()]  # responses graded "budget_exceeded", not yet taken
-
-
-def take_budget_exceeded() -> int:
-  """How many responses grade_code_batch graded "budget_exceeded" since the last call (a metric)."""
-  with _budget_exceeded[1]:
-    count, _budget_exceeded[0] = _budget_exceeded[0], 0
-  return count
-
-
 def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **limits) -> list[Grade]:
   """grade_code over pairs, in a bounded pool of threads (each drives one sandbox process tree),
   all within `batch_budget_s` (a SandboxLimits field): past it, what has not finished scores 0,
-  reason "budget_exceeded" (counted for take_budget_exceeded)."""
+  reason "budget_exceeded" (the trainer counts them from the grades)."""
   if len(responses) != len(tests):
     raise ValueError(f"{len(responses)} responses but {len(tests)} tests")
   budget_s = runner.SandboxLimits.make(**limits).batch_budget_s
@@ -454,7 +444,4 @@ def grade_code_batch(responses, tests, *, partial=False, max_workers=None, **lim
   workers = max_workers or os.cpu_count() or 1
   grade = lambda r, t: grade_code(r, t, partial=partial, deadline=deadline, **limits)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    grades = list(pool.map(grade, responses, tests))
-  with _budget_exceeded[1]:
-    _budget_exceeded[0] += sum(g.reason == "budget_exceeded" for g in grades)
-  return grades
+    return list(pool.map(grade, responses, tests))

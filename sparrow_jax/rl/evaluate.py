@@ -1,19 +1,7 @@
-"""Evaluate a policy: mean@k and pass@k on a math / code task, dense or sparse generation. The CLI
-(experiments/evaluate.py) and the threshold sweep call `evaluate(config)`.
-
-  python experiments/evaluate.py --config=configs/evaluate.py [--config.model.hf_dir=DIR ...]
-
-configs/evaluate.py documents every field (and a math example). config.task.name is a registry name
-(sparrow_jax.data.tasks.task_names(): math:aime, code:humaneval, ..., math:reasoning_gym:<dataset>)
-read from config.task.path, or "synthetic:pointer_chase". The task and the model are built by the
-trainer's own `make_task` / `load_model` (rl/run_config.py) from this config's model, task and
-seed, and config.rollout.schedule takes the trainer's spec strings ('fixed:PAGES' |
-'paper:MODEL:TAU' | a KVSchedule JSON path), so an evaluation sees exactly what training saw.
-Problems are the task's first config.num_problems in its (seeded) order; each is sampled
-config.samples (n) times with `sj.generate` (right-padded prompts, the tokenizer's EOS ids) in
-batches of config.batch_size rows of one static shape (one compile), and graded with task.grade: a
-sample is correct when its grade reason is "correct" (math: math-verify match of the last
-\\boxed{}; code: all tests pass; pointer chase: exact final answer).
+"""Scoring a policy on a task: its completions sampled and graded in static-shape batches
+(`sample_and_grade`), mean@k and pass@k over problems (`score`), and the held-out evaluation's
+config component (`EvalConfig`, run during training by hooks.Evaluation). The standalone
+evaluation of a checkpoint is experiments/evaluate.py.
 
 Metrics, each over problems:
   mean@k  the expected mean reward of k samples. For k <= n its unbiased estimate is the mean over
@@ -21,25 +9,39 @@ Metrics, each over problems:
           AMC's mean@4 by name).
   pass@k  the chance that at least one of k samples is correct, unbiased from n >= k samples with c
           correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k).
-Results go to config.out (JSON: settings, metrics, per-problem counts, grade reasons) and to
-TensorBoard as eval/<metric> at config.step (e.g. the checkpoint's training step, to plot
-checkpoints as curves).
+A sample is correct when its grade reason is "correct" (math: math-verify match of the last
+\\boxed{}; code: all tests pass; pointer chase: exact final answer).
 """
 
 import collections
-import functools
-import json
-import os
+import dataclasses
 import time
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-import sparrow_jax as sj
-from sparrow_jax import schema
-from sparrow_jax.rl import run_config
-from sparrow_jax.sparsity.schedule import KVSchedule
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """The held-out evaluation during training, a config component (`schema.from_group(EvalConfig,
+  c, "eval")`; hooks.Evaluation runs it with rl/evaluate.py)."""
+
+  every: int = 0  # steps between evaluations (0: off)
+  problems: int = 16  # the held-out task's first problems (0: all of a finite task)
+  samples: int = 4  # n per problem: mean@n, pass@1 and pass@n
+  completions: int = 2  # completions shown per evaluation and mode (each problem's first sample)
+  seed: int = 1234  # the held-out task's seed and the sampling key
+
+  def __post_init__(self):
+    for name in ("every", "problems", "samples", "completions", "seed"):
+      value, least = getattr(self, name), 1 if name == "samples" else 0
+      if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise ValueError(f"EvalConfig.{name} = {value!r} is invalid: must be an int >= {least}")
+
+  @property
+  def ks(self) -> list:
+    return sorted({1, self.samples})
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -146,86 +148,3 @@ def score(graded: Graded, samples: int, ks, max_new_tokens: int) -> dict:
   metrics["response_length/mean"] = float(graded.lengths_R.mean())
   metrics["truncated_fraction"] = float(np.mean(graded.lengths_R >= max_new_tokens))
   return metrics
-
-
-def evaluate(c) -> dict:
-  """Generates, grades and summarizes; returns the results dict (also written to c.out)."""
-  r = c.rollout
-  if c.samples < 1 or r.max_new_tokens < 1 or c.batch_size < 1:
-    raise ValueError(
-      f"config.samples, config.rollout.max_new_tokens and config.batch_size must be "
-      f">= 1; got {c.samples}, {r.max_new_tokens}, {c.batch_size}"
-    )
-  ks = parse_ks(c.k, c.samples)
-  task = run_config.make_task(c)
-  cfg, params, tokenizer = run_config.load_model(c, task)
-  sparse = schedule = None
-  if r.sparse:
-    sparse = schema.from_group(sj.SparseConfig, c, "rollout")
-    schedule = KVSchedule.parse(r.schedule, r.page_size, field="config.rollout.schedule")
-  problems = first_problems(task, c.num_problems)
-  batch_size = min(c.batch_size, len(problems) * c.samples)
-  mode = f"sparse ({r.schedule})" if sparse else "dense"
-  print(
-    f"{task.name}: {len(problems)} problems x {c.samples} samples, {mode}, max_new_tokens "
-    f"{r.max_new_tokens}, temperature {r.temperature}, batches of {batch_size}",
-    flush=True,
-  )
-  generate = functools.partial(
-    sj.generate,
-    params,
-    cfg,
-    max_new_tokens=r.max_new_tokens,
-    sampling=run_config.sampling(c, tokenizer),
-    sparse=sparse,
-    schedule=schedule,
-  )
-  t_start = time.time()
-  graded = sample_and_grade(
-    generate, tokenizer, task, problems, c.samples, jax.random.PRNGKey(c.seed), batch_size, True
-  )
-  metrics = score(graded, c.samples, ks, r.max_new_tokens)
-  shape = (len(problems), c.samples)
-  results = {
-    "task": task.name,
-    "path": c.task.path,
-    "model_dir": c.model.hf_dir,
-    "step": c.step,
-    "sparse": bool(sparse),
-    "schedule": r.schedule if sparse else None,
-    "num_problems": len(problems),
-    "samples": c.samples,
-    "k": ks,
-    "max_new_tokens": r.max_new_tokens,
-    "temperature": r.temperature,
-    "top_p": r.top_p,
-    "seed": c.seed,
-    "metrics": metrics,
-    "grade_reasons": dict(graded.reasons),
-    "generation_s": time.time() - t_start,
-    "per_problem": [
-      {"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
-      for p, n, mean in zip(
-        problems,
-        graded.correct_R.reshape(shape).sum(1),
-        graded.rewards_R.reshape(shape).mean(1),
-      )
-    ],
-  }
-  for name, value in metrics.items():
-    print(f"{name:>22}  {value:.4f}")
-  _write(results, c)
-  return results
-
-
-def _write(results, c):
-  os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
-  with open(c.out, "w") as f:
-    json.dump(results, f, indent=2)
-  from tensorboardX import SummaryWriter
-
-  logdir = c.logdir or os.path.splitext(c.out)[0] + "_tb"
-  with SummaryWriter(logdir) as writer:
-    for name, value in results["metrics"].items():
-      writer.add_scalar(f"eval/{name}", value, c.step)
-  print(f"wrote {c.out} and TensorBoard scalars eval/* to {logdir}")

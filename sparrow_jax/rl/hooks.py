@@ -24,10 +24,9 @@ from typing import NamedTuple, Optional
 import jax
 import numpy as np
 
-from sparrow_jax import checkpoint, logging, schema, sharding
-from sparrow_jax.data import rewards as reward_lib
+from sparrow_jax import checkpoint, logging, sharding
 from sparrow_jax.mismatch import cost_model
-from sparrow_jax.rl import evaluate, run_config
+from sparrow_jax.rl import evaluate
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
 
@@ -87,14 +86,11 @@ class Budgets(Hook):
   table changes only the traced BudgetTable: neither the sampler nor the train step recompiles.
   Each distinct schedule's table is built and placed once."""
 
-  def __init__(self, c, cfg, sparse, mesh, cache_len: int, rows: int = 1):
-    """rows: the rows a device decodes at once (exact mode's switch prices rounds for them)."""
-    r = c.rollout
-    self.loop = _ClosedLoop(c) if schedule_lib.parse_adaptive(r.schedule, r.page_size) else None
-    self.switch = _DraftSwitch(c, cfg, sparse, rows) if r.speculate == "auto" else None
-    self.stages = (
-      ((0, self.loop.first),) if self.loop else schedule_lib.parse_stages(r.schedule, r.page_size)
-    )
+  def __init__(self, stages, loop, switch, cfg, sparse, mesh, cache_len: int):
+    """stages: rollout.schedule's ((first step, KVSchedule), ...), ignored with `loop` (a
+    ClosedLoop: the adaptive table); switch: exact mode's DraftSwitch, or None."""
+    self.loop, self.switch = loop, switch
+    self.stages = ((0, loop.first),) if loop else stages
     self._host = functools.cache(lambda s: sampler.budget_table(s, cache_len, sparse))
     largest = [s for _, s in self.stages] + ([self.loop.ceiling] if self.loop else [])
     cap = sampler.max_selected_pages([self._host(s) for s in largest])
@@ -143,7 +139,7 @@ class Budgets(Hook):
       self.switch.restore(meta["drafts"])
 
 
-class _DraftSwitch:
+class DraftSwitch:
   """rollout.speculate = "auto": exact mode's drafts per position bin, priced each step by the
   roofline of `rollout.speculate_hardware` (cost_model.draft_plan: the k of rollout.speculate_ks,
   or dense decoding, with the most tokens/s) at each bin's mean acceptance of the sparse actor's
@@ -154,11 +150,12 @@ class _DraftSwitch:
   forward pass costs beyond the roofline (cost_model.pass_overhead: its seconds per decode step),
   which the later steps' prices add to every pass: a small model's passes are bound by it."""
 
-  def __init__(self, c, cfg, sparse, rows: int):
+  def __init__(self, cfg, sparse, rows: int, ks: tuple, stats, hardware: cost_model.Hardware):
+    """rows: the rows a device decodes at once; ks: rollout.speculate_ks; stats: the StatsConfig
+    whose bins the acceptance comes in."""
     self.cfg, self.sparse, self.rows = cfg, sparse, rows
-    self.ks, self.bin_size = tuple(c.rollout.speculate_ks), c.stats.bin_size
-    self.hardware = cost_model.get_hardware(c.rollout.speculate_hardware)
-    self.alpha = [float("nan")] * c.stats.num_bins
+    self.ks, self.bin_size, self.hardware = tuple(ks), stats.bin_size, hardware
+    self.alpha = [float("nan")] * stats.num_bins
 
   def plan(self, schedule) -> schedule_lib.DraftPlan:
     kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
@@ -188,23 +185,22 @@ class _DraftSwitch:
     self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
 
 
-class _ClosedLoop:
+class ClosedLoop:
   """rollout.schedule = 'adaptive:TAU:BASE': the table in force, its floors and pools
   (schedule.LoopState), moved after each step by schedule.adapt_topk.
 
   The table has a bin per stats bin at least (BASE's last value repeated: the same budgets), so
   every measured bin moves its own value; bins past stats.num_bins are never measured and hold."""
 
-  def __init__(self, c):
-    r, s = c.rollout, c.stats
-    tau, base = schedule_lib.parse_adaptive(r.schedule, r.page_size)
+  def __init__(self, tau: float, base, loop: schedule_lib.LoopConfig, num_bins: int):
+    """tau, base: the spec's TAU and BASE schedule (schedule.parse_adaptive); num_bins: the stats
+    bins measured."""
     self.first = dataclasses.replace(
-      base, values=base.values + base.values[-1:] * (s.num_bins - len(base.values))
+      base, values=base.values + base.values[-1:] * (num_bins - len(base.values))
     )
-    loop = schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")
     top = loop.ceiling(base.values)
     self.ceiling = dataclasses.replace(base, values=(top,))
-    self.unmeasured = len(self.first.values) - s.num_bins
+    self.unmeasured = len(self.first.values) - num_bins
     self.rule = loop.rule(tau, top)
     self.state = schedule_lib.LoopState.start(self.first.values)
 
@@ -243,11 +239,12 @@ class KVMetrics(Hook):
   """The KV the step's rollouts read, relative to dense, and the speedup the roofline predicts for
   them on `hardware`."""
 
-  c: object  # the run's config
   cfg: object  # the model's Qwen3Config
   sparse: object  # its SparseConfig; None: dense rollouts
   engine_cfg: engine.EngineConfig
   hardware: object  # a cost_model.Hardware (sparse runs)
+  max_new_tokens: int  # a row's cap (rollout.max_new_tokens)
+  group_size: int  # rows per prompt, which share its prefill
 
   def metrics(self, out: StepOutput) -> dict:
     by_len = None if out.budget is None else out.budget.pages_by_len
@@ -258,7 +255,6 @@ class KVMetrics(Hook):
     }
     if out.budget is not None:
       metrics["kv/predicted_speedup"] = predicted_speedup(
-        self.c,
         self.cfg,
         self.sparse,
         out.budget.schedule,
@@ -266,28 +262,37 @@ class KVMetrics(Hook):
         self.hardware,
         out.prompt_len_B,
         out.lengths_B,
+        self.max_new_tokens,
+        self.group_size,
       )
     return metrics
 
 
 def predicted_speedup(
-  c, cfg, sparse, schedule, engine_cfg: engine.EngineConfig, hardware, prompt_len_B, lengths_B
+  cfg,
+  sparse,
+  schedule,
+  engine_cfg: engine.EngineConfig,
+  hardware,
+  prompt_len_B,
+  lengths_B,
+  max_new_tokens: int,
+  group_size: int,
 ) -> float:
   """Sparse over dense rollout tokens/s of one device of `hardware` running this run's engine
   (its slots and pool) on the step's mean prompt and mean response length (the roofline of
   cost_model.roofline_engine_rate: weights and KV read per decode step, each prompt prefilled
   once)."""
-  r = c.rollout
-  mean_len_frac = float(np.mean(lengths_B)) / r.max_new_tokens
+  mean_len_frac = float(np.mean(lengths_B)) / max_new_tokens
   rate = lambda sched: cost_model.roofline_engine_rate(
     cfg,
     sched,
     int(np.mean(prompt_len_B)),
-    r.max_new_tokens,
+    max_new_tokens,
     slots=engine_cfg.num_slots,
-    pool_tokens=engine_cfg.num_pages * r.page_size,
-    mean_len_frac=min(max(mean_len_frac, 1 / r.max_new_tokens), 1.0),
-    n_samples=r.group_size,
+    pool_tokens=engine_cfg.num_pages * sparse.page_size,
+    mean_len_frac=min(max(mean_len_frac, 1 / max_new_tokens), 1.0),
+    n_samples=group_size,
     hardware=hardware,
     sparse=sparse,
   )[0]
@@ -313,6 +318,7 @@ class PerfMetrics(Hook):
     }
 
 
+@dataclasses.dataclass(eq=False)
 class Evaluation(Hook):
   """mean@k and pass@k of the policy after every `every`-th step on held-out problems
   (config.eval: the task's first eval.problems under eval.seed, eval.samples each; rl/evaluate.py
@@ -325,25 +331,19 @@ class Evaluation(Hook):
   process writes it); the history of every evaluation is in the checkpoint meta, so a resumed run
   keeps it."""
 
-  def __init__(self, c, cfg, sparse, task, tokenizer, weights, samples_path: Optional[str]):
-    """`task`: the held-out task (eval.seed's); `weights(params, lora)`: the sampler's copy."""
-    self.e = schema.from_group(run_config.EvalConfig, c, "eval")
-    # rl/evaluate.py grades every row on one host: rows held by other processes it cannot read
-    run_config.require(
-      jax.process_count() == 1,
-      "eval.every",
-      self.e.every,
-      f"evaluation during training runs in a single process, not {jax.process_count()} (0 = off)",
-    )
-    self.every, self.cfg, self.sparse, self.task = self.e.every, cfg, sparse, task
-    self.tokenizer, self.weights, self.samples_path = tokenizer, weights, samples_path
-    run_config.check_evaluation_rows(c, task)
-    self.problems = evaluate.first_problems(task, self.e.problems, "config.eval.problems")
-    _check_prompt_lengths(self.problems, tokenizer, c.rollout.max_prompt_len)
-    r = c.rollout
-    self.max_new_tokens, self.sampling = r.max_new_tokens, run_config.sampling(c, tokenizer)
-    # The run's rows per step: a batch its engine and KV pool are sized (and checked) for.
-    self.batch_size = min(r.prompts_per_step * r.group_size, len(self.problems) * self.e.samples)
+  e: evaluate.EvalConfig
+  task: object  # the held-out task (eval.seed's)
+  problems: list  # its first eval.problems
+  tokenizer: object
+  weights: object  # (params, lora) -> the sampler's copy (build.rollout_weights)
+  cfg: object  # the model's Qwen3Config
+  sparse: object  # the SparseConfig of the sparse mode; None: dense rollouts
+  generation: tuple  # (max_new_tokens, sampler.Sampling) of the run's rollouts
+  batch_size: int  # rows a generate call: the run's rows per step, at most all of them
+  samples_path: Optional[str]  # eval_samples.jsonl; None: another process writes it
+
+  def __post_init__(self):
+    self.every = self.e.every
     self.key = jax.random.PRNGKey(self.e.seed)
     self.history = []  # {"step": logged step, metric: value, ...} per evaluation
 
@@ -354,12 +354,13 @@ class Evaluation(Hook):
       modes["sparse"] = dict(sparse=self.sparse, schedule=out.budget.table, lora=lora)
     metrics, rows = {}, []
     for mode, kwargs in modes.items():
+      max_new_tokens, sampling = self.generation
       generate = functools.partial(
         engine.generate,
         params,
         self.cfg,
-        max_new_tokens=self.max_new_tokens,
-        sampling=self.sampling,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
         **kwargs,
       )
       graded = evaluate.sample_and_grade(
@@ -371,12 +372,11 @@ class Evaluation(Hook):
         self.key,
         self.batch_size,
       )
-      scores = evaluate.score(graded, self.e.samples, self.e.ks, self.max_new_tokens)
+      scores = evaluate.score(graded, self.e.samples, self.e.ks, max_new_tokens)
       metrics.update({f"eval/{mode}/{name}": value for name, value in scores.items()})
       shown = _shown(graded, self.problems, self.e, out.step + 1, mode)
       metrics[f"eval/{mode}/samples"] = _markdown(shown)
       rows += shown
-    reward_lib.take_budget_exceeded()  # the evaluation's grading is not the step's
     self.history.append(
       {"step": out.step + 1, **{k: v for k, v in metrics.items() if not isinstance(v, str)}}
     )
@@ -390,18 +390,6 @@ class Evaluation(Hook):
   def restore(self, meta: dict) -> None:
     # A run that evaluates from its resume on (eval.every may change then) has no history before.
     self.history = list(meta.get("eval_history", []))
-
-
-def _check_prompt_lengths(problems, tokenizer, max_prompt_len: int) -> None:
-  """The held-out prompts within rollout.max_prompt_len: the budget tables and the memory check
-  cover prompts up to it."""
-  _, lengths = tokenizer.encode_batch([p.prompt for p in problems])
-  run_config.require(
-    max(lengths) <= max_prompt_len,
-    "rollout.max_prompt_len",
-    max_prompt_len,
-    f"must hold the held-out prompts (config.eval): the longest has {max(lengths)} tokens",
-  )
 
 
 def _shown(graded, problems, e, step: int, mode: str) -> list:

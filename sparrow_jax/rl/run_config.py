@@ -1,8 +1,8 @@
-"""The experiment config of a training run: the checks that run before anything is written, the
-components it builds (the task, the model and its config, the sparsity config, each device's
-engine) and the rule for resuming a workdir. The components check their own fields
-(`schema.from_group`); what is left here is what only the whole config, the model or the data
-know.
+"""The checks of a training run's experiment config, each run before anything is written: the
+fields only the whole config knows (`validate`; the components check their own fields,
+`schema.from_group`), then against the mesh, the task and the model's tokenizer, the device's
+memory (the train step compiled from abstract inputs), the workdir, and the rule for resuming a
+workdir. rl/build.py runs them as it builds the run.
 """
 
 import dataclasses
@@ -19,18 +19,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from sparrow_jax import schema
+from sparrow_jax import schema, sharding
 from sparrow_jax.attention import page_pool
-from sparrow_jax.attention.select import IMPLS, PAGE_SCORES, SparseConfig
-from sparrow_jax.data import synthetic, tasks
-from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.logging import is_local
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
-from sparrow_jax.model.hf import load_config, load_hf
-from sparrow_jax.model.qwen3 import init_params
+from sparrow_jax.model.hf import load_config
 from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rl.evaluate import EvalConfig
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
 
@@ -38,56 +36,6 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 def require(ok: bool, field: str, value, allowed: str):
   if not ok:
     raise ValueError(f"config.{field} = {value!r} is invalid: {allowed}")
-
-
-def make_task(c, seed: int | None = None):
-  """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
-  registry; an unknown name or unreadable data names the config fields, a synthetic task's own
-  settings their field."""
-  with schema.naming_config_fields({"task": synthetic.PointerChase}):
-    try:
-      return tasks.make_task(
-        c.task.name,
-        c.task.path or None,
-        seed=c.seed if seed is None else seed,
-        min_hops=c.task.min_hops,
-        max_hops=c.task.max_hops,
-      )
-    except (ValueError, OSError) as e:
-      if str(e).startswith(f"{synthetic.PointerChase.__name__}."):
-        raise
-      raise ValueError(
-        f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: "
-        f"{e}"
-      ) from None
-
-
-def load_tokenizer_of(c, task):
-  """The model dir's tokenizer, or for a random preset model the task's own vocabulary."""
-  if c.model.hf_dir:
-    return load_tokenizer(c.model.hf_dir)
-  if task.own_tokenizer is None:
-    raise ValueError(
-      f"config.model.preset (random init) needs a task with its own vocabulary "
-      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
-      "dataset tasks"
-    )
-  return task.own_tokenizer
-
-
-def load_model(c, task):
-  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
-  tokenizer = load_tokenizer_of(c, task)
-  cfg = model_config(c, tokenizer)
-  return cfg, load_params(c, cfg), tokenizer
-
-
-def load_params(c, cfg: Qwen3Config):
-  """The weights of config.model.hf_dir, or the preset's random init (`cfg`: `model_config`)."""
-  dtype = jnp.dtype(c.model.dtype)
-  if c.model.hf_dir:
-    return load_hf(c.model.hf_dir, dtype=dtype)[1]
-  return init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype)
 
 
 # Config integers are array sizes, counts and the seed of a 32-bit jax PRNG key: int32 holds them.
@@ -119,15 +67,25 @@ def _check_scalars(c) -> None:
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Rejects a bad config up front, naming the field. The train step's own fields are checked by
-  `StepConfig.from_config` (its components validate themselves) and the sparse ones by
-  `SparseConfig`; what is left here is what only the whole config knows. What needs the data or
-  the model's vocabulary is `check_inputs`, also run before anything is written."""
-  r = c.rollout
+  """Rejects a bad config up front, naming the field. Each component checks its own fields (the
+  train step's `StepConfig`, `Sampling`, `SparseConfig`, `LoopConfig`, `EvalConfig`); what is
+  left here is what only the whole config knows. What needs the data or the model's vocabulary is
+  `check_inputs`, also run before anything is written."""
   _check_scalars(c)
   ts.StepConfig.from_config(c)
   schema.from_group(sampler.Sampling, c, "rollout")
-  p = r.page_size  # a power of two: RolloutConfig checked it
+  _check_batch(c)
+  _check_run_fields(c)
+  _check_model_fields(c)
+  _check_schedule(c)
+  _check_ranges(c)
+  _check_speculate(c)
+  _check_model_fits(c)
+
+
+def _check_batch(c) -> None:
+  """The step's rows: how many, split how over the mesh and the minibatches, sampled how."""
+  r = c.rollout
   require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "must be >= 1")
   for name in ("data", "fsdp", "tensor"):
     ways = c.mesh[name]
@@ -152,14 +110,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "must be 1.0 in training: PPO, TIS and acceptance compare the sampled distribution "
     "with the dense policy's full softmax, which a truncated sampler does not match",
   )
-  require(r.attention_impl in IMPLS, "rollout.attention_impl", r.attention_impl, f"one of {IMPLS}")
-  require(r.page_score in PAGE_SCORES, "rollout.page_score", r.page_score, f"one of {PAGE_SCORES}")
+
+
+def _check_run_fields(c) -> None:
   require(c.total_steps > 0, "total_steps", c.total_steps, "must be positive")
   require(c.ckpt_every > 0, "ckpt_every", c.ckpt_every, "must be positive")
   _check_profile_steps(c)
   _check_evaluation(c)
   _check_distributed(c.distributed)
   _check_row_length_fields(c)
+
+
+def _check_model_fields(c) -> None:
+  """Which model, in which dtype, and the LoRA DistillSparse puts on it."""
   require(
     bool(c.model.hf_dir) != bool(c.model.preset),
     "model.hf_dir / model.preset",
@@ -170,7 +133,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "float32 | bfloat16"
   )
   require(
-    not c.distill.enabled or r.sparse,
+    not c.distill.enabled or c.rollout.sparse,
     "distill.enabled",
     c.distill.enabled,
     "DistillSparse adapts the sparse actor: needs rollout.sparse = True",
@@ -182,10 +145,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
     c.distill.targets,
     f"comma-separated subset of {lora_lib.TARGETS}",
   )
-  adaptive = schedule_lib.parse_adaptive(r.schedule, p) if r.sparse else None  # (tau, BASE)
-  if r.sparse:  # no JAX computation here: validate runs before jax.distributed.initialize
-    sparse = sparse_config(c)  # its own fields first, named as theirs
-    stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, p)
+
+
+def _check_schedule(c) -> None:
+  """rollout.schedule against the sparse config (its own fields checked first, named as theirs)
+  and the closed loop's settings. No JAX computation: validate runs before
+  jax.distributed.initialize."""
+  r = c.rollout
+  adaptive = schedule_lib.parse_adaptive(r.schedule, r.page_size) if r.sparse else None
+  if r.sparse:
+    sparse = schema.from_group(SparseConfig, c, "rollout")
+    stages = ((0, adaptive[1]),) if adaptive else schedule_lib.parse_stages(r.schedule, r.page_size)
     for _, schedule in stages:
       require(
         schedule.always_kept <= schedule.max_pages,
@@ -205,6 +175,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   # The loop's ranges in every run, not only adaptive ones: a bad value is refused even where it
   # is not read yet; its share against stats.quantile binds only the adaptive runs that pool it.
   schema.from_group(schedule_lib.LoopConfig, c, "rollout", *(("stats",) if adaptive else ()))
+
+
+def _check_ranges(c) -> None:
+  """The fields no component owns: the optimizers', the trainer's and the engine's sizes."""
+  r = c.rollout
   for field, ok, allowed in (
     ("rl.learning_rate", c.rl.learning_rate > 0, "must be > 0"),
     ("rl.warmup_steps", c.rl.warmup_steps >= 0, "must be >= 0"),
@@ -239,30 +214,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for name in field.split("."):
       value = value[name]
     require(ok, field, value, allowed)
-  _check_speculate(c)
-  _check_model_fits(c)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-  """The held-out evaluation during training, a config component (`schema.from_group(EvalConfig,
-  c, "eval")`; hooks.Evaluation runs it with rl/evaluate.py)."""
-
-  every: int = 0  # steps between evaluations (0: off)
-  problems: int = 16  # the held-out task's first problems (0: all of a finite task)
-  samples: int = 4  # n per problem: mean@n, pass@1 and pass@n
-  completions: int = 2  # completions shown per evaluation and mode (each problem's first sample)
-  seed: int = 1234  # the held-out task's seed and the sampling key
-
-  def __post_init__(self):
-    for name in ("every", "problems", "samples", "completions", "seed"):
-      value, least = getattr(self, name), 1 if name == "samples" else 0
-      if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-        raise ValueError(f"EvalConfig.{name} = {value!r} is invalid: must be an int >= {least}")
-
-  @property
-  def ks(self) -> list:
-    return sorted({1, self.samples})
 
 
 def _check_profile_steps(c) -> None:
@@ -291,7 +242,7 @@ def _check_evaluation(c) -> None:
 
 
 def _check_distributed(d) -> None:
-  """-1 is "detected from the cluster" (trainer.init_distributed)."""
+  """-1 is "detected from the cluster" (build.init_distributed)."""
   require(
     d.num_processes == -1 or d.num_processes >= 1,
     "distributed.num_processes",
@@ -391,21 +342,10 @@ def _validate_adaptive(c, tau, base):
   )
 
 
-def model_config(c, tokenizer=None) -> Qwen3Config:
-  """The model's config.json (read without its weights) or preset, the preset sized to
-  `tokenizer`'s vocabulary when given (as `load_model` initialises it)."""
-  if c.model.hf_dir:
-    return load_config(c.model.hf_dir)
-  preset = Qwen3Config.preset(c.model.preset)
-  if tokenizer is None:
-    return preset
-  return Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
-
-
 def _check_model_fits(c):
-  """Checks against the model's config.json or preset."""
+  """Checks against the model's config.json or preset (read without the weights)."""
   r = c.rollout
-  cfg = model_config(c)
+  cfg = load_config(c.model.hf_dir) if c.model.hf_dir else Qwen3Config.preset(c.model.preset)
   if r.sparse:
     require(
       r.dense_layers < cfg.num_hidden_layers,
@@ -421,45 +361,22 @@ def _check_model_fits(c):
     length,
     f"must be <= the model's max_position_embeddings ({cfg.max_position_embeddings})",
   )
-  if r.pool_gb:
-    Z = engine.page_size(sparse_config(c))
-    need = -(-(length - 1) // Z) + 2  # a row at its cap, its prompt's template page, the trash page
-    have = engine_config(c, cfg, rows_per_device=1).num_pages
-    require(
-      have >= need,
-      "rollout.pool_gb",
-      r.pool_gb,
-      f"holds {have} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
-      f"{length} tokens needs {need}",
-    )
 
 
-def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineConfig:
-  """Each device's slots and pool from config.rollout: by default `engine.full_batch` (every row of
-  the device's step at once, no row waits or is preempted); engine_slots / pool_gb size them for
-  long-tailed lengths (more rows than slots: a finished row's slot is refilled at once)."""
-  r, sparse = c.rollout, sparse_config(c)
-  config = engine.full_batch(
-    rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens, sparse, r.chunk_steps
+def check_pool(c, sparse, one_row: engine.EngineConfig) -> None:
+  """rollout.pool_gb holds a row at its cap (`one_row`: the engine config of one row a device)."""
+  r = c.rollout
+  if not r.pool_gb:
+    return
+  Z, length = engine.page_size(sparse), r.max_prompt_len + r.max_new_tokens
+  need = -(-(length - 1) // Z) + 2  # a row at its cap, its prompt's template page, the trash page
+  require(
+    one_row.num_pages >= need,
+    "rollout.pool_gb",
+    r.pool_gb,
+    f"holds {one_row.num_pages} pages of {Z} tokens; one row of max_prompt_len + max_new_tokens = "
+    f"{length} tokens needs {need}",
   )
-  if r.engine_slots:
-    config = dataclasses.replace(config, num_slots=r.engine_slots)
-  if r.speculate == "auto":  # the regime switch: drafts per bin up to the largest of speculate_ks
-    config = dataclasses.replace(config, speculate=max(r.speculate_ks), draft_switch=True)
-  elif r.speculate:
-    config = dataclasses.replace(config, speculate=r.speculate)
-  if r.pool_gb:
-    config = dataclasses.replace(
-      config,
-      num_pages=engine.pages_for_bytes(
-        cfg,
-        r.pool_gb * 1e9,
-        engine.page_size(sparse),
-        jnp.dtype(c.model.dtype),
-        sparse.page_score if sparse else "mean",
-      ),
-    )
-  return config
 
 
 def host_memory_bytes() -> int | None:
@@ -518,7 +435,7 @@ class StepMemory:
     )
 
 
-def check_rows(c, rows_per_device: int, device) -> None:
+def check_rows(c, rows_per_device: int, device, sparse) -> None:
   """A device's rows of the step, checked before its prompts are made and read (`check_inputs`,
   which would take hours over a huge batch): as int32 token ids alone (a lower bound of the step's
   memory) they must fit the device, and engine_slots may not exceed them (a slot without a row
@@ -534,7 +451,7 @@ def check_rows(c, rows_per_device: int, device) -> None:
     f"take {need / 1e9:.3g} GB as token ids alone, more than this {device.platform} device's "
     f"{have / 1e9:.3g} GB: lower it or group_size, or add devices on mesh.data",
   )
-  slots = engine.full_batch(rows_per_device, r.group_size, length, sparse_config(c)).num_slots
+  slots = engine.full_batch(rows_per_device, r.group_size, length, sparse).num_slots
   require(
     r.engine_slots <= slots,
     "rollout.engine_slots",
@@ -543,7 +460,7 @@ def check_rows(c, rows_per_device: int, device) -> None:
   )
 
 
-def check_memory(c, cfg: Qwen3Config, engine_cfg, step: StepMemory, device) -> None:
+def check_memory(c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, device) -> None:
   """Refuses, before the model's weights are read or the workdir written, a run one device cannot
   hold. The train state stays on the device throughout; beside it the rollout holds its KV page
   pool (engine_cfg's pages) and the train step its batch, activations, gradients, logits chunks and
@@ -554,7 +471,6 @@ def check_memory(c, cfg: Qwen3Config, engine_cfg, step: StepMemory, device) -> N
   have = device_memory_bytes(device)
   if not have:
     return
-  sparse = sparse_config(c)
   score = sparse.page_score if sparse else "mean"
   page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
   pool = engine_cfg.num_pages * page
@@ -753,7 +669,7 @@ def _encode_prompts(task, tokenizer, first_step: int, unknown_id, batch: int = 1
 
 
 def check_workdir(workdir: str) -> None:
-  """The workdir can be made and locked (trainer.workdir_lock), checked before anything is written
+  """The workdir can be made and locked (workdir.workdir_lock), checked before anything is written
   there: a URL needs an epath file system for its scheme (the lease is written through it); a local
   path needs its nearest existing folder to hold a file with an flock, which a probe file there
   (unnamed, gone when closed) tries. A file system without flock (some network mounts) would fail
@@ -844,14 +760,37 @@ def check_resume(c) -> None:
     )
 
 
-def sampling(c, tokenizer) -> sampler.Sampling:
-  """How the run samples: the rollout group's fields, the tokenizer's EOS and pad ids."""
-  return dataclasses.replace(
-    schema.from_group(sampler.Sampling, c, "rollout"),
-    eos_ids=tokenizer.eos_ids,
-    pad_id=tokenizer.pad_id,
+def check_mesh(c, mesh) -> None:
+  """The batch against the mesh: each micro-batch's rows split evenly over data x fsdp, and each
+  process holds whole GRPO groups (it samples and rewards its own prompts)."""
+  r = c.rollout
+  ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = r.prompts_per_step * r.group_size
+  slices = c.rl.num_minibatches * c.rl.micro_batches
+  require(
+    rows % (slices * ways) == 0,
+    "rl.micro_batches",
+    c.rl.micro_batches,
+    f"rows per micro-batch ({rows} rollouts / rl.num_minibatches {c.rl.num_minibatches} / "
+    f"rl.micro_batches = {rows / slices:g}) must be a whole multiple of mesh data x fsdp = "
+    f"{ways}",
+  )
+  lo, hi = sharding.process_rows(sharding.rows(mesh), rows)
+  require(
+    lo % r.group_size == 0 and hi % r.group_size == 0,
+    "rollout.group_size",
+    r.group_size,
+    f"this process holds rows [{lo}, {hi}): each process must hold whole groups",
   )
 
 
-def sparse_config(c):
-  return schema.from_group(SparseConfig, c, "rollout") if c.rollout.sparse else None
+def check_prompt_lengths(problems, tokenizer, max_prompt_len: int) -> None:
+  """The held-out prompts within rollout.max_prompt_len: the budget tables and the memory check
+  cover prompts up to it."""
+  _, lengths = tokenizer.encode_batch([p.prompt for p in problems])
+  require(
+    max(lengths) <= max_prompt_len,
+    "rollout.max_prompt_len",
+    max_prompt_len,
+    f"must hold the held-out prompts (config.eval): the longest has {max(lengths)} tokens",
+  )

@@ -1,0 +1,429 @@
+"""A run's assembly: every component of a training run built from its experiment config (the task,
+the tokenizer, the model and its config, the sparse config, each device's engine, the sampling,
+the optimizers, the train state, the sampler, the hooks) and `build(config, mesh) -> Run`, which
+builds them in the order that lets every check run before the weights are read or the workdir is
+written (rl/run_config.py holds the checks). rl/trainer.py drives the Run; rl/ modules take their
+builders from here only.
+"""
+
+import dataclasses
+import os
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from sparrow_jax import schema, sharding
+from sparrow_jax.attention import page_pool
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.data import synthetic, tasks
+from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.mismatch import cost_model
+from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.model.config import Qwen3Config
+from sparrow_jax.model.hf import load_config, load_hf
+from sparrow_jax.model.qwen3 import init_params
+from sparrow_jax.rl import evaluate, hooks, run_config
+from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rollout import engine, sampler
+from sparrow_jax.sparsity import schedule as schedule_lib
+
+
+def make_task(c, seed: int | None = None):
+  """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
+  registry; an unknown name or unreadable data names the config fields, a synthetic task's own
+  settings their field."""
+  with schema.naming_config_fields({"task": synthetic.PointerChase}):
+    try:
+      return tasks.make_task(
+        c.task.name,
+        c.task.path or None,
+        seed=c.seed if seed is None else seed,
+        min_hops=c.task.min_hops,
+        max_hops=c.task.max_hops,
+      )
+    except (ValueError, OSError) as e:
+      if str(e).startswith(f"{synthetic.PointerChase.__name__}."):
+        raise
+      raise ValueError(
+        f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: "
+        f"{e}"
+      ) from None
+
+
+def load_tokenizer_of(c, task):
+  """The model dir's tokenizer, or for a random preset model the task's own vocabulary."""
+  if c.model.hf_dir:
+    return load_tokenizer(c.model.hf_dir)
+  if task.own_tokenizer is None:
+    raise ValueError(
+      f"config.model.preset (random init) needs a task with its own vocabulary "
+      f"(synthetic:pointer_chase), not {task.name!r}: set config.model.hf_dir for "
+      "dataset tasks"
+    )
+  return task.own_tokenizer
+
+
+def load_model(c, task):
+  """(cfg, params, tokenizer). A random preset model is sized to the task's own vocabulary."""
+  tokenizer = load_tokenizer_of(c, task)
+  cfg = model_config(c, tokenizer)
+  return cfg, load_params(c, cfg), tokenizer
+
+
+def load_params(c, cfg: Qwen3Config):
+  """The weights of config.model.hf_dir, or the preset's random init (`cfg`: `model_config`)."""
+  dtype = jnp.dtype(c.model.dtype)
+  if c.model.hf_dir:
+    return load_hf(c.model.hf_dir, dtype=dtype)[1]
+  return init_params(cfg, jax.random.PRNGKey(c.seed), dtype=dtype)
+
+
+def model_config(c, tokenizer=None) -> Qwen3Config:
+  """The model's config.json (read without its weights) or preset, the preset sized to
+  `tokenizer`'s vocabulary when given (as `load_model` initialises it)."""
+  if c.model.hf_dir:
+    return load_config(c.model.hf_dir)
+  preset = Qwen3Config.preset(c.model.preset)
+  if tokenizer is None:
+    return preset
+  return Qwen3Config(**{**preset.__dict__, "vocab_size": tokenizer.vocab_size})
+
+
+def sparse_config(c) -> Optional[SparseConfig]:
+  """The sparse rollouts' SparseConfig from the rollout group; None for dense rollouts."""
+  return schema.from_group(SparseConfig, c, "rollout") if c.rollout.sparse else None
+
+
+def sampling(c, tokenizer) -> sampler.Sampling:
+  """How the run samples: the rollout group's fields, the tokenizer's EOS and pad ids."""
+  return dataclasses.replace(
+    schema.from_group(sampler.Sampling, c, "rollout"),
+    eos_ids=tokenizer.eos_ids,
+    pad_id=tokenizer.pad_id,
+  )
+
+
+def engine_config(c, cfg: Qwen3Config, rows_per_device: int) -> engine.EngineConfig:
+  """Each device's slots and pool from config.rollout: by default `engine.full_batch` (every row of
+  the device's step at once, no row waits or is preempted); engine_slots / pool_gb size them for
+  long-tailed lengths (more rows than slots: a finished row's slot is refilled at once)."""
+  r, sparse = c.rollout, sparse_config(c)
+  config = engine.full_batch(
+    rows_per_device, r.group_size, r.max_prompt_len + r.max_new_tokens, sparse, r.chunk_steps
+  )
+  if r.engine_slots:
+    config = dataclasses.replace(config, num_slots=r.engine_slots)
+  if r.speculate == "auto":  # the regime switch: drafts per bin up to the largest of speculate_ks
+    config = dataclasses.replace(config, speculate=max(r.speculate_ks), draft_switch=True)
+  elif r.speculate:
+    config = dataclasses.replace(config, speculate=r.speculate)
+  if r.pool_gb:
+    config = dataclasses.replace(
+      config,
+      num_pages=engine.pages_for_bytes(
+        cfg,
+        r.pool_gb * 1e9,
+        engine.page_size(sparse),
+        jnp.dtype(c.model.dtype),
+        sparse.page_score if sparse else "mean",
+      ),
+    )
+  return config
+
+
+def init_distributed(c) -> None:
+  """jax.distributed.initialize when config.distributed.enabled (before anything touches a
+  device). Empty coordinator / -1 counts: detected from the cluster (SLURM, Open MPI, TPU pods)."""
+  d = c.distributed
+  if not d.enabled or jax.distributed.is_initialized():
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: gloo collectives
+  kwargs = {
+    "coordinator_address": d.coordinator or None,
+    "num_processes": d.num_processes if d.num_processes > 0 else None,
+    "process_id": d.process_id if d.process_id >= 0 else None,
+  }
+  jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def make_mesh(c):
+  """The config's (data, fsdp, tensor) mesh over every process's devices, checked against the
+  batch (run_config.check_mesh)."""
+  m = c.mesh
+  try:
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
+  except ValueError as e:
+    raise ValueError(
+      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is invalid: {e}"
+    ) from None
+  run_config.check_mesh(c, mesh)
+  return mesh
+
+
+class Optimizers(NamedTuple):
+  learning_rate: optax.Schedule  # step -> learning rate (warmup, then constant)
+  base: optax.GradientTransformation  # of the base params
+  lora: Optional[optax.GradientTransformation]  # of the sparse actor's LoRA; None without distill
+
+
+def optimizers(c) -> Optimizers:
+  lr = optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, c.rl.learning_rate, c.rl.warmup_steps),
+      optax.constant_schedule(c.rl.learning_rate),
+    ],
+    [c.rl.warmup_steps],
+  )
+  base = optax.chain(
+    optax.clip_by_global_norm(c.rl.max_grad_norm), optax.adamw(lr, weight_decay=c.rl.weight_decay)
+  )
+  lora = None
+  if c.distill.enabled:
+    lora = optax.chain(
+      optax.clip_by_global_norm(c.rl.max_grad_norm), optax.adam(c.distill.learning_rate)
+    )
+  return Optimizers(lr, base, lora)
+
+
+def _state_init(c, opt: Optimizers):
+  """(init(params, lora) -> TrainState, make_lora(params) -> the LoRA to start from, or None)."""
+  make_lora = None
+  if c.distill.enabled:
+    make_lora = lambda p: lora_lib.init_lora(
+      p,
+      jax.random.PRNGKey(c.seed + 1),
+      rank=c.distill.rank,
+      alpha=c.distill.alpha,
+      targets=tuple(c.distill.targets.split(",")),
+    )
+  init = lambda p, lora: ts.init_state(p, opt.base, lora, opt.lora, keep_reference=c.rl.kl_coef > 0)
+  return init, make_lora
+
+
+def abstract_state(c, cfg, mesh, opt: Optimizers):
+  """(the train state's shapes and dtypes, its shardings on `mesh`): the state `build_state`
+  makes from params of `cfg`, with nothing allocated and no weights read."""
+  params = jax.eval_shape(
+    lambda: init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.dtype(c.model.dtype))
+  )
+  init, make_lora = _state_init(c, opt)
+  state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
+  return state, ts.state_sharding(state, mesh, opt.base, opt.lora)
+
+
+def build_state(c, params, shardings, opt: Optimizers):
+  """The initial TrainState, born on `shardings` (`abstract_state`'s: the optimizer and LoRA
+  states are created on their shards)."""
+  init, make_lora = _state_init(c, opt)
+  lora = make_lora(params) if make_lora else None
+  params = sharding.place(params, shardings.params)
+  lora = None if lora is None else sharding.place(lora, shardings.lora)
+  return jax.jit(init, out_shardings=shardings)(params, lora)
+
+
+def _placed_like(abstract, shardings):
+  """The abstract arrays `abstract` on `shardings` (a matching tree, or one sharding for all)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, abstract)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+    abstract,
+    shardings,
+  )
+
+
+def train_step(c, cfg, opt: Optimizers, sparse, shardings):
+  """The fused train step (rl/train_step.py) of config `c`, jitted for the state's shardings."""
+  step_config = ts.StepConfig.from_config(c)
+  return ts.make_train_step(cfg, step_config, opt.base, opt.lora, sparse, shardings)
+
+
+def lower_step(c):
+  """The config's train step lowered at full size on the current devices' mesh, from abstract
+  params and batch (nothing is allocated, no weights or data read): checks that a real-run config
+  builds, shards and traces before a cluster is booked. Returns the jax `Lowered` and the train
+  state's shardings."""
+  run_config.validate(c)
+  mesh = make_mesh(c)
+  r = c.rollout
+  cfg, opt = model_config(c), optimizers(c)
+  state, shardings = abstract_state(c, cfg, mesh, opt)
+  step = train_step(c, cfg, opt, sparse_config(c), shardings)
+  length = r.max_prompt_len + r.max_new_tokens
+  batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs)
+  budget = (
+    schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32)) if r.sparse else None
+  )
+  with jax.set_mesh(mesh):
+    return step.lower(state, batch, budget), shardings
+
+
+def rollout_weights(state, mesh):
+  """(params, lora) -> the sampler's copy, gathered over fsdp once per rollout
+  (sharding.ROLLOUT_RULES); the identity without FSDP."""
+  if mesh.shape["fsdp"] == 1:
+    return lambda params, lora: (params, lora)
+  rules = sharding.ROLLOUT_RULES
+  out = (
+    sharding.param_shardings(state.params, mesh, rules),
+    None if state.lora is None else sharding.lora_shardings(state.lora, mesh, rules),
+  )
+  return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
+
+
+def sampler_of(c, cfg, tokenizer, weights, engine_cfg, sparse):
+  """sample(state, this process's engine.Requests, key, StepBudget or None) -> (its rollout,
+  EngineStats): the engine over the policy's weights (`weights`, `rollout_weights`: gathered over
+  fsdp once per rollout)."""
+  how = sampling(c, tokenizer)
+
+  def sample(state, requests, key, budget):
+    params, lora = weights(state.params, state.lora)
+    return engine.run(
+      params,
+      cfg,
+      requests,
+      np.asarray(key),
+      engine=engine_cfg,
+      sampling=how,
+      sparse=sparse,
+      schedule=None if budget is None else budget.table,
+      lora=lora,
+      draft_plan=None if budget is None else budget.drafts,
+    )
+
+  return sample
+
+
+def budgets(c, cfg, sparse, mesh, cache_len: int, rows: int = 1) -> hooks.Budgets:
+  """The budget tables of a sparse run (hooks.Budgets): rollout.schedule's stages, or its closed
+  loop's table; with rollout.speculate = "auto", exact mode's drafts per bin for a device's
+  `rows` at once."""
+  r = c.rollout
+  stats = ts.StepConfig.from_config(c).stats
+  adaptive = schedule_lib.parse_adaptive(r.schedule, r.page_size)  # (tau, BASE) or None
+  loop = stages = switch = None
+  if adaptive:
+    config = schema.from_group(schedule_lib.LoopConfig, c, "rollout", "stats")
+    loop = hooks.ClosedLoop(*adaptive, config, stats.num_bins)
+  else:
+    stages = schedule_lib.parse_stages(r.schedule, r.page_size)
+  if r.speculate == "auto":
+    hardware = cost_model.get_hardware(r.speculate_hardware)
+    switch = hooks.DraftSwitch(cfg, sparse, rows, r.speculate_ks, stats, hardware)
+  return hooks.Budgets(stages, loop, switch, cfg, sparse, mesh, cache_len)
+
+
+def kv_metrics(c, cfg, sparse, engine_cfg, hardware) -> hooks.KVMetrics:
+  r = c.rollout
+  return hooks.KVMetrics(cfg, sparse, engine_cfg, hardware, r.max_new_tokens, r.group_size)
+
+
+def evaluation(c, cfg, sparse, task, tokenizer, weights, samples_path) -> hooks.Evaluation:
+  """The held-out evaluation hook of config.eval on `task` (eval.seed's), its rows checked."""
+  e, r = schema.from_group(evaluate.EvalConfig, c, "eval"), c.rollout
+  run_config.check_evaluation_rows(c, task)
+  problems = evaluate.first_problems(task, e.problems, "config.eval.problems")
+  run_config.check_prompt_lengths(problems, tokenizer, r.max_prompt_len)
+  # The run's rows per step: a batch its engine and KV pool are sized (and checked) for.
+  batch_size = min(r.prompts_per_step * r.group_size, len(problems) * e.samples)
+  generation = (r.max_new_tokens, sampling(c, tokenizer))
+  return hooks.Evaluation(
+    e, task, problems, tokenizer, weights, cfg, sparse, generation, batch_size, samples_path
+  )
+
+
+class Rows(NamedTuple):
+  """The step's rollout rows on the mesh: their sharding, their number and the block [lo, hi) of
+  them this process samples, rewards and places (whole GRPO groups: run_config.check_mesh)."""
+
+  sharding: jax.sharding.NamedSharding
+  count: int
+  lo: int
+  hi: int
+
+  @classmethod
+  def of(cls, mesh, count: int) -> "Rows":
+    rows = sharding.rows(mesh)
+    return cls(rows, count, *sharding.process_rows(rows, count))
+
+  def place(self, local):
+    """This process's rows (host data) -> the global array of every row."""
+    return sharding.from_local_rows(np.asarray(local), self.sharding, self.count)
+
+
+@dataclasses.dataclass
+class Run:
+  """A training run's components, built and checked (`build`); rl/trainer.py drives it."""
+
+  task: object
+  tokenizer: object
+  cfg: Qwen3Config
+  state: ts.TrainState  # the initial train state, on its shardings
+  train_step: Callable  # (state, Batch, BudgetTable | None) -> (state, metrics), jitted
+  sample: Callable  # (state, Requests, key, StepBudget | None) -> (rollout, EngineStats)
+  engine_cfg: engine.EngineConfig  # each device's engine
+  budgets: Optional[hooks.Budgets]  # None: dense rollouts
+  hooks: list  # the step hooks, Budgets among them
+  evaluation: Optional[hooks.Evaluation]  # also among `hooks`; None: config.eval.every = 0
+  rows: Rows  # the step's rows on the mesh
+  to_batch: Callable  # placed (prompt, prompt_len, Rollout, rewards) -> the step's Batch
+
+
+def build(c: ml_collections.ConfigDict, mesh) -> Run:
+  """Every component of config `c`'s run on `mesh`, each check run as soon as what it needs is
+  known and all of them before the model's weights are read: the task before the model (a bad
+  dataset fails in seconds), the train step compiled from abstract inputs for XLA's memory
+  analysis, then the weights. Nothing is written."""
+  run_config.check_workdir(c.workdir)
+  run_config.check_resume(c)  # reads only: a changed config fails before the model loads
+  r, sparse = c.rollout, sparse_config(c)
+  task = make_task(c)
+  tokenizer = load_tokenizer_of(c, task)
+  cfg = model_config(c, tokenizer)
+  rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
+  device, device_rows = jax.local_devices()[0], rows.count // page_pool.row_shards()
+  run_config.check_rows(c, device_rows, device, sparse)
+  run_config.check_inputs(c, task, cfg, tokenizer)
+  engine_cfg = engine_config(c, cfg, device_rows)
+  run_config.check_pool(c, sparse, engine_config(c, cfg, rows_per_device=1))
+  opt = optimizers(c)
+  abstract, shardings = abstract_state(c, cfg, mesh, opt)
+  weights = rollout_weights(abstract, mesh)
+  cache_len = r.max_prompt_len + r.max_new_tokens
+  step_hooks = [hooks.PerfMetrics(opt.learning_rate)]
+  step_hooks.append(kv_metrics(c, cfg, sparse, engine_cfg, _hardware(c, sparse)))
+  budget = budgets(c, cfg, sparse, mesh, cache_len, engine_cfg.num_slots) if sparse else None
+  step_hooks += [budget] if budget else []
+  held_out = None
+  if c.eval.every:
+    samples = os.path.join(c.workdir, "eval_samples.jsonl") if jax.process_index() == 0 else None
+    eval_task = make_task(c, c.eval.seed)
+    held_out = evaluation(c, cfg, sparse, eval_task, tokenizer, weights, samples)
+    step_hooks.append(held_out)
+  step = train_step(c, cfg, opt, sparse, shardings)
+  # Compiled from abstract inputs before any weight is read, for XLA's memory analysis of the
+  # step. The jit keeps the executable for inputs of these shapes and shardings, so the loop's
+  # first call does not compile it again.
+  batch = ts.Batch.abstract(rows.count, cache_len, r.num_top_logprobs)
+  compiled = step.lower(
+    _placed_like(abstract, shardings),
+    _placed_like(batch, rows.sharding),
+    budget.example_table if budget else None,
+  ).compile()
+  step_memory = run_config.StepMemory.of(compiled, abstract, shardings)
+  run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device)
+  state = build_state(c, load_params(c, cfg), shardings, opt)
+  sample = sampler_of(c, cfg, tokenizer, weights, engine_cfg, sparse)
+  to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows.sharding)
+  parts = (task, tokenizer, cfg, state, step, sample, engine_cfg, budget, step_hooks, held_out)
+  return Run(*parts, rows, to_batch)
+
+
+def _hardware(c, sparse) -> Optional[cost_model.Hardware]:
+  """The roofline kv/predicted_speedup prices (sparse runs), measured once."""
+  return cost_model.get_hardware(c.hardware) if sparse else None
