@@ -9,7 +9,7 @@ cutoff: bench_engine's `long_tail_lengths`), sampled sparsely (the paper's table
 exact-acceptance pass runs the sparse policy), DistillSparse off as in the paper's main runs. Both
 settings run the same step on the same rows, interleaved call by call (the machine's load falls on
 both alike); the figures are the median seconds per step and completion tokens per second, and the
-bucket each micro-batch ran at (the step's own rule, `train_step.bucket_lengths`).
+bucket each micro-batch ran at (the step's own rule, `accumulation.bucket_lengths`).
 """
 
 import os
@@ -25,6 +25,7 @@ from experiments.bench_engine import engine_model, long_tail_lengths
 from experiments.timing import median_seconds
 import sparrow_jax as sj
 from sparrow_jax import records
+from sparrow_jax.rl import accumulation, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -32,14 +33,14 @@ from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 PAGE = 16
 
 
-def make_batch(c, cfg) -> ts.Batch:
+def make_batch(c, cfg) -> step_schema.Batch:
   """The rows: random prompt and completion tokens, long-tailed completion lengths."""
   rows, S = c.prompts * c.group_size, c.prompt + c.cutoff
   rng = np.random.default_rng(c.seed)
   lengths_B = long_tail_lengths(rows, c.cutoff, c.seed)
   pos_BS = np.arange(S)[None]
   gen_mask = (pos_BS >= c.prompt) & (pos_BS < c.prompt + lengths_B[:, None])
-  return ts.Batch(
+  return step_schema.Batch(
     tokens=jnp.asarray(rng.integers(1, cfg.vocab_size, (rows, S)), jnp.int32),
     gen_mask=jnp.asarray(gen_mask),
     prompt_len=jnp.full((rows,), c.prompt, jnp.int32),
@@ -50,8 +51,8 @@ def make_batch(c, cfg) -> ts.Batch:
 
 def micro_batch_buckets(c, batch) -> list:
   """The bucket each micro-batch runs at: rows sorted by length, in consecutive slices."""
-  lengths = ts.bucket_lengths(tuple(c.length_buckets), batch.tokens.shape[1])
-  ends = np.sort(np.asarray(ts.row_ends(batch)))
+  lengths = accumulation.bucket_lengths(tuple(c.length_buckets), batch.tokens.shape[1])
+  ends = np.sort(np.asarray(step_schema.row_ends(batch)))
   parts = ends.reshape(c.num_minibatches * c.micro_batches, -1).max(1)
   return [int(lengths[np.searchsorted(lengths, end)]) for end in parts]
 
@@ -71,17 +72,18 @@ def main(argv):
   settings = {"full": (), "bucketed": tuple(c.length_buckets)}
   steps = {}
   for name, buckets in settings.items():
-    sc = ts.StepConfig(
-      rl=ts.RLConfig(
+    sc = step_schema.StepConfig(
+      rl=step_schema.RLConfig(
         num_minibatches=c.num_minibatches, micro_batches=c.micro_batches, length_buckets=buckets
       ),
-      distill=ts.DistillConfig(enabled=False),
-      rollout=ts.RolloutConfig(group_size=c.group_size, page_size=PAGE),
+      distill=step_schema.DistillConfig(enabled=False),
+      rollout=step_schema.RolloutConfig(group_size=c.group_size, page_size=PAGE),
     )
     steps[name] = ts.make_train_step(cfg, sc, optimizer, sparse=sparse)
   # Each setting steps its own state (donated), so no call copies one inside the clock.
   states = {
-    name: ts.init_state(jax.tree_util.tree_map(jnp.copy, params), optimizer) for name in steps
+    name: step_schema.init_state(jax.tree_util.tree_map(jnp.copy, params), optimizer)
+    for name in steps
   }
 
   def call(name):

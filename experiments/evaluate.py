@@ -91,8 +91,8 @@ def evaluate(c) -> dict:
       {"id": str(p.id), "correct": int(n), "mean_reward": float(mean)}
       for p, n, mean in zip(
         problems,
-        graded.correct_R.reshape(shape).sum(1),
-        graded.rewards_R.reshape(shape).mean(1),
+        graded.correct_a.reshape(shape).sum(1),
+        graded.rewards_a.reshape(shape).mean(1),
       )
     ],
   }

@@ -55,6 +55,7 @@ from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.rl import step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, programs, sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -62,7 +63,9 @@ from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 GB = 1e9
 SPARSE = SparseConfig(page_size=16, sink_pages=1, local_pages=2, dense_layers=2)  # the paper's
 SDS = jax.ShapeDtypeStruct
-SAMPLING = sampler.Sampling(eos_ids=(0,), num_top_logprobs=ts.TOP_K)  # the trainer's top-20 kept
+SAMPLING = sampler.Sampling(
+  eos_ids=(0,), num_top_logprobs=step_schema.TOP_K
+)  # the trainer's top-20 kept
 
 
 def _model(name, dtype, layers=None):
@@ -125,16 +128,16 @@ def _on(tree, shardings):
 
 def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   cfg, params, lora = _model(model, dtype, layers)
-  sc = ts.StepConfig(
-    rl=ts.RLConfig(micro_batches=c.micro_batches, length_buckets=length_buckets),
-    stats=ts.StatsConfig(bin_size=2048, num_bins=20),
-    rollout=ts.RolloutConfig(group_size=c.train_rows, page_size=SPARSE.page_size),
+  sc = step_schema.StepConfig(
+    rl=step_schema.RLConfig(micro_batches=c.micro_batches, length_buckets=length_buckets),
+    stats=step_schema.StatsConfig(bin_size=2048, num_bins=20),
+    rollout=step_schema.RolloutConfig(group_size=c.train_rows, page_size=SPARSE.page_size),
   )
   opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
-  state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)
-  batch = ts.Batch.abstract(c.train_rows, length)
+  state = jax.eval_shape(lambda p, lo: step_schema.init_state(p, opt, lo, lora_opt), params, lora)
+  batch = step_schema.Batch.abstract(c.train_rows, length)
   step = ts.make_train_step(
-    cfg, sc, opt, lora_opt, SPARSE, ts.state_sharding(state, mesh, opt, lora_opt)
+    cfg, sc, opt, lora_opt, SPARSE, step_schema.state_sharding(state, mesh, opt, lora_opt)
   )
   budget = _budget(c.schedule, model, length)[0]
   start = time.time()

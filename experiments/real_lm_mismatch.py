@@ -302,16 +302,16 @@ def choose_tables(st, cands, quest, tau, quantile, page, bin_size, num_bins):
   tables, schedules = {}, {}
   for score, names in (("mean", cands), ("quest", quest)):
     for kind in ALPHA_KINDS:
-      tail_CB = np.array([_floats(st[f"{score}/{k}"][kind]["p5_bin"]) for k in names])
+      tail_Ub = np.array([_floats(st[f"{score}/{k}"][kind]["p5_bin"]) for k in names])
       sched = cal.choose_schedule(
-        tail_CB, names, tau, page_size=page, always_kept=3, bin_size=bin_size, quantile=quantile
+        tail_Ub, names, tau, page_size=page, always_kept=3, bin_size=bin_size, quantile=quantile
       )
       pages, share = pages_at_bins(sched, num_bins, page, bin_size)
       tables[f"{score}/{kind}"] = {
         "topk_bin": list(sched.values),
         "pages_bin": pages,
         "share_bin": share,
-        "meets_tau_bin": (np.nanmax(np.where(np.isnan(tail_CB), -1, tail_CB), 0) >= tau).tolist(),
+        "meets_tau_bin": (np.nanmax(np.where(np.isnan(tail_Ub), -1, tail_Ub), 0) >= tau).tolist(),
       }
       schedules[f"{score}/{kind}"] = sched
   return tables, schedules["mean/exact"]

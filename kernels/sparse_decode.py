@@ -209,19 +209,19 @@ def _kernel(
   acc_ref[...] = acc_GE
 
 
-def _normalise(acc_XE, l_X1):
+def _normalise(acc_aE, l_a1):
   """acc / l; nothing valid (l = 0, acc = 0) stays 0."""
-  return acc_XE / jnp.where(l_X1 == 0.0, 1.0, l_X1)
+  return acc_aE / jnp.where(l_a1 == 0.0, 1.0, l_a1)
 
 
-def _merge_splits(m_BKXG, l_BKXG, acc_BKXGE):
+def _merge_splits(m_BKWG, l_BKWG, acc_BKWGE):
   """Combine per-split partial softmaxes; splits (or rows) with nothing valid weigh 0."""
-  m_BKXG, l_BKXG, acc_BKXGE = jax.lax.optimization_barrier((m_BKXG, l_BKXG, acc_BKXGE))
-  m_BKG = jnp.max(m_BKXG, axis=2)
+  m_BKWG, l_BKWG, acc_BKWGE = jax.lax.optimization_barrier((m_BKWG, l_BKWG, acc_BKWGE))
+  m_BKG = jnp.max(m_BKWG, axis=2)
   m_BKG = jnp.where(jnp.isfinite(m_BKG), m_BKG, 0.0)
-  w_BKXG = jnp.exp(m_BKXG - m_BKG[:, :, None])
-  l_BKG = jnp.sum(l_BKXG * w_BKXG, axis=2)
-  acc_BKGE = jnp.sum(acc_BKXGE * w_BKXG[..., None], axis=2)
+  w_BKWG = jnp.exp(m_BKWG - m_BKG[:, :, None])
+  l_BKG = jnp.sum(l_BKWG * w_BKWG, axis=2)
+  acc_BKGE = jnp.sum(acc_BKWGE * w_BKWG[..., None], axis=2)
   return _normalise(acc_BKGE, l_BKG[..., None])
 
 
@@ -273,8 +273,8 @@ def paged_decode_attention(
   split = lambda idx_BKN: jnp.pad(
     idx_BKN.astype(jnp.int32), ((0, 0), (0, 0), (0, num_splits * per_split - N))
   ).reshape(B, K, num_splits, per_split)
-  page_idx_BKXN = split(jnp.clip(page_idx_BKN, 0, X - 1))
-  logical_idx_BKXN = split(logical_idx_BKN)
+  page_idx_BKWN = split(jnp.clip(page_idx_BKN, 0, X - 1))
+  logical_idx_BKWN = split(logical_idx_BKN)
   Gp = max(_MIN_DOT, _next_pow2(G)) if config.use_dot else _next_pow2(G)
   # q meets the cache in the cache's dtype (the Triton dot takes one element type).
   q_BKGE_padded = jnp.pad(q_BKGE.astype(k_pages_XZE.dtype), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
@@ -326,8 +326,8 @@ def paged_decode_attention(
     interpret=interpret,
     name="sparse_decode",
   )(
-    page_idx_BKXN,
-    logical_idx_BKXN,
+    page_idx_BKWN,
+    logical_idx_BKWN,
     n_valid_BK.astype(jnp.int32)[..., None],
     lengths_B.astype(jnp.int32)[:, None],
     q_BKGE_padded,

@@ -384,8 +384,8 @@ def paged_decode_attention(
     name="sparse_decode_tpu",
   )
   # The pairs of a call in grid order, the last core's tail padded with empty pairs.
-  to_pairs = lambda q_RKGE: jnp.pad(
-    q_RKGE.reshape(pairs, Gp, E), ((0, _CORES * per_core - pairs), (0, 0), (0, 0))
+  to_pairs = lambda q_chunk_BKGE: jnp.pad(
+    q_chunk_BKGE.reshape(pairs, Gp, E), ((0, _CORES * per_core - pairs), (0, 0), (0, 0))
   )
 
   def one_chunk(args):

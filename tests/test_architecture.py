@@ -150,3 +150,104 @@ def test_no_long_signatures():
         if count > LONG_SIGNATURE_ALLOWED.get(f"{module}.{node.name}", MAX_PARAMS):
           long.append(f"{module}.{node.name} ({count})")
   assert not long, long
+
+
+MAX_FUNCTION_LINES = 80  # a function's code, its docstring aside: what one reads in one screen
+# Pallas kernels and their pallas_call wrappers: one body per kernel, the grid, specs and scratch
+# declared together (JAX's own Pallas ops are written the same way).
+LONG_FUNCTION_ALLOWED = {
+  "kernels.sparse_decode.paged_decode_attention",
+  "kernels.sparse_decode_tpu._kernel",
+  "kernels.sparse_decode_tpu.paged_decode_attention",
+}
+
+
+def code_lines(node) -> int:
+  """Lines of a function's body from its first statement after the docstring to its end."""
+  body = node.body
+  has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+  first = body[1] if has_doc and len(body) > 1 else body[0]
+  return node.end_lineno - first.lineno + 1
+
+
+def long_functions(modules) -> list:
+  """module.function (lines) of every function, nested ones included, over MAX_FUNCTION_LINES."""
+  long = []
+  for module, path in modules.items():
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        name = f"{module}.{node.name}"
+        if code_lines(node) > MAX_FUNCTION_LINES and name not in LONG_FUNCTION_ALLOWED:
+          long.append(f"{name} ({code_lines(node)})")
+  return long
+
+
+def test_no_long_functions():
+  assert not long_functions(_modules())
+
+
+def test_long_function_check_sees_a_long_function(tmp_path):
+  body = "\n".join(f"  x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+  (tmp_path / "m.py").write_text(f'def f():\n  """doc."""\n{body}\n\n\ndef g():\n  return 1\n')
+  assert long_functions({"m": str(tmp_path / "m.py")}) == [f"m.f ({MAX_FUNCTION_LINES + 1})"]
+
+
+# What assembles a run from its config: loading the task, tokenizer and weights, initialising
+# params and the LoRA, the optimizers, the mesh, the train step, the hooks. Only rl/build.py calls
+# these (the loop may call them through it); the hooks and the checks receive what it built.
+RUN_BUILDERS = {
+  "make_task",
+  "load_tokenizer",
+  "load_hf",
+  "init_params",
+  "init_lora",
+  "adam",
+  "adamw",
+  "make_mesh",
+  "init_state",
+  "make_train_step",
+  "Budgets",
+  "ClosedLoop",
+  "DraftSwitch",
+  "Evaluation",
+  "KVMetrics",
+  "PerfMetrics",
+}
+
+
+def builder_calls(path) -> set:
+  """The RUN_BUILDERS a module calls (by the called name's last part), other than through
+  rl/build.py (`build.make_mesh(c)`)."""
+  called = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Call):
+      f = node.func
+      if isinstance(f, ast.Attribute) and getattr(f.value, "id", "") != "build":
+        called.add(f.attr)
+      elif isinstance(f, ast.Name):
+        called.add(f.id)
+  return called & RUN_BUILDERS
+
+
+def test_rl_builds_a_run_only_in_build_py():
+  modules = _modules()
+  assert builder_calls(modules["sparrow_jax.rl.build"])  # the check sees what build.py calls
+  others = {
+    m: sorted(builder_calls(path))
+    for m, path in modules.items()
+    if m.startswith("sparrow_jax.rl.") and m != "sparrow_jax.rl.build"
+  }
+  assert not {m: calls for m, calls in others.items() if calls}, others
+
+
+def test_library_never_imports_a_plotting_package():
+  """Plots are drawn by experiments/ scripts: the library sets no process-wide backend."""
+  plotting = ("matplotlib", "seaborn", "plotly")
+  found = []
+  for module, path in _modules().items():
+    for node in ast.walk(ast.parse(open(path).read())):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module]
+      found += [f"{module}: {n}" for n in names if n.split(".")[0] in plotting]
+  assert not found, found

@@ -295,8 +295,8 @@ QWEN = sj.Qwen3Config.preset("qwen3-1.7b")  # the planner prices, nothing runs i
 PLAN_CANDS = (29, 61, 125, 253)
 
 
-def _plan(mean_CB, ks=(1, 2, 4, 8, 16)):
-  return cal.speculative_plan(mean_CB, PLAN_CANDS, QWEN, SparseConfig(), bin_size=2048, ks=ks)
+def _plan(mean_Ub, ks=(1, 2, 4, 8, 16)):
+  return cal.speculative_plan(mean_Ub, PLAN_CANDS, QWEN, SparseConfig(), bin_size=2048, ks=ks)
 
 
 def test_speculative_plan_moves_the_way_the_algebra_says():
@@ -305,9 +305,9 @@ def test_speculative_plan_moves_the_way_the_algebra_says():
   # is dense decoding, full acceptance drafts the most tokens.
   by_alpha = {}
   for alpha in (0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.99, 1.0):
-    mean_CB = np.full((len(PLAN_CANDS), bins), np.nan)
-    mean_CB[1] = alpha
-    by_alpha[alpha] = _plan(mean_CB)
+    mean_Ub = np.full((len(PLAN_CANDS), bins), np.nan)
+    mean_Ub[1] = alpha
+    by_alpha[alpha] = _plan(mean_Ub)
   assert by_alpha[0.0]["k"] == [0] * bins and by_alpha[0.0]["topk"] == [None] * bins
   assert by_alpha[0.0]["speedup"] == [1.0] * bins
   assert by_alpha[1.0]["k"][1:] == [16] * (bins - 1)  # bin 0 (1K cached) is all dense
@@ -322,13 +322,13 @@ def test_speculative_plan_moves_the_way_the_algebra_says():
   same = _plan(np.full((len(PLAN_CANDS), bins), 0.95))
   assert same["topk"][1:] == [29] * (bins - 1)
   # A larger budget that accepts far more wins where its cost is small against the context.
-  mean_CB = np.full((len(PLAN_CANDS), bins), 0.5)
-  mean_CB[2] = 0.99
-  assert _plan(mean_CB)["topk"][-1] == 125
+  mean_Ub = np.full((len(PLAN_CANDS), bins), 0.5)
+  mean_Ub[2] = 0.99
+  assert _plan(mean_Ub)["topk"][-1] == 125
   # Longer contexts gain more from the same drafts.
   assert all(x < y for x, y in zip(same["speedup"][1:], same["speedup"][2:]))
   # Each bin's pick is the best of every (budget, k) pair priced alone.
-  plan = _plan(mean_CB, ks=(2, 4))
+  plan = _plan(mean_Ub, ks=(2, 4))
   b = bins - 1
   rates = {
     (c, k): cost_model.roofline_round_rate(
@@ -336,7 +336,7 @@ def test_speculative_plan_moves_the_way_the_algebra_says():
       cal.candidate_schedule(c, SparseConfig(), 2048),
       plan["cached_len"][b],
       k=k,
-      alpha=mean_CB[i, b],
+      alpha=mean_Ub[i, b],
       rows=64,
     )
     for i, c in enumerate(PLAN_CANDS)
@@ -346,15 +346,15 @@ def test_speculative_plan_moves_the_way_the_algebra_says():
 
 
 def test_speculative_plan_empty_bins_and_errors():
-  mean_CB = np.full((len(PLAN_CANDS), 3), 0.9)
-  mean_CB[:, 1] = np.nan
-  plan = _plan(mean_CB)
+  mean_Ub = np.full((len(PLAN_CANDS), 3), 0.9)
+  mean_Ub[:, 1] = np.nan
+  plan = _plan(mean_Ub)
   assert plan["topk"][1] is None and plan["k"][1] is None and plan["speedup"][1] is None
   assert plan["cached_len"] == [1024.0, 3072.0, 5120.0] and plan["candidates"] == list(PLAN_CANDS)
-  with pytest.raises(ValueError, match="mean_CB must be \\[num_candidates=4, num_bins\\]"):
-    _plan(mean_CB[:2])
+  with pytest.raises(ValueError, match="mean_Ub must be \\[num_candidates=4, num_bins\\]"):
+    _plan(mean_Ub[:2])
   with pytest.raises(ValueError, match="ks .* must be integers >= 1, got \\[0, 2\\]"):
-    _plan(mean_CB, ks=(0, 2))
+    _plan(mean_Ub, ks=(0, 2))
 
 
 def test_default_candidates():

@@ -11,7 +11,7 @@ from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch.calibrate import CalibrationConfig
 from sparrow_jax.model.config import PRESETS
 from sparrow_jax.model.hf import hf_tensor_specs
-from sparrow_jax.rl import evaluate, train_step
+from sparrow_jax.rl import evaluate, step_schema
 from sparrow_jax.rollout import engine
 from sparrow_jax.rollout.sampler import Sampling
 
@@ -71,7 +71,7 @@ def test_default_config_agrees_with_the_library_defaults():
   """Each field the default config shares with a library component (the train step's, the sparsity
   config, sampling, the engine) has the library's default, or is listed, with why, in
   default.DEPARTS_FROM_LIBRARY."""
-  steps = [(f.name, f.default_factory()) for f in dataclasses.fields(train_step.StepConfig)]
+  steps = [(f.name, f.default_factory()) for f in dataclasses.fields(step_schema.StepConfig)]
   rollout = [("rollout", x) for x in (SparseConfig(), Sampling(), engine.EngineConfig())]
   evaluation = [("eval", evaluate.EvalConfig())]
   departs = departures(default.get_config(), steps + rollout + evaluation)
@@ -94,15 +94,15 @@ def test_calibrate_config_agrees_with_the_library_defaults():
 
 def test_step_config_reads_its_groups_and_names_the_bad_field():
   c = default.get_config()
-  sc = train_step.StepConfig.from_config(c)
+  sc = step_schema.StepConfig.from_config(c)
   assert sc.rl.num_minibatches == 4 and sc.distill.kl_coef == 1.0 and sc.stats.num_bins == 7
   assert sc.rollout.group_size == c.rollout.group_size and sc.rl.kl_kind == "k3"  # not in config
   c.rl.eps_low = 1.5
   with pytest.raises(
     ValueError, match=r"^config.rl.eps_low = 1.5 is invalid: must lie in \[0, 1\)"
   ):
-    train_step.StepConfig.from_config(c)
+    step_schema.StepConfig.from_config(c)
   c = default.get_config()
   c.stats.bin_size = 100
   with pytest.raises(ValueError, match=r"^config.stats.bin_size = 100 is invalid: must be a"):
-    train_step.StepConfig.from_config(c)
+    step_schema.StepConfig.from_config(c)

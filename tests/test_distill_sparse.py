@@ -29,6 +29,7 @@ import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.rl import step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -79,7 +80,7 @@ def rollout_batch(state, rng, key):
     schedule=SCHEDULE,
     lora=state.lora,
   )
-  return ts.batch_from_rollout(prompt, prompt_len, out, np.zeros(GROUP * PROMPTS_PER_STEP))
+  return step_schema.batch_from_rollout(prompt, prompt_len, out, np.zeros(GROUP * PROMPTS_PER_STEP))
 
 
 def distill(pretrain_seed=0, seed=0):
@@ -93,14 +94,14 @@ def distill(pretrain_seed=0, seed=0):
   lora_key, rollout_key = jax.random.split(jax.random.PRNGKey(seed))
   lora = lora_lib.init_lora(params, lora_key, rank=8, alpha=16.0)
   before = np.asarray(alpha_fn(params, lora, *held_out))[mask]
-  sc = ts.StepConfig(  # one bin: all
-    stats=ts.StatsConfig(bin_size=52, num_bins=1),
-    rollout=ts.RolloutConfig(group_size=GROUP, page_size=4),
+  sc = step_schema.StepConfig(  # one bin: all
+    stats=step_schema.StatsConfig(bin_size=52, num_bins=1),
+    rollout=step_schema.RolloutConfig(group_size=GROUP, page_size=4),
   )
   base_opt, lora_opt = optax.set_to_zero(), optax.adam(1e-3)
   step = ts.make_train_step(cm.CONFIG, sc, base_opt, lora_opt, SPARSE)
   budget = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, cm.SEQ_LEN, SPARSE)))
-  state = ts.init_state(jax.tree_util.tree_map(jnp.copy, params), base_opt, lora, lora_opt)
+  state = step_schema.init_state(jax.tree_util.tree_map(jnp.copy, params), base_opt, lora, lora_opt)
   rng = np.random.RandomState(1000 + seed)
   for i in range(STEPS):
     batch = rollout_batch(state, rng, jax.random.fold_in(rollout_key, i))

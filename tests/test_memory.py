@@ -11,6 +11,7 @@ import pytest
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.model import lora as lora_lib
+from sparrow_jax.rl import step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.sparsity.schedule import BudgetTable
 from tests.helpers import tiny_config
@@ -26,10 +27,11 @@ def train_step_temp_bytes(S, B=2):
   params = jax.eval_shape(lambda: sj.init_params(CFG, jax.random.PRNGKey(0)))
   lora = jax.eval_shape(lambda p: lora_lib.init_lora(p, jax.random.PRNGKey(1)), params)
   opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-3)
-  state = jax.eval_shape(lambda p, lo: ts.init_state(p, opt, lo, lora_opt), params, lora)
-  batch = ts.Batch.abstract(B, S)
-  sc = ts.StepConfig(
-    stats=ts.StatsConfig(bin_size=1024, num_bins=8), rollout=ts.RolloutConfig(group_size=B)
+  state = jax.eval_shape(lambda p, lo: step_schema.init_state(p, opt, lo, lora_opt), params, lora)
+  batch = step_schema.Batch.abstract(B, S)
+  sc = step_schema.StepConfig(
+    stats=step_schema.StatsConfig(bin_size=1024, num_bins=8),
+    rollout=step_schema.RolloutConfig(group_size=B),
   )
   step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
   compiled = step.lower(state, batch, BudgetTable(SDS((S + 1,), jnp.int32))).compile()

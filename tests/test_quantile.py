@@ -8,7 +8,7 @@ import pytest
 
 from configs import default
 from sparrow_jax.mismatch import acceptance, calibrate
-from sparrow_jax.rl import run_config, train_step
+from sparrow_jax.rl import run_config, step_schema, train_step
 from sparrow_jax.sparsity import schedule as schedule_lib
 from sparrow_jax.sparsity.schedule import KVSchedule
 
@@ -30,8 +30,10 @@ def test_logged_stats_hold_the_quantile():
   assert float(stats["p1"]) == pytest.approx(0.5) and float(stats["p5"]) == pytest.approx(0.99)
   assert float(stats["p2.5_bin"][0]) == pytest.approx(np.percentile(ALPHA_BT, 2.5))
   assert float(stats["frac_below_tau_bin"][0]) == pytest.approx(0.03)
-  step = train_step.StepConfig(stats=train_step.StatsConfig(quantile=2.5, bin_size=128, num_bins=1))
-  batch = train_step.Batch(
+  step = step_schema.StepConfig(
+    stats=step_schema.StatsConfig(quantile=2.5, bin_size=128, num_bins=1)
+  )
+  batch = step_schema.Batch(
     tokens=jnp.zeros((1, 100), jnp.int32),
     gen_mask=jnp.ones((1, 100), bool),
     prompt_len=jnp.ones((1,), jnp.int32),
@@ -41,7 +43,7 @@ def test_logged_stats_hold_the_quantile():
   metrics = train_step._acceptance_metrics(batch, jnp.zeros((1, 100)), None, ALPHA_BT, step)
   assert float(metrics["acceptance/p2.5_bin"][0]) == pytest.approx(float(stats["p2.5_bin"][0]))
   with pytest.raises(ValueError, match="StatsConfig.quantile = 50"):
-    train_step.StatsConfig(quantile=50)
+    step_schema.StatsConfig(quantile=50)
 
 
 def test_p1_and_p5_choose_different_tables():

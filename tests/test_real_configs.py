@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import importlib, jax
-    from sparrow_jax.rl import trainer
+    from sparrow_jax.rl import build
     c = importlib.import_module("configs.{name}").get_config()
     c.model.hf_dir, c.model.preset = "", "{preset}"  # the model's shapes, no weights
     c.distributed.enabled = False  # one process holds every fake device

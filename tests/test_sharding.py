@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent("""
     from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
     from sparrow_jax.model import lora as lora_lib
     from sparrow_jax import sharding
+    from sparrow_jax.rl import step_schema
     from sparrow_jax.rl import train_step as ts
     from sparrow_jax.rollout import sampler
     from tests.helpers import tiny_config
@@ -28,10 +29,10 @@ SCRIPT = textwrap.dedent("""
 
     CFG = tiny_config(vocab_size=96, num_hidden_layers=3)  # every axis divisible by 2
     SPARSE = SparseConfig(page_size=4, dense_layers=1)
-    SC = ts.StepConfig(
-      rl=ts.RLConfig(num_minibatches=2),
-      stats=ts.StatsConfig(bin_size=16, num_bins=4),
-      rollout=ts.RolloutConfig(group_size=4, page_size=4),
+    SC = step_schema.StepConfig(
+      rl=step_schema.RLConfig(num_minibatches=2),
+      stats=step_schema.StatsConfig(bin_size=16, num_bins=4),
+      rollout=step_schema.RolloutConfig(group_size=4, page_size=4),
     )
     T, N, ROWS = 12, 24, 8
     TABLE = sampler.budget_table(KVSchedule.fixed(4, page_size=4), T + N, SPARSE)
@@ -39,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     lora = jax.tree_util.tree_map(
         lambda x: x + 0.01, lora_lib.init_lora(params, jax.random.PRNGKey(1), rank=4, alpha=8.0))
     opt, lora_opt = optax.adamw(1e-3), optax.adam(1e-2)
-    init = lambda p, l: ts.init_state(p, opt, l, lora_opt)
+    init = lambda p, l: step_schema.init_state(p, opt, l, lora_opt)
 
     def prompts(seed):
       rng = np.random.RandomState(seed)
@@ -51,13 +52,14 @@ SCRIPT = textwrap.dedent("""
     def run(mesh, impl="xla"):
       sparse = SparseConfig(page_size=4, dense_layers=1, attention_impl=impl)
       with jax.set_mesh(mesh):
-        shardings = ts.state_sharding(jax.eval_shape(init, params, lora), mesh, opt, lora_opt)
+        abstract = jax.eval_shape(init, params, lora)
+        shardings = step_schema.state_sharding(abstract, mesh, opt, lora_opt)
         state = jax.jit(init, out_shardings=shardings)(sharding.place(params, shardings.params),
                                                        sharding.place(lora, shardings.lora))
         step = ts.make_train_step(CFG, SC, opt, lora_opt, sparse, shardings)
         rows = sharding.rows(mesh)
         budget = sharding.place(BudgetTable(TABLE), sharding.replicated(mesh))
-        to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows)
+        to_batch = jax.jit(step_schema.batch_from_rollout, out_shardings=rows)
         logits = jax.jit(sj.forward, static_argnums=2)(
             state.params, sharding.from_local_rows(prompts(0)[0], rows, ROWS), CFG)
         out = {"logits": sharding.to_host(logits), "tokens": [], "metrics": []}

@@ -97,14 +97,14 @@ def test_greedy_rule_keeps_drafts_while_they_are_the_argmax():
 def test_the_bonus_token_is_drawn_from_the_last_dense_distribution():
   """Every draft kept (p = q on the drafts' positions), so each round ends with the bonus token:
   its distribution must be p_k, not the residual against q_{k-1}."""
-  logq_kV = jnp.log(jnp.asarray(Q_VV[:K_DRAFT]))
+  logq_dV = jnp.log(jnp.asarray(Q_VV[:K_DRAFT]))
   p_k = P_VV[0]  # far from q_{k-1} = Q_VV[2]: the residual max(p_k - q_{k-1}, 0) has 2 tokens
-  logp_CV = jnp.concatenate([logq_kV, jnp.log(jnp.asarray(p_k))[None]])
+  logp_CV = jnp.concatenate([logq_dV, jnp.log(jnp.asarray(p_k))[None]])
   draft_k = jnp.asarray([2, 0, 1], jnp.int32)
 
   def one(key):
     token_keys = jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.arange(K_DRAFT + 1))
-    tokens_C, n, _, _ = speculative.accept_round(logp_CV, logq_kV, draft_k, token_keys)
+    tokens_C, n, _, _ = speculative.accept_round(logp_CV, logq_dV, draft_k, token_keys)
     return tokens_C[K_DRAFT], n
 
   bonus_N, n_N = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(5), N_SAMPLES))

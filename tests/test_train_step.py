@@ -13,7 +13,7 @@ import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import acceptance
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.rl import advantages
+from sparrow_jax.rl import accumulation, advantages, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 CFG = tiny_config(num_hidden_layers=3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 SCHEDULE = KVSchedule.fixed(4, page_size=4)
-SC = ts.StepConfig(
-  stats=ts.StatsConfig(bin_size=16, num_bins=4), rollout=ts.RolloutConfig(group_size=4, page_size=4)
+SC = step_schema.StepConfig(
+  stats=step_schema.StatsConfig(bin_size=16, num_bins=4),
+  rollout=step_schema.RolloutConfig(group_size=4, page_size=4),
 )
 BUDGET = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, 12 + 24, SPARSE)))  # prompt + new
 
@@ -51,13 +52,15 @@ def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
   )
   if rewards is None:
     rewards = rng.randint(0, 2, n_prompts * SC.rollout.group_size).astype(np.float32)
-  return ts.batch_from_rollout(prompt, prompt_len, out, rewards)
+  return step_schema.batch_from_rollout(prompt, prompt_len, out, rewards)
 
 
 def state_of(params, opt, lora=None, lora_opt=None):
   """A train state on copies (the step donates its state's buffers)."""
   copy = lambda t: jax.tree_util.tree_map(jnp.copy, t)
-  return ts.init_state(copy(params), opt, copy(lora) if lora is not None else None, lora_opt)
+  return step_schema.init_state(
+    copy(params), opt, copy(lora) if lora is not None else None, lora_opt
+  )
 
 
 def setup(seed=0):
@@ -146,11 +149,11 @@ def test_nonfinite_loss_skips_update():
 
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
-  sc = ts.StepConfig(
-    rl=ts.RLConfig(ppo_epochs=2, num_minibatches=2),
-    distill=ts.DistillConfig(enabled=False),
-    stats=ts.StatsConfig(bin_size=16, num_bins=4),
-    rollout=ts.RolloutConfig(group_size=4, page_size=4),
+  sc = step_schema.StepConfig(
+    rl=step_schema.RLConfig(ppo_epochs=2, num_minibatches=2),
+    distill=step_schema.DistillConfig(enabled=False),
+    stats=step_schema.StatsConfig(bin_size=16, num_bins=4),
+    rollout=step_schema.RolloutConfig(group_size=4, page_size=4),
   )
   step = ts.make_train_step(CFG, sc, opt, sparse=SPARSE)
   state, metrics = step(state_of(params, opt), make_batch(params, None, seed=4), BUDGET)
@@ -167,10 +170,10 @@ def test_micro_batches_accumulate_the_same_update(loss_agg="seq-mean-token-mean"
   for n in (1, 4):
     sc = dataclasses.replace(
       SC,
-      rl=ts.RLConfig(micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1),
+      rl=step_schema.RLConfig(micro_batches=n, loss_agg=loss_agg, entropy_coef=0.01, kl_coef=0.1),
     )
     step = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)
-    state = ts.init_state(
+    state = step_schema.init_state(
       jax.tree_util.tree_map(jnp.copy, params),
       opt,
       jax.tree_util.tree_map(jnp.copy, lora),
@@ -222,7 +225,9 @@ def test_logged_p5_is_exact_acceptance(distill, minibatches):
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora if distill else None, seed=5, top=True)
   sc = dataclasses.replace(
-    SC, distill=ts.DistillConfig(enabled=distill), rl=ts.RLConfig(num_minibatches=minibatches)
+    SC,
+    distill=step_schema.DistillConfig(enabled=distill),
+    rl=step_schema.RLConfig(num_minibatches=minibatches),
   )
   step = ts.make_train_step(CFG, sc, opt, lora_opt if distill else None, SPARSE)
   _, metrics = step(
@@ -267,7 +272,11 @@ def test_minibatches_log_every_metric_from_the_full_batch():
   runs = {}
   for n in (1, 4):
     step = ts.make_train_step(
-      CFG, dataclasses.replace(SC, rl=ts.RLConfig(num_minibatches=n)), opt, lora_opt, SPARSE
+      CFG,
+      dataclasses.replace(SC, rl=step_schema.RLConfig(num_minibatches=n)),
+      opt,
+      lora_opt,
+      SPARSE,
     )
     runs[n] = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)[1]
     assert set(DOCUMENTED) <= set(runs[n]), set(DOCUMENTED) - set(runs[n])
@@ -286,7 +295,7 @@ def test_a_skipped_minibatch_is_reported():
   # NaN behaviour log-probs in the first of 2 minibatches (rows 0-3) only
   batch = batch.replace(logp_rollout=batch.logp_rollout.at[:4].set(jnp.nan))
   step = ts.make_train_step(
-    CFG, dataclasses.replace(SC, rl=ts.RLConfig(num_minibatches=2)), opt, lora_opt, SPARSE
+    CFG, dataclasses.replace(SC, rl=step_schema.RLConfig(num_minibatches=2)), opt, lora_opt, SPARSE
   )
   state, metrics = step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
   assert bool(metrics["skipped"]) and int(metrics["skipped_updates"]) == 1
@@ -346,7 +355,7 @@ def test_distill_base_is_where_the_adapter_gradient_is_taken(base):
   )
   assert err(fit(right)) < 0.1 * err(fit(wrong)), (err(fit(right)), err(fit(wrong)))
   with pytest.raises(ValueError, match="DistillConfig.base = 'after'"):
-    ts.DistillConfig(base="after")
+    step_schema.DistillConfig(base="after")
 
 
 def test_update_metrics_weigh_the_minibatches_by_tokens():
@@ -483,7 +492,7 @@ def with_ends(batch, ends):
 
 
 def test_a_pass_runs_at_the_smallest_bucket_holding_its_longest_row():
-  S, lengths = 36, ts.bucket_lengths((16, 24, 40), 36)
+  S, lengths = 36, accumulation.bucket_lengths((16, 24, 40), 36)
   assert lengths == (16, 24, 36)
   tokens = jnp.ones((2, S), jnp.int32)
 
@@ -491,14 +500,16 @@ def test_a_pass_runs_at_the_smallest_bucket_holding_its_longest_row():
     return batch.tokens.shape[1], batch.tokens.astype(jnp.float32)
 
   for end, ran_at in ((10, 16), (16, 16), (17, 24), (30, 36)):
-    batch = ts.Batch(
+    batch = step_schema.Batch(
       tokens=tokens,
       gen_mask=jnp.arange(S)[None] == end - 1,
       prompt_len=jnp.full((2,), 4),
       logp_rollout=jnp.zeros((2, S)),
       rewards=jnp.zeros(2),
     )
-    n, per_row = ts.in_length_bucket(lambda b: (jnp.int32(fn(b)[0]), fn(b)[1]), batch, lengths)
+    n, per_row = accumulation.in_length_bucket(
+      lambda b: (jnp.int32(fn(b)[0]), fn(b)[1]), batch, lengths
+    )
     assert int(n) == ran_at
     np.testing.assert_array_equal(per_row, jnp.arange(S)[None].repeat(2, 0) < ran_at)
 
@@ -506,8 +517,8 @@ def test_a_pass_runs_at_the_smallest_bucket_holding_its_longest_row():
 @pytest.mark.parametrize(
   "rl",
   [
-    ts.RLConfig(micro_batches=2, loss_agg="seq-mean-token-sum-norm", entropy_coef=0.01),
-    ts.RLConfig(num_minibatches=2, micro_batches=2, mask_alpha_below=0.05),
+    step_schema.RLConfig(micro_batches=2, loss_agg="seq-mean-token-sum-norm", entropy_coef=0.01),
+    step_schema.RLConfig(num_minibatches=2, micro_batches=2, mask_alpha_below=0.05),
   ],
   ids=["one_update", "minibatches_masked"],
 )
@@ -536,7 +547,7 @@ def test_length_buckets_give_the_unbucketed_step(rl, monkeypatch):
     traced.clear()
     out[buckets] = [step(state_of(params, opt, lora, lora_opt), b, BUDGET) for b in batches]
     assert step._cache_size() == 1
-    assert set(traced) == set(ts.bucket_lengths(buckets, 36))
+    assert set(traced) == set(accumulation.bucket_lengths(buckets, 36))
   for (full, m_full), (cut, m_cut) in zip(out[()], out[(16, 24)]):
     jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), cut.params, full.params
@@ -552,4 +563,4 @@ def test_length_buckets_give_the_unbucketed_step(rl, monkeypatch):
 def test_length_buckets_are_checked():
   for buckets, why in (((24, 16), "increasing"), ((16, 18), "page_size")):
     with pytest.raises(ValueError, match=f"length_buckets.*{why}"):
-      ts.StepConfig(rl=ts.RLConfig(length_buckets=buckets), rollout=SC.rollout)
+      step_schema.StepConfig(rl=step_schema.RLConfig(length_buckets=buckets), rollout=SC.rollout)

@@ -124,26 +124,28 @@ def _summaries(g: _Geometry, k):
 
 
 def _query_block(g: _Geometry, i, q, k, summary_BKPRE, q_offset, budget):
-  """Query block i [B, K, G, bq, E], its page-keep mask (or None) and how many key blocks it can
-  see. Pages are scored in float32 whatever the operands, as the sampler scores them."""
-  q_b = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1)
-  q_b = q_b.transpose(0, 2, 3, 1, 4)
+  """Query block i [B, K, G, Q, E] (Q = bq), its page-keep mask (or None) and how many key blocks
+  it can see. Pages are scored in float32 whatever the operands, as the sampler scores them."""
+  q_BKGQE = jax.lax.dynamic_slice_in_dim(q, i * g.bq, g.bq, axis=1)
+  q_BKGQE = q_BKGQE.transpose(0, 2, 3, 1, 4)
   keep = None
   if g.select_fn is not None:
     scores = paged_cache.page_scores(
-      jnp.mean(jax.lax.stop_gradient(q_b).astype(jnp.float32), axis=2), summary_BKPRE, g.page_score
+      jnp.mean(jax.lax.stop_gradient(q_BKGQE).astype(jnp.float32), axis=2),
+      summary_BKPRE,
+      g.page_score,
     )
     qpos = q_offset + i * g.bq + jnp.arange(g.bq)
-    budget_b = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
-    keep = g.select_fn(scores, qpos[None, None], budget_b[:, None])
+    budget_BQ = jax.lax.dynamic_slice_in_dim(budget, i * g.bq, g.bq, axis=1)
+    keep = g.select_fn(scores, qpos[None, None], budget_BQ[:, None])
   last_query = q_offset + (i + 1) * g.bq - 1
   n_kb = jnp.clip(last_query // g.bk + 1, 0, k.shape[2] // g.bk)
-  return q_b, keep, n_kb
+  return q_BKGQE, keep, n_kb
 
 
-def _scores(g, q_b, k, j):
-  k_b = jax.lax.dynamic_slice_in_dim(k, j * g.bk, g.bk, axis=2)
-  return _dot(g, "bkgqe,bkse->bkgqs", q_b, k_b) * g.scale, k_b
+def _scores(g, q_BKGQE, k, j):
+  k_BKTE = jax.lax.dynamic_slice_in_dim(k, j * g.bk, g.bk, axis=2)
+  return _dot(g, "bkgqe,bkse->bkgqs", q_BKGQE, k_BKTE) * g.scale, k_BKTE
 
 
 def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
@@ -152,18 +154,18 @@ def _forward(g: _Geometry, q, k, v, valid, q_offset, budget):
   summary_BKPRE = _summaries(g, k)
 
   def one_block(i):
-    q_b, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
+    q_BKGQE, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
 
     def step(j, carry):
       m, denom, acc = carry
-      s, _ = _scores(g, q_b, k, j)
+      s, _ = _scores(g, q_BKGQE, k, j)
       s = jnp.where(_block_mask(g, i, j, q_offset, valid, keep), s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
       p = jnp.exp(s - m_safe[..., None])
       correction = jnp.exp(m - m_safe)
-      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
-      acc = acc * correction[..., None] + _dot(g, "bkgqs,bkse->bkgqe", p, v_b)
+      v_BKTE = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
+      acc = acc * correction[..., None] + _dot(g, "bkgqs,bkse->bkgqe", p, v_BKTE)
       return m_new, denom * correction + jnp.sum(p, axis=-1), acc
 
     init = (
@@ -208,30 +210,32 @@ def _flash_bwd(g, residuals, d_out):
 
   def one_block(i, carry):
     dq, dk, dv = carry
-    q_b, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
-    do_b = to_block(d_out, i)
-    delta = jnp.sum(do_b * to_block(out, i), axis=-1)  # [B, K, G, bq]
-    lse_b = lse[i]
+    q_BKGQE, keep, n_kb = _query_block(g, i, q, k, summary_BKPRE, q_offset, budget)
+    do_BKGQE = to_block(d_out, i)
+    delta = jnp.sum(do_BKGQE * to_block(out, i), axis=-1)  # [B, K, G, Q]
+    lse_BKGQ = lse[i]
 
     def step(j, inner):
-      dq_b, dk, dv = inner
-      s, k_b = _scores(g, q_b, k, j)
+      dq_BKGQE, dk, dv = inner
+      s, k_BKTE = _scores(g, q_BKGQE, k, j)
       mask = _block_mask(g, i, j, q_offset, valid, keep)
-      p = jnp.where(mask, jnp.exp(s - lse_b[..., None]), 0.0)
-      v_b = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
-      dp = _dot(g, "bkgqe,bkse->bkgqs", do_b, v_b)
+      p = jnp.where(mask, jnp.exp(s - lse_BKGQ[..., None]), 0.0)
+      v_BKTE = jax.lax.dynamic_slice_in_dim(v, j * g.bk, g.bk, axis=2)
+      dp = _dot(g, "bkgqe,bkse->bkgqs", do_BKGQE, v_BKTE)
       ds = p * (dp - delta[..., None]) * g.scale
-      dq_b = dq_b + _dot(g, "bkgqs,bkse->bkgqe", ds, k_b)
+      dq_BKGQE = dq_BKGQE + _dot(g, "bkgqs,bkse->bkgqe", ds, k_BKTE)
       add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
         acc, jax.lax.dynamic_slice_in_dim(acc, j * g.bk, g.bk, axis=2) + x, j * g.bk, axis=2
       )
-      dk = add(dk, _dot(g, "bkgqs,bkgqe->bkse", ds, q_b))
-      dv = add(dv, _dot(g, "bkgqs,bkgqe->bkse", p, do_b))
-      return dq_b, dk, dv
+      dk = add(dk, _dot(g, "bkgqs,bkgqe->bkse", ds, q_BKGQE))
+      dv = add(dv, _dot(g, "bkgqs,bkgqe->bkse", p, do_BKGQE))
+      return dq_BKGQE, dk, dv
 
-    dq_b, dk, dv = jax.lax.fori_loop(0, n_kb, step, (jnp.zeros(q_b.shape, jnp.float32), dk, dv))
+    dq_BKGQE, dk, dv = jax.lax.fori_loop(
+      0, n_kb, step, (jnp.zeros(q_BKGQE.shape, jnp.float32), dk, dv)
+    )
     dq = jax.lax.dynamic_update_slice_in_dim(
-      dq, dq_b.transpose(0, 3, 1, 2, 4).astype(dq.dtype), i * g.bq, axis=1
+      dq, dq_BKGQE.transpose(0, 3, 1, 2, 4).astype(dq.dtype), i * g.bq, axis=1
     )
     return dq, dk, dv
 

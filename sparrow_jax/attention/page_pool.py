@@ -6,15 +6,15 @@ device's pool) and its length.
 
 Layout, one array per layer (decoding runs its layers unrolled, each on its own buffer, as with
 the per-row cache, `paged_cache.split_layers`):
-  k_stored, v_stored  [R, K, X, Z, E]  R row shards (the devices rows are split over, data x fsdp;
+  k_stored, v_stored  [Y, K, X, Z, E]  Y row shards (the devices rows are split over, data x fsdp;
                                        1 without a mesh), each with its own X pages per KV head
                                        (KV heads split over tensor). Page x of head k of a shard is
-                                       the Z x E tile [r, k, x]: the kernels read a shard as a flat
+                                       the Z x E tile [y, k, x]: the kernels read a shard as a flat
                                        page array [K * X, Z, E] (a free reshape), page id k * X + x.
                                        Stored as `paged_cache.stored_dtype`.
-  summaries           [R, K, X, S, E]  each page's summary (`paged_cache.page_summaries`), what
+  summaries           [Y, K, X, R, E]  each page's summary (`paged_cache.page_summaries`), what
                                        page selection scores; recomputed whenever a token lands.
-Slots (the rows decoding together) are [R * slots] arrays split over the same devices, so every
+Slots (the rows decoding together) are [Y * slots] arrays split over the same devices, so every
 read and write of a slot stays on its device: `per_device` runs them under `shard_map`.
 Physical page 0 of every shard is the trash page: slots that run no row write there and nothing
 reads it, so a decode step over every slot needs no scatter mask.
@@ -36,9 +36,9 @@ SUMMARY_AXES = ("batch", "kv_heads", "pages", "summary_rows", "head_dim")
 
 @flax.struct.dataclass
 class PagePool:
-  k_stored: tuple  # per layer [R, K, X, Z, E]
+  k_stored: tuple  # per layer [Y, K, X, Z, E]
   v_stored: tuple
-  summaries: tuple  # per layer [R, K, X, S, E]
+  summaries: tuple  # per layer [Y, K, X, R, E]
   page_size: int = flax.struct.field(pytree_node=False, default=16)
   dtype: str = flax.struct.field(pytree_node=False, default="float32")
   page_score: str = flax.struct.field(pytree_node=False, default="mean")
@@ -74,9 +74,9 @@ def init_pool(
   if num_pages < 2:
     raise ValueError(f"a page pool needs at least 2 pages (one is the trash page), got {num_pages}")
   rows = paged_cache.page_score_fns(page_score).rows
-  R, K, E, L = row_shards(), cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+  Y, K, E, L = row_shards(), cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
   stored = paged_cache.stored_dtype(dtype)
-  kv_shape, summary_shape = (R, K, num_pages, page_size, E), (R, K, num_pages, rows, E)
+  kv_shape, summary_shape = (Y, K, num_pages, page_size, E), (Y, K, num_pages, rows, E)
 
   def zeros():
     kv = lambda: tuple(jnp.zeros(kv_shape, stored) for _ in range(L))
@@ -103,7 +103,7 @@ def init_pool(
 
 def per_device(fn, args, axes, out_axes):
   """fn(*args) on each device's share (shard_map on the enclosing mesh; a plain call without one):
-  args[i] split along its logical axes axes[i] (the pool's leading R axis is 1 per device), the
+  args[i] split along its logical axes axes[i] (the pool's leading Y axis is 1 per device), the
   outputs along out_axes (each (logical axes, shape)). Slots and pages never leave their device."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -123,10 +123,10 @@ class PoolLayer:
   """One layer of the pool with the slots' page tables: what `qwen3.decode_step` carries per layer
   in place of a `paged_cache.PagedKVCache` (same `append_token`, `lengths`, `constrain`)."""
 
-  k_stored: jax.Array  # [R, K, X, Z, E]
+  k_stored: jax.Array  # [Y, K, X, Z, E]
   v_stored: jax.Array
-  summaries: jax.Array  # [R, K, X, S, E]
-  page_table: jax.Array  # [B, PR] physical page (of the slot's shard) of each logical page
+  summaries: jax.Array  # [Y, K, X, R, E]
+  page_table: jax.Array  # [B, P] physical page (of the slot's shard) of each logical page
   lengths: jax.Array  # [B] tokens cached per slot
   active: jax.Array  # [B] the slot runs a row (others write the trash page, read nothing)
   page_size: int = flax.struct.field(pytree_node=False, default=16)
@@ -153,11 +153,11 @@ class PoolLayer:
       put = lambda buf, x_BKE: buf.at[at].set(paged_cache.to_stored(x_BKE.astype(dtype)))
       k_flat = put(flat(k_stored), k_BKE)
       page_BKZE = paged_cache.from_stored(k_flat[id_BK], dtype)
-      summary_BKSE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0]
+      summary_BKRE = paged_cache.page_summaries(page_BKZE, Z, score)[:, :, 0]
       return (
         k_flat.reshape(shape),
         put(flat(v_stored), v_BKE).reshape(shape),
-        flat(summaries).at[id_BK].set(summary_BKSE).reshape(summaries.shape),
+        flat(summaries).at[id_BK].set(summary_BKRE).reshape(summaries.shape),
       )
 
     pools = (self.k_stored, self.v_stored, self.summaries)
@@ -228,14 +228,14 @@ def local_pages(k_stored, v_stored, dtype):
   return flat(k_stored), flat(v_stored)
 
 
-def layer_views(pool: PagePool, page_table_BN, lengths_B, active_B) -> tuple:
+def layer_views(pool: PagePool, page_table_BP, lengths_B, active_B) -> tuple:
   """The pool as one PoolLayer per layer, sharing the slots' page tables."""
   return tuple(
     PoolLayer(
       k,
       v,
       s,
-      page_table_BN,
+      page_table_BP,
       lengths_B,
       active_B,
       page_size=pool.page_size,
@@ -275,12 +275,12 @@ def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, dest_BP) -> Pag
   Z, L = pool.page_size, len(pool.k_stored)
   arrays, axes = _pool_arrays(pool)
 
-  def local(k_LBKSE, v_LBKSE, s_LBKPSE, dest_BP, *pools):
+  def local(k_LBKSE, v_LBKSE, s_LBKPRE, dest_BP, *pools):
     as_pages = lambda x: x.reshape(*x.shape[:3], -1, Z, x.shape[-1])  # [L, B, K, P, Z, E]
     B, K = dest_BP.shape[0], k_LBKSE.shape[2]
     dest = jnp.broadcast_to(dest_BP[:, None], (B, K, dest_BP.shape[1]))
     head = jnp.broadcast_to(jnp.arange(K)[None, :, None], dest.shape)
-    new = [as_pages(k_LBKSE), as_pages(v_LBKSE), s_LBKPSE]
+    new = [as_pages(k_LBKSE), as_pages(v_LBKSE), s_LBKPRE]
     return tuple(p.at[0, head, dest].set(new[i // L][i % L]) for i, p in enumerate(pools))
 
   cache_axes = tuple(sharding.CACHE_AXES[n] for n in ("k_stored", "v_stored", "summaries"))
@@ -293,8 +293,8 @@ def write_pages(pool: PagePool, cache: paged_cache.PagedKVCache, dest_BP) -> Pag
   return _from_arrays(pool, out)
 
 
-def copy_pages(pool: PagePool, src_RN, dst_RN) -> PagePool:
-  """Copies physical pages src_RN[r] onto dst_RN[r] in every shard r (pairs with dst TRASH_PAGE do
+def copy_pages(pool: PagePool, src_YN, dst_YN) -> PagePool:
+  """Copies physical pages src_YN[y] onto dst_YN[y] in every shard y (pairs with dst TRASH_PAGE do
   nothing useful)."""
   arrays, axes = _pool_arrays(pool)
 
@@ -303,7 +303,7 @@ def copy_pages(pool: PagePool, src_RN, dst_RN) -> PagePool:
 
   out = per_device(
     local,
-    (src_RN, dst_RN) + arrays,
+    (src_YN, dst_YN) + arrays,
     (("batch", "pages"),) * 2 + axes,
     tuple(zip(axes, (x.shape for x in arrays))),
   )

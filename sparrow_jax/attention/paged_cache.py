@@ -163,7 +163,7 @@ def constrain(cache: PagedKVCache) -> PagedKVCache:
 
 class PageScore(NamedTuple):
   """One way to score pages: `summary` (keys [B, K, P, Z, E] -> [B, K, P, rows, E], what the cache
-  keeps per page) and `query` (group-mean queries [B, K, X, E] -> [B, K, X, rows, E]); a page's
+  keeps per page) and `query` (group-mean queries [B, K, T, E] -> [B, K, T, rows, E]); a page's
   score is the dot of the two over (rows, E)."""
 
   rows: int
@@ -181,16 +181,16 @@ def _bounds_summary(k_BKPZE):
   return jnp.stack([k_BKPZE.max(axis=3), k_BKPZE.min(axis=3)], axis=3)
 
 
-def _bounds_query(qbar_BKXE):
+def _bounds_query(qbar_BKTE):
   """q's positive part meets the max row, its negative part the min row, so the dot is Quest's
   sum_e max(q_e max_e, q_e min_e): an upper bound of q . k over the page's keys, as one matmul."""
-  return jnp.stack([jnp.maximum(qbar_BKXE, 0), jnp.minimum(qbar_BKXE, 0)], axis=-2)
+  return jnp.stack([jnp.maximum(qbar_BKTE, 0), jnp.minimum(qbar_BKTE, 0)], axis=-2)
 
 
 # SparseConfig.page_score -> its PageScore. "mean": the paper's mean-key centroid; "quest": the
 # per-channel key bounds of Quest (Tang et al. 2024), scored with the group-mean query.
 PAGE_SCORES = {
-  "mean": PageScore(1, _mean_summary, lambda qbar_BKXE: qbar_BKXE[..., None, :]),
+  "mean": PageScore(1, _mean_summary, lambda qbar_BKTE: qbar_BKTE[..., None, :]),
   "quest": PageScore(2, _bounds_summary, _bounds_query),
 }
 
@@ -209,16 +209,16 @@ def page_summaries(k_BKSE, page_size: int, page_score: str):
   return page_score_fns(page_score).summary(k.reshape(B, K, -1, page_size, E))
 
 
-def page_scores(qbar_BKXE, summary_BKPRE, page_score: str):
-  """Scores [B, K, X, P] of X query-head means against the page summaries: the one scoring the
+def page_scores(qbar_BKTE, summary_BKPRE, page_score: str):
+  """Scores [B, K, T, P] of T query-head means against the page summaries: the one scoring the
   sampler and the trainer use. The query features are rounded to the summaries' dtype and the dot
   accumulates in float32, so bfloat16 summaries are read as stored (no float32 copy). (rows, E)
-  merge into one contracted axis F, a free reshape: with two contracted axes XLA CPU transposes
+  merge into one contracted axis, a free reshape: with two contracted axes XLA CPU transposes
   the whole summary block before its dot, at every decode step (bench_decode.py)."""
-  feature_BKXRE = page_score_fns(page_score).query(qbar_BKXE).astype(summary_BKPRE.dtype)
+  feature_BKTRE = page_score_fns(page_score).query(qbar_BKTE).astype(summary_BKPRE.dtype)
   flat = lambda x: x.reshape(*x.shape[:-2], -1)
   return jnp.einsum(
-    "bkxf,bkpf->bkxp", flat(feature_BKXRE), flat(summary_BKPRE), preferred_element_type=jnp.float32
+    "bktf,bkpf->bktp", flat(feature_BKTRE), flat(summary_BKPRE), preferred_element_type=jnp.float32
   )
 
 

@@ -69,15 +69,15 @@ def _check_selection(page_idx_BKN, n_valid_BK, lengths_B, B, K) -> None:
     raise ValueError(f"lengths_B must be [B] = {(B,)}, got {lengths_B.shape}")
 
 
-def masked_softmax(s_XT, valid_XT):
+def masked_softmax(s_aT, valid_aT):
   """Softmax over the last axis with the invalid entries masked (valid broadcasts against s). A row
   with nothing valid gives zeros, not NaN: its max is -inf, replaced by 0 so every exp() is 0, and
   its zero normaliser by 1. Shared by every jnp attention (decode and teacher-forced)."""
-  s_XT = jnp.where(valid_XT, s_XT, -jnp.inf)
-  m_X1 = jnp.max(s_XT, axis=-1, keepdims=True)
-  p_XT = jnp.exp(s_XT - jnp.where(jnp.isfinite(m_X1), m_X1, 0.0))
-  l_X1 = jnp.sum(p_XT, axis=-1, keepdims=True)
-  return p_XT / jnp.where(l_X1 == 0.0, 1.0, l_X1)
+  s_aT = jnp.where(valid_aT, s_aT, -jnp.inf)
+  m_a1 = jnp.max(s_aT, axis=-1, keepdims=True)
+  p_aT = jnp.exp(s_aT - jnp.where(jnp.isfinite(m_a1), m_a1, 0.0))
+  l_a1 = jnp.sum(p_aT, axis=-1, keepdims=True)
+  return p_aT / jnp.where(l_a1 == 0.0, 1.0, l_a1)
 
 
 def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
@@ -93,10 +93,10 @@ def dense_attention(q_BTKGE, k_BSKE, v_BSKE, allowed_BTS):
   return jnp.einsum("bkgts,bske->btkge", p_BKGTS, v_BSKE.astype(jnp.float32))
 
 
-def _softmax_av(s_XGT, valid_XT, v_XTE):
+def _softmax_av(s_aGT, valid_aT, v_aTE):
   """softmax(s) @ v over the last axis of s with invalid slots masked; all-masked rows give 0."""
-  p_XGT = masked_softmax(s_XGT, valid_XT[..., None, :])
-  return jnp.einsum("...gt,...te->...ge", p_XGT, v_XTE.astype(jnp.float32))
+  p_aGT = masked_softmax(s_aGT, valid_aT[..., None, :])
+  return jnp.einsum("...gt,...te->...ge", p_aGT, v_aTE.astype(jnp.float32))
 
 
 def dense_decode_attention(q_BKGE, k_cache_BKSE, v_cache_BKSE, lengths_B, *, scale=None):
@@ -238,8 +238,8 @@ def paged_decode_attention(
     n_valid_BK.reshape(B * K),
     jnp.repeat(lengths_B, K),
   )
-  out_RGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
-  return out_RGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
+  out_aGE = jax.lax.map(lambda row: read(row[0], k_pages_XZE, v_pages_XZE, *row[1:]), rows)
+  return out_aGE.reshape(B, K, G, E).astype(q_BKGE.dtype)
 
 
 def _verify_row(q_CGE, k_pages_XZE, v_pages_XZE, page_idx_N, length, k_new_CE, v_new_CE, scale):

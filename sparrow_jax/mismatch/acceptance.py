@@ -127,13 +127,13 @@ def sampled_acceptance(logp_p_BT, logp_q_BT):
   return jnp.exp(jnp.minimum(logp_p_BT - logp_q_BT, 0.0))
 
 
-def _sorted_quantile(sorted_N, start, count, q):
-  """numpy's default ('linear') q-quantile of sorted_N[start:start+count]; NaN when count == 0.
+def _sorted_quantile(sorted_a, start, count, q):
+  """numpy's default ('linear') q-quantile of sorted_a[start:start+count]; NaN when count == 0.
   `start`, `count` may be arrays (one quantile per segment)."""
   pos = q * (jnp.maximum(count, 1) - 1)
   lo = jnp.floor(pos).astype(jnp.int32)
   hi = jnp.minimum(lo + 1, jnp.maximum(count, 1) - 1)
-  a, b = sorted_N[start + lo], sorted_N[start + hi]
+  a, b = sorted_a[start + lo], sorted_a[start + hi]
   return jnp.where(count > 0, a + (b - a) * (pos - lo), jnp.nan)
 
 
@@ -155,9 +155,9 @@ def tail_percentiles(quantile) -> tuple:
   return tuple(sorted(set(PERCENTILES) | {quantile}))
 
 
-def _summary(sorted_N, start, count, sum_alpha, num_high, num_below, suffix, percentiles):
+def _summary(sorted_a, start, count, sum_alpha, num_high, num_below, suffix, percentiles):
   stats = {
-    percentile_name(p) + suffix: _sorted_quantile(sorted_N, start, count, p / 100)
+    percentile_name(p) + suffix: _sorted_quantile(sorted_a, start, count, p / 100)
     for p in percentiles
   }
   stats[f"mean{suffix}"] = sum_alpha / count  # 0 / 0 = NaN for an empty bin
@@ -198,38 +198,38 @@ def tail_stats(
   Percentiles use numpy's default linear interpolation. Empty bins (and an empty mask) give NaN
   percentiles, mean and fraction, and count 0. Static shapes: jit-able for any mask.
   """
-  alpha_N = jnp.asarray(alpha_BT, jnp.float32).reshape(-1)
-  valid_N = jnp.asarray(mask_BT, bool).reshape(-1)
-  bin_N = position_bin(jnp.asarray(positions_BT).reshape(-1), page_size, bin_size)
-  high_N = (alpha_N > HIGH_ALPHA) & valid_N
-  below_N = None if tau is None else (alpha_N < tau) & valid_N
-  count = valid_N.sum(dtype=jnp.int32)
+  alpha_a = jnp.asarray(alpha_BT, jnp.float32).reshape(-1)
+  valid_a = jnp.asarray(mask_BT, bool).reshape(-1)
+  bin_a = position_bin(jnp.asarray(positions_BT).reshape(-1), page_size, bin_size)
+  high_a = (alpha_a > HIGH_ALPHA) & valid_a
+  below_a = None if tau is None else (alpha_a < tau) & valid_a
+  count = valid_a.sum(dtype=jnp.int32)
   overall = _summary(
-    jnp.sort(jnp.where(valid_N, alpha_N, jnp.inf)),
+    jnp.sort(jnp.where(valid_a, alpha_a, jnp.inf)),
     0,
     count,
-    jnp.where(valid_N, alpha_N, 0.0).sum(),
-    high_N.sum(),
-    None if tau is None else below_N.sum(),
+    jnp.where(valid_a, alpha_a, 0.0).sum(),
+    high_a.sum(),
+    None if tau is None else below_a.sum(),
     "",
     percentiles,
   )
 
   # One sort by (bin, alpha) lays each bin out contiguously; masked/out-of-range tokens go last.
-  key_N = jnp.where(valid_N & (bin_N >= 0) & (bin_N < num_bins), bin_N, num_bins)
-  _, sorted_N = lax.sort((key_N, alpha_N), num_keys=2)
-  count_b = jnp.zeros(num_bins + 1, jnp.int32).at[key_N].add(1)[:num_bins]
+  key_a = jnp.where(valid_a & (bin_a >= 0) & (bin_a < num_bins), bin_a, num_bins)
+  _, sorted_a = lax.sort((key_a, alpha_a), num_keys=2)
+  count_b = jnp.zeros(num_bins + 1, jnp.int32).at[key_a].add(1)[:num_bins]
   start_b = jnp.cumsum(count_b) - count_b
-  in_bin_N = key_N < num_bins
-  sum_b = jnp.zeros(num_bins + 1).at[key_N].add(jnp.where(in_bin_N, alpha_N, 0.0))[:num_bins]
-  per_bin_sum = lambda x_N: jnp.zeros(num_bins + 1).at[key_N].add(x_N & in_bin_N)[:num_bins]
+  in_bin_a = key_a < num_bins
+  sum_b = jnp.zeros(num_bins + 1).at[key_a].add(jnp.where(in_bin_a, alpha_a, 0.0))[:num_bins]
+  per_bin_sum = lambda x_a: jnp.zeros(num_bins + 1).at[key_a].add(x_a & in_bin_a)[:num_bins]
   per_bin = _summary(
-    sorted_N,
+    sorted_a,
     start_b,
     count_b,
     sum_b,
-    per_bin_sum(high_N),
-    None if tau is None else per_bin_sum(below_N),
+    per_bin_sum(high_a),
+    None if tau is None else per_bin_sum(below_a),
     "_bin",
     percentiles,
   )
@@ -240,6 +240,6 @@ def alpha_histogram(alpha_BT, mask_BT, num_buckets=20):
   """Counts of masked alpha in `num_buckets` equal-width buckets over [0, 1] (bucket i holds
   [i/n, (i+1)/n); alpha = 1 falls in the last), for a TensorBoard histogram -> int32 [num_buckets].
   """
-  idx_N = jnp.clip(jnp.floor(jnp.asarray(alpha_BT).reshape(-1) * num_buckets), 0, num_buckets - 1)
-  weight_N = jnp.asarray(mask_BT, jnp.int32).reshape(-1)
-  return jnp.zeros(num_buckets, jnp.int32).at[idx_N.astype(jnp.int32)].add(weight_N)
+  idx_a = jnp.clip(jnp.floor(jnp.asarray(alpha_BT).reshape(-1) * num_buckets), 0, num_buckets - 1)
+  weight_a = jnp.asarray(mask_BT, jnp.int32).reshape(-1)
+  return jnp.zeros(num_buckets, jnp.int32).at[idx_a.astype(jnp.int32)].add(weight_a)

@@ -192,22 +192,22 @@ def _dense_hidden(params, tokens_BS, valid_BS, *, cfg):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sparse", "alpha"))
 def _sparse_alpha(
-  params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_CL, temperature, *, cfg, sparse, alpha
+  params, tokens_BS, valid_BS, prompt_len_B, x_p_BSD, budget_US, temperature, *, cfg, sparse, alpha
 ):
-  """alpha_CBS (ALPHAS[alpha]) between the dense and the sparse teacher-forced distributions of
+  """alpha_UBS (ALPHAS[alpha]) between the dense and the sparse teacher-forced distributions of
   each candidate (budget table row), from the final hidden states: the logits exist one sequence
   chunk at a time (`qwen3.map_logits`), never [B, S, V]. The candidate axis is vmapped; its size is
   the only shape it adds."""
 
-  def one(budget_L):
-    attention_fn = policy.teacher_forced_attention_fn(sparse, BudgetTable(budget_L), prompt_len_B)
+  def one(budget_S):
+    attention_fn = policy.teacher_forced_attention_fn(sparse, BudgetTable(budget_S), prompt_len_B)
     x_q_BSD = qwen3.forward_hidden(
       params, tokens_BS, cfg, mask_BT=valid_BS, attention_fn=attention_fn
     )
     fn = lambda logits: ALPHAS[alpha](logits[0], logits[1], temperature=temperature)
     return qwen3.map_logits(params, cfg, fn, (x_p_BSD, x_q_BSD))
 
-  return jax.vmap(one)(budget_CL)
+  return jax.vmap(one)(budget_US)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
@@ -234,6 +234,72 @@ def _check_sparse_layers(cfg, sparse):
     )
 
 
+def _check_rows(tokens_BS, gen_mask_BS, prompt_len_B):
+  """The scored rows as host arrays, their shapes checked."""
+  tokens_BS = np.asarray(tokens_BS, np.int32)
+  gen_mask_BS = np.asarray(gen_mask_BS, bool)
+  prompt_len_B = np.asarray(prompt_len_B, np.int32)
+  B, S = tokens_BS.shape
+  if gen_mask_BS.shape != (B, S) or prompt_len_B.shape != (B,):
+    raise ValueError(
+      f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
+      f"prompt_len_B {prompt_len_B.shape} must be ({B},)"
+    )
+  return tokens_BS, gen_mask_BS, prompt_len_B
+
+
+def _alpha_per_candidate(
+  params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, cands, sparse, cc, temperature
+):
+  """Every token's acceptance under each candidate -> alpha_UBS: a dense pass per batch of
+  `cc.batch_size` rows, then the candidates' sparse passes, `cc.candidates_per_pass` at a time."""
+  B, S = tokens_BS.shape
+  # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
+  # (scored nowhere), the last candidate group with copies of the largest candidate.
+  batch_size = min(cc.batch_size, B)
+  pad_rows = -B % batch_size
+  row_idx = np.concatenate([np.arange(B), np.zeros(pad_rows, int)])
+  valid_BS = (np.arange(S)[None] < prompt_len_B[:, None]) | gen_mask_BS
+  tables = np.stack(
+    [sampler.budget_table(candidate_schedule(c, sparse, cc.bin_size), S, sparse) for c in cands]
+  )
+  per_pass = min(cc.candidates_per_pass, len(cands))
+  groups = -(-len(cands) // per_pass)
+  tables = np.concatenate([tables, np.repeat(tables[-1:], groups * per_pass - len(cands), 0)])
+
+  alpha_UBS = np.zeros((len(cands), B, S), np.float32)
+  batches, start_time, done = (B + pad_rows) // batch_size, time.time(), 0
+  for b in range(batches):
+    rows = row_idx[b * batch_size : (b + 1) * batch_size]
+    real = rows[: min(batch_size, B - b * batch_size)]
+    args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
+    x_p_BSD = _dense_hidden(params, *args, cfg=cfg)
+    for g in range(groups):
+      pass_alpha_UBS = _sparse_alpha(
+        params,
+        *args,
+        jnp.asarray(prompt_len_B[rows]),
+        x_p_BSD,
+        jnp.asarray(tables[g * per_pass : (g + 1) * per_pass]),
+        jnp.float32(temperature),
+        cfg=cfg,
+        sparse=sparse,
+        alpha=cc.alpha,
+      )
+      c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
+      alpha_UBS[c0:c1, real] = np.asarray(pass_alpha_UBS)[: c1 - c0, : len(real)]
+      done += 1
+      if cc.verbose:
+        elapsed = time.time() - start_time
+        eta = elapsed / done * (batches * groups - done)
+        print(
+          f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
+          f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
+          flush=True,
+        )
+  return alpha_UBS
+
+
 def tail_surface(
   params,
   cfg: Qwen3Config,
@@ -249,8 +315,9 @@ def tail_surface(
   with_mean: bool = False,
 ):
   """Percentiles of the per-token acceptance per schedule bin for each candidate -> {percentile:
-  float [C, num_bins]}, the percentiles `acceptance.tail_percentiles(calibration.quantile)`; with
-  `with_mean`, (that dict, the mean acceptance float [C, num_bins]).
+  float [U, b]} (U candidates, b bins), the percentiles
+  `acceptance.tail_percentiles(calibration.quantile)`; with `with_mean`, (that dict, the mean
+  acceptance float [U, b]).
 
   tokens_BS: right-padded prompt + completion rows (as `sampler.full_sequences` makes them);
   gen_mask_BS: the completion tokens (the only ones scored); prompt_len_B: where decoding began.
@@ -260,17 +327,8 @@ def tail_surface(
   candidates at a time (vmapped: memory grows with it). Memory is linear in S. Bins of
   `calibration.bin_size` tokens; alpha as `calibration.alpha`. Empty bins are NaN.
   """
-  cands = _check_candidates(candidates)
-  cc = calibration
-  tokens_BS = np.asarray(tokens_BS, np.int32)
-  gen_mask_BS = np.asarray(gen_mask_BS, bool)
-  prompt_len_B = np.asarray(prompt_len_B, np.int32)
-  R, S = tokens_BS.shape
-  if gen_mask_BS.shape != (R, S) or prompt_len_B.shape != (R,):
-    raise ValueError(
-      f"gen_mask_BS {gen_mask_BS.shape} must match tokens_BS {tokens_BS.shape} and "
-      f"prompt_len_B {prompt_len_B.shape} must be ({R},)"
-    )
+  cands, cc = _check_candidates(candidates), calibration
+  tokens_BS, gen_mask_BS, prompt_len_B = _check_rows(tokens_BS, gen_mask_BS, prompt_len_B)
   if not temperature > 0:
     raise ValueError(
       f"temperature must be > 0 (acceptance compares sampling distributions), got {temperature}"
@@ -278,52 +336,11 @@ def tail_surface(
   _check_sparse_layers(cfg, sparse)
   position_bin(0, sparse.page_size, cc.bin_size)  # whole pages a bin, before the expensive part
   stat_mask_BS, cached_len_BS = token_bins(gen_mask_BS)
-
-  # Fixed shapes so everything compiles once: the last batch is topped up with copies of row 0
-  # (scored nowhere), the last candidate group with copies of the largest candidate.
-  batch_size = min(cc.batch_size, R)
-  pad_rows = -R % batch_size
-  row_idx = np.concatenate([np.arange(R), np.zeros(pad_rows, int)])
-  valid_BS = (np.arange(S)[None] < prompt_len_B[:, None]) | gen_mask_BS
-  tables = np.stack(
-    [sampler.budget_table(candidate_schedule(c, sparse, cc.bin_size), S, sparse) for c in cands]
+  alpha_UBS = _alpha_per_candidate(
+    params, cfg, tokens_BS, gen_mask_BS, prompt_len_B, cands, sparse, cc, temperature
   )
-  per_pass = min(cc.candidates_per_pass, len(cands))
-  groups = -(-len(cands) // per_pass)
-  tables = np.concatenate([tables, np.repeat(tables[-1:], groups * per_pass - len(cands), 0)])
-
-  alpha_CBS = np.zeros((len(cands), R, S), np.float32)
-  batches, start_time, done = (R + pad_rows) // batch_size, time.time(), 0
-  for b in range(batches):
-    rows = row_idx[b * batch_size : (b + 1) * batch_size]
-    real = rows[: min(batch_size, R - b * batch_size)]
-    args = (jnp.asarray(tokens_BS[rows]), jnp.asarray(valid_BS[rows]))
-    x_p_BSD = _dense_hidden(params, *args, cfg=cfg)
-    for g in range(groups):
-      alpha_GBS = _sparse_alpha(
-        params,
-        *args,
-        jnp.asarray(prompt_len_B[rows]),
-        x_p_BSD,
-        jnp.asarray(tables[g * per_pass : (g + 1) * per_pass]),
-        jnp.float32(temperature),
-        cfg=cfg,
-        sparse=sparse,
-        alpha=cc.alpha,
-      )
-      c0, c1 = g * per_pass, min((g + 1) * per_pass, len(cands))
-      alpha_CBS[c0:c1, real] = np.asarray(alpha_GBS)[: c1 - c0, : len(real)]
-      done += 1
-      if cc.verbose:
-        elapsed = time.time() - start_time
-        eta = elapsed / done * (batches * groups - done)
-        print(
-          f"[calibrate] batch {b + 1}/{batches} candidates {cands[c0:c1]} "
-          f"({done}/{batches * groups} passes) {elapsed:.1f}s elapsed, ETA {eta:.1f}s",
-          flush=True,
-        )
   percentiles = tail_percentiles(cc.quantile)
-  tails_CQB = np.stack(
+  tails_UJb = np.stack(
     [
       np.asarray(
         _tails_per_bin(
@@ -336,15 +353,15 @@ def tail_surface(
           percentiles,
         )
       )
-      for alpha_BS in alpha_CBS
+      for alpha_BS in alpha_UBS
     ]
   )
-  tails = {p: tails_CQB[:, i] for i, p in enumerate(percentiles)}
-  return (tails, tails_CQB[:, -1]) if with_mean else tails
+  tails = {p: tails_UJb[:, i] for i, p in enumerate(percentiles)}
+  return (tails, tails_UJb[:, -1]) if with_mean else tails
 
 
 def choose_schedule(
-  tail_CB,
+  tail_Ub,
   candidates: Sequence[int],
   tau: float,
   *,
@@ -353,7 +370,7 @@ def choose_schedule(
   bin_size: int = 2048,
   quantile: float = 5,
 ) -> KVSchedule:
-  """Per bin the cheapest candidate whose tail tail_CB (the `quantile`-th percentile of alpha) is
+  """Per bin the cheapest candidate whose tail tail_Ub (the `quantile`-th percentile of alpha) is
   >= tau (the largest if none meets it), then a running maximum so the budget never shrinks with
   length -> `KVSchedule.table` of top-k values, recording `quantile`.
 
@@ -361,20 +378,20 @@ def choose_schedule(
   the first): the running maximum does that by itself once an empty bin starts from the smallest.
   """
   cands = _check_candidates(candidates)
-  tail_CB = np.asarray(tail_CB, np.float64)
-  if tail_CB.ndim != 2 or tail_CB.shape[0] != len(cands):
+  tail_Ub = np.asarray(tail_Ub, np.float64)
+  if tail_Ub.ndim != 2 or tail_Ub.shape[0] != len(cands):
     raise ValueError(
-      f"tail_CB must be [num_candidates={len(cands)}, num_bins], got {tail_CB.shape}"
+      f"tail_Ub must be [num_candidates={len(cands)}, num_bins], got {tail_Ub.shape}"
     )
-  meets_CB = tail_CB >= tau  # NaN compares False
-  pick_B = np.where(meets_CB.any(0), meets_CB.argmax(0), len(cands) - 1)
-  pick_B = np.where(np.isnan(tail_CB).all(0), 0, pick_B)
-  pick_B = np.maximum.accumulate(pick_B)
-  return KVSchedule.table([cands[i] for i in pick_B], page_size, always_kept, bin_size, quantile)
+  meets_Ub = tail_Ub >= tau  # NaN compares False
+  pick_b = np.where(meets_Ub.any(0), meets_Ub.argmax(0), len(cands) - 1)
+  pick_b = np.where(np.isnan(tail_Ub).all(0), 0, pick_b)
+  pick_b = np.maximum.accumulate(pick_b)
+  return KVSchedule.table([cands[i] for i in pick_b], page_size, always_kept, bin_size, quantile)
 
 
 def speculative_plan(
-  mean_CB,
+  mean_Ub,
   candidates: Sequence[int],
   cfg: Qwen3Config,
   sparse: SparseConfig,
@@ -385,7 +402,7 @@ def speculative_plan(
   hardware="h200",
 ) -> dict:
   """Per bin, the candidate budget and draft count k that maximise the predicted throughput of
-  lossless (speculative) rollouts, from each candidate's mean acceptance mean_CB [C, num_bins]
+  lossless (speculative) rollouts, from each candidate's mean acceptance mean_Ub [U, b]
   (NaN: an empty bin) -> {"cached_len", "topk", "k", "tokens_per_round", "speedup"}, one entry a
   bin (speedup over dense decoding there; None where the bin is empty) and the settings.
 
@@ -398,10 +415,10 @@ def speculative_plan(
   those prefixes.
   """
   cands = _check_candidates(candidates)
-  mean_CB = np.asarray(mean_CB, np.float64)
-  if mean_CB.ndim != 2 or mean_CB.shape[0] != len(cands):
+  mean_Ub = np.asarray(mean_Ub, np.float64)
+  if mean_Ub.ndim != 2 or mean_Ub.shape[0] != len(cands):
     raise ValueError(
-      f"mean_CB must be [num_candidates={len(cands)}, num_bins], got {mean_CB.shape}"
+      f"mean_Ub must be [num_candidates={len(cands)}, num_bins], got {mean_Ub.shape}"
     )
   ks = tuple(int(k) for k in ks)
   if not ks or min(ks) < 1:
@@ -410,13 +427,13 @@ def speculative_plan(
   hw = cost_model.get_hardware(hardware)
   common = dict(ks=ks, rows=rows, hardware=hw, sparse=sparse)
   plan = {name: [] for name in ("cached_len", "topk", "k", "tokens_per_round", "speedup")}
-  for b, alpha_C in enumerate(mean_CB.T):
+  for b, alpha_U in enumerate(mean_Ub.T):
     cached_len = (b + 0.5) * bin_size
     dense = cost_model.roofline_round_rate(
       cfg, None, cached_len, k=0, alpha=1.0, rows=rows, hardware=hw
     )
     best = (dense, None, 0)
-    for c, alpha in zip(cands, alpha_C):
+    for c, alpha in zip(cands, alpha_U):
       if np.isnan(alpha):
         continue
       schedule = candidate_schedule(c, sparse, bin_size)
@@ -424,10 +441,10 @@ def speculative_plan(
       if rate > best[0]:
         best = (rate, c, k)
     rate, topk, k = best
-    per_round = 1.0 if topk is None else alpha_C[cands.index(topk)]
+    per_round = 1.0 if topk is None else alpha_U[cands.index(topk)]
     per_round = float(cost_model.expected_tokens_per_round(per_round, k))
     entry = dict(topk=topk, k=k, tokens_per_round=per_round, speedup=rate / dense)
-    if np.isnan(alpha_C).all():
+    if np.isnan(alpha_U).all():
       entry = dict.fromkeys(entry)
     plan["cached_len"].append(cached_len)
     for name, value in entry.items():
@@ -464,8 +481,8 @@ def _rollouts(
   """Right-padded prompt + completion rows and their completion mask (tokens_BS, gen_mask_BS),
   sampled densely when `schedule` is None, else sparsely under it. The batch starting at row i
   draws with fold_in(key, i), so every schedule sees the same prompts and keys."""
-  R, gen_bs = len(prompt_len_B), min(calibration.generate_batch_size, len(prompt_len_B))
-  idx = np.concatenate([np.arange(R), np.zeros(-R % gen_bs, int)])  # same shape every batch
+  B, gen_bs = len(prompt_len_B), min(calibration.generate_batch_size, len(prompt_len_B))
+  idx = np.concatenate([np.arange(B), np.zeros(-B % gen_bs, int)])  # same shape every batch
   seqs, masks, t0 = [], [], time.time()
   for i in range(0, len(idx), gen_bs):
     rows = idx[i : i + gen_bs]
@@ -487,57 +504,33 @@ def _rollouts(
     masks.append(np.asarray(gen_mask_BS))
     if calibration.verbose:
       print(
-        f"[calibrate] generated {min(i + gen_bs, R)}/{R} rollouts "
+        f"[calibrate] generated {min(i + gen_bs, B)}/{B} rollouts "
         f"({'dense' if schedule is None else 'sparse top-k ' + str(schedule.values[0])}, "
         f"mean length {float(np.mean(out.lengths)):.0f}) {time.time() - t0:.1f}s",
         flush=True,
       )
-  return np.concatenate(seqs)[:R], np.concatenate(masks)[:R]
+  return np.concatenate(seqs)[:B], np.concatenate(masks)[:B]
 
 
-def calibrate(
-  params,
-  cfg: Qwen3Config,
-  prompts: Sequence[Sequence[int]],
-  key,
-  *,
-  max_new_tokens: int,
-  calibration: CalibrationConfig = CalibrationConfig(),
-  sparse: SparseConfig = SparseConfig(),
-  sampling: sampler.Sampling = sampler.Sampling(),
-) -> Calibration:
-  """End to end: rollouts -> tail surface -> the schedule holding `calibration.quantile` at tau.
-
-  Each prompt (a list of token ids) is repeated `repeats` times and sampled under `sampling`: with
-  the sparse sampler at top-k `sample_topk` (default the largest candidate) like the paper, or
-  densely when `sample_sparse` is False; then `tail_surface` scores those rollouts under every
-  candidate (default `default_candidates` for the longest row). With `on_policy`, each candidate
-  samples its own rollouts under its own schedule and `tail_surface` scores them for that
-  candidate alone. Then `choose_schedule` at `tau` on the quantile (the surface keeps
-  `acceptance.tail_percentiles(quantile)`).
-  """
-  cc = calibration
-  _check_sparse_layers(cfg, sparse)
-  position_bin(0, sparse.page_size, cc.bin_size)  # whole pages a bin, before the rollouts
-  prompt_BT, prompt_len_B = pad_prompts(prompts, sampling.pad_id)
-  prompt_BT = np.repeat(prompt_BT, cc.repeats, 0)
-  prompt_len_B = np.repeat(prompt_len_B, cc.repeats)
-  max_len = prompt_BT.shape[1] + max_new_tokens
-  cands = cc.candidates or _check_candidates(
-    default_candidates(max_len, sparse.page_size, sparse.always_kept)
-  )
-  # runs of (candidates scored, the schedule their rollouts are sampled under; None: dense)
+def _runs(cc: CalibrationConfig, cands, sparse):
+  """The calibration's rollout runs: (candidates scored, the schedule their rollouts are sampled
+  under; None: dense) each."""
   if cc.on_policy:
-    runs = [((c,), candidate_schedule(c, sparse, cc.bin_size)) for c in cands]
-  elif cc.sample_sparse:
-    runs = [(cands, candidate_schedule(cc.sample_topk or cands[-1], sparse, cc.bin_size))]
-  else:
-    runs = [(cands, None)]
+    return [((c,), candidate_schedule(c, sparse, cc.bin_size)) for c in cands]
+  if cc.sample_sparse:
+    return [(cands, candidate_schedule(cc.sample_topk or cands[-1], sparse, cc.bin_size))]
+  return [(cands, None)]
+
+
+def _score_runs(
+  params, cfg, prompt_BT, prompt_len_B, key, cands, sparse, max_new_tokens, sampling, cc, max_bins
+):
+  """Each run's rollouts scored under its candidates -> (tail dicts, means [U, b], token counts
+  [U, b]), a run after another."""
+  runs = _runs(cc, cands, sparse)
   # on-policy, one progress line per candidate instead of one per pass
   quiet = dataclasses.replace(cc, verbose=cc.verbose and not cc.on_policy)
-
-  max_bins = max_len // cc.bin_size + 2
-  quantile, percentiles = cc.quantile, tail_percentiles(cc.quantile)
+  quantile = cc.quantile
   tails, means, count, t0 = [], [], [], time.time()
   for r, (run_cands, schedule) in enumerate(runs):
     tokens_BS, gen_mask_BS = _rollouts(
@@ -552,8 +545,8 @@ def calibrate(
       sampling=sampling,
       calibration=quiet,
     )
-    count_B = bin_counts(gen_mask_BS, sparse.page_size, cc.bin_size, max_bins)
-    count.append(np.repeat(count_B[None], len(run_cands), 0))
+    count_b = bin_counts(gen_mask_BS, sparse.page_size, cc.bin_size, max_bins)
+    count.append(np.repeat(count_b[None], len(run_cands), 0))
     run_tails, run_mean = tail_surface(
       params,
       cfg,
@@ -574,12 +567,71 @@ def calibrate(
       print(
         f"[calibrate] on-policy top-k {run_cands[0]} ({r + 1}/{len(runs)}): mean length "
         f"{gen_mask_BS.sum(1).mean():.0f}, {percentile_name(quantile)} per non-empty bin "
-        f"{[round(float(v), 3) for v in tails[-1][quantile][0, count_B > 0]]} "
+        f"{[round(float(v), 3) for v in tails[-1][quantile][0, count_b > 0]]} "
         f"{elapsed:.1f}s elapsed, "
         f"ETA {elapsed / (r + 1) * (len(runs) - r - 1):.1f}s",
         flush=True,
       )
-  count = np.concatenate(count)
+  return tails, means, np.concatenate(count)
+
+
+def calibrate(
+  params,
+  cfg: Qwen3Config,
+  prompts: Sequence[Sequence[int]],
+  key,
+  *,
+  max_new_tokens: int,
+  calibration: CalibrationConfig = CalibrationConfig(),
+  sparse: SparseConfig = SparseConfig(),
+  sampling: sampler.Sampling = sampler.Sampling(),
+) -> Calibration:
+  """End to end: rollouts -> tail surface -> the schedule holding `calibration.quantile` at tau.
+
+  Each prompt is repeated `repeats` times and sampled under `sampling`: with the sparse sampler at
+  top-k `sample_topk` (default the largest candidate) like the paper, or densely when
+  `sample_sparse` is False; then `tail_surface` scores those rollouts under every candidate
+  (default `default_candidates` for the longest row). With `on_policy`, each candidate samples its
+  own rollouts under its own schedule and `tail_surface` scores them for that candidate alone.
+  Then `choose_schedule` at `tau` on the quantile (the surface keeps
+  `acceptance.tail_percentiles(quantile)`).
+
+  Args:
+    params: the model's parameters.
+    cfg: the model's Qwen3Config.
+    prompts: the prompts, each a list of token ids.
+    key: the rollouts' PRNG key (every candidate's rollouts see the same prompts and keys).
+    max_new_tokens: tokens each rollout may generate.
+    calibration: what the calibration targets and how it samples and scores (CalibrationConfig:
+      tau, quantile, bin_size, alpha, candidates, repeats, sample_sparse, sample_topk, on_policy,
+      batch sizes).
+    sparse: the page geometry and page score the candidates run with.
+    sampling: how the rollouts' tokens are drawn; its temperature is the one acceptance compares.
+
+  Returns:
+    Calibration: the chosen schedule, the tail surface (percentile -> [U, b] acceptance over U
+    candidates and b bins, NaN for an empty bin), the generated tokens behind each entry, the
+    candidates and the settings, and the mean acceptance [U, b].
+
+  Raises:
+    ValueError: a SparseConfig that leaves no layer sparse, a bin_size that is not whole pages,
+      candidates that are not strictly increasing, or a sampling temperature of 0.
+  """
+  cc = calibration
+  _check_sparse_layers(cfg, sparse)
+  position_bin(0, sparse.page_size, cc.bin_size)  # whole pages a bin, before the rollouts
+  prompt_BT, prompt_len_B = pad_prompts(prompts, sampling.pad_id)
+  prompt_BT = np.repeat(prompt_BT, cc.repeats, 0)
+  prompt_len_B = np.repeat(prompt_len_B, cc.repeats)
+  max_len = prompt_BT.shape[1] + max_new_tokens
+  cands = cc.candidates or _check_candidates(
+    default_candidates(max_len, sparse.page_size, sparse.always_kept)
+  )
+  max_bins = max_len // cc.bin_size + 2
+  quantile, percentiles = cc.quantile, tail_percentiles(cc.quantile)
+  tails, means, count = _score_runs(
+    params, cfg, prompt_BT, prompt_len_B, key, cands, sparse, max_new_tokens, sampling, cc, max_bins
+  )
 
   # Bins up to the last one holding a generated token (the table's last value holds beyond).
   used = np.nonzero(count.any(0))[0]
@@ -629,15 +681,15 @@ def surface_dict(result: Calibration) -> dict:
   }
   if result.on_policy:
     out["count_bin_by_candidate"] = {
-      str(c): count_B.tolist() for c, count_B in zip(result.candidates, result.count)
+      str(c): count_b.tolist() for c, count_b in zip(result.candidates, result.count)
     }
-  as_json = lambda tail_CB: {
-    str(c): [None if np.isnan(v) else float(v) for v in tail_B]
-    for c, tail_B in zip(result.candidates, tail_CB)
+  as_json = lambda tail_Ub: {
+    str(c): [None if np.isnan(v) else float(v) for v in tail_b]
+    for c, tail_b in zip(result.candidates, tail_Ub)
   }
   out = {
     **out,
-    "tail": {f"{p:g}": as_json(tail_CB) for p, tail_CB in result.tail.items()},
+    "tail": {f"{p:g}": as_json(tail_Ub) for p, tail_Ub in result.tail.items()},
     "chosen_topk": list(result.schedule.values),
   }
   if result.mean is not None:
@@ -646,7 +698,7 @@ def surface_dict(result: Calibration) -> dict:
 
 
 def surface_tail(surface: dict, quantile: float, path: str = "the surface") -> tuple:
-  """(candidates, tail_CB) of a `surface_dict` (as read from surface.json) at `quantile`; None
+  """(candidates, tail_Ub) of a `surface_dict` (as read from surface.json) at `quantile`; None
   (an empty bin) -> NaN."""
   if f"{quantile:g}" not in surface["tail"]:
     raise ValueError(

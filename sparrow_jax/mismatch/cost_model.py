@@ -489,8 +489,8 @@ def expected_tokens_per_round(alpha, k: int):
 
 def _round_passes(cfg: Qwen3Config, hw: Hardware, schedule, s_t, k: int, sparse, page_selection):
   """One running row's speculative round that starts at s_t cached tokens, pass by pass, the
-  weights aside -> (queries_P, flops_P..., bytes_P...) over its k + 1 passes (P = k + 1, then
-  s_t's shape): draft step i < k decodes one query under `schedule` at s_t + i cached tokens
+  weights aside -> (queries_i, flops_i..., bytes_i...) over its k + 1 passes i (then s_t's
+  shape): draft step i < k decodes one query under `schedule` at s_t + i cached tokens
   (`_row_step_work`); the verification pass runs k + 1 queries densely in every layer (the last
   accepted token, whose sparse layers' KV the drafts computed sparsely, and the k drafts), query j
   attending to s_t + j tokens, and reads the row's KV (s_t + k tokens) once. KV writes are left out,
@@ -498,23 +498,23 @@ def _round_passes(cfg: Qwen3Config, hw: Hardware, schedule, s_t, k: int, sparse,
   s_t = np.asarray(s_t, np.float64)
   drafts = [_row_step_work(cfg, hw, schedule, s_t + i, sparse, page_selection) for i in range(k)]
   dense = [_row_step_work(cfg, hw, None, s_t + j, sparse, False) for j in range(k + 1)]
-  flops_P = [f for f, _ in drafts] + [sum(f for f, _ in dense)]
-  bytes_P = [b for _, b in drafts] + [dense[-1][1]]
-  queries_P = np.array([1] * k + [k + 1], np.float64)
-  return queries_P, np.stack(flops_P), np.stack(bytes_P)
+  flops_i = [f for f, _ in drafts] + [sum(f for f, _ in dense)]
+  bytes_i = [b for _, b in drafts] + [dense[-1][1]]
+  queries_i = np.array([1] * k + [k + 1], np.float64)
+  return queries_i, np.stack(flops_i), np.stack(bytes_i)
 
 
-def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_P, flops_P, bytes_P) -> float:
-  """Seconds of one round of `rows` rows with per-row work flops_P, bytes_P per pass: each pass
+def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_i, flops_i, bytes_i) -> float:
+  """Seconds of one round of `rows` rows with per-row work flops_i, bytes_i per pass: each pass
   reads every weight once for all rows, computes 2P FLOPs per query, and lasts max(FLOPs / peak,
   bytes / bandwidth) (the engine's decode step, `roofline_engine_rate`, is the round of k = 0)."""
   n_params = param_count(cfg)
-  flops_P = rows * (2 * n_params * queries_P + flops_P)
-  bytes_P = hw.dtype_bytes * n_params + rows * bytes_P
-  roofline = np.sum(np.maximum(flops_P / hw.peak_flops, bytes_P / hw.mem_bandwidth))
+  flops_i = rows * (2 * n_params * queries_i + flops_i)
+  bytes_i = hw.dtype_bytes * n_params + rows * bytes_i
+  roofline = np.sum(np.maximum(flops_i / hw.peak_flops, bytes_i / hw.mem_bandwidth))
   # the overhead comes with every query position (a verification's k + 1 positions each sample,
   # test and write as a decode step's one does)
-  return float(roofline + np.sum(queries_P) * hw.pass_overhead_s)
+  return float(roofline + np.sum(queries_i) * hw.pass_overhead_s)
 
 
 def pass_overhead(model, hardware, rows: float, cached_len: float, measured_step_s: float) -> float:
@@ -583,8 +583,8 @@ def roofline_speculative_rate(
   w_t = w_t / w_t.sum()
   held = prompt_len / n_samples + float(np.sum(w_t * t)) + k
   rows = min(float(slots), pool_tokens / held)
-  queries_P, flops_PT, bytes_PT = _round_passes(cfg, hw, schedule, s_t, k, sparse, page_selection)
-  round_s = _round_time(cfg, hw, rows, queries_P, flops_PT @ w_t, bytes_PT @ w_t)
+  queries_i, flops_it, bytes_it = _round_passes(cfg, hw, schedule, s_t, k, sparse, page_selection)
+  round_s = _round_time(cfg, hw, rows, queries_i, flops_it @ w_t, bytes_it @ w_t)
   per_round = float(np.sum(w_t * e_t))
   prefill_per_token = prefill_time(cfg, prompt_len, 1, hw) / (n_samples * alive_t.sum())
   return float(1.0 / (round_s / (rows * per_round) + prefill_per_token)), float(rows), per_round

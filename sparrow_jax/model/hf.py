@@ -177,8 +177,8 @@ def load_hf(path: str, dtype=None):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stack_LX, value_X, i):
-  return stack_LX.at[i].set(value_X.astype(stack_LX.dtype))
+def _set_layer(stack_La, value_a, i):
+  return stack_La.at[i].set(value_a.astype(stack_La.dtype))
 
 
 def _lookup(params, where):

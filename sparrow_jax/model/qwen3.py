@@ -99,16 +99,16 @@ def _yarn_inv_freq(cfg, inv_freq, scaling):
   return inv, attention_factor
 
 
-def apply_rope(x_BTNE, positions_BT, cfg: Qwen3Config):
+def apply_rope(x_BTaE, positions_BT, cfg: Qwen3Config):
   """Rotary embedding in HF's rotate-half layout, computed in float32."""
   inv_freq, attention_factor = rope_inv_freq(cfg)
   angles_BTf = positions_BT[..., None].astype(jnp.float32) * inv_freq
   angles_BTE = jnp.concatenate([angles_BTf, angles_BTf], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(angles_BTE) * attention_factor, jnp.sin(angles_BTE) * attention_factor
-  x = x_BTNE.astype(jnp.float32)
+  x = x_BTaE.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return (x * cos + rotated * sin).astype(x_BTNE.dtype)
+  return (x * cos + rotated * sin).astype(x_BTaE.dtype)
 
 
 def init_params(cfg: Qwen3Config, key, dtype=jnp.float32, std: float = 0.02):
@@ -209,7 +209,7 @@ LOGITS_CHUNK = 512  # positions per LM-head chunk: [B, 512, 151936] f32 = 311 MB
 
 def map_sequence(fn, arrays, chunk: int):
   """fn(*array_chunks) over chunks of `chunk` positions of [B, S, ...] arrays (the last one padded);
-  fn returns a pytree of [B, c, ...] arrays, put back together as [B, S, ...]. The chunk body is a
+  fn returns a pytree of [B, C, ...] arrays, put back together as [B, S, ...]. The chunk body is a
   checkpointed scan step, so forward and backward hold one chunk's intermediates at a time."""
   B, S = arrays[0].shape[:2]
   c = min(chunk, S)
@@ -230,8 +230,8 @@ def map_sequence(fn, arrays, chunk: int):
 def map_logits(params, cfg: Qwen3Config, fn, hiddens, args=(), chunk: int = LOGITS_CHUNK):
   """fn(logits_list, *arg_chunks) over sequence chunks of the final hidden states.
 
-  hiddens: a tuple of [B, S, D] hidden states, each turned into float32 logits [B, c, V] per chunk
-  of c positions; args: [B, S, ...] arrays cut the same way. fn returns a pytree of [B, c, ...]
+  hiddens: a tuple of [B, S, D] hidden states, each turned into float32 logits [B, C, V] per chunk
+  of C positions; args: [B, S, ...] arrays cut the same way. fn returns a pytree of [B, C, ...]
   arrays, put back together as [B, S, ...]. Chunks are checkpointed (`map_sequence`), so the
   backward pass recomputes a chunk's logits instead of keeping them: no [B, S, V] array is held,
   forward or back.

@@ -28,18 +28,19 @@ def advantages(
   """
   if estimator not in ESTIMATORS:
     raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {estimator!r}")
-  r_GN = _groups(rewards_B, group_size)
-  mean = jnp.mean(r_GN, axis=1, keepdims=True)
+  r_Bn = _groups(rewards_B, group_size)
+  mean = jnp.mean(r_Bn, axis=1, keepdims=True)
   if estimator == "grpo":
-    std = jnp.std(r_GN, axis=1, keepdims=True, ddof=std_ddof)
-    adv = jnp.where(std > eps, (r_GN - mean) / jnp.maximum(std, eps), 0.0)
+    std = jnp.std(r_Bn, axis=1, keepdims=True, ddof=std_ddof)
+    adv = jnp.where(std > eps, (r_Bn - mean) / jnp.maximum(std, eps), 0.0)
   elif estimator == "dr_grpo":
-    adv = r_GN - mean
+    adv = r_Bn - mean
   else:
-    adv = (r_GN - mean) * group_size / (group_size - 1)
+    adv = (r_Bn - mean) * group_size / (group_size - 1)
   return adv.reshape(-1)
 
 
 def informative_groups(rewards_B, group_size: int, eps: float = 1e-6):
-  """DAPO dynamic sampling: which groups [B / G] have reward variance (the others are filtered)."""
+  """DAPO dynamic sampling: which groups of group_size rows have reward variance (the others are
+  filtered), one flag a group."""
   return jnp.std(_groups(rewards_B, group_size), axis=1) > eps

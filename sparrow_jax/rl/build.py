@@ -26,7 +26,7 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf
 from sparrow_jax.model.qwen3 import init_params
-from sparrow_jax.rl import evaluate, hooks, run_config
+from sparrow_jax.rl import evaluate, hooks, run_config, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -200,7 +200,9 @@ def _state_init(c, opt: Optimizers):
       alpha=c.distill.alpha,
       targets=tuple(c.distill.targets.split(",")),
     )
-  init = lambda p, lora: ts.init_state(p, opt.base, lora, opt.lora, keep_reference=c.rl.kl_coef > 0)
+  init = lambda p, lora: step_schema.init_state(
+    p, opt.base, lora, opt.lora, keep_reference=c.rl.kl_coef > 0
+  )
   return init, make_lora
 
 
@@ -212,7 +214,7 @@ def abstract_state(c, cfg, mesh, opt: Optimizers):
   )
   init, make_lora = _state_init(c, opt)
   state = jax.eval_shape(init, params, jax.eval_shape(make_lora, params) if make_lora else None)
-  return state, ts.state_sharding(state, mesh, opt.base, opt.lora)
+  return state, step_schema.state_sharding(state, mesh, opt.base, opt.lora)
 
 
 def build_state(c, params, shardings, opt: Optimizers):
@@ -238,7 +240,7 @@ def _placed_like(abstract, shardings):
 
 def train_step(c, cfg, opt: Optimizers, sparse, shardings):
   """The fused train step (rl/train_step.py) of config `c`, jitted for the state's shardings."""
-  step_config = ts.StepConfig.from_config(c)
+  step_config = step_schema.StepConfig.from_config(c)
   return ts.make_train_step(cfg, step_config, opt.base, opt.lora, sparse, shardings)
 
 
@@ -254,7 +256,7 @@ def lower_step(c):
   state, shardings = abstract_state(c, cfg, mesh, opt)
   step = train_step(c, cfg, opt, sparse_config(c), shardings)
   length = r.max_prompt_len + r.max_new_tokens
-  batch = ts.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs)
+  batch = step_schema.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs)
   budget = (
     schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32)) if r.sparse else None
   )
@@ -304,7 +306,7 @@ def budgets(c, cfg, sparse, mesh, cache_len: int, rows: int = 1) -> hooks.Budget
   loop's table; with rollout.speculate = "auto", exact mode's drafts per bin for a device's
   `rows` at once."""
   r = c.rollout
-  stats = ts.StepConfig.from_config(c).stats
+  stats = step_schema.StepConfig.from_config(c).stats
   adaptive = schedule_lib.parse_adaptive(r.schedule, r.page_size)  # (tau, BASE) or None
   loop = stages = switch = None
   if adaptive:
@@ -363,7 +365,7 @@ class Run:
   task: object
   tokenizer: object
   cfg: Qwen3Config
-  state: ts.TrainState  # the initial train state, on its shardings
+  state: step_schema.TrainState  # the initial train state, on its shardings
   train_step: Callable  # (state, Batch, BudgetTable | None) -> (state, metrics), jitted
   sample: Callable  # (state, Requests, key, StepBudget | None) -> (rollout, EngineStats)
   engine_cfg: engine.EngineConfig  # each device's engine
@@ -409,7 +411,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   # Compiled from abstract inputs before any weight is read, for XLA's memory analysis of the
   # step. The jit keeps the executable for inputs of these shapes and shardings, so the loop's
   # first call does not compile it again.
-  batch = ts.Batch.abstract(rows.count, cache_len, r.num_top_logprobs)
+  batch = step_schema.Batch.abstract(rows.count, cache_len, r.num_top_logprobs)
   compiled = step.lower(
     _placed_like(abstract, shardings),
     _placed_like(batch, rows.sharding),
@@ -419,7 +421,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device)
   state = build_state(c, load_params(c, cfg), shardings, opt)
   sample = sampler_of(c, cfg, tokenizer, weights, engine_cfg, sparse)
-  to_batch = jax.jit(ts.batch_from_rollout, out_shardings=rows.sharding)
+  to_batch = jax.jit(step_schema.batch_from_rollout, out_shardings=rows.sharding)
   parts = (task, tokenizer, cfg, state, step, sample, engine_cfg, budget, step_hooks, held_out)
   return Run(*parts, rows, to_batch)
 

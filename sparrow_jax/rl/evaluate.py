@@ -54,14 +54,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def summarize(rewards_PN, correct_PN, ks) -> dict:
+def summarize(rewards_Bn, correct_Bn, ks) -> dict:
   """{"mean@k", "pass@k"} averaged over problems, from [problems, n] rewards and correctness."""
-  rewards_PN, correct_PN = np.asarray(rewards_PN, np.float64), np.asarray(correct_PN, bool)
-  n = rewards_PN.shape[1]
+  rewards_Bn, correct_Bn = np.asarray(rewards_Bn, np.float64), np.asarray(correct_Bn, bool)
+  n = rewards_Bn.shape[1]
   metrics = {}
   for k in ks:
-    metrics[f"mean@{k}"] = float(rewards_PN.mean())
-    metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct_PN.sum(1)]))
+    metrics[f"mean@{k}"] = float(rewards_Bn.mean())
+    metrics[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct_Bn.sum(1)]))
   return metrics
 
 
@@ -90,20 +90,20 @@ def _prompt_batches(problems, samples, tokenizer, batch_size):
   """Rows (problem index per row) and right-padded prompt batches of one static shape; the last
   batch is filled up by repeating its first row (those extra outputs are dropped)."""
   rows = [i for i in range(len(problems)) for _ in range(samples)]
-  tokens_RT, lengths_R = tokenizer.encode_batch([problems[i].prompt for i in rows])
+  tokens_aT, lengths_a = tokenizer.encode_batch([problems[i].prompt for i in rows])
   for start in range(0, len(rows), batch_size):
     take = np.arange(start, min(start + batch_size, len(rows)))
     take = np.concatenate([take, np.full(batch_size - len(take), take[0])])
-    yield start, take, tokens_RT[take], lengths_R[take]
+    yield start, take, tokens_aT[take], lengths_a[take]
 
 
 class Graded(NamedTuple):
   """Every sample's completion and grade, problem-major: problem i's n samples are rows i * n on."""
 
   responses: list
-  rewards_R: np.ndarray
-  correct_R: np.ndarray
-  lengths_R: np.ndarray
+  rewards_a: np.ndarray
+  correct_a: np.ndarray
+  lengths_a: np.ndarray
   reasons: collections.Counter
 
 
@@ -112,39 +112,39 @@ def sample_and_grade(generate, tokenizer, task, problems, samples, key, batch_si
   Rollout (sj.generate with the policy and its settings bound) in batches of `batch_size` rows
   (batch b under fold_in(key, b)), graded with task.grade; `progress` prints a line a batch."""
   n_rows = len(problems) * samples
-  responses, rewards_R, correct_R = [""] * n_rows, np.zeros(n_rows), np.zeros(n_rows, bool)
-  lengths_R, reasons = np.zeros(n_rows, int), collections.Counter()
+  responses, rewards_a, correct_a = [""] * n_rows, np.zeros(n_rows), np.zeros(n_rows, bool)
+  lengths_a, reasons = np.zeros(n_rows, int), collections.Counter()
   t_start, generated = time.time(), 0
   for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
     _prompt_batches(problems, samples, tokenizer, batch_size)
   ):
     rollout = generate(prompt_BT, prompt_len_B, jax.random.fold_in(key, b))
-    tokens_BN, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+    tokens_BM, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
     real = take[: min(batch_size, n_rows - start)]
-    texts = [tokenizer.decode(tokens_BN[j, : lengths_B[j]]) for j in range(len(real))]
+    texts = [tokenizer.decode(tokens_BM[j, : lengths_B[j]]) for j in range(len(real))]
     grades = task.grade(texts, [problems[i // samples] for i in real])
     for i, text in zip(real, texts):
       responses[i] = text
-    rewards_R[real] = [g.reward for g in grades]
-    correct_R[real] = [g.reason == "correct" for g in grades]
-    lengths_R[real] = lengths_B[: len(real)]
+    rewards_a[real] = [g.reward for g in grades]
+    correct_a[real] = [g.reason == "correct" for g in grades]
+    lengths_a[real] = lengths_B[: len(real)]
     reasons.update(g.reason for g in grades)
     generated += int(lengths_B.sum())
     done, elapsed = real[-1] + 1, time.time() - t_start
     if progress:
       print(
-        f"  {done}/{n_rows} samples  reward {rewards_R[:done].mean():.3f}  correct "
-        f"{correct_R[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
+        f"  {done}/{n_rows} samples  reward {rewards_a[:done].mean():.3f}  correct "
+        f"{correct_a[:done].mean():.3f}  {generated / elapsed:.1f} tok/s  "
         f"ETA {elapsed / done * (n_rows - done):.0f}s",
         flush=True,
       )
-  return Graded(responses, rewards_R, correct_R, lengths_R, reasons)
+  return Graded(responses, rewards_a, correct_a, lengths_a, reasons)
 
 
 def score(graded: Graded, samples: int, ks, max_new_tokens: int) -> dict:
   """mean@k and pass@k over problems, the mean response length and the truncated share."""
   shape = (-1, samples)
-  metrics = summarize(graded.rewards_R.reshape(shape), graded.correct_R.reshape(shape), ks)
-  metrics["response_length/mean"] = float(graded.lengths_R.mean())
-  metrics["truncated_fraction"] = float(np.mean(graded.lengths_R >= max_new_tokens))
+  metrics = summarize(graded.rewards_a.reshape(shape), graded.correct_a.reshape(shape), ks)
+  metrics["response_length/mean"] = float(graded.lengths_a.mean())
+  metrics["truncated_fraction"] = float(np.mean(graded.lengths_a >= max_new_tokens))
   return metrics

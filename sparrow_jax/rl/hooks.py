@@ -402,7 +402,7 @@ def _shown(graded, problems, e, step: int, mode: str) -> list:
       "problem": str(p.id),
       "prompt": p.prompt,
       "completion": graded.responses[i * e.samples],
-      "reward": float(graded.rewards_R[i * e.samples]),
+      "reward": float(graded.rewards_a[i * e.samples]),
     }
     for i, p in enumerate(problems[: e.completions])
   ]

@@ -27,7 +27,7 @@ from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config
-from sparrow_jax.rl import train_step as ts
+from sparrow_jax.rl import step_schema
 from sparrow_jax.rl.evaluate import EvalConfig
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -72,7 +72,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   left here is what only the whole config knows. What needs the data or the model's vocabulary is
   `check_inputs`, also run before anything is written."""
   _check_scalars(c)
-  ts.StepConfig.from_config(c)
+  step_schema.StepConfig.from_config(c)
   schema.from_group(sampler.Sampling, c, "rollout")
   _check_batch(c)
   _check_run_fields(c)

@@ -149,8 +149,8 @@ class _Programs:
       cfg=self.cfg,
       sampling=self.sampling,
     )
-    n, G = inputs[-1].shape
-    top = None if top is None else tuple(self.to_local(x).reshape(n, G, -1) for x in top)
+    B, n = inputs[-1].shape
+    top = None if top is None else tuple(self.to_local(x).reshape(B, n, -1) for x in top)
     sched.set_first(at, self.to_local(token), self.to_local(logp), top)
     return pool
 
@@ -193,17 +193,36 @@ def run(
 ):
   """Samples a completion for every request row through the engine.
 
-  order: the order rows are admitted in (a permutation of the rows; default: row order); it changes
-  nothing in the output. sparse / schedule / lora as `generate`; schedule may be a BudgetTable,
-  used as is (its max_selected, when 0, from its largest budget rounded up to a power of two). The
-  pool keeps keys and values in the embedding's dtype. draft_plan (with engine.draft_switch):
-  exact mode's drafts per position bin, capped at engine.speculate.
   On a mesh (`jax.set_mesh`) every device of data x fsdp has its own pool of engine.num_pages pages
   and engine.num_slots slots, and a group runs on one device. With several processes each passes
   the rows its devices hold (`Requests.first_row`), schedules them on its own devices and gets them
   back; the processes agree (`_any_process`) on each flag the scheduler returns that decides
-  whether a collective program runs.
-  Returns (sampler.Rollout with [B, max(max_new_B)] arrays, EngineStats)."""
+  whether a collective program runs. The pool keeps keys and values in the embedding's dtype.
+
+  Args:
+    params: the model's parameters (`init_params` / `load_hf`).
+    cfg: the model's Qwen3Config.
+    requests: the rows: right-padded prompts, their lengths, each row's max_new_B, the group size
+      and the process's first row.
+    key: the run's PRNG key.
+    engine: the engine's slots, pool pages, chunk length and exact mode (EngineConfig).
+    sampling: how tokens are drawn and rows end.
+    sparse: as `generate`.
+    schedule: as `generate`; a BudgetTable is used as is (its max_selected, when 0, from its
+      largest budget rounded up to a power of two).
+    lora: as `generate`.
+    order: the order rows are admitted in (a permutation of the rows; default: row order); it
+      changes nothing in the output.
+    draft_plan: with engine.draft_switch, exact mode's drafts per position bin, capped at
+      engine.speculate.
+
+  Returns:
+    (sampler.Rollout, EngineStats): the rollout's arrays are [B, M] with M = max(max_new_B).
+
+  Raises:
+    ValueError: a prompt width plus max_new_B beyond the model's positions, or a draft_plan given
+      without engine.draft_switch (or sparse), or missing with it.
+  """
   T, max_new = requests.prompt_BT.shape[1], int(requests.max_new_B.max())
   if T + max_new > cfg.max_position_embeddings:
     raise ValueError(
@@ -306,30 +325,41 @@ def generate(
   prefill_group: int = 1,
   speculate: int = 0,
 ) -> sampler.Rollout:
-  """Samples completions for right-padded prompts (row b's prompt is prompt_BT[b, :prompt_len_B[b]])
-  through the engine, every row of a device in a slot at once and a pool that holds them all.
+  """Samples completions for right-padded prompts through the engine, every row of a device in a
+  slot at once and a pool that holds them all.
 
-  prefill_group = n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled once
-  per run. sparse=None: dense attention. sparse=SparseConfig(...) with a schedule (anything with
-  `budget_pages(cached_len)`, checked by `budget_table`, or a BudgetTable used as is): block top-k
-  decoding. `lora` (a model.lora.LoRA) is applied in this actor only. Rows stop at their first of
-  `sampling.eos_ids` (kept in the completion). Same key -> same output. On a mesh the prompts may
-  be global arrays and the rollout comes back as global arrays with rows over data x fsdp (each
-  process's own).
-
-  speculate = k > 0: exact mode (rollout/speculative.py). The sparse actor (sparse, schedule, lora)
-  drafts k tokens a round and the dense policy verifies them, so every row is a sample of the
-  dense policy (greedy: dense greedy) and its logprobs are the dense policy's; the rollout adds
-  `alpha`, each drafted token's acceptance rate. Needs `sparse`.
+  Same key -> same output. On a mesh the prompts may be global arrays and the rollout comes back as
+  global arrays with rows over data x fsdp (each process's own).
 
   Args:
-    params, cfg: the model (`init_params` / `load_hf`). prompt_BT [B, T] int, prompt_len_B [B].
+    params: the model's parameters (`init_params` / `load_hf`).
+    cfg: the model's Qwen3Config.
+    prompt_BT: int [B, T] right-padded prompts: row b's prompt is prompt_BT[b, :prompt_len_B[b]].
+    prompt_len_B: int [B] prompt lengths.
     key: the rollout's PRNG key; row b's tokens depend only on it and b.
-    max_new_tokens: tokens each row may generate. sampling: temperature, top-p / top-k, EOS, pad.
+    max_new_tokens: tokens each row may generate.
+    sampling: temperature, top-p / top-k, EOS and pad ids, top log-probs. Rows stop at their first
+      of `sampling.eos_ids` (kept in the completion).
+    sparse: None for dense attention; a SparseConfig, with `schedule`, for block top-k decoding.
+    schedule: the sparse budget: anything with `budget_pages(cached_len)`, checked by
+      `budget_table`, or a BudgetTable used as is.
+    lora: a model.lora.LoRA, applied in this actor only.
+    prefill_group: n: the rows come in runs of n copies of one prompt (a GRPO group), prefilled
+      once per run.
+    speculate: k > 0 is exact mode (rollout/speculative.py): the sparse actor (sparse, schedule,
+      lora) drafts k tokens a round and the dense policy verifies them, so every row is a sample of
+      the dense policy (greedy: dense greedy) and its logprobs are the dense policy's. Needs
+      `sparse`; 0 (default) is off.
+
   Returns:
-    sampler.Rollout: tokens [B, max_new_tokens] (pad after a row's end), logprobs [B, N] of the
-    policy sampled, lengths [B]; top log-probs with `sampling.num_top_logprobs`; alpha [B, N]
-    (NaN where nothing was drafted) with `speculate`."""
+    sampler.Rollout: tokens [B, M] with M = max_new_tokens (pad after a row's end), logprobs [B, M]
+    of the policy sampled, lengths [B]; top log-probs [B, M, k] with
+    `sampling.num_top_logprobs`; with `speculate`, alpha [B, M], each drafted token's acceptance
+    rate (NaN where nothing was drafted).
+
+  Raises:
+    ValueError: `speculate` without `sparse`.
+  """
   if speculate and sparse is None:
     raise ValueError(
       f"generate(speculate={speculate!r}) drafts with the sparse actor: pass "

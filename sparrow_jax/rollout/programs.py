@@ -10,6 +10,7 @@ pool's trash page and reads nothing.
 """
 
 import functools
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,9 @@ def sample_rows(logits_BV, keys_B, sampling: sampler.Sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("pool",))
-def prefill(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_BG, key, *, cfg, sampling):
+def prefill(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_Bn, key, *, cfg, sampling):
   """Prefills B prompts (each device its own: rows split like the pool's shards) into their
-  shard's pool pages dest_BP and samples the first token of each prompt's G rows."""
+  shard's pool pages dest_BP and samples the first token of each prompt's n rows (rows_Bn)."""
   Z, T = pool.page_size, prompt_BT.shape[1]
   chunk = min(-(-qwen3.PREFILL_CHUNK // Z) * Z, -(-T // Z) * Z)
   cache = paged_cache.init_cache(
@@ -54,17 +55,17 @@ def prefill(params, lora, pool, prompt_BT, prompt_len_B, dest_BP, rows_BG, key, 
     dest_BP, ((0, 0), (0, cache.num_pages - dest_BP.shape[1])), constant_values=page_pool.TRASH_PAGE
   )
   pool = page_pool.write_pages(pool, cache, dest_BP)
-  B, G = rows_BG.shape
-  keys_N = jax.vmap(lambda r: row_key(key, r, 0))(rows_BG.reshape(B * G))
-  logits_NV = jnp.repeat(logits_BV, G, axis=0)
-  token_N, logp_N, top = sample_rows(logits_NV, keys_N, sampling)
-  return pool, token_N.reshape(B, G), logp_N.reshape(B, G), top
+  B, n = rows_Bn.shape
+  keys_a = jax.vmap(lambda r: row_key(key, r, 0))(rows_Bn.reshape(B * n))
+  logits_aV = jnp.repeat(logits_BV, n, axis=0)
+  token_a, logp_a, top = sample_rows(logits_aV, keys_a, sampling)
+  return pool, token_a.reshape(B, n), logp_a.reshape(B, n), top
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def copy_pages(pool, src_RN, dst_RN):
+def copy_pages(pool, src_YN, dst_YN):
   """Copies pool pages src -> dst on each shard (the prompt template into a row's first page)."""
-  return page_pool.copy_pages(pool, src_RN, dst_RN)
+  return page_pool.copy_pages(pool, src_YN, dst_YN)
 
 
 @functools.partial(
@@ -74,9 +75,9 @@ def decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, 
   """Up to `steps` decode steps over every slot (stops early once no slot runs a row), selecting
   at most `budget.max_selected` pages (a static field: one compiled decode per cap).
 
-  slots: dict of [S] arrays token (the last sampled, to append), length (tokens cached), n_gen
-  (tokens generated), max_new, row, active, and page_table [S, PR]. Returns the pool, the slots
-  after the chunk and what each step emitted per slot ([S, steps]; a slot's tokens are its first
+  slots: dict of [B] arrays token (the last sampled, to append), length (tokens cached), n_gen
+  (tokens generated), max_new, row, active, and page_table [B, P]. Returns the pool, the slots
+  after the chunk and what each step emitted per slot ([B, steps]; a slot's tokens are its first
   n_gen_after - n_gen_before columns)."""
   params, lora = qwen3.unstack_layers(params, lora)
   attention_fn = policy.pool_decode_attention_fn(
@@ -84,39 +85,39 @@ def decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, 
   )
   pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
   eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
-  S = slots["token"].shape[0]
+  B = slots["token"].shape[0]
   out = dict(
-    tokens=jnp.full((S, steps), pad_id, jnp.int32), logprobs=jnp.zeros((S, steps), jnp.float32)
+    tokens=jnp.full((B, steps), pad_id, jnp.int32), logprobs=jnp.zeros((B, steps), jnp.float32)
   )
   if num_top:
     out.update(
-      top_lp=jnp.zeros((S, steps, num_top), jnp.float32),
-      top_id=jnp.zeros((S, steps, num_top), jnp.int32),
+      top_lp=jnp.zeros((B, steps, num_top), jnp.float32),
+      top_id=jnp.zeros((B, steps, num_top), jnp.int32),
     )
 
   def body(carry):
     j, pool, s, out = carry
     layers = page_pool.layer_views(pool, s["page_table"], s["length"], s["active"])
-    logits_SV, layers = qwen3.decode_step(
+    logits_BV, layers = qwen3.decode_step(
       params, s["token"], cfg, layers, attention_fn=attention_fn, lora=lora
     )
-    keys_S = jax.vmap(functools.partial(row_key, key))(s["row"], s["n_gen"])
-    token_S, logp_S, top = sample_rows(logits_SV, keys_S, sampling)
+    keys_B = jax.vmap(functools.partial(row_key, key))(s["row"], s["n_gen"])
+    token_B, logp_B, top = sample_rows(logits_BV, keys_B, sampling)
     active = s["active"]
     out = dict(
       out,
-      tokens=out["tokens"].at[:, j].set(jnp.where(active, token_S, pad_id)),
-      logprobs=out["logprobs"].at[:, j].set(jnp.where(active, logp_S, 0.0)),
+      tokens=out["tokens"].at[:, j].set(jnp.where(active, token_B, pad_id)),
+      logprobs=out["logprobs"].at[:, j].set(jnp.where(active, logp_B, 0.0)),
     )
     if num_top:
       out.update(
         top_lp=out["top_lp"].at[:, j].set(top[0]), top_id=out["top_id"].at[:, j].set(top[1])
       )
     n_gen = s["n_gen"] + active
-    ended = active & (jnp.isin(token_S, eos) | (n_gen >= s["max_new"]))
+    ended = active & (jnp.isin(token_B, eos) | (n_gen >= s["max_new"]))
     s = dict(
       s,
-      token=jnp.where(active, token_S, s["token"]),
+      token=jnp.where(active, token_B, s["token"]),
       length=s["length"] + active,
       n_gen=n_gen,
       active=active & ~ended,
@@ -126,6 +127,26 @@ def decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, 
   cond = lambda carry: (carry[0] < steps) & jnp.any(carry[2]["active"])
   steps_run, pool, slots, out = jax.lax.while_loop(cond, body, (0, pool, slots, out))
   return pool, slots, out, steps_run
+
+
+class _Round(NamedTuple):
+  """What every round of a speculative chunk shares (`speculative_chunk`)."""
+
+  params: dict  # layers unstacked
+  lora: Any  # the drafts' adapter (None: none)
+  cfg: qwen3.Qwen3Config
+  sampling: sampler.Sampling
+  key: jax.Array  # the run's
+  eos: jax.Array  # the token ids that end a row
+  table_BP: jax.Array  # the slots' page tables, with trash-page columns for the overhang
+  page_size: int
+  dense_layers: int  # the first layers, which attend to every page
+  draft: int  # the most drafts a round runs
+  draft_fn: Callable  # the drafts' (sparse) attention
+  verify_fn: Callable
+  dense_fn: Callable  # decode attention of a program of dense rounds (draft = 0)
+  pages_by_len: Optional[jax.Array]  # the sparse budget (None: dense drafts)
+  draft_by_len: Optional[jax.Array]  # the regime switch's drafts per cached length
 
 
 @functools.partial(
@@ -139,7 +160,7 @@ def speculative_chunk(
   """Up to `rounds` speculative rounds (rollout/speculative.py) over every slot, `draft` drafts
   each: the sparse actor (params with `lora`, pages under `budget`) drafts, the dense policy
   (params alone) verifies. Slots as `decode_chunk`'s; a slot emits 1 to draft + 1 tokens a
-  round, its tokens the first n_gen_after - n_gen_before columns of the [S, rounds * (draft + 1)]
+  round, its tokens the first n_gen_after - n_gen_before columns of the [B, rounds * (draft + 1)]
   outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token). With
   `budget.draft_by_len` (exact mode's regime switch) a row's round drafts that many tokens at its
   cached length, at most `draft`: 0 makes the round one dense decoding step (its token drawn from
@@ -148,138 +169,60 @@ def speculative_chunk(
   drafts judged (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and
   the pages dense decoding of the emitted tokens reads)."""
   params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
-  draft_fn = policy.pool_decode_attention_fn(
-    sparse, budget, None if budget is None else budget.max_selected
+  C, Z, L = draft + 1, pool.page_size, cfg.num_hidden_layers
+  r = _Round(
+    params,
+    lora,
+    cfg,
+    sampling,
+    key,
+    jnp.asarray(sampling.eos_ids or (-1,), jnp.int32),
+    # Drafts and verification write up to `draft` positions past a row's last: trash-page columns.
+    jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // Z) + 1))),
+    Z,
+    L if sparse is None else min(sparse.dense_layers, L),
+    draft,
+    policy.pool_decode_attention_fn(
+      sparse, budget, None if budget is None else budget.max_selected
+    ),
+    policy.pool_verify_attention_fn(),
+    policy.pool_decode_attention_fn(None, None, None),
+    None if budget is None else budget.pages_by_len,
+    None if budget is None else budget.draft_by_len,
   )
-  verify_fn = policy.pool_verify_attention_fn()
-  dense_fn = policy.pool_decode_attention_fn(None, None, None)
-  s0, k, C, Z = slots, draft, draft + 1, pool.page_size
-  pad_id, num_top = sampling.pad_id, sampling.num_top_logprobs
-  eos = jnp.asarray(sampling.eos_ids or (-1,), jnp.int32)
-  S, W = slots["token"].shape[0], rounds * C
-  # Drafts and verification write up to `draft` positions past a row's last: trash-page columns.
-  table = jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // Z) + 1)))
-  L = cfg.num_hidden_layers
-  L_dense = L if sparse is None else min(sparse.dense_layers, L)
-  pages_by_len = None if budget is None else budget.pages_by_len
-  out = dict(
-    tokens=jnp.full((S, W), pad_id, jnp.int32),
-    logprobs=jnp.zeros((S, W), jnp.float32),
-    alpha=jnp.full((S, W), jnp.nan, jnp.float32),
-  )
-  if num_top:
-    out.update(
-      top_lp=jnp.zeros((S, W, num_top), jnp.float32), top_id=jnp.zeros((S, W, num_top), jnp.int32)
-    )
-  count = dict(
-    rounds=jnp.zeros(S, jnp.int32),
-    emitted=jnp.zeros(S, jnp.int32),
-    drafted=jnp.zeros(S, jnp.int32),
-    judged=jnp.zeros(S, jnp.int32),
-    accepted=jnp.zeros(S, jnp.int32),
-    read=jnp.zeros(S, jnp.float32),
-    dense=jnp.zeros(S, jnp.float32),
-  )
-
-  def pages_read(length_S):  # KV pages x layers a decode step at cached length length_S reads
-    pages = -(-length_S // Z)
-    sparse_pages = pages if pages_by_len is None else jnp.minimum(pages_by_len[length_S], pages)
-    return (L_dense * pages + (L - L_dense) * sparse_pages).astype(jnp.float32)
-
-  draft_by_len = None if budget is None else budget.draft_by_len
+  B, M = slots["token"].shape[0], rounds * C
+  s0, out, count = slots, _round_outputs(B, M, sampling), _round_counters(B)
 
   def body(carry):
     j, pool, s, out, count = carry
     active, length = s["active"], s["length"]
-    # the drafts each row runs this round; the loop runs the most any running row does
-    k_S = jnp.full_like(length, k) if draft_by_len is None else jnp.minimum(draft_by_len[length], k)
-    keys_SC = jax.vmap(
-      lambda r, t: jax.vmap(lambda c: row_key(key, r, t + c))(jnp.arange(C, dtype=t.dtype))
+    k_B = _drafts_per_row(r, length)
+    keys_BC = jax.vmap(
+      lambda row, t: jax.vmap(lambda c: row_key(key, row, t + c))(jnp.arange(C, dtype=t.dtype))
     )(s["row"], s["n_gen"])
-
-    def draft_step(i, dc):
-      pool, token, drafts_Sk, logq_SkV, read = dc
-      layers = page_pool.layer_views(pool, table, length + i, active)
-      logits_SV, layers = qwen3.decode_step(
-        params, token, cfg, layers, attention_fn=draft_fn, lora=lora
-      )
-      token, logq_SV = speculative.draft_tokens(logits_SV, keys_SC[:, i], sampling)
-      return (
-        page_pool.from_layers(pool, layers),
-        token,
-        drafts_Sk.at[:, i].set(token),
-        logq_SkV.at[:, i].set(logq_SV),
-        read + jnp.where(i < k_S, pages_read(length + i + 1), 0.0),
-      )
-
-    V = cfg.vocab_size
-    drafting = (pool, s["token"], jnp.zeros((S, k), jnp.int32), jnp.zeros((S, k, V)), jnp.zeros(S))
-    if k:  # a program of dense rounds (k = 0) has no draft step to trace
-      drafts_run = k if draft_by_len is None else jnp.max(jnp.where(active, k_S, 0))
-      drafting = jax.lax.fori_loop(0, drafts_run, draft_step, drafting)
-    pool, _, drafts_Sk, logq_SkV, read = drafting
-    layers = page_pool.layer_views(pool, table, length, active)
-    if k:
-      tokens_SC = jnp.concatenate([s["token"][:, None], drafts_Sk], axis=1)
-      logits_SCV, new_kv = qwen3.verify_step(params, tokens_SC, cfg, layers, attention_fn=verify_fn)
-    else:  # a program of dense rounds: each a dense decode step, which appends x_0 as it does
-      logits_SV, layers = qwen3.decode_step(params, s["token"], cfg, layers, attention_fn=dense_fn)
-      logits_SCV = logits_SV[:, None]
-    logp_SCV = sampler.sampled_logp(
-      logits_SCV.reshape(S * C, V), sampling.temperature, sampling.top_p, sampling.top_k
-    ).reshape(S, C, V)
-    emitted_SC, n_acc_S, logp_SC, alpha_Sk = jax.vmap(speculative.accept_round)(
-      logp_SCV, logq_SkV, drafts_Sk, keys_SC, k_S
+    pool, drafts_Bd, logq_BdV, read_B = _draft(r, pool, s, k_B, keys_BC)
+    layers, new_kv, logp_BCV = _verify(r, pool, s, drafts_Bd)
+    emitted_BC, n_acc_B, logp_BC, alpha_Bd = jax.vmap(speculative.accept_round)(
+      logp_BCV, logq_BdV, drafts_Bd, keys_BC, k_B
     )
-    # What the row keeps: up to its first EOS and its max_new.
     c_C = jnp.arange(C)
-    eos_SC = jnp.isin(emitted_SC, eos) & (c_C[None] <= n_acc_S[:, None])
-    first_eos_S = jnp.where(jnp.any(eos_SC, axis=1), jnp.argmax(eos_SC, axis=1), C)
-    m_S = jnp.minimum(jnp.minimum(n_acc_S + 1, first_eos_S + 1), s["max_new"] - s["n_gen"])
-    m_S = jnp.where(active, m_S, 0)
-    keep_S = jnp.where(active, n_acc_S + 1, 0)
-    if k:  # the cache keeps x_0 and the accepted drafts, as dense decoding of them leaves it
-      layers = tuple(x.write_span(kv[0], kv[1], length, keep_S) for x, kv in zip(layers, new_kv))
+    m_B, first_eos_B = _kept(r, s, c_C, emitted_BC, n_acc_B)
+    keep_B = jnp.where(active, n_acc_B + 1, 0)
+    if draft:  # the cache keeps x_0 and the accepted drafts, as dense decoding of them leaves it
+      layers = tuple(x.write_span(kv[0], kv[1], length, keep_B) for x, kv in zip(layers, new_kv))
     pool = page_pool.from_layers(pool, layers)
-    cols_SC = jnp.where(
-      c_C[None] < m_S[:, None], (s["n_gen"] - s0["n_gen"])[:, None] + c_C[None], W
+    cols_BC = jnp.where(
+      c_C[None] < m_B[:, None], (s["n_gen"] - s0["n_gen"])[:, None] + c_C[None], M
     )
-    rows_SC = jnp.broadcast_to(jnp.arange(S)[:, None], (S, C))
-    put = lambda buf, x: buf.at[rows_SC, cols_SC].set(x, mode="drop")
-    alpha_SC = jnp.pad(alpha_Sk, ((0, 0), (0, 1)), constant_values=jnp.nan)
-    alpha_SC = jnp.where(c_C[None] < k_S[:, None], alpha_SC, jnp.nan)
-    out = dict(
-      out,
-      tokens=put(out["tokens"], emitted_SC),
-      logprobs=put(out["logprobs"], logp_SC),
-      alpha=put(out["alpha"], alpha_SC),
-    )
-    if num_top:
-      top_lp, top_id = jax.lax.top_k(logp_SCV, num_top)
-      out.update(top_lp=put(out["top_lp"], top_lp), top_id=put(out["top_id"], top_id))
-    n_gen = s["n_gen"] + m_S
-    kept_eos = first_eos_S < m_S
-    ended = active & (kept_eos | (n_gen >= s["max_new"]))
-    last_S = jnp.take_along_axis(emitted_SC, n_acc_S[:, None], axis=1)[:, 0]
-    dense_read_S = jnp.sum(
-      jnp.where(c_C[None] < m_S[:, None], L * -(-(length[:, None] + c_C[None] + 1) // Z), 0), axis=1
-    )
-    # Only what the row emits counts: a draft is judged where the round emits a token at its
-    # offset (an accepted draft or the residual after it), so the bonus token and the drafts past
-    # a rejection or past a cut by EOS or max_new are not (m_S is 0 in an idle slot).
-    count = dict(
-      rounds=count["rounds"] + active,
-      emitted=count["emitted"] + m_S,
-      drafted=count["drafted"] + jnp.where(active, k_S, 0),
-      judged=count["judged"] + jnp.minimum(m_S, k_S),
-      accepted=count["accepted"] + jnp.minimum(m_S, n_acc_S),
-      read=count["read"] + jnp.where(active, read + L * -(-length // Z), 0.0),
-      dense=count["dense"] + dense_read_S.astype(jnp.float32),
-    )
+    out = _write_round(out, cols_BC, c_C, k_B, emitted_BC, logp_BC, alpha_Bd, logp_BCV, sampling)
+    n_gen = s["n_gen"] + m_B
+    ended = active & ((first_eos_B < m_B) | (n_gen >= s["max_new"]))
+    last_B = jnp.take_along_axis(emitted_BC, n_acc_B[:, None], axis=1)[:, 0]
+    count = _count_round(r, count, s, c_C, m_B, k_B, n_acc_B, read_B)
     s = dict(
       s,
-      token=jnp.where(active, last_S, s["token"]),
-      length=length + keep_S,
+      token=jnp.where(active, last_B, s["token"]),
+      length=length + keep_B,
       n_gen=n_gen,
       active=active & ~ended,
     )
@@ -288,3 +231,138 @@ def speculative_chunk(
   cond = lambda carry: (carry[0] < rounds) & jnp.any(carry[2]["active"])
   rounds_run, pool, slots, out, count = jax.lax.while_loop(cond, body, (0, pool, slots, out, count))
   return pool, slots, out, rounds_run, count
+
+
+def _round_outputs(B, M, sampling):
+  """A speculative chunk's [B, M] output buffers, a column per emitted token."""
+  out = dict(
+    tokens=jnp.full((B, M), sampling.pad_id, jnp.int32),
+    logprobs=jnp.zeros((B, M), jnp.float32),
+    alpha=jnp.full((B, M), jnp.nan, jnp.float32),
+  )
+  if num_top := sampling.num_top_logprobs:
+    out.update(
+      top_lp=jnp.zeros((B, M, num_top), jnp.float32), top_id=jnp.zeros((B, M, num_top), jnp.int32)
+    )
+  return out
+
+
+def _round_counters(B):
+  """A speculative chunk's per-slot counters (`speculative_chunk`'s Returns), zero."""
+  counts = ("rounds", "emitted", "drafted", "judged", "accepted")
+  pages = dict(read=jnp.zeros(B, jnp.float32), dense=jnp.zeros(B, jnp.float32))
+  return dict({name: jnp.zeros(B, jnp.int32) for name in counts}, **pages)
+
+
+def _drafts_per_row(r: _Round, length_B):
+  """The drafts each row runs this round (the loop runs the most any running row does)."""
+  if r.draft_by_len is None:
+    return jnp.full_like(length_B, r.draft)
+  return jnp.minimum(r.draft_by_len[length_B], r.draft)
+
+
+def _pages_read(r: _Round, length_B):
+  """KV pages x layers a draft step at cached length length_B reads."""
+  L, L_dense = r.cfg.num_hidden_layers, r.dense_layers
+  pages = -(-length_B // r.page_size)
+  sparse_pages = pages if r.pages_by_len is None else jnp.minimum(r.pages_by_len[length_B], pages)
+  return (L_dense * pages + (L - L_dense) * sparse_pages).astype(jnp.float32)
+
+
+def _draft(r: _Round, pool, s, k_B, keys_BC):
+  """The round's drafts by the sparse actor, each row's first k_B of them counted -> (pool with
+  their KV written, drafts_Bd, their log-q logq_BdV, KV pages x layers read_B)."""
+  active, length = s["active"], s["length"]
+
+  def draft_step(i, dc):
+    pool, token, drafts_Bd, logq_BdV, read = dc
+    layers = page_pool.layer_views(pool, r.table_BP, length + i, active)
+    logits_BV, layers = qwen3.decode_step(
+      r.params, token, r.cfg, layers, attention_fn=r.draft_fn, lora=r.lora
+    )
+    token, logq_BV = speculative.draft_tokens(logits_BV, keys_BC[:, i], r.sampling)
+    return (
+      page_pool.from_layers(pool, layers),
+      token,
+      drafts_Bd.at[:, i].set(token),
+      logq_BdV.at[:, i].set(logq_BV),
+      read + jnp.where(i < k_B, _pages_read(r, length + i + 1), 0.0),
+    )
+
+  B, k, V = length.shape[0], r.draft, r.cfg.vocab_size
+  drafting = (pool, s["token"], jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V)), jnp.zeros(B))
+  if k:  # a program of dense rounds (k = 0) has no draft step to trace
+    drafts_run = k if r.draft_by_len is None else jnp.max(jnp.where(active, k_B, 0))
+    drafting = jax.lax.fori_loop(0, drafts_run, draft_step, drafting)
+  pool, _, drafts_Bd, logq_BdV, read_B = drafting
+  return pool, drafts_Bd, logq_BdV, read_B
+
+
+def _verify(r: _Round, pool, s, drafts_Bd):
+  """The dense policy's pass over the round's last token and its drafts -> (the cache's layers,
+  the drafts' new K/V (None without drafts), the dense log-probs logp_BCV)."""
+  layers = page_pool.layer_views(pool, r.table_BP, s["length"], s["active"])
+  if r.draft:
+    tokens_BC = jnp.concatenate([s["token"][:, None], drafts_Bd], axis=1)
+    logits_BCV, new_kv = qwen3.verify_step(
+      r.params, tokens_BC, r.cfg, layers, attention_fn=r.verify_fn
+    )
+  else:  # a program of dense rounds: each a dense decode step, which appends x_0 as it does
+    logits_BV, layers = qwen3.decode_step(
+      r.params, s["token"], r.cfg, layers, attention_fn=r.dense_fn
+    )
+    logits_BCV, new_kv = logits_BV[:, None], None
+  (B, C, V), t = logits_BCV.shape, r.sampling
+  logp_BCV = sampler.sampled_logp(
+    logits_BCV.reshape(B * C, V), t.temperature, t.top_p, t.top_k
+  ).reshape(B, C, V)
+  return layers, new_kv, logp_BCV
+
+
+def _kept(r: _Round, s, c_C, emitted_BC, n_acc_B):
+  """How many of the round's tokens each row keeps (up to its first EOS and its max_new; 0 in an
+  idle slot) -> (m_B, the first EOS's offset or C)."""
+  C = c_C.shape[0]
+  eos_BC = jnp.isin(emitted_BC, r.eos) & (c_C[None] <= n_acc_B[:, None])
+  first_eos_B = jnp.where(jnp.any(eos_BC, axis=1), jnp.argmax(eos_BC, axis=1), C)
+  m_B = jnp.minimum(jnp.minimum(n_acc_B + 1, first_eos_B + 1), s["max_new"] - s["n_gen"])
+  return jnp.where(s["active"], m_B, 0), first_eos_B
+
+
+def _write_round(out, cols_BC, c_C, k_B, emitted_BC, logp_BC, alpha_Bd, logp_BCV, sampling):
+  """The round's kept tokens written at their columns cols_BC (M: dropped) of `out`; a token past
+  a row's k_B drafts (a bonus token) has alpha NaN."""
+  B, C = cols_BC.shape
+  rows_BC = jnp.broadcast_to(jnp.arange(B)[:, None], (B, C))
+  put = lambda buf, x: buf.at[rows_BC, cols_BC].set(x, mode="drop")
+  alpha_BC = jnp.pad(alpha_Bd, ((0, 0), (0, 1)), constant_values=jnp.nan)
+  alpha_BC = jnp.where(c_C[None] < k_B[:, None], alpha_BC, jnp.nan)
+  out = dict(
+    out,
+    tokens=put(out["tokens"], emitted_BC),
+    logprobs=put(out["logprobs"], logp_BC),
+    alpha=put(out["alpha"], alpha_BC),
+  )
+  if num_top := sampling.num_top_logprobs:
+    top_lp, top_id = jax.lax.top_k(logp_BCV, num_top)
+    out.update(top_lp=put(out["top_lp"], top_lp), top_id=put(out["top_id"], top_id))
+  return out
+
+
+def _count_round(r: _Round, count, s, c_C, m_B, k_B, n_acc_B, read_B):
+  """The per-slot counters after the round. Only what the row emits counts: a draft is judged
+  where the round emits a token at its offset (an accepted draft or the residual after it), so
+  the bonus token and the drafts past a rejection or past a cut by EOS or max_new are not."""
+  active, length, L, Z = s["active"], s["length"], r.cfg.num_hidden_layers, r.page_size
+  dense_read_B = jnp.sum(
+    jnp.where(c_C[None] < m_B[:, None], L * -(-(length[:, None] + c_C[None] + 1) // Z), 0), axis=1
+  )
+  return dict(
+    rounds=count["rounds"] + active,
+    emitted=count["emitted"] + m_B,
+    drafted=count["drafted"] + jnp.where(active, k_B, 0),
+    judged=count["judged"] + jnp.minimum(m_B, k_B),
+    accepted=count["accepted"] + jnp.minimum(m_B, n_acc_B),
+    read=count["read"] + jnp.where(active, read_B + L * -(-length // Z), 0.0),
+    dense=count["dense"] + dense_read_B.astype(jnp.float32),
+  )

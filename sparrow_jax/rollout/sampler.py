@@ -21,14 +21,14 @@ from sparrow_jax.attention.select import SparseConfig
 
 @flax.struct.dataclass
 class Rollout:
-  tokens: jax.Array  # [B, N] completion tokens (EOS kept), pad_id after each row's length
-  logprobs: jax.Array  # [B, N] log-prob of each sampled token under the sampled distribution
+  tokens: jax.Array  # [B, M] completion tokens (EOS kept), pad_id after each row's length
+  logprobs: jax.Array  # [B, M] log-prob of each sampled token under the sampled distribution
   lengths: jax.Array  # [B] completion lengths
-  top_logprobs: Optional[jax.Array] = None  # [B, N, k] top-k of those log-probs per step (if asked)
-  top_ids: Optional[jax.Array] = None  # [B, N, k] their token ids
+  top_logprobs: Optional[jax.Array] = None  # [B, M, k] top-k of those log-probs per step (if asked)
+  top_ids: Optional[jax.Array] = None  # [B, M, k] their token ids
   # Speculative rollouts (rollout/speculative.py): the acceptance rate sum_x min(p, q) of the draft
   # at each token's position, NaN where no draft was proposed (a round's bonus token).
-  alpha: Optional[jax.Array] = None  # [B, N]
+  alpha: Optional[jax.Array] = None  # [B, M]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +124,15 @@ def sample_token(logits_BV, key, temperature: float, top_p: float, top_k: int):
 
 
 def full_sequences(prompt_BT, prompt_len_B, rollout: Rollout, pad_id: int = 0):
-  """Right-padded prompt + completion rows [B, T + N] (what the trainer re-scores), with the mask of
+  """Right-padded prompt + completion rows [B, T + M] (what the trainer re-scores), with the mask of
   completion tokens and each token's position."""
   prompt_BT = jnp.asarray(prompt_BT)
   B, T = prompt_BT.shape
-  N = rollout.tokens.shape[1]
-  idx_S = jnp.arange(T + N)
+  M = rollout.tokens.shape[1]
+  idx_S = jnp.arange(T + M)
   in_prompt = idx_S[None] < prompt_len_B[:, None]
-  gen_idx = jnp.clip(idx_S[None] - prompt_len_B[:, None], 0, N - 1)
+  gen_idx = jnp.clip(idx_S[None] - prompt_len_B[:, None], 0, M - 1)
   in_gen = ~in_prompt & (idx_S[None] < (prompt_len_B + rollout.lengths)[:, None])
-  prompt_pad = jnp.pad(prompt_BT, ((0, 0), (0, N)), constant_values=pad_id)
+  prompt_pad = jnp.pad(prompt_BT, ((0, 0), (0, M)), constant_values=pad_id)
   tokens = jnp.where(in_prompt, prompt_pad, jnp.take_along_axis(rollout.tokens, gen_idx, axis=1))
   return jnp.where(in_prompt | in_gen, tokens, pad_id), in_gen

@@ -231,18 +231,18 @@ class Scheduler:
     eos_ids: Sequence[int] = (),
   ):
     B, T = requests.prompt_BT.shape
-    G, Z = requests.group_size, page_size
+    n, Z = requests.group_size, page_size
     self.engine, self.Z, self.eos_ids = engine, Z, tuple(eos_ids)
-    self.group_size, self.first_row = G, requests.first_row
+    self.group_size, self.first_row = n, requests.first_row
     self.prompt_BT = np.pad(requests.prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages
     self.max_new = int(requests.max_new_B.max())
     self.max_pages_per_row = -(-(T + self.max_new) // Z)
     # groups a device prefills per prefill call
-    self.per_prefill = max(1, engine.num_slots // G)
+    self.per_prefill = max(1, engine.num_slots // n)
     self.rows = [
-      Row(b, b // G, int(requests.prompt_len_B[b]), int(requests.max_new_B[b])) for b in range(B)
+      Row(b, b // n, int(requests.prompt_len_B[b]), int(requests.max_new_B[b])) for b in range(B)
     ]
-    self.groups = [Group(list(range(g * G, (g + 1) * G)), unfinished=G) for g in range(B // G)]
+    self.groups = [Group(list(range(g * n, (g + 1) * n)), unfinished=n) for g in range(B // n)]
     order = list(range(B)) if order is None else [int(b) for b in order]
     if sorted(order) != list(range(B)):
       raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
@@ -324,10 +324,10 @@ class Scheduler:
     new groups (up to per_prefill a device) onto the device with the most free slots, as long as
     each device keeps its reserve. The admitted rows hold their slots and pages; they start once
     their first tokens are known (`set_first`, `start`)."""
-    engine, Z, C, R = self.engine, self.Z, self.engine.chunk_tokens, len(self.shards)
-    planned = [[] for _ in range(R)]
+    engine, Z, C, Y = self.engine, self.Z, self.engine.chunk_tokens, len(self.shards)
+    planned = [[] for _ in range(Y)]
     free_slots = [sh.slots.count(None) for sh in self.shards]
-    busy = [bool(self.running(r)) for r in range(R)]  # the static batch waits for empty
+    busy = [bool(self.running(r)) for r in range(Y)]  # the static batch waits for empty
     admitted = []
     for b in list(self.queue):
       row, group = self.rows[b], self.groups[self.rows[b].group]
@@ -341,7 +341,7 @@ class Scheduler:
         and len(self.shards[r].free_pages) >= need + (0 if engine.static else self.reserve(r))
       )
       if new_group:
-        options = [r for r in range(R) if len(planned[r]) < self.per_prefill and fits(r)]
+        options = [r for r in range(Y) if len(planned[r]) < self.per_prefill and fits(r)]
         if not options:
           continue
         r = max(options, key=lambda r: (free_slots[r], len(self.shards[r].free_pages), -r))
@@ -362,14 +362,14 @@ class Scheduler:
     return Admission(planned, admitted)
 
   def prefill_inputs(self, planned) -> tuple:
-    """(prompts [n, T], lengths [n], destination pages [n, T / Z], row indices [n, G], {group:
+    """(prompts [B, T], lengths [B], destination pages [B, T / Z], row indices [B, n], {group:
     its place}) for the planned groups, per_prefill places a shard (unused places: length-1
-    prompts written to the trash page)."""
-    n, T = len(self.shards) * self.per_prefill, self.prompt_BT.shape[1]
-    prompts = np.zeros((n, T), np.int32)
-    lens = np.ones(n, np.int32)
-    dest = np.zeros((n, T // self.Z), np.int32)
-    row_ids = np.zeros((n, self.group_size), np.int32)
+    prompts written to the trash page); n = group_size."""
+    B, T = len(self.shards) * self.per_prefill, self.prompt_BT.shape[1]
+    prompts = np.zeros((B, T), np.int32)
+    lens = np.ones(B, np.int32)
+    dest = np.zeros((B, T // self.Z), np.int32)
+    row_ids = np.zeros((B, self.group_size), np.int32)
     at = {}
     for r, group_ids in enumerate(planned):
       for j, g in enumerate(group_ids):
@@ -381,13 +381,13 @@ class Scheduler:
         row_ids[i], at[g] = np.asarray(group.rows) + self.first_row, i
     return prompts, lens, dest, row_ids, at
 
-  def set_first(self, at, token_nG, logp_nG, top=None):
+  def set_first(self, at, token_Bn, logp_Bn, top=None):
     """The first token (log-prob, top log-probs) of each prefilled group's rows."""
     for g, i in at.items():
       for j, b in enumerate(self.groups[g].rows):
         self.rows[b].first = (
-          int(token_nG[i, j]),
-          float(logp_nG[i, j]),
+          int(token_Bn[i, j]),
+          float(logp_Bn[i, j]),
           None if top is None else (top[0][i, j], top[1][i, j]),
         )
 
@@ -560,12 +560,12 @@ class Scheduler:
     """Host [B, max_new] tokens, logprobs, [B] lengths, [B, max_new, k] top_lp, top_id (None
     without top log-probs) and [B, max_new] alpha (speculative rollouts, else None) of every
     row."""
-    B, N = len(self.rows), self.max_new
-    tokens = np.full((B, N), pad_id, np.int32)
-    logprobs = np.zeros((B, N), np.float32)
+    B, M = len(self.rows), self.max_new
+    tokens = np.full((B, M), pad_id, np.int32)
+    logprobs = np.zeros((B, M), np.float32)
     lengths = np.asarray([len(r.tokens) for r in self.rows], np.int32)
-    top_lp = np.zeros((B, N, num_top), np.float32) if num_top else None
-    top_id = np.zeros((B, N, num_top), np.int32) if num_top else None
+    top_lp = np.zeros((B, M, num_top), np.float32) if num_top else None
+    top_id = np.zeros((B, M, num_top), np.int32) if num_top else None
     for r in self.rows:
       n = len(r.tokens)
       tokens[r.index, :n] = r.tokens
@@ -575,7 +575,7 @@ class Scheduler:
         top_id[r.index, :n] = np.stack([t[1] for t in r.top])
     alpha = None
     if self.engine.speculate:
-      alpha = np.full((B, N), np.nan, np.float32)
+      alpha = np.full((B, M), np.nan, np.float32)
       for r in self.rows:
         alpha[r.index, : len(r.alpha)] = r.alpha
     return tokens, logprobs, lengths, top_lp, top_id, alpha

@@ -48,9 +48,9 @@ def draft_tokens(logits_BV, token_keys_B, sampling: sampler.Sampling):
   return jax.vmap(one)(logits_BV, token_keys_B)
 
 
-def acceptance(logp_p_XV, logq_XV):
+def acceptance(logp_p_aV, logq_aV):
   """alpha = sum_x min(p(x), q(x)) per row: the probability that a draft from q is accepted."""
-  return jnp.sum(jnp.exp(jnp.minimum(logp_p_XV, logq_XV)), axis=-1)
+  return jnp.sum(jnp.exp(jnp.minimum(logp_p_aV, logq_aV)), axis=-1)
 
 
 def residual_logits(logp_p_V, logq_V):
@@ -61,63 +61,63 @@ def residual_logits(logp_p_V, logq_V):
   return jnp.where(jnp.sum(residual_V) > 0, jnp.log(residual_V), logp_p_V)
 
 
-def n_accepted(u_k, logp_d_k, logq_d_k, drafts=None):
+def n_accepted(u_d, logp_draft_d, logq_draft_d, drafts=None):
   """How many drafts a round keeps: draft i is kept when u_i < p(d_i) / q(d_i), up to the first
   that is not (and the first `drafts`, when given). Strict: u can be 0, and a draft the dense
   policy gives no mass is never kept."""
   # log u < log p - log q  <=>  u < p / q; q(d) > 0 (d was drawn from q), and u < 1.
-  ok_k = jnp.log(u_k) < logp_d_k - logq_d_k
+  ok_d = jnp.log(u_d) < logp_draft_d - logq_draft_d
   if drafts is not None:
-    ok_k &= jnp.arange(ok_k.shape[0]) < drafts
-  return jnp.sum(jnp.cumprod(ok_k.astype(jnp.int32)))
+    ok_d &= jnp.arange(ok_d.shape[0]) < drafts
+  return jnp.sum(jnp.cumprod(ok_d.astype(jnp.int32)))
 
 
-def accept_round(logp_p_CV, logq_kV, draft_k, token_keys_C, drafts=None):
+def accept_round(logp_p_CV, logq_dV, draft_d, token_keys_C, drafts=None):
   """One row's acceptance of k drafts (C = k + 1 positions).
 
   logp_p_CV: the dense distributions p_0 .. p_k after x_0, d_1 .. d_k (`sampler.sampled_logp`);
-  logq_kV: the drafts' distributions q_0 .. q_{k-1}; draft_k: d_1 .. d_k; token_keys_C: the keys
+  logq_dV: the drafts' distributions q_0 .. q_{k-1}; draft_d: d_1 .. d_k; token_keys_C: the keys
   of the tokens the round emits at offsets 0 .. k; drafts: the row's own draft count this round,
   at most k (exact mode's regime switch; the drafts past it are not judged; 0 draws the one token
-  from p_0). Returns (tokens_C, n_accepted, logp_C, alpha_k): the round emits
+  from p_0). Returns (tokens_C, n_accepted, logp_C, alpha_d): the round emits
   tokens_C[: n_accepted + 1] (the accepted drafts, then the residual or bonus token); logp_C their
-  log-probs under p; alpha_k each draft's acceptance rate."""
-  k = draft_k.shape[0]
+  log-probs under p; alpha_d each draft's acceptance rate."""
+  k = draft_d.shape[0]
   drafts = k if drafts is None else drafts
   keys = jax.vmap(draw_keys)(token_keys_C)
-  u_k = jax.vmap(jax.random.uniform)(keys[1][:k])
-  take = lambda logp_XV, x_X: jnp.take_along_axis(logp_XV, x_X[:, None], axis=1)[:, 0]
-  n = n_accepted(u_k, take(logp_p_CV[:k], draft_k), take(logq_kV, draft_k), drafts)
+  u_d = jax.vmap(jax.random.uniform)(keys[1][:k])
+  take = lambda logp_aV, ids_a: jnp.take_along_axis(logp_aV, ids_a[:, None], axis=1)[:, 0]
+  n = n_accepted(u_d, take(logp_p_CV[:k], draft_d), take(logq_dV, draft_d), drafts)
   # After all drafts accepted the bonus is drawn from p_n itself (a dense step's draw), at a
   # rejection from the residual against q_n.
   fix_V = logp_p_CV[n]
   if k:
-    residual_V = residual_logits(fix_V, logq_kV[jnp.minimum(n, k - 1)])
+    residual_V = residual_logits(fix_V, logq_dV[jnp.minimum(n, k - 1)])
     fix_V = jnp.where(n < drafts, residual_V, fix_V)
   fix = jax.random.categorical(keys[2][n], fix_V)
   fix = fix.astype(jnp.int32)
   C = k + 1
-  tokens_C = jnp.where(jnp.arange(C) < n, jnp.pad(draft_k, (0, 1)), fix)
-  alpha_k = acceptance(logp_p_CV[:k], logq_kV)
-  return tokens_C, n, take(logp_p_CV, tokens_C), alpha_k
+  tokens_C = jnp.where(jnp.arange(C) < n, jnp.pad(draft_d, (0, 1)), fix)
+  alpha_d = acceptance(logp_p_CV[:k], logq_dV)
+  return tokens_C, n, take(logp_p_CV, tokens_C), alpha_d
 
 
-def metrics(stats, alpha_BN, prompt_len_B, *, bin_size: int, num_bins: int) -> dict:
+def metrics(stats, alpha_BM, prompt_len_B, *, bin_size: int, num_bins: int) -> dict:
   """A speculative rollout's metrics from its engine stats (`engine.EngineStats`) and its
   per-token draft alpha (`Rollout.alpha`): rollout/accepted_per_round (tokens a row-round emits,
   the residual or bonus included), rollout/draft_acceptance (accepted / drafted),
   rollout/draft_alpha_mean(_bin) (the expected acceptance per position bin of bin_size tokens, as
   the tail statistics bin them) and kv/read_fraction: the KV pages the drafts and the
   verification passes read over what dense decoding of the same tokens reads."""
-  alpha_BN = np.asarray(alpha_BN, np.float64)
-  drafted = ~np.isnan(alpha_BN)
-  pos_BN = np.asarray(prompt_len_B)[:, None] + np.arange(alpha_BN.shape[1])[None]
-  bin_BN = np.minimum(pos_BN // bin_size, num_bins)  # num_bins: past the last bin
-  by_bin = [alpha_BN[drafted & (bin_BN == b)] for b in range(num_bins)]
+  alpha_BM = np.asarray(alpha_BM, np.float64)
+  drafted = ~np.isnan(alpha_BM)
+  pos_BM = np.asarray(prompt_len_B)[:, None] + np.arange(alpha_BM.shape[1])[None]
+  bin_BM = np.minimum(pos_BM // bin_size, num_bins)  # num_bins: past the last bin
+  by_bin = [alpha_BM[drafted & (bin_BM == b)] for b in range(num_bins)]
   return {
     "rollout/accepted_per_round": stats.accepted_per_round,
     "rollout/draft_acceptance": stats.draft_acceptance,
-    "rollout/draft_alpha_mean": float(np.mean(alpha_BN[drafted])) if drafted.any() else np.nan,
+    "rollout/draft_alpha_mean": float(np.mean(alpha_BM[drafted])) if drafted.any() else np.nan,
     "rollout/draft_alpha_mean_bin": np.asarray(
       [float(np.mean(a)) if a.size else np.nan for a in by_bin], np.float32
     ),

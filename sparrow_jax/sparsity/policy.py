@@ -286,10 +286,10 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
     Z, dtype = pool.page_size, pool.dtype
 
     def local(
-      q_BKGE, k_stored, v_stored, summaries, page_table_BN, active_B, lengths_B, pages_by_len
+      q_BKGE, k_stored, v_stored, summaries, page_table_BP, active_B, lengths_B, pages_by_len
     ):
       B, K = q_BKGE.shape[:2]
-      X, PR = k_stored.shape[2], page_table_BN.shape[1]
+      X, PR = k_stored.shape[2], page_table_BP.shape[1]
       lengths_B = jnp.where(active_B, lengths_B, 0)
       n_pages_B = -(-lengths_B // Z)
       k_pages, v_pages = page_pool.local_pages(k_stored, v_stored, dtype)
@@ -297,15 +297,15 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
 
       def read(size):
         def fn(q_BKGE):
-          table_BKN = jnp.broadcast_to(page_table_BN[:, None, :size], (B, K, size))
+          table_BKN = jnp.broadcast_to(page_table_BP[:, None, :size], (B, K, size))
           if dense:
             logical_BKN = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, K, size))
             n_valid_BK = jnp.broadcast_to(n_pages_B[:, None], (B, K)).astype(jnp.int32)
           else:
-            summary_BKNSE = summaries[0][:, page_table_BN[:, :size]].transpose(1, 0, 2, 3, 4)
+            summary_BKNRE = summaries[0][:, page_table_BP[:, :size]].transpose(1, 0, 2, 3, 4)
             logical_BKN, n_valid_BK = select.decode_pages(
               q_BKGE,
-              summary_BKNSE,
+              summary_BKNRE,
               lengths_B,
               pages_by_len[lengths_B],
               sparse,
@@ -366,16 +366,16 @@ def pool_verify_attention_fn():
     del layer
     Z, dtype = pool.page_size, pool.dtype
 
-    def local(q_BKCGE, k_BKCE, v_BKCE, k_stored, v_stored, page_table_BN, active_B, lengths_B):
+    def local(q_BKCGE, k_BKCE, v_BKCE, k_stored, v_stored, page_table_BP, active_B, lengths_B):
       B, K = q_BKCGE.shape[:2]
-      X, PR = k_stored.shape[2], page_table_BN.shape[1]
+      X, PR = k_stored.shape[2], page_table_BP.shape[1]
       lengths_B = jnp.where(active_B, lengths_B, 0)
       k_pages, v_pages = page_pool.local_pages(k_stored, v_stored, dtype)
       head_base_1K1 = (jnp.arange(K, dtype=jnp.int32) * X)[None, :, None]
 
       def read(size):
         def fn(q_BKCGE, k_BKCE, v_BKCE):
-          page_BKN = page_table_BN[:, None, :size] + head_base_1K1
+          page_BKN = page_table_BP[:, None, :size] + head_base_1K1
           return reference.paged_verify_attention(
             q_BKCGE, k_pages, v_pages, page_BKN, lengths_B, k_BKCE, v_BKCE
           )
