@@ -96,6 +96,13 @@ def test_rows_end_at_eos_or_their_own_max_new_tokens(reference_run):
   assert (lengths > 10).sum() >= 2  # the sampled rows are long enough to exercise paging
 
 
+def test_rollouts_come_back_as_host_arrays(reference_run):
+  """The scheduler gathers rows on the host; the caller places them once (the trainer's step)."""
+  out, _ = reference_run
+  for name, x in out.__dict__.items():
+    assert x is None or type(x) is np.ndarray, (name, type(x))
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_logprobs_equal_the_teacher_forced_forward(reference_run, sparse):
   out = reference_run[0] if sparse else run(sparse=False)[0]

@@ -357,6 +357,11 @@ class Rows(NamedTuple):
     """This process's rows (host data) -> the global array of every row."""
     return sharding.from_local_rows(np.asarray(local), self.sharding, self.count)
 
+  def every_row(self, local, placed):
+    """Every row's value on this host: `local` (host data) where this process holds every row,
+    else the global array `placed` gathered from the other processes."""
+    return local if self.hi - self.lo == self.count else sharding.to_host(placed)
+
 
 @dataclasses.dataclass
 class Run:

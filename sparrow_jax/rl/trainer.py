@@ -110,34 +110,32 @@ def _step(c, run: build.Run, state, step: int, key):
   problems = run.task.sample(n, step * n)[rows.lo // group : rows.hi // group]
   prompt, prompt_len = _prompts(problems, run.tokenizer, group, r.max_prompt_len)
   requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, group, first_row=rows.lo)
-  rollout, engine_stats = run.sample(state, requests, key, budget)
+  rollout, engine_stats = run.sample(state, requests, key, budget)  # host arrays, this process's
   rollout_s = time.time() - t0
-  rollout = jax.tree.map(np.asarray, rollout)  # this process's rows, on the host
   grades = run.task.grade(
     _responses(rollout, run.tokenizer), [p for p in problems for _ in range(group)]
   )
   rewards = np.asarray([g.reward for g in grades], np.float32)
-  placed = jax.tree.map(rows.place, (prompt, prompt_len, rollout, rewards))
+  placed = jax.tree.map(rows.place, (prompt, prompt_len, rollout, rewards))  # their one trip there
   batch = run.to_batch(*placed)
   t1 = time.time()
   state, metrics = run.train_step(state, batch, None if budget is None else budget.table)
   metrics = jax.tree.map(sharding.to_host, metrics)
   # this process's responses the sandbox ran out of its batch's time budget for
   metrics["grading/budget_exceeded"] = sum(g.reason == "budget_exceeded" for g in grades)
-  lengths = sharding.to_host(placed[2].lengths)
   out = hooks.StepOutput(
     step,
     budget,
-    sharding.to_host(placed[1]),
-    lengths,
+    rows.every_row(prompt_len, placed[1]),
+    rows.every_row(rollout.lengths, placed[2].lengths),
     engine_stats,
     rollout_s,
     time.time() - t1,
     state,
   )
   if run.engine_cfg.speculate:  # exact mode: the drafts' acceptance, read with the verification's
-    alpha = sharding.to_host(placed[2].alpha)
     stats = dict(bin_size=c.stats.bin_size, num_bins=c.stats.num_bins)
+    alpha = rows.every_row(rollout.alpha, placed[2].alpha)
     metrics.update(speculative.metrics(engine_stats, alpha, out.prompt_len_B, **stats))
   return state, out, metrics
 

@@ -217,7 +217,9 @@ def run(
       engine.speculate.
 
   Returns:
-    (sampler.Rollout, EngineStats): the rollout's arrays are [B, M] with M = max(max_new_B).
+    (sampler.Rollout, EngineStats): the rollout's arrays are host (numpy) arrays, [B, M] with
+    M = max(max_new_B): the scheduler gathers them on the host, and the caller places them once
+    where it needs them (the trainer on its mesh, `generate` on the context mesh).
 
   Raises:
     ValueError: a prompt width plus max_new_B beyond the model's positions, or a draft_plan given
@@ -352,7 +354,8 @@ def generate(
       `sparse`; 0 (default) is off.
 
   Returns:
-    sampler.Rollout: tokens [B, M] with M = max_new_tokens (pad after a row's end), logprobs [B, M]
+    sampler.Rollout, host (numpy) arrays, or global arrays on the context mesh when one is set:
+    tokens [B, M] with M = max_new_tokens (pad after a row's end), logprobs [B, M]
     of the policy sampled, lengths [B]; top log-probs [B, M, k] with
     `sampling.num_top_logprobs`; with `speculate`, alpha [B, M], each drafted token's acceptance
     rate (NaN where nothing was drafted).
@@ -399,5 +402,4 @@ def generate(
 
 def _rollout(sched: scheduler.Scheduler, sampling: sampler.Sampling) -> sampler.Rollout:
   outputs = sched.outputs(sampling.num_top_logprobs, sampling.pad_id)
-  as_jax = lambda x: None if x is None else jnp.asarray(x)
-  return sampler.Rollout(*map(as_jax, outputs))
+  return sampler.Rollout(*outputs)  # host arrays

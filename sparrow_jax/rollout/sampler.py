@@ -21,6 +21,9 @@ from sparrow_jax.attention.select import SparseConfig
 
 @flax.struct.dataclass
 class Rollout:
+  """A batch of rollouts: host (numpy) arrays as `engine.run` gathers them, global arrays where
+  they are placed on a mesh (the trainer's step, `generate` under a mesh)."""
+
   tokens: jax.Array  # [B, M] completion tokens (EOS kept), pad_id after each row's length
   logprobs: jax.Array  # [B, M] log-prob of each sampled token under the sampled distribution
   lengths: jax.Array  # [B] completion lengths
