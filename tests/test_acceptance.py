@@ -90,6 +90,7 @@ def _topk(logits, k):
   return jax.lax.top_k(logp, k)
 
 
+@pytest.mark.slow
 def test_topk_bound_is_below_exact_and_tight_at_full_vocab():
   p, q = _pair(seed=11, shape=(3, 4, 100))
   exact = np.asarray(acceptance.acceptance_rate(p, q))
@@ -140,6 +141,7 @@ def _np_summary(values, tau=0.86):
   }
 
 
+@pytest.mark.slow
 def test_tail_stats_match_numpy_overall_and_per_bin_under_jit():
   alpha, mask, positions = _tail_inputs()
   num_bins, bin_size = 12, 64  # positions reach 949: bins 0..11 cover 768, the rest is overall only

@@ -15,8 +15,6 @@ from sparrow_jax.model import qwen3
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 B, T, K, G, E = 2, 77, 2, 3, 16
 BLOCKS = dict(block_q=16, block_k=32)  # several query and key blocks, T not a multiple of either
 
@@ -50,6 +48,7 @@ def assert_same_with_grads(fn_a, fn_b, args, atol):
     np.testing.assert_allclose(got, want, atol=atol)
 
 
+@pytest.mark.slow
 def test_dense_blockwise_matches_reference_values_and_gradients():
   q, k, v, mask = qkv_and_mask()
   ref = lambda q, k, v: reference.dense_attention(q, k, v, causal(mask))
@@ -58,6 +57,7 @@ def test_dense_blockwise_matches_reference_values_and_gradients():
   assert float(jnp.abs(out[0, :9]).max()) == 0.0  # nothing to attend to: zeros, not NaN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_score", ["mean", "quest"])
 def test_sparse_blockwise_reads_the_pages_of_the_reference_mask(page_score):
   q, k, v, mask = qkv_and_mask()
@@ -99,6 +99,7 @@ def test_query_offset_continues_the_rows():
   np.testing.assert_allclose(tail, full[:, 48:], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_equals_one_chunk():
   cfg = tiny_config(num_hidden_layers=3)
   params = sj.init_params(cfg, jax.random.PRNGKey(1), std=0.3)
@@ -119,6 +120,7 @@ def test_chunked_prefill_equals_one_chunk():
   np.testing.assert_allclose(logits_a, ref[jnp.arange(3), prompt_len - 1], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_group_shared_prefill_samples_the_same():
   sparse = select.SparseConfig(page_size=4, dense_layers=1)
   cfg = tiny_config(num_hidden_layers=2)
@@ -137,6 +139,7 @@ def test_group_shared_prefill_samples_the_same():
     sj.generate(params, cfg, prompt, prompt_len, jax.random.PRNGKey(3), prefill_group=2, **kwargs)
 
 
+@pytest.mark.slow
 def test_chunked_lm_head_matches_full_logits_with_gradients():
   cfg = tiny_config(tie_word_embeddings=False)
   params = sj.init_params(cfg, jax.random.PRNGKey(4), std=0.3)
@@ -162,6 +165,7 @@ def test_chunked_lm_head_matches_full_logits_with_gradients():
   )
 
 
+@pytest.mark.nightly
 def test_remat_policies_and_mlp_chunks_give_the_same_gradients(monkeypatch):
   """remat full (the custom_vjp that keeps each layer's input as integer bits) and remat attention
   (which also keeps the attention's output) give remat none's gradients of params and LoRA through

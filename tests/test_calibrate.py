@@ -20,8 +20,6 @@ from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
@@ -122,6 +120,7 @@ def reference_surface(tokens_BS, gen_mask_BS, cands, num_bins):
   return tuple(jnp.stack([r[name] for r in rows]) for name in ("p5_bin", "mean_bin"))
 
 
+@pytest.mark.slow
 def test_tail_surface_matches_per_candidate_computation(rows):
   tokens_BS, gen_mask_BS = rows
   cands = (0, 1, 3, 16)  # 16 top-k + 3 covers all 16 pages of 61 tokens
@@ -201,6 +200,7 @@ def test_topk_bound_from_logits_matches_numpy():
     topk_bound_from_logits(p, q, k=31)
 
 
+@pytest.mark.slow
 def test_topk20_surface_is_below_exact_and_picks_larger_budgets(rows):
   cands = (0, 1, 3, 16)
   exact, topk20 = (
@@ -234,6 +234,7 @@ def test_unknown_alpha_is_rejected_by_name():
     cal.CalibrationConfig(alpha="top20")
 
 
+@pytest.mark.nightly
 def test_on_policy_scores_each_candidate_on_its_own_rollouts(capsys):
   prompts = [PROMPT[0, : PROMPT_LEN[0]].tolist(), PROMPT[1, : PROMPT_LEN[1]].tolist()]
   key, cands = jax.random.PRNGKey(7), (1, 3, 12)  # 12 + 3 pages cover 21 + 30 tokens: dense
@@ -299,6 +300,7 @@ def _plan(mean_Ub, ks=(1, 2, 4, 8, 16)):
   return cal.speculative_plan(mean_Ub, PLAN_CANDS, QWEN, SparseConfig(), bin_size=2048, ks=ks)
 
 
+@pytest.mark.slow
 def test_speculative_plan_moves_the_way_the_algebra_says():
   bins = 12
   # One budget's acceptance raised in every bin at once: the chosen k never falls, no acceptance
@@ -364,6 +366,7 @@ def test_default_candidates():
   assert list(small) == sorted(set(small))
 
 
+@pytest.mark.slow
 def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   rng = np.random.RandomState(3)
   prompts = tmp_path / "prompts.jsonl"

@@ -17,11 +17,10 @@ from tests import fake_bucket
 from tests.helpers import subprocess_env
 from tests.test_trainer import small
 
-pytestmark = pytest.mark.slow
-
 LEASE = dict(lease_s=2.0, settle_s=0.2)
 
 
+@pytest.mark.slow
 def test_run_on_an_object_store_writes_there_and_resumes(tmp_path, monkeypatch):
   """Checkpoints, metrics.jsonl, TensorBoard events, config and summary, the HF export: all in
   the bucket, the lock released; a longer run resumes from the bucket's step-2 checkpoint."""
@@ -68,6 +67,7 @@ HOLD = (
 )
 
 
+@pytest.mark.slow
 def test_lease_refuses_another_process_and_is_taken_over_once_stale(tmp_path, monkeypatch):
   """Another process's lease is refused, for longer than the lease (its heartbeat keeps it
   fresh); once that process is killed (SIGKILL: nothing released), it is taken over as stale

@@ -25,6 +25,7 @@ def _dense_inputs(seed, dtype, S=1024, poison_from=None):
   return q, kc, vc, lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_tpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_decode_equals_the_whole_cache_reference(impl, dtype):
@@ -40,6 +41,7 @@ def test_dense_decode_equals_the_whole_cache_reference(impl, dtype):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_tpu"])
 def test_dense_decode_reads_nothing_past_the_longest_row(impl):
   """NaN in every slot from 1024 on (the longest row holds 600 tokens; no kernel or XLA block
@@ -60,6 +62,7 @@ def _module(fn, platform, dtype, *shapes):
   ).mlir_module()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "platform,has,lacks",
   [("cuda", TRITON, MOSAIC), ("tpu", MOSAIC, TRITON), ("cpu", None, (TRITON, MOSAIC))],

@@ -35,8 +35,6 @@ from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from tests import copy_model as cm
 
-pytestmark = pytest.mark.slow
-
 SPARSE = SparseConfig(page_size=4, dense_layers=0)  # either of the 2 layers can recall: none dense
 SCHEDULE = KVSchedule.fixed(6, page_size=4)  # sink + 2 local + 3 selected pages
 GROUP, PROMPTS_PER_STEP, STEPS = 4, 16, 30
@@ -111,6 +109,7 @@ def distill(pretrain_seed=0, seed=0):
   return before, after
 
 
+@pytest.mark.nightly
 def test_distill_sparse_raises_held_out_p5():
   before, after = distill()
   p5_before, p5_after = np.percentile(before, 5), np.percentile(after, 5)

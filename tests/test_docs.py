@@ -203,6 +203,21 @@ def test_readme_keeps_the_ci_command():
   assert ci[0] in _read(README).splitlines()
 
 
+def test_tiers_are_chosen_test_by_test():
+  """Markers sit on tests, not on whole files; CI runs every tier but nightly, whose own command
+  docs/testing.md gives."""
+  for path in glob.glob(os.path.join(ROOT, "tests", "test_*.py")):
+    file_mark = re.search(r"^pytestmark\s*=", _read(path), re.M)
+    assert not file_mark, f"{path}: mark the tests that are slow, not the file"
+  ci = next(
+    line for line in _read(os.path.join(ROOT, ".ci", "run")).splitlines() if "pytest" in line
+  )
+  assert '-m "not nightly"' in ci
+  assert "python -m pytest -q -n 2 --dist loadfile -m nightly tests" in _read(
+    os.path.join(ROOT, "docs", "testing.md")
+  )
+
+
 def test_link_checker_sees_links():
   """The checks above cannot pass vacuously: links, images, anchors and code are told apart."""
   text = (

@@ -14,8 +14,6 @@ from sparrow_jax.sparsity.schedule import KVSchedule
 from tests import helpers
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
@@ -68,6 +66,7 @@ def reference_run():
   return run()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "placement",
   [
@@ -103,6 +102,7 @@ def test_rollouts_come_back_as_host_arrays(reference_run):
     assert x is None or type(x) is np.ndarray, (name, type(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse", [False, True])
 def test_logprobs_equal_the_teacher_forced_forward(reference_run, sparse):
   out = reference_run[0] if sparse else run(sparse=False)[0]
@@ -114,6 +114,7 @@ def test_logprobs_equal_the_teacher_forced_forward(reference_run, sparse):
     assert float(np.abs(np.where(valid, out.logprobs - dense, 0)).max()) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse", [False, True])
 def test_greedy_rows_are_the_teacher_forced_argmax(sparse):
   """Each greedy token is the argmax of the teacher-forced forward at its position (dense, or sparse
@@ -130,6 +131,7 @@ def test_greedy_rows_are_the_teacher_forced_argmax(sparse):
   np.testing.assert_array_equal(np.asarray(out.tokens), argmax)
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_every_row_completes_them_unchanged(reference_run):
   """24 pages: at most two rows near the cap at once besides the prompts, so rows are preempted
   and decoded again; no row is lost or truncated and none changes."""
@@ -139,6 +141,7 @@ def test_a_pool_too_small_for_every_row_completes_them_unchanged(reference_run):
   assert_same_rows(out, reference_run[0])
 
 
+@pytest.mark.slow
 def test_static_batch_same_rows_more_pages_less_occupancy(reference_run):
   out, static = run(static=True, slots=4, chunk=4)
   assert_same_rows(out, reference_run[0])
@@ -159,6 +162,7 @@ def test_drain_slots_decode_only_the_rows_left(reference_run):
     engine.EngineConfig(num_slots=5, drain_slots=5)
 
 
+@pytest.mark.slow
 def test_top_logprobs_and_no_recompilation_across_lengths():
   out, _ = run(num_top_logprobs=3, slots=3, chunk=8)
   valid = np.arange(out.tokens.shape[1])[None] < np.asarray(out.lengths)[:, None]

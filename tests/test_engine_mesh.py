@@ -15,8 +15,6 @@ import pytest
 from tests.helpers import subprocess_env
 from tests.test_sharding import ROOT, run_on_fake_devices
 
-pytestmark = pytest.mark.slow
-
 SETUP = textwrap.dedent("""
     import jax, numpy as np
     import sparrow_jax as sj
@@ -84,6 +82,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.nightly
 def test_engine_on_a_2x2x2_mesh_and_on_two_processes_equals_one_device(tmp_path):
   one = tmp_path / "one.npz"
   assert "OK" in run_on_fake_devices("import sys\n" + MESH.replace("sys.argv[1]", repr(str(one))))

@@ -14,8 +14,6 @@ from experiments import evaluate as evaluate_script
 from sparrow_jax.rl import build, evaluate
 from tests.helpers import write_tiny_hf_dir
 
-pytestmark = pytest.mark.slow
-
 CORPUS = [
   "What is 12 + 7 * 3 - 4? Calculate the following expression.",
   "Please reason step by step, and put your final answer within \\boxed{}.",
@@ -72,6 +70,7 @@ def _tiny_model_dir(directory):
   return directory
 
 
+@pytest.mark.nightly
 def test_evaluate_end_to_end_on_reasoning_gym(tmp_path, run_experiment):
   model_dir = _tiny_model_dir(tmp_path / "model")
   out = tmp_path / "eval" / "results.json"

@@ -12,11 +12,10 @@ import sparrow_jax as sj
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.sparsity.schedule import KVSchedule
 
-pytestmark = pytest.mark.slow
-
 SHORT = {"task.min_hops": 4, "task.max_hops": 4}  # ~30-token prompts, 18-token answers
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize("module", [calibrate, evaluate, measure_tiny])
 def test_configs_share_the_trainers_fields(module):
   """A field an experiment shares with the trainer holds the trainer's default unless the
@@ -32,6 +31,7 @@ def test_configs_share_the_trainers_fields(module):
         assert c[group][name] == trainer[group][name], (module.__name__, group, name)
 
 
+@pytest.mark.nightly
 def test_pretrain_config_builds_the_shipped_architecture():
   from experiments import pretrain_tiny as script
 
@@ -39,6 +39,7 @@ def test_pretrain_config_builds_the_shipped_architecture():
   assert script.model_config(pretrain_tiny.get_config()) == shipped
 
 
+@pytest.mark.nightly
 def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
   stdout = run_experiment(
     "calibrate_schedule",
@@ -63,6 +64,7 @@ def test_calibrate_shipped_model_on_policy(tmp_path, run_experiment):
   assert (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.nightly
 def test_evaluate_shipped_model_sparse_under_the_calibrated_schedule(tmp_path, run_experiment):
   out = tmp_path / "eval.json"
   stdout = run_experiment(
@@ -88,6 +90,7 @@ def test_evaluate_shipped_model_sparse_under_the_calibrated_schedule(tmp_path, r
   assert (tmp_path / "eval_tb").is_dir()
 
 
+@pytest.mark.nightly
 def test_measure_tiny_shipped_model(tmp_path, run_experiment):
   out = tmp_path / "measurements.json"
   stdout = run_experiment(
@@ -117,6 +120,7 @@ def test_measure_tiny_shipped_model(tmp_path, run_experiment):
   assert results["small_budget"]["pages"] == 3
 
 
+@pytest.mark.nightly
 def test_pretrain_tiny_exports_and_resumes(tmp_path, run_experiment):
   workdir, export = tmp_path / "work", tmp_path / "export"
   # one small curriculum level: 2-hop tables, 4 rows of 64 tokens

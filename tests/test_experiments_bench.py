@@ -16,8 +16,6 @@ import pytest
 import sparrow_jax as sj
 from tests.helpers import load_file
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,6 +40,7 @@ def _run(script, *overrides, check=True):
   return result
 
 
+@pytest.mark.nightly
 def test_cost_report_prints_both_tables_and_writes_them_as_a_record(tmp_path):
   """One run (`out` only adds the JSON record): its tables print, and the record holds them."""
   path = tmp_path / "cost_model.json"
@@ -94,6 +93,7 @@ def _load_pages():
   return load_file("docs/make_results_pages.py")
 
 
+@pytest.mark.nightly
 def test_bench_attention_prints_a_row_per_context_and_writes_them_as_a_record(tmp_path):
   """One run (the record's `out` only adds the JSON): a row per context, the record's rows."""
   path = tmp_path / "decode_attention.json"
@@ -129,6 +129,7 @@ def test_bench_attention_prints_a_row_per_context_and_writes_them_as_a_record(tm
     assert f"| {row['select_ms']:.3f} | {row['select_ratio']:.1f}x | " in page
 
 
+@pytest.mark.nightly
 def test_bench_decode_filled_cache_is_a_prefilled_cache():
   """The random cache bench_decode decodes from: keys/values in slots [0, context), page centroids
   of exactly those keys, nothing after, lengths = context."""
@@ -148,6 +149,7 @@ def test_bench_decode_filled_cache_is_a_prefilled_cache():
     )
 
 
+@pytest.mark.nightly
 def test_bench_decode_prints_a_row_per_dense_layers_and_writes_a_record(tmp_path):
   """With `out`: a row per dense_layers, its printed rows are the record's and the page's."""
   path = tmp_path / "decode_rollout.json"
@@ -192,6 +194,7 @@ def test_bench_decode_prints_a_row_per_dense_layers_and_writes_a_record(tmp_path
     ) in page
 
 
+@pytest.mark.nightly
 def test_bench_tunix_reruns_under_tunix_python_and_records_only_what_ran(tmp_path):
   """With tunix.python set the script reruns there: in an interpreter without google-tunix it says
   how to make one (with tunix it runs the tiny comparison instead), and writes no record; with
@@ -217,6 +220,7 @@ def test_bench_tunix_reruns_under_tunix_python_and_records_only_what_ran(tmp_pat
     assert "## End-to-end decode" not in page and "## Against tunix" in page
 
 
+@pytest.mark.nightly
 def test_tunix_figures_print_and_render_alike(capsys):
   """bench_tunix's figures, from made-up call times (google-tunix is not a dependency): what the
   script prints and what the page shows are the same figures."""
@@ -257,6 +261,7 @@ def test_tunix_figures_print_and_render_alike(capsys):
   assert "| 3.10 (0.78x) | 4.40 (1.10x) |" in page
 
 
+@pytest.mark.nightly
 def test_step_probes_replace_the_engines_attention_and_nothing_after():
   """bench_tunix's step split: each stand-in changes what the engine's decode computes (so it took
   the attention's place), and the engine's own decode is unchanged after and between them."""
@@ -294,6 +299,7 @@ def test_step_probes_replace_the_engines_attention_and_nothing_after():
     np.testing.assert_array_equal(run(), before)
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "script, override, message",
   [
@@ -311,6 +317,7 @@ def test_bad_settings_fail_naming_the_value(script, override, message):
   assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.nightly
 def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
   """At toy size: the static batch and the engine, dense and sparse, run the same forced lengths
   over one pool; the record carries its provenance."""
@@ -337,6 +344,7 @@ def test_bench_engine_runs_both_settings_and_writes_its_record(tmp_path):
   assert set(report["results"]["ratios"]) >= {"engine/static dense", "sparse/dense engine"}
 
 
+@pytest.mark.nightly
 def test_bench_exact_times_every_setting_and_renders_its_verdicts(tmp_path):
   """bench_exact at toy size: a row per setting and shape, in the record as printed, the switch's
   plan in its row, and the page's verdict lines from them."""
@@ -366,6 +374,7 @@ def test_bench_exact_times_every_setting_and_renders_its_verdicts(tmp_path):
   assert page.count("never slower than dense") == 2
 
 
+@pytest.mark.nightly
 def test_bench_train_step_times_both_settings_and_writes_its_record(tmp_path):
   """At toy size: the full-length and the bucketed step run the same rows; the record carries the
   micro-batches' buckets, which the long-tailed rows spread over more than one."""
@@ -389,6 +398,7 @@ def test_bench_train_step_times_both_settings_and_writes_its_record(tmp_path):
   assert all(b in (48, 64, 96) for b in r["micro_batch_buckets"]), r["micro_batch_buckets"]
 
 
+@pytest.mark.nightly
 def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   """Qwen3-0.6B at full width, 3 of its layers (2 dense, 1 sparse; a full-depth compile is what the
   script is for, the test checks the parts and figures), 512-token rows: every table prints and the
@@ -422,6 +432,7 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   assert tpu.returncode != 0 and "compiles the parts train and sampler" in tpu.stderr
 
 
+@pytest.mark.nightly
 def test_device_check_smoke_runs_every_part(tmp_path):
   """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
   matches its twin, and the attention, decode, engine and training-attention tables are measured."""
@@ -455,6 +466,7 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert result.stdout.rstrip().endswith("|")  # the summary table comes last
 
 
+@pytest.mark.nightly
 def test_device_check_finishes_when_a_part_fails(tmp_path, capsys, monkeypatch):
   """A part that raises prints its traceback; the parts after it still run, the JSON (rewritten
   after every part) holds every part, and the summary names the failure."""

@@ -41,6 +41,7 @@ def _masked_loss(fn, mask_BT):
   return lambda q, k, v: jnp.sum(jnp.where(keep, fn(q, k, v, mask_BT) * weight_E, 0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padding", MASKS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fused_paths_equal_blockwise_on_valid_queries(impl, padding):
@@ -106,6 +107,7 @@ def test_blockwise_takes_16_bit_operands_off_cpu(monkeypatch):
   np.testing.assert_allclose(np.float32(fn(q, k, v)), want, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_model_lowered_for_tpu_runs_splash_forward_and_backward():
   """jax.export for "tpu" (no TPU needed) of the policy's loss gradient at Qwen3 head size: the
   scanned layers' attention is the splash kernels (forward, dq and dkv); on CPU the same function

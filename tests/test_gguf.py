@@ -153,6 +153,7 @@ def tiny(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_f32_round_trip_is_exact(tiny):
   cfg, params = sj.load_hf(str(tiny["root"] / "hf_f32"))
   assert cfg == tiny["cfg"]
@@ -178,7 +179,6 @@ def test_quantized_round_trip_equals_gguf_dequantize(tiny):
   assert not np.array_equal(got, original)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["f32", "q"])
 def test_logits_equal_transformers_gguf_loader(tiny, kind):
   """transformers' own GGUF loader (which undoes the Q/K permutation its own way) gives the logits
@@ -235,7 +235,6 @@ def test_unsupported_input_is_named(tiny, tmp_path):
 REAL = gguf_lib.smollm2_gguf_path()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(
   not os.path.isfile(REAL),
   reason=f"the real SmolLM2 GGUF is not at {REAL} (python experiments/import_gguf.py "

@@ -105,6 +105,7 @@ def _import(gguf_path, out_dir):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_gguf_fails_in_one_line_writing_nothing(valid, tmp_path, damage):
   make, named = DAMAGES[damage]
@@ -123,6 +124,7 @@ def test_damaged_gguf_fails_in_one_line_writing_nothing(valid, tmp_path, damage)
   assert not out_parent.exists() or os.listdir(out_parent) == [], os.listdir(out_parent)
 
 
+@pytest.mark.slow
 def test_valid_gguf_imports_through_the_script(valid, tmp_path):
   """The same command on the undamaged file succeeds: the output dir loads, and nothing else (no
   temporary dir) is left beside it."""

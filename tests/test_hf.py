@@ -12,6 +12,7 @@ import sparrow_jax as sj
 from tests.helpers import hf_logits, hf_model, tiny_config
 
 
+@pytest.mark.slow
 def test_save_load_roundtrip_through_transformers(tmp_path):
   cfg = tiny_config(tie_word_embeddings=False)
   params = sj.init_params(cfg, jax.random.PRNGKey(0), std=0.2)

@@ -21,8 +21,6 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
 
-pytestmark = pytest.mark.slow
-
 MODEL_FILES = (
   "config.json",
   "generation_config.json",
@@ -184,6 +182,7 @@ def tiny_model_config(work, hf_dir, **changes):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODEL_EDITS))
 def test_model_dir_edit_is_one_line_before_the_workdir(tmp_path, stop_before_state, name):
   file, edit, message = MODEL_EDITS[name]
@@ -195,6 +194,7 @@ def test_model_dir_edit_is_one_line_before_the_workdir(tmp_path, stop_before_sta
   assert not work.exists()
 
 
+@pytest.mark.slow
 def test_the_shipped_model_dir_passes_the_checks(tmp_path, stop_before_state):
   with pytest.raises(_Reached):
     trainer.train(
@@ -370,6 +370,7 @@ OVERSIZED = {
 }
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize("name", sorted(OVERSIZED))
 def test_oversized_sizes_are_one_line_before_the_workdir(
   tmp_path, stop_before_state, device_of, name
@@ -389,6 +390,7 @@ def test_oversized_sizes_are_one_line_before_the_workdir(
   assert not work.exists()
 
 
+@pytest.mark.slow
 def test_a_step_that_fits_passes_the_size_checks(tmp_path, stop_before_state, device_of):
   with pytest.raises(_Reached):
     trainer.train(small(tmp_path / "run", rollout__prompts_per_step=4))

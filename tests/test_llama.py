@@ -34,7 +34,6 @@ def _llama_hf_config(**overrides):
   return transformers.LlamaConfig(**base)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_logits_match_transformers_llama(tmp_path, tied):
   """A random transformers LlamaForCausalLM, saved by transformers, loads here as a Llama config
@@ -85,6 +84,7 @@ def test_save_hf_round_trip_is_a_llama_for_transformers(tmp_path):
   jax.tree_util.tree_map(np.testing.assert_array_equal, params2, params)
 
 
+@pytest.mark.slow
 def test_qk_norm_changes_the_model():
   """The flag is read: the same weights (norms at non-unit values) give other logits with it off."""
   qwen = tiny_config()
@@ -128,6 +128,7 @@ def test_config_dict_round_trip_both_flavours():
 
 
 # SmolLM2-135M's attention: head dim 64, 3 query heads per KV head (9 / 3), pages of 16.
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernels_match_twins_at_head_dim_64_group_3(dtype):
   args = _inputs(64, B=2, K=3, G=3, E=64, Z=16, P=10, N=7, dtype=dtype)

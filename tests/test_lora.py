@@ -14,6 +14,7 @@ PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.2)
 TOKENS = jax.numpy.asarray(np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 12)))
 
 
+@pytest.mark.slow
 def test_fresh_adapter_is_identity_and_merge_matches():
   lora = lora_lib.init_lora(PARAMS, jax.random.PRNGKey(1), rank=4, alpha=8.0, targets=("q", "down"))
   base = sj.forward(PARAMS, TOKENS, CFG)

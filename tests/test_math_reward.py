@@ -111,6 +111,7 @@ def test_pathological_expression_times_out_instead_of_hanging():
   assert grade == (0.0, "timeout")
 
 
+@pytest.mark.slow
 def test_malformed_inputs_never_raise():
   garbage = [
     "\\boxed{\\sqrt[}",
@@ -133,6 +134,7 @@ def test_malformed_inputs_never_raise():
     ), (response, grade)
 
 
+@pytest.mark.slow
 def test_works_off_the_main_thread_with_its_timeout():
   """Off the main thread (no SIGALRM) grading runs in the thread's worker process: correct answers
   grade as usual and a power tower that would hang sympy times out."""

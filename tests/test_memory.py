@@ -16,8 +16,6 @@ from sparrow_jax.rl import train_step as ts
 from sparrow_jax.sparsity.schedule import BudgetTable
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 CFG = tiny_config(vocab_size=32768, max_position_embeddings=16384)
 SPARSE = SparseConfig(page_size=16, dense_layers=1)
 SDS = jax.ShapeDtypeStruct
@@ -38,6 +36,7 @@ def train_step_temp_bytes(S, B=2):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_train_step_memory_is_linear_in_length():
   B, S = 2, 8192
   small, large = train_step_temp_bytes(S // 2), train_step_temp_bytes(S)

@@ -11,8 +11,6 @@ import pytest
 
 from tests.helpers import PER_DEVICE_METRICS, assert_same_metrics, launch_small, rows_by_step
 
-pytestmark = pytest.mark.slow
-
 # Summation order differs across shards: float32 rounding, nothing more (no sampled token changes).
 ATOL = 1e-5
 
@@ -40,6 +38,7 @@ def _two_processes(workdir):
   ]
 
 
+@pytest.mark.nightly
 def test_two_processes_match_one_device_and_resume_after_sigkill(small_run, tmp_path):
   workdir = tmp_path / "two"
   procs = _two_processes(workdir)

@@ -25,6 +25,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers(name):
   cfg = CONFIGS[name]
@@ -35,6 +36,7 @@ def test_logits_match_transformers(name):
   assert np.abs(ours - ref).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_rope_theta_changes_logits():
   """A peer library silently ignored rope_theta: make sure ours does not."""
   cfg = tiny_config()
@@ -45,6 +47,7 @@ def test_rope_theta_changes_logits():
   assert float(jnp.abs(a - b).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_padded_ragged_batch_matches_transformers():
   cfg = tiny_config()
   params = sj.init_params(cfg, jax.random.PRNGKey(2), std=0.2)
@@ -62,6 +65,7 @@ def test_padded_ragged_batch_matches_transformers():
   assert np.abs(alone[0] - ours[1, :15]).max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_bfloat16_tolerance():
   """bf16 params and activations: logits within 0.1 of the float32 transformers model (documented
   tolerance; bf16 has ~3 significant digits and errors grow with depth)."""
@@ -75,6 +79,7 @@ def test_bfloat16_tolerance():
   assert np.abs(ours - ref).max() <= 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tied_gqa2", "gqa4_theta"])
 def test_incremental_decoding_matches_forward(name):
   cfg = CONFIGS[name]
@@ -112,6 +117,7 @@ def test_concrete_tokens_captured_under_jit():
   np.testing.assert_allclose(out, sj.forward(params, tokens, cfg), atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse", [False, True])
 def test_decode_loop_reads_weights_and_cache_in_place(sparse):
   """The sampler's decode loop (weights split before it, per-layer float32 caches) holds no copy

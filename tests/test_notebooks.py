@@ -12,8 +12,6 @@ import pytest
 
 from sparrow_jax.logging import MetricsLogger
 
-pytestmark = pytest.mark.slow
-
 NOTEBOOK = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
   "notebooks",
@@ -21,6 +19,7 @@ NOTEBOOK = os.path.join(
 )
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "path",
   sorted(glob.glob(os.path.join(os.path.dirname(NOTEBOOK), "*.ipynb"))),
@@ -34,6 +33,7 @@ def test_notebook_is_valid_in_the_current_format(path):
     nbformat.validate(nbformat.read(f, as_version=nbformat.NO_CONVERT))
 
 
+@pytest.mark.nightly
 def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
   logger = MetricsLogger(str(tmp_path / "run"), resume_step=0)
   for step in range(1, 4):
@@ -81,6 +81,7 @@ def test_tail_stats_notebook_runs_headless(tmp_path, monkeypatch, capsys):
   assert speedups[0] > speedups[-1]
 
 
+@pytest.mark.nightly
 def test_tail_stats_notebook_defaults_work_from_the_notebooks_dir(tmp_path, monkeypatch, capsys):
   """As `jupyter nbconvert --execute` runs it (cwd notebooks/), with no paths set: the shipped
   default run and calibration surface."""
@@ -129,6 +130,7 @@ def _fake_run(workdir, p5_by_step):
   (workdir / "summary.json").write_text(json.dumps({"steps": len(p5_by_step)}))
 
 
+@pytest.mark.nightly
 def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys):
   from configs import tau_sweep as sweep_config
   from experiments import tau_sweep
@@ -164,6 +166,7 @@ def test_tau_sweep_notebook_loads_a_finished_sweep(tmp_path, monkeypatch, capsys
     assert (tmp_path / "out" / name).stat().st_size > 1000
 
 
+@pytest.mark.nightly
 def test_distill_sparse_notebook_reads_finished_runs_without_training(
   tmp_path, monkeypatch, capsys
 ):
@@ -184,6 +187,7 @@ def test_distill_sparse_notebook_reads_finished_runs_without_training(
   assert (tmp_path / "out" / "distill_sparse.png").stat().st_size > 1000
 
 
+@pytest.mark.nightly
 def test_distill_sparse_notebook_defaults_to_the_shipped_runs(tmp_path, monkeypatch, capsys):
   """With no run named, the notebook reads the two runs shipped in assets/ (docs/distill_sparse.md
   "DistillSparse") and trains nothing, whatever SPARROW_DISTILL_STEPS says."""

@@ -89,6 +89,7 @@ def test_reference_reads_the_pool_through_page_tables(G, E, Z, X, N):
   assert np.all(np.asarray(got)[-1] == 0)  # the empty slot reads nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", list(KERNELS))
 @pytest.mark.parametrize("G,E,Z,X,N", [(2, 16, 8, 40, 5), (4, 32, 16, 30, 7)])
 def test_kernels_equal_their_twin_with_page_tables(impl, G, E, Z, X, N):
@@ -124,6 +125,7 @@ def test_the_engine_decode_attention_lowers_for_accelerators(platform):
   assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in module
 
 
+@pytest.mark.slow
 def test_tpu_kernel_splits_a_batch_whose_page_lists_overflow_smem():
   """A batch whose scalar prefetch needs more than smem_bytes runs as calls over row chunks (here
   2 rows a call for 5 rows: 3 calls, the last one padded) and equals the twin; the chunking follows
@@ -170,6 +172,7 @@ EDGE_N_VALID = [0, 1, 3, 0, 2, 5, 0, 4, 7]
 EDGE_LENGTHS = [90, 17, 60, 1, 96, 0, 40, 96, 70]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cores", [1, 2])
 def test_tpu_kernel_prefetch_crosses_programs_at_every_edge(cores):
   """Each program's first block is started by the program before it on its core (a core's first
@@ -191,6 +194,7 @@ def test_tpu_kernel_prefetch_crosses_programs_at_every_edge(cores):
   np.testing.assert_allclose(got3, jax.jit(reference.paged_decode_attention)(*args3), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tpu_kernel_copies_no_page_past_n_valid_inside_a_block():
   """Page 5 holds NaN and sits only in slots past n_valid inside the last block (3 pages a block):
   it is not copied, and the V rows it would fill are zeroed, so the output stays the twin's."""

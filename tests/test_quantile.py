@@ -17,6 +17,7 @@ from sparrow_jax.sparsity.schedule import KVSchedule
 ALPHA_BT = np.where(np.arange(100) < 3, 0.5, 0.99)[None].astype(np.float32)
 
 
+@pytest.mark.slow
 def test_logged_stats_hold_the_quantile():
   stats = acceptance.tail_stats(
     ALPHA_BT,

@@ -5,11 +5,10 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs(monkeypatch, capsys):
   with open(os.path.join(ROOT, "README.md")) as f:
     readme = f.read()

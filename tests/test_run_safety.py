@@ -20,8 +20,6 @@ from sparrow_jax.rl import build, run_config, trainer, workdir
 from tests.helpers import ROOT, SMALL
 from tests.test_trainer import small
 
-pytestmark = pytest.mark.slow
-
 TOY = {
   "w": jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32),
   "half": jnp.asarray(np.arange(6), jnp.bfloat16),
@@ -185,6 +183,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
   run_config.check_inputs(c, build.make_task(config()), cfg, tokenizer)  # its own task reads
 
 
+@pytest.mark.slow
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
   """While a run holds the workdir's lock, another is refused (one line, exit 2) and writes
   nothing; once the holder is killed (SIGKILL), the kernel has released the lock."""
@@ -324,6 +323,7 @@ def bad_files(tmp_path_factory):
   return {"null_values": root / "null_values.json", "not_parquet": root / "not_parquet.parquet"}
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "args, message",
   [
@@ -433,6 +433,7 @@ def test_no_readable_checkpoint_is_refused_unless_restart_from_scratch(tmp_path)
   assert sorted(os.listdir(directory)) == ["1.corrupt", "2.corrupt"]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
   """A real SIGTERM mid-run (what a cluster scheduler sends): the step under way finishes, its
   checkpoint is saved (ckpt_every is far off), a line says so, exit 0. Temporary files a killed
@@ -488,6 +489,7 @@ app.run(train.main, flags_parser=train._parse_flags)
 """
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize("limit", [100_000, 1], ids=["checkpoint_write_fails", "every_write_fails"])
 def test_a_full_disk_is_one_line_and_the_last_good_checkpoint_restores(tmp_path, limit):
   """A write that fails for lack of space ends the run with its one-line error alone on stderr:

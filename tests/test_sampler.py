@@ -15,8 +15,6 @@ from sparrow_jax.sparsity.schedule import KVSchedule
 from tests import helpers
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 CFG = tiny_config(num_hidden_layers=3)
 PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
 PROMPT_LEN = jnp.asarray([9, 21, 14])
@@ -30,6 +28,7 @@ def rescored_logprobs(out, **forward_kwargs):
   return helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out, **forward_kwargs)
 
 
+@pytest.mark.slow
 def test_dense_sampler_logprobs_match_forward():
   out = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(1), max_new_tokens=30)
   ref, valid = rescored_logprobs(out)
@@ -37,6 +36,7 @@ def test_dense_sampler_logprobs_match_forward():
   np.testing.assert_allclose(np.where(valid, out.logprobs, 0), np.where(valid, ref, 0), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_full_budget_sparse_equals_dense():
   kw = dict(max_new_tokens=40, sampling=sj.Sampling(temperature=0.0))
   dense = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(2), **kw)
@@ -54,6 +54,7 @@ def test_full_budget_sparse_equals_dense():
   np.testing.assert_allclose(dense.logprobs, sparse.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_score, other", [("mean", "quest"), ("quest", "mean")])
 def test_sparse_sampler_matches_sparse_teacher_forcing(page_score, other):
   schedule = KVSchedule.fixed(4, page_size=4)
@@ -87,6 +88,7 @@ def test_sparse_sampler_matches_sparse_teacher_forcing(page_score, other):
     assert float(jnp.abs(jnp.where(valid, out.logprobs - ref, 0)).max()) > 1e-3
 
 
+@pytest.mark.slow
 def test_eos_stops_rows_and_same_key_same_output():
   kw = dict(max_new_tokens=25, sampling=sj.Sampling(eos_ids=(3, 5, 7, 11), pad_id=0))
   a = sj.generate(PARAMS, CFG, PROMPT, PROMPT_LEN, jax.random.PRNGKey(4), **kw)
@@ -98,6 +100,7 @@ def test_eos_stops_rows_and_same_key_same_output():
       assert row[n - 1] in (3, 5, 7, 11) and (row[n:] == 0).all()
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy_and_top_p_restricts():
   kw = dict(max_new_tokens=12)
   generate = lambda seed, **sampling: sj.generate(
@@ -116,6 +119,7 @@ def test_top_k_one_is_greedy_and_top_p_restricts():
   np.testing.assert_array_equal(greedy.tokens, tiny_p.tokens)
 
 
+@pytest.mark.slow
 def test_top_logprobs_returned():
   out = sj.generate(
     PARAMS,
@@ -130,6 +134,7 @@ def test_top_logprobs_returned():
   assert bool(jnp.all(out.top_logprobs[..., :1] >= out.logprobs[..., None] - 1e-6))
 
 
+@pytest.mark.slow
 def test_changing_schedule_does_not_recompile():
   kw = dict(max_new_tokens=10, sparse=SPARSE)
   sj.generate(
@@ -185,6 +190,7 @@ def test_bad_input_rejected():
     SparseConfig(attention_impl="cuda")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trunc", [dict(top_k=5), dict(top_p=0.6), dict(top_k=8, top_p=0.8)])
 def test_logprobs_are_of_the_truncated_distribution(trunc):
   """Under top-k / top-p the behaviour log-prob is that of the renormalised truncated softmax (what

@@ -14,8 +14,6 @@ import pytest
 from sparrow_jax.data.rewards import code_reward, grade_code, grade_code_batch
 from sparrow_jax.sandbox import runner
 
-pytestmark = pytest.mark.slow
-
 LIMITS = dict(timeout_s=1.0, memory_mb=256, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
@@ -79,6 +77,7 @@ def test_bad_specs_raise_value_errors_naming_the_problem():
     code_reward(fenced("pass"), ADD, timeout=3)
 
 
+@pytest.mark.slow
 def test_infinite_loop_and_sleep_hit_the_timeout(namespaces):
   for program in ("while True:\n  pass", "import time\ntime.sleep(30)"):
     assert code_reward(fenced(program), ADD, namespaces=namespaces, **LIMITS) == 0.0
@@ -91,6 +90,7 @@ def test_cpu_time_limit_kills_before_the_wall_clock(namespaces):
   assert run.cases[0]["exit"] in (-signal.SIGXCPU, -signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_fork_bomb_is_capped_and_cleaned_up(namespaces):
   bomb = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
   assert code_reward(fenced(bomb), ADD, namespaces=namespaces, **LIMITS) == 0.0
@@ -220,6 +220,7 @@ def test_killing_the_parent_fails_and_the_trainer_survives(namespaces):
   assert code_reward(fenced(ADD_PROGRAM), ADD, namespaces=namespaces, **LIMITS) == 1.0
 
 
+@pytest.mark.slow
 def test_parallel_pool_isolates_a_fork_bomb_from_correct_solutions():
   bomb = fenced("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass")
   good = fenced(ADD_PROGRAM)

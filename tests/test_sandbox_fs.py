@@ -13,8 +13,6 @@ import pytest
 
 from sparrow_jax.sandbox import host, runner
 
-pytestmark = pytest.mark.slow
-
 LIMITS = dict(timeout_s=3.0, memory_mb=512, nproc=32, output_bytes=1 << 16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SANDBOX_DIR = os.path.dirname(os.path.abspath(runner.__file__))
@@ -129,6 +127,7 @@ def test_no_user_namespace_can_be_created_inside():
   assert result.isolation["user_namespaces"] == 0
 
 
+@pytest.mark.slow
 def test_concurrent_runs_cannot_read_each_others_tmp(namespaces_or_fallback):
   name = f"/tmp/sparrow_peer_{secrets.token_hex(4)}"
   writer = (

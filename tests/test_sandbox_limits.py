@@ -14,8 +14,6 @@ import pytest
 from sparrow_jax.data import rewards
 from sparrow_jax.sandbox import host, runner
 
-pytestmark = pytest.mark.slow
-
 LIMITS = dict(timeout_s=1.0, memory_mb=256, nproc=32, output_bytes=1 << 16)
 ADD = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
 # About a third of a CPU second, well inside the timeout when it has a CPU to itself.
@@ -34,6 +32,7 @@ def fenced(program):
   return f"```python\n{program}\n```\n"
 
 
+@pytest.mark.slow
 def test_a_correct_program_beside_a_setsid_flood_passes():
   """Each setsid() child is a scheduling group of its own, so the flood would take nearly every CPU
   from its neighbour: the neighbour's clock does not count the time it waited for a CPU, what a case

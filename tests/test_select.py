@@ -13,6 +13,7 @@ from sparrow_jax.attention.select import SparseConfig
 from tests.helpers import tiny_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sink, local", [(1, 2), (2, 1), (0, 2)])
 def test_decode_pages_equal_keep_pages(sink, local):
   sparse = SparseConfig(page_size=4, sink_pages=sink, local_pages=local)

@@ -11,8 +11,6 @@ import pytest
 
 from tests.helpers import ROOT, subprocess_env
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import PartitionSpec as P
@@ -122,5 +120,6 @@ def run_on_fake_devices(script, devices=8, timeout=600):
   return result.stdout
 
 
+@pytest.mark.slow
 def test_sampler_and_train_step_on_a_2x2x2_mesh_equal_one_device():
   assert "OK" in run_on_fake_devices(SCRIPT)

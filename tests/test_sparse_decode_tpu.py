@@ -26,6 +26,7 @@ FLOAT32_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,E,Z,P,N,pages_per_block", FLOAT32_CASES)
 def test_kernel_matches_reference_float32(G, E, Z, P, N, pages_per_block):
   args = _inputs(30 + G + E + N, B=2, K=2, G=G, E=E, Z=Z, P=P, N=N)
@@ -38,6 +39,7 @@ def test_kernel_matches_reference_float32(G, E, Z, P, N, pages_per_block):
 
 
 # bf16 pages of 16 rows: whole (16, 128) bf16 tiles, the Qwen3 layout.
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "G,E,Z,P,N,pages_per_block", [(2, 128, 16, 12, 9, 2), (4, 64, 16, 8, 6, None)]
 )
@@ -68,6 +70,7 @@ def test_empty_selection_gives_zeros_not_nan():
   assert np.any(out[0, 1] != 0)
 
 
+@pytest.mark.slow
 def test_blocks_past_n_valid_are_skipped():
   """Page 5 is listed only in padding slots of blocks wholly past n_valid, and holds NaN: computing
   on such a block would make the output NaN (p = 0 times v = NaN), while the padding slot that

@@ -69,6 +69,7 @@ def chi_square_pairs(samples_N2):
   )
 
 
+@pytest.mark.slow
 def test_rounds_sample_the_dense_chain_and_a_broken_rule_is_caught(monkeypatch):
   keys = jax.random.split(jax.random.PRNGKey(0), N_SAMPLES)
   stat, threshold = chi_square_pairs(np.asarray(chain_samples(keys)))
@@ -81,6 +82,7 @@ def test_rounds_sample_the_dense_chain_and_a_broken_rule_is_caught(monkeypatch):
   chain_samples.clear_cache()
 
 
+@pytest.mark.slow
 def test_greedy_rule_keeps_drafts_while_they_are_the_argmax():
   logp_p = jnp.log(jax.nn.one_hot(jnp.asarray([2, 1, 3, 0]), V) + 1e-30)
   logp_p = jnp.where(logp_p > -1, 0.0, -jnp.inf)
@@ -128,6 +130,7 @@ def test_a_draft_the_dense_policy_gives_no_mass_is_never_kept():
   )
 
 
+@pytest.mark.slow
 def test_verify_attention_is_dense_causal_attention_over_the_row():
   """reference.paged_verify_attention (pages through a page table + C new keys) against the
   dense attention of the same row laid out contiguously."""
@@ -239,7 +242,7 @@ def head(rollout, n: int):
   return jax.tree_util.tree_map(lambda x: np.asarray(x)[:n], rollout)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_sampled_rows_do_not_depend_on_placement():
   ref, _ = run(3, temperature=1.0)
   preempted, stats = run(3, temperature=1.0, slots=3, chunk=9, pages=PREEMPT_PAGES)
@@ -386,7 +389,7 @@ def run_plan(plan, temperature=0.0, slots=6, chunk=16, pages=200):
 MIXED = DraftPlan((0, 3, 0, 2, 3), page_size=4, bin_size=8)  # dense, 3, dense, 2, then 3 drafts
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_a_draft_plan_switches_per_bin_and_rows_stay_the_dense_policy_s():
   dense, _ = run(0, sparse=None, schedule=None)
   stats = {}

@@ -16,12 +16,11 @@ from sparrow_jax.rl import run_config
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import ROOT, SMALL, load_file, subprocess_env
 
-pytestmark = pytest.mark.slow
-
 SHIPPED_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration/schedule.json")
 QUEST_SCHEDULE = os.path.join(ROOT, "assets/pointer_chase_tiny/calibration_quest/schedule.json")
 
 
+@pytest.mark.nightly
 def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_checks(tmp_path):
   c = sweep_config.get_config()
   c.sweep_dir = str(tmp_path)
@@ -76,6 +75,7 @@ def test_settings_from_the_shipped_surface_share_runs_and_pass_the_trainers_chec
     tau_sweep.settings(c)
 
 
+@pytest.mark.nightly
 def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_dense_run():
   run = lambda tok_s, p5_bin: {
     **{f: 0.5 for f in tau_sweep.FIELDS},
@@ -101,6 +101,7 @@ def test_summary_is_mean_and_std_over_seeds_with_speedup_against_the_same_seeds_
   ] == {"mean": None, "std": None}  # no dense run to compare
 
 
+@pytest.mark.nightly
 def test_run_record_counts_the_steps_under_tau_per_bin(tmp_path):
   """A bin's under-tau share is over the steps with tokens in it (NaN: none), at the given tau;
   its tokens under tau are pooled over all steps; p5 per bin is over the last `window` steps; a
@@ -145,6 +146,7 @@ def _value(text):
   return text
 
 
+@pytest.mark.nightly
 def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones(
   small_run, tmp_path, monkeypatch
 ):
@@ -253,6 +255,7 @@ def test_tiny_sweep_end_to_end_then_skips_finished_runs_and_resumes_partial_ones
   assert calls == [("train", str(sweep_dir / "fixed4_seed0"))]
 
 
+@pytest.mark.nightly
 def test_a_finished_sweep_is_reported_without_running(tmp_path):
   """runs="" with a base: nothing runs; the record holds the base's config and settings, and its
   page has a row per run (taus that share one table in one row)."""

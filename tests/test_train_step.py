@@ -19,8 +19,6 @@ from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 from tests.helpers import tiny_config
 
-pytestmark = pytest.mark.slow
-
 CFG = tiny_config(num_hidden_layers=3)
 SPARSE = SparseConfig(page_size=4, dense_layers=1)
 SCHEDULE = KVSchedule.fixed(4, page_size=4)
@@ -72,6 +70,7 @@ def setup(seed=0):
   return params, lora, opt, lora_opt
 
 
+@pytest.mark.slow
 def test_fused_step_equals_separate_updates():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=1)
@@ -100,6 +99,7 @@ def test_fused_step_equals_separate_updates():
   assert float(jnp.abs(fused.params["embed"] - params["embed"]).max()) > 5e-4  # it did move
 
 
+@pytest.mark.slow
 def test_gradient_isolation():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=2)
@@ -121,6 +121,7 @@ def test_gradient_isolation():
   jax.tree_util.tree_map(np.testing.assert_array_equal, a.params, b.params)
 
 
+@pytest.mark.slow
 def test_no_recompilation_and_metrics():
   params, lora, opt, lora_opt = setup()
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
@@ -147,6 +148,7 @@ def test_nonfinite_loss_skips_update():
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, before)
 
 
+@pytest.mark.slow
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
   sc = step_schema.StepConfig(
@@ -160,6 +162,7 @@ def test_ppo_minibatches_run():
   assert not bool(metrics["skipped"]) and int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_micro_batches_accumulate_the_same_update(loss_agg="seq-mean-token-mean"):
   """Gradient accumulation over 4 slices of the rows gives the one-pass update (the losses'
   normalisers are the minibatch's: rows for the sequence-mean policy term, tokens for the entropy,
@@ -220,6 +223,7 @@ def reference_exact_stats(params, lora, batch, sc=SC):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distill, minibatches", [(True, 1), (False, 1), (True, 2)])
 def test_logged_p5_is_exact_acceptance(distill, minibatches):
   params, lora, opt, lora_opt = setup()
@@ -266,6 +270,7 @@ DOCUMENTED = [
 ]
 
 
+@pytest.mark.slow
 def test_minibatches_log_every_metric_from_the_full_batch():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=6, top=True)
@@ -289,6 +294,7 @@ def test_minibatches_log_every_metric_from_the_full_batch():
   assert float(runs[4]["grad_norm/policy"]) > 0 and float(runs[4]["grad_norm/lora"]) > 0
 
 
+@pytest.mark.slow
 def test_a_skipped_minibatch_is_reported():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=7)
@@ -302,6 +308,7 @@ def test_a_skipped_minibatch_is_reported():
   assert float(jnp.abs(state.params["embed"] - params["embed"]).max()) > 0  # the others applied
 
 
+@pytest.mark.slow
 def test_a_new_budget_table_does_not_recompile():
   params, lora, opt, lora_opt = setup()
   step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
@@ -314,6 +321,7 @@ def test_a_new_budget_table_does_not_recompile():
   assert step._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_dense_update_is_one_optimizer_step_of_the_policy_loss():
   params, lora, opt, _ = setup()
   batch = make_batch(params, lora, seed=1)
@@ -329,6 +337,7 @@ def test_dense_update_is_one_optimizer_step_of_the_policy_loss():
   np.testing.assert_allclose(aux["logp"], ref_aux["logp"], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", ["pre_update", "updated"])
 def test_distill_base_is_where_the_adapter_gradient_is_taken(base):
   """The fused step's LoRA update is distill_update's on the base `distill.base` names (the
@@ -404,6 +413,7 @@ def clean_thresholds(values, avoid=()):
   return t[(np.diff(v) > 2e-4) & far.all(1)]
 
 
+@pytest.mark.slow
 def test_masking_off_or_under_every_alpha_is_the_unmasked_step():
   """Thresholds 0: the unmasked step (no mask/* metrics). Thresholds under every token's alpha:
   the masked path (alpha before the update, p from a no-grad pass) gives the same update."""
@@ -426,6 +436,7 @@ def test_masking_off_or_under_every_alpha_is_the_unmasked_step():
   )
 
 
+@pytest.mark.slow
 def test_token_masking_is_the_loss_without_those_tokens():
   """Tokens whose exact alpha is under rl.mask_alpha_below leave the dense loss exactly as if
   they were not in gen_mask; they are counted; DistillSparse still fits them."""
@@ -460,6 +471,7 @@ def test_token_masking_is_the_loss_without_those_tokens():
   np.testing.assert_allclose(m["acceptance/mean"], m_plain["acceptance/mean"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_row_masking_drops_the_rows_whose_p1_alpha_is_under_it():
   """A threshold between the rows' p1 alpha (and none of their min alpha, which would drop other
   rows): exactly the rows under it in p1 leave the loss, and are counted."""
@@ -514,6 +526,7 @@ def test_a_pass_runs_at_the_smallest_bucket_holding_its_longest_row():
     np.testing.assert_array_equal(per_row, jnp.arange(S)[None].repeat(2, 0) < ran_at)
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize(
   "rl",
   [

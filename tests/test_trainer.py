@@ -20,9 +20,8 @@ from sparrow_jax.rollout import programs
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.nightly
 def test_run_logs_tensorboard_curves(small_run):
   """(Resume after SIGKILL, replaying the same steps: tests/test_mesh_runs.py, on 2 processes.)"""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -146,6 +145,7 @@ def test_schedule_geometry_other_than_the_sparse_configs_is_refused_up_front(tmp
       run_config.validate(config(rollout__schedule=spec))
 
 
+@pytest.mark.nightly
 def test_trainer_smoke_on_reasoning_gym_math(tmp_path):
   """End to end on an offline math task (reasoning-gym) with a tiny random model and a real
   tokenizer + chat template: prompts, sparse rollouts, math-verify rewards, train steps."""
@@ -197,6 +197,7 @@ def engine_programs():
   )
 
 
+@pytest.mark.slow
 def test_schedule_stages_switch_without_recompiling(tmp_path):
   c = config(
     workdir=str(tmp_path / "run"),
@@ -238,6 +239,7 @@ def test_random_preset_needs_a_task_with_its_own_vocabulary():
     build.load_model(c, tasks.make_task("math:reasoning_gym:basic_arithmetic", limit=2))
 
 
+@pytest.mark.slow
 def test_cli_bad_value_is_one_line_and_creates_nothing(tmp_path):
   out = subprocess.run(
     [
@@ -285,6 +287,7 @@ def small(workdir, **changes):
   )
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_trace_of_the_rollout_and_the_update(tmp_path):
   """profile_steps = (1, 3): one trace, of steps 1 and 2, in workdir/profile where TensorBoard's
   profile plugin finds it (plugins/profile/<run>/<host>.xplane.pb), the engine's decode chunks and
@@ -297,6 +300,7 @@ def test_profile_steps_write_a_trace_of_the_rollout_and_the_update(tmp_path):
   assert b"train_step" in trace and b"decode_chunk" in trace
 
 
+@pytest.mark.slow
 def test_resume_is_safe(tmp_path, capsys):
   """A changed config is refused naming the fields; a finished run rewrites nothing; a corrupt
   newest checkpoint falls back to the previous one, and the replayed step is logged once."""
@@ -347,6 +351,7 @@ def sample_rows(workdir):
   return [json.loads(line) for line in (workdir / "eval_samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_evaluation_runs_every_n_steps_dense_and_sparse(tmp_path):
   """eval.every = 2 over 4 steps: steps 1 and 3 (0-based) are evaluated, dense and under the
   sparse budget, logged as eval/* (completions as TensorBoard text, not in the rows), shown in
@@ -371,6 +376,7 @@ def test_evaluation_runs_every_n_steps_dense_and_sparse(tmp_path):
   assert len(events.Scalars("eval/dense/mean_2")) == 2  # TensorBoard's tags have no "@"
 
 
+@pytest.mark.slow
 def test_evaluation_history_and_samples_survive_a_resume(tmp_path):
   """A run stopped after step 2 (its step 3 logged, not checkpointed) resumes with the history
   of steps 1 and 2, replays step 3's evaluation once and goes on: each step's completions once."""
@@ -430,6 +436,7 @@ def adaptive_run(tmp_path_factory):
   return root, base, rows, compiled
 
 
+@pytest.mark.slow
 def test_adaptive_budgets_move_without_recompiling(adaptive_run):
   root, _, rows, compiled = adaptive_run
   tables = [r["kv/topk_bin"] for r in rows]
@@ -444,6 +451,7 @@ def test_adaptive_budgets_move_without_recompiling(adaptive_run):
   assert [rows_by_step(root / "straight")[s]["kv/topk_bin"] for s in (1, 2, 3)] == tables
 
 
+@pytest.mark.slow
 def test_adaptive_resume_replays_the_budgets(adaptive_run):
   root, base, _, _ = adaptive_run
   trainer.train(adaptive_small(root / "resumed", base, total_steps=2, ckpt_every=2))
