@@ -201,3 +201,11 @@ def test_drain_decodes_only_the_rows_left():
   sched = drive(engine, requests)
   assert sched.rows[long_row].tokens == alone(30, long_row)
   assert sched.stats.computed_row_steps < 4 * sched.stats.decode_steps
+
+
+def test_rows_in_flight_counts_rows_not_tokens():
+  """A dense step keeps one token a row; an exact-mode round up to k + 1: rows in flight are
+  row-steps (row-rounds) per step (round), whatever a round emits."""
+  dense = scheduler.EngineStats(decode_steps=10, useful_row_steps=30)
+  exact = scheduler.EngineStats(decode_steps=10, useful_row_steps=90, rounds=30, emitted=90)
+  assert dense.rows_in_flight == 3.0 and exact.rows_in_flight == 3.0

@@ -232,6 +232,7 @@ def test_greedy_speculative_rows_are_dense_greedy_rows(model):
     assert_same_rows(spec, dense)
     assert stats.drafted == k * stats.rounds > 0 and 0 < stats.draft_acceptance <= 1
     assert 1 < stats.accepted_per_round <= k + 1
+    assert 0 < stats.rows_in_flight <= 6  # 6 slots, however many tokens a round emits
 
 
 TIGHT = KVSchedule.fixed(3, page_size=4)  # 3 pages: a 48-token prompt's drafts read a quarter

@@ -125,7 +125,10 @@ class EngineStats:
 
   @property
   def rows_in_flight(self) -> float:
-    return self.useful_row_steps / max(self.decode_steps, 1)
+    """Rows decoding at once, on average: kept tokens per decode step; in exact mode row-rounds per
+    round (a round emits up to k + 1 tokens a row: its tokens would count a row several times)."""
+    row_steps = self.rounds if self.rounds else self.useful_row_steps
+    return row_steps / max(self.decode_steps, 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
