@@ -361,9 +361,9 @@ def _updates(state, batch, adv_B, p_logp_BS, loss_mask_BS, cfg, sc, optimizers, 
   base params, then (DistillSparse) `distill_update` of the LoRA. p_logp_BS: the pre-update dense
   log-probs (None with one update: its gradient pass is the old policy). loss_mask_BS: the tokens
   the dense loss keeps (None: gen_mask). Returns (the state with the updated params and LoRA,
-  its step count unchanged, `update_metrics`, the aux of
-  the last dense update, the sparse actor's hidden states when they are exactly the rollout
-  policy q's: one update on the pre-update base, else None)."""
+  its step count unchanged; `update_metrics`; the aux of the last dense update; the sparse actor's
+  hidden states when they are exactly the rollout policy q's: one update on the pre-update base,
+  else None)."""
   optimizer, lora_optimizer = optimizers
   params, opt_state = state.params, state.opt_state
   lora, lora_opt_state = state.lora, state.lora_opt_state

@@ -136,7 +136,6 @@ class _Round(NamedTuple):
   lora: Any  # the drafts' adapter (None: none)
   cfg: qwen3.Qwen3Config
   sampling: sampler.Sampling
-  key: jax.Array  # the run's
   eos: jax.Array  # the token ids that end a row
   table_BP: jax.Array  # the slots' page tables, with trash-page columns for the overhang
   page_size: int
@@ -175,7 +174,6 @@ def speculative_chunk(
     lora,
     cfg,
     sampling,
-    key,
     jnp.asarray(sampling.eos_ids or (-1,), jnp.int32),
     # Drafts and verification write up to `draft` positions past a row's last: trash-page columns.
     jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // Z) + 1))),
