@@ -11,17 +11,20 @@ one chunk of `steps` tokens (dense, sparse) or of the rounds that draft as many 
 calls are interleaved and a cell is the median over `runs` after a warm-up call. dense: every
 layer reads every cached page; sparse: the paper's tau table (lossy: rows are the sparse policy's);
 speculateK: K sparse drafts and one dense verification pass a round; auto: the regime switch's
-plan, priced by `cost_model.draft_plan` on this machine's measured roofline at the drafts' mean
-acceptance measured at this context (the speculateK rows' judged drafts, as the trainer measures
-acceptance before it plans), then run as the engine runs it (a chunk runs the program of the
-most drafts its rounds take; none: the dense-round program).
+plan, priced as the trainer's switch prices it (`hooks.DraftSwitch`: the roofline's shape, the
+measured seconds per round of dense decoding and of each speculateK, at the drafts' mean
+acceptance measured at this context on the speculateK rows' judged drafts), all measured before
+it plans as the trainer's earlier steps measure them, then run as the engine runs it (a chunk
+runs the program of the most drafts its rounds take; none: the dense-round program).
 
 (2) A trained model at its own context: the shipped tiny model on its task's prompts (the default
 job's prompts, group size and cutoff), whole rollouts through `engine.run` (prefill, decode, refill)
 for dense, sparse (its calibrated table), speculateK and auto, interleaved, median over `runs`.
 auto's plan comes from the drafts' mean acceptance per position bin measured on the speculateK
-rollout (`Rollout.alpha`), priced as in (1). Exact rows are dense samples and sparse ones are not,
-so the settings' rows have different lengths: tokens/s counts each setting's own tokens.
+rollout (`Rollout.alpha`) and the engine's own seconds per round (`EngineStats.round_seconds`)
+of the dense and speculateK rollouts, priced as in (1). Exact rows are dense samples and sparse
+ones are not, so the settings' rows have different lengths: tokens/s counts each setting's own
+tokens.
 
 Every ratio is measured in this run. `record` writes a results record, from which
 docs/make_results_pages.py makes docs/results/speculative_rollout.md.
@@ -30,6 +33,7 @@ docs/make_results_pages.py makes docs/results/speculative_rollout.md.
 import dataclasses
 import functools
 import os
+import types
 
 from absl import app, flags
 import jax
@@ -44,7 +48,7 @@ from sparrow_jax import records
 from sparrow_jax.attention import page_pool, paged_cache
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import qwen3
-from sparrow_jax.rl import build
+from sparrow_jax.rl import build, hooks
 from sparrow_jax.rollout import engine, programs, sampler
 from sparrow_jax.sparsity.schedule import KVSchedule
 
@@ -71,14 +75,16 @@ def filled_pool(cfg, pages: int, page_size: int, key):
   return pool.replace(**{n: tuple(x[j] for x in layers) for j, n in enumerate(names)})
 
 
-def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware, dense) -> tuple:
-  """The regime switch's plan for measured per-bin acceptances, as the trainer prices it: every
-  pass costs what a measured dense step (dense = (seconds per step, mean cached length)) takes
-  beyond the roofline (cost_model.pass_overhead, draft_plan) -> (plan, that overhead)."""
-  overhead = cost_model.pass_overhead(cfg, hardware, rows, dense[1], dense[0])
-  hw = dataclasses.replace(hardware, pass_overhead_s=overhead)
-  kw = dict(bin_size=bin_size, ks=ks, rows=rows, hardware=hw)
-  return cost_model.draft_plan(cfg, schedule, sparse, alpha_bin, **kw), overhead
+def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware, round_s, cached):
+  """The regime switch's plan as the trainer prices it (`hooks.DraftSwitch`): measured per-bin
+  acceptances, and the measured seconds per round of each setting, round_s = {k: seconds} (k = 0:
+  a dense decode step) at about `cached` cached tokens -> (plan, the switch's pass overhead, its
+  round scales)."""
+  stats = types.SimpleNamespace(bin_size=bin_size, num_bins=len(alpha_bin))
+  switch = hooks.DraftSwitch(cfg, sparse, rows, ks, stats, hardware)
+  switch.alpha = [float(a) for a in alpha_bin]
+  switch.reprice(round_s, cached, schedule)
+  return switch.plan(schedule), switch.hardware.pass_overhead_s, switch.scale
 
 
 def _row(setting, seconds, tokens, count=None, plan=None) -> dict:
@@ -92,6 +98,10 @@ def _row(setting, seconds, tokens, count=None, plan=None) -> dict:
   if plan is not None:
     row["plan_k_bin"] = list(plan.k_bin)
   return row
+
+
+def _keyed(scale: dict) -> dict:
+  return {f"k{k}": s for k, s in sorted(scale.items())}
 
 
 def _ratios(rows) -> list:
@@ -164,18 +174,17 @@ def bench_shapes(config, hardware) -> list:
     names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
     calls = [chunk(n, 0, speculative=False) for n in names[:3]]
     calls += [chunk(f"speculate{k}", k) for k in config.drafts]
-    # What the plan is priced at, measured first: the speculate runs' judged drafts' acceptance
-    # and a dense step's seconds.
-    dense_s = median_seconds(calls[:1], 1)[0] / T
-    for call in calls[3:]:
-      call()
+    # What the plan is priced at, measured first (as the trainer's earlier steps measure it): the
+    # speculate runs' judged drafts' acceptance and every setting's seconds per round.
+    ks = tuple(config.drafts)
+    first = median_seconds(calls[:1] + calls[3:], 1)
+    round_s = {k: sec / -(-T // (k + 1)) for k, sec in zip((0, *ks), first)}
     alpha = np.concatenate([np.asarray(got[n][1]).ravel() for n in names[3:]])
     alpha = float(np.nanmean(alpha))
     num_bins = context // e.bin_size + 1
-    ks = tuple(config.drafts)
     alpha_bin = [alpha] * num_bins
-    plan, overhead = priced_plan(
-      cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, (dense_s, context)
+    plan, overhead, scale = priced_plan(
+      cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, round_s, context
     )
     by_len = np.minimum(plan.k_by_len(PR * Z), K)
     draft = int(by_len[context : context + T].max())  # the engine's choice of program
@@ -190,7 +199,7 @@ def bench_shapes(config, hardware) -> list:
         _row(name, sec, np.sum(tokens), count, plan if name == "auto" else None)
         | dict(context=context)
       )
-    rows[-1].update(measured_alpha=alpha, pass_overhead_s=overhead)
+    rows[-1].update(measured_alpha=alpha, pass_overhead_s=overhead, round_scale=_keyed(scale))
     _print(str(context), _ratios(rows))
     out += rows
     state.clear()  # the pool goes before the next context's is made
@@ -238,11 +247,13 @@ def bench_trained(config, hardware) -> list:
   names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
   calls = [rollout(n) for n in names[:3]]
   calls += [rollout(f"speculate{k}", k) for k in config.drafts]
-  # What the plan is priced at, measured first: a dense rollout's seconds per decode step, and
-  # the drafts' acceptance per bin on the largest k's rollout.
-  dense_s = median_seconds(calls[:1], 1)[0] / got["dense"][1].decode_steps
+  # What the plan is priced at, measured first (as the trainer's earlier steps measure it): the
+  # engine's seconds per round of dense decoding and of each k, and the drafts' acceptance per bin
+  # on the largest k's rollout.
+  median_seconds(calls[:1] + calls[3:], 1)
+  round_s = {0: got["dense"][1].round_seconds()[0]}
+  round_s |= {k: got[f"speculate{k}"][1].round_seconds()[k] for k in config.drafts}
   cached = float(np.mean(prompt_len + got["dense"][0].lengths / 2))
-  calls[-1]()
   out, _ = got[names[-1]]
   alpha_BN = np.asarray(out.alpha, np.float64)
   bins = (prompt_len[:, None] + np.arange(alpha_BN.shape[1])[None]) // c.stats.bin_size
@@ -250,7 +261,7 @@ def bench_trained(config, hardware) -> list:
     float(np.nanmean(alpha_BN[bins == b])) if np.any(~np.isnan(alpha_BN[bins == b])) else np.nan
     for b in range(c.stats.num_bins)
   ]
-  plan, overhead = priced_plan(
+  plan, overhead, scale = priced_plan(
     cfg,
     schedule,
     sparse,
@@ -259,7 +270,8 @@ def bench_trained(config, hardware) -> list:
     tuple(config.drafts),
     base.num_slots,
     hardware,
-    (dense_s, cached),
+    round_s,
+    cached,
   )
   names.append("auto")
   calls.append(rollout("auto", K, plan))
@@ -273,7 +285,7 @@ def bench_trained(config, hardware) -> list:
       row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance
     rows.append(row | dict(context="trained"))
   rows[-1]["measured_alpha_bin"] = [None if np.isnan(a) else a for a in alpha_bin]
-  rows[-1]["pass_overhead_s"] = overhead
+  rows[-1].update(pass_overhead_s=overhead, round_scale=_keyed(scale))
   _print("trained", _ratios(rows))
   return rows
 

@@ -89,6 +89,16 @@ def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
   assert len(hook.meta()["adaptive"]["topk"]) == bins
 
 
+def timed(out, **round_s):
+  """out with its engine's chunks timed: round_s k0=..., k2=...: seconds per round of each, three
+  chunks each (the first, which may compile, ten times slower)."""
+  stats = dataclasses.replace(out.engine_stats, chunk_round_s={})
+  for k, s in round_s.items():
+    for seconds in (10 * s, s, s):
+      stats.time_chunk(int(k[1:]), seconds * 4, 4)
+  return dataclasses.replace(out, engine_stats=stats)
+
+
 def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes():
   c = config(TABLE)
   c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"
@@ -100,8 +110,7 @@ def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes
   mean = [0.2, 0.5, np.nan, 0.9, 0.99, 0.999, 0.95][:n]
   count = [10, 10, 0, 10, 10, 10, 10][:n]
   step = {"acceptance/mean_bin": mean, "acceptance/count_bin": count}
-  # a dense step as fast as the roofline: no pass overhead
-  hook.end_step(dataclasses.replace(output(0, first), rollout_s=1e-9), step)
+  hook.end_step(output(0, first), step)  # no chunk timed: the roofline alone prices
   plan = hook.for_step(1).drafts
   kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
   sparse = build.sparse_config(c)
@@ -109,17 +118,60 @@ def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes
   assert plan.k_bin[2] == 0 and max(plan.k_bin) > 0  # an empty bin stays dense
   # a bin with no tokens keeps its last acceptance
   empty = {"acceptance/mean_bin": [0.0] * n, "acceptance/count_bin": [0] * n}
-  hook.end_step(output(1, hook.for_step(1)), empty)  # a drafting step: no overhead measured
+  hook.end_step(output(1, hook.for_step(1)), empty)
   assert hook.for_step(2).drafts == plan
   resumed, _ = budgets(c)
   resumed.restore(json.loads(json.dumps(hook.meta(), allow_nan=False)))
   assert resumed.for_step(2).drafts == plan
-  # A dense step of 0.2 s a decode step (output's 2 s over 10 steps) prices every pass with the
-  # 0.2 s the roofline leaves unexplained: a round of k + 1 passes no longer pays anywhere.
+  # A dense step of 0.2 s a decode step prices every pass with the 0.2 s the roofline leaves
+  # unexplained: a round of k + 1 passes no longer pays anywhere.
   slow, _ = budgets(c)
-  slow.end_step(output(0, first), step)
+  slow.end_step(timed(output(0, first), k0=0.2), step)
   assert slow.meta()["drafts"]["pass_overhead_s"] == pytest.approx(0.2, rel=1e-3)
   assert slow.for_step(1).drafts.k_bin == (0,) * n
+
+
+def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay():
+  """The roofline proposes a k; the engine's clock decides: a k whose measured rounds cost more
+  than the tokens they emit would densely is dropped where it ran, and its factor is logged and
+  kept across a resume. A k measured as cheap as the roofline keeps its bins."""
+  c = config(TABLE)
+  c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"
+  c.rollout.speculate_ks = (2,)
+  n = c.stats.num_bins
+  step = {"acceptance/mean_bin": [0.99] * n, "acceptance/count_bin": [10] * n}
+  hook, cfg = budgets(c)
+  first = hook.for_step(0)
+  hook.end_step(output(0, first), step)
+  proposed = hook.for_step(1)
+  assert max(proposed.drafts.k_bin) == 2  # at alpha 0.99 the roofline drafts past bin 0
+  sparse, rows = build.sparse_config(c), hook.switch.rows
+  cached = float(np.mean(output(0, first).prompt_len_B + output(0, first).lengths_B / 2))
+  priced = dict(rows=rows, hardware=hook.switch.hardware, sparse=sparse)
+  dense_s = cost_model.round_seconds(cfg, None, cached, k=0, **priced)
+  round_s = cost_model.round_seconds(cfg, proposed.schedule, cached, k=2, **priced)
+  # measured: dense steps as the roofline prices them, rounds of 2 drafts 5x their price (the
+  # 2.97 tokens a round emits at alpha 0.99 then cost more than 2.97 dense steps)
+  hook.end_step(timed(output(1, proposed), k0=dense_s, k2=5 * round_s), step)
+  assert hook.switch.scale[2] == pytest.approx(5.0, rel=1e-3)
+  assert hook.for_step(2).drafts.k_bin == (0,) * n
+  logged = hook.metrics(output(2, hook.for_step(2)))["rollout/round_scale/k2"]
+  assert logged == pytest.approx(5.0, rel=1e-3)
+  resumed, _ = budgets(c)
+  resumed.restore(json.loads(json.dumps(hook.meta(), allow_nan=False)))
+  assert resumed.for_step(2).drafts.k_bin == (0,) * n
+  cheap, _ = budgets(c)
+  cheap.end_step(output(0, first), step)
+  cheap.end_step(timed(output(1, proposed), k0=dense_s, k2=round_s), step)
+  assert cheap.switch.scale[2] == pytest.approx(1.0, rel=1e-3)
+  assert cheap.for_step(2).drafts == proposed.drafts
+
+
+def test_engine_stats_time_rounds_leaving_each_programs_first_chunk_out():
+  stats = engine.EngineStats()
+  for draft, seconds, rounds in ((0, 9.0, 8), (0, 0.8, 8), (0, 1.6, 8), (0, 0.0, 0), (2, 5.0, 2)):
+    stats.time_chunk(draft, seconds, rounds)
+  assert stats.round_seconds() == {0: pytest.approx(0.15)}  # median of 0.1 and 0.2; k=2 once
 
 
 def test_kv_metrics_price_the_steps_rollouts():

@@ -521,9 +521,7 @@ def pass_overhead(model, hardware, rows: float, cached_len: float, measured_step
   """A forward pass's seconds beyond the roofline: a measured dense decode step of `rows` rows at
   `cached_len` cached tokens less what `hardware`'s roofline prices it at (>= 0)."""
   hw = dataclasses.replace(get_hardware(hardware), pass_overhead_s=0.0)
-  predicted = rows / roofline_round_rate(
-    model, None, cached_len, k=0, alpha=1.0, rows=rows, hardware=hw
-  )
+  predicted = round_seconds(model, None, cached_len, k=0, rows=rows, hardware=hw)
   return max(float(measured_step_s) - predicted, 0.0)
 
 
@@ -606,9 +604,60 @@ def roofline_round_rate(
   of k drafts under `schedule` at mean acceptance alpha (`_round_passes`, `_round_time`), prefill
   aside; k = 0 is dense decoding (schedule unused). The rate one bin of a calibration prices its
   budgets and k by (`calibrate.speculative_plan`)."""
+  round_s = round_seconds(
+    model,
+    schedule,
+    cached_len,
+    k=k,
+    rows=rows,
+    hardware=hardware,
+    sparse=sparse,
+    page_selection=page_selection,
+  )
+  return float(rows * expected_tokens_per_round(alpha, k) / round_s)
+
+
+def round_seconds(
+  model,
+  schedule: KVSchedule | None,
+  cached_len: float,
+  *,
+  k: int,
+  rows: float,
+  hardware="h200",
+  sparse: SparseConfig | None = None,
+  page_selection: bool = True,
+) -> float:
+  """Seconds the roofline prices one round of `rows` rows at `cached_len` cached tokens at: k
+  sparse drafts under `schedule` and the dense verification pass (`_round_passes`, `_round_time`);
+  k = 0 is a dense decode step."""
   cfg, hw = _config(model), get_hardware(hardware)
   passes = _round_passes(cfg, hw, schedule, cached_len, k, sparse, page_selection)
-  return float(rows * expected_tokens_per_round(alpha, k) / _round_time(cfg, hw, rows, *passes))
+  return _round_time(cfg, hw, rows, *passes)
+
+
+def round_scale(
+  model,
+  schedule: KVSchedule,
+  sparse: SparseConfig,
+  cached_len: float,
+  measured_s,
+  *,
+  rows,
+  hardware,
+) -> dict:
+  """Each draft count's measured seconds per round over `round_seconds` at cached_len, on
+  `hardware` (its pass overhead already calibrated on a measured dense step, `pass_overhead`):
+  {k: measured_s[k] / priced}. The roofline prices a round's passes as independent decode steps;
+  what a round really costs beyond that (the verification's k + 1 sampled positions, the accept
+  test, the cache's rollback, a program's fixed cost) shows up as a factor above 1, which
+  `best_draft` then charges that k's rounds at every length."""
+  common = dict(rows=rows, hardware=hardware, sparse=sparse)
+  return {
+    k: float(s / round_seconds(model, schedule, cached_len, k=k, **common))
+    for k, s in measured_s.items()
+    if k > 0
+  }
 
 
 def best_draft(
@@ -621,17 +670,19 @@ def best_draft(
   rows: float,
   hardware="h200",
   sparse: SparseConfig | None = None,
+  scale=None,
 ) -> tuple:
   """The draft count whose rounds `roofline_round_rate` prices fastest at cached_len, the drafts
   under `schedule` at mean acceptance alpha, against dense decoding -> (k, its rate, the dense
-  rate); k = 0 (dense) unless a k of `ks` beats it, ties to the smaller k."""
+  rate); k = 0 (dense) unless a k of `ks` beats it, ties to the smaller k. scale: {k: factor}
+  on k's round seconds, measured (`round_scale`); a k without one is priced by the roofline."""
   common = dict(rows=rows, hardware=hardware)
   dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common)
   best = (0, dense)
   for k in ks:
     rate = roofline_round_rate(
       model, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
-    )
+    ) / (scale or {}).get(k, 1.0)
     if rate > best[1]:
       best = (k, rate)
   return (*best, dense)
@@ -647,10 +698,11 @@ def draft_plan(
   ks,
   rows: float,
   hardware,
+  scale=None,
 ) -> DraftPlan:
   """Exact mode's regime switch: per position bin of bin_size tokens, the draft count (0: dense
   decoding) `best_draft` picks at the bin's middle cached length for the drafts' mean acceptance
-  there, alpha_bin[b] (NaN: not measured, dense)."""
+  there, alpha_bin[b] (NaN: not measured, dense), each k's rounds charged its measured `scale`."""
   k_bin = []
   for b, alpha in enumerate(np.asarray(alpha_bin, np.float64)):
     if np.isnan(alpha):
@@ -659,7 +711,15 @@ def draft_plan(
     cached_len = (b + 0.5) * bin_size
     k_bin.append(
       best_draft(
-        model, schedule, cached_len, alpha, ks=ks, rows=rows, hardware=hardware, sparse=sparse
+        model,
+        schedule,
+        cached_len,
+        alpha,
+        ks=ks,
+        rows=rows,
+        hardware=hardware,
+        sparse=sparse,
+        scale=scale,
       )[0]
     )
   return DraftPlan(tuple(k_bin), sparse.page_size, bin_size)

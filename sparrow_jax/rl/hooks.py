@@ -22,6 +22,7 @@ import json
 from typing import NamedTuple, Optional
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from sparrow_jax import checkpoint, logging, sharding
@@ -120,6 +121,7 @@ class Budgets(Hook):
       metrics.update(self.loop.metrics(out, start, self.cfg, self.sparse))
     if self.switch:  # the drafts per bin the step's rollout ran (0: dense decoding)
       metrics["rollout/draft_k_bin"] = np.asarray(out.budget.drafts.k_bin, np.int32)
+      metrics.update(self.switch.metrics())
     return metrics
 
   def end_step(self, out: StepOutput, metrics: dict) -> None:
@@ -140,15 +142,20 @@ class Budgets(Hook):
 
 
 class DraftSwitch:
-  """rollout.speculate = "auto": exact mode's drafts per position bin, priced each step by the
-  roofline of `rollout.speculate_hardware` (cost_model.draft_plan: the k of rollout.speculate_ks,
-  or dense decoding, with the most tokens/s) at each bin's mean acceptance of the sparse actor's
-  drafts. That acceptance is the train step's exact alpha (acceptance/mean_bin: dense p against the
-  sparse actor q on the rollout's dense samples), measured in every bin whatever ran there, so a
-  dense bin can switch to drafting. A bin not yet measured decodes densely: the first step is
-  dense decoding, never slower than it. A step decoded densely throughout also measures what a
-  forward pass costs beyond the roofline (cost_model.pass_overhead: its seconds per decode step),
-  which the later steps' prices add to every pass: a small model's passes are bound by it."""
+  """rollout.speculate = "auto": exact mode's drafts per position bin, priced each step
+  (cost_model.draft_plan: the k of rollout.speculate_ks, or dense decoding, with the most
+  tokens/s) at each bin's mean acceptance of the sparse actor's drafts. That acceptance is the
+  train step's exact alpha (acceptance/mean_bin: dense p against the sparse actor q on the
+  rollout's dense samples), measured in every bin whatever ran there, so a dense bin can switch
+  to drafting. A bin not yet measured decodes densely: the first step is dense decoding, never
+  slower than it.
+
+  Rounds are priced on the engine's own clock: the roofline of `rollout.speculate_hardware`
+  gives each round's shape over lengths, a measured dense round (a decode step) what every pass
+  costs beyond it (cost_model.pass_overhead), and a measured round of k drafts the factor k's
+  rounds cost beyond that (cost_model.round_scale). A k not yet run is priced by the roofline
+  alone; once run, its measured price holds until it runs again, so a k that did not pay stays
+  off unless the acceptance rises enough to pay for it as measured."""
 
   def __init__(self, cfg, sparse, rows: int, ks: tuple, stats, hardware: cost_model.Hardware):
     """rows: the rows a device decodes at once; ks: rollout.speculate_ks; stats: the StatsConfig
@@ -156,33 +163,54 @@ class DraftSwitch:
     self.cfg, self.sparse, self.rows = cfg, sparse, rows
     self.ks, self.bin_size, self.hardware = tuple(ks), stats.bin_size, hardware
     self.alpha = [float("nan")] * stats.num_bins
+    self.scale = {}  # k -> its measured rounds' seconds over the roofline's (round_scale)
 
   def plan(self, schedule) -> schedule_lib.DraftPlan:
     kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
+    kw.update(scale=self.scale)
     return cost_model.draft_plan(self.cfg, schedule, self.sparse, self.alpha, **kw)
 
   def advance(self, out: StepOutput, metrics: dict) -> None:
-    """The step's mean acceptance per bin replaces the last where the bin had tokens; a dense
-    step's decode time sets the pass overhead."""
+    """The step's mean acceptance per bin replaces the last where the bin had tokens; the step's
+    measured rounds (every process's slowest: all run the same programs) reprice what ran."""
     count = np.asarray(metrics["acceptance/count_bin"])
     mean = np.asarray(metrics["acceptance/mean_bin"], np.float64)
     self.alpha = [float(m) if n else a for a, m, n in zip(self.alpha, mean, count)]
-    steps = out.engine_stats.decode_steps
-    if not any(out.budget.drafts.k_bin) and steps:
-      cached = float(np.mean(out.prompt_len_B + out.lengths_B / 2))
-      overhead = cost_model.pass_overhead(
-        self.cfg, self.hardware, self.rows, cached, out.rollout_s / steps
-      )
+    seconds = _slowest_process(out.engine_stats.round_seconds(), (0, *self.ks))
+    cached = float(np.mean(out.prompt_len_B + out.lengths_B / 2))
+    self.reprice(seconds, cached, out.budget.schedule)
+
+  def reprice(self, seconds: dict, cached_len: float, schedule) -> None:
+    """seconds: {k: measured seconds per round} (k = 0: a dense decode step) of rounds at about
+    cached_len cached tokens, the drafts under `schedule`."""
+    if 0 in seconds:
+      step_s = seconds[0]
+      overhead = cost_model.pass_overhead(self.cfg, self.hardware, self.rows, cached_len, step_s)
       self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
+    kw = dict(rows=self.rows, hardware=self.hardware)
+    self.scale |= cost_model.round_scale(self.cfg, schedule, self.sparse, cached_len, seconds, **kw)
+
+  def metrics(self) -> dict:
+    return {f"rollout/round_scale/k{k}": s for k, s in sorted(self.scale.items())}
 
   def meta(self) -> dict:  # strict JSON: an unmeasured bin is null
     alpha = [None if np.isnan(a) else a for a in self.alpha]
-    return {"alpha": alpha, "pass_overhead_s": self.hardware.pass_overhead_s}
+    scale = {str(k): s for k, s in self.scale.items()}
+    return {"alpha": alpha, "pass_overhead_s": self.hardware.pass_overhead_s, "scale": scale}
 
   def restore(self, meta: dict) -> None:
     self.alpha = [float("nan") if a is None else float(a) for a in meta["alpha"]]
     overhead = meta["pass_overhead_s"]
     self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
+    self.scale = {int(k): float(s) for k, s in meta["scale"].items()}
+
+
+def _slowest_process(seconds: dict, ks) -> dict:
+  """{k: seconds} for the ks some process measured, each the largest of the processes'."""
+  s_k = np.asarray([seconds.get(k, -np.inf) for k in ks], np.float64)
+  if jax.process_count() > 1:
+    s_k = np.max(multihost_utils.process_allgather(s_k), axis=0)
+  return {k: float(s) for k, s in zip(ks, s_k) if s > 0}
 
 
 class ClosedLoop:

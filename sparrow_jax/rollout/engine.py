@@ -21,6 +21,7 @@ when every slot is free (waves; no refill).
 """
 
 import dataclasses
+import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -278,7 +279,9 @@ def run(
     draft = engine.speculate
     if draft_by_len is not None:
       draft = _most_of_processes(sched.drafts_ahead(draft_by_len))
+    start = time.perf_counter()
     pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
+    sched.stats.time_chunk(draft, time.perf_counter() - start, steps_run)  # decode waited for it
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
   return _rollout(sched, sampling), sched.stats
 

@@ -107,6 +107,19 @@ class EngineStats:
   accepted: int = 0
   kv_pages_read: float = 0.0
   kv_pages_dense: float = 0.0
+  # Wall seconds per round (decode step) of each chunk, by its program's draft count (0: dense
+  # rounds): what exact mode's regime switch prices rounds by (`round_seconds`); a clock, so
+  # two rollouts' stats compare equal without it.
+  chunk_round_s: dict = dataclasses.field(default_factory=dict, compare=False)
+
+  def time_chunk(self, draft: int, seconds: float, rounds: int) -> None:
+    if rounds:
+      self.chunk_round_s.setdefault(draft, []).append(seconds / rounds)
+
+  def round_seconds(self) -> dict:
+    """{draft count: median seconds per round} over each count's chunks but its first, which
+    may have compiled its program (a count timed once: none)."""
+    return {k: float(np.median(s[1:])) for k, s in self.chunk_round_s.items() if len(s) > 1}
 
   @property
   def accepted_per_round(self) -> float:
