@@ -165,6 +165,18 @@ def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay()
   cheap.end_step(timed(output(1, proposed), k0=dense_s, k2=round_s), step)
   assert cheap.switch.scale[2] == pytest.approx(1.0, rel=1e-3)
   assert cheap.for_step(2).drafts == proposed.drafts
+  # Dense steps measured 3x faster than the roofline prices them (a pass overhead cannot be
+  # negative): dense decoding is priced on that clock too, so rounds at their roofline price no
+  # longer pay; a k not yet run is priced on the same clock as dense, so it still does.
+  fast, _ = budgets(c)
+  fast.end_step(output(0, first), step)
+  fast.end_step(timed(output(1, proposed), k0=dense_s / 3, k2=round_s), step)
+  assert fast.switch.scale[0] == pytest.approx(1 / 3, rel=1e-3)
+  assert fast.for_step(2).drafts.k_bin == (0,) * n
+  unrun, _ = budgets(c)
+  unrun.end_step(output(0, first), step)
+  unrun.end_step(timed(output(1, proposed), k0=dense_s / 3), step)
+  assert unrun.for_step(2).drafts == proposed.drafts
 
 
 def test_engine_stats_time_rounds_leaving_each_programs_first_chunk_out():

@@ -646,17 +646,18 @@ def round_scale(
   rows,
   hardware,
 ) -> dict:
-  """Each draft count's measured seconds per round over `round_seconds` at cached_len, on
-  `hardware` (its pass overhead already calibrated on a measured dense step, `pass_overhead`):
-  {k: measured_s[k] / priced}. The roofline prices a round's passes as independent decode steps;
-  what a round really costs beyond that (the verification's k + 1 sampled positions, the accept
-  test, the cache's rollback, a program's fixed cost) shows up as a factor above 1, which
-  `best_draft` then charges that k's rounds at every length."""
+  """Each draft count's measured seconds per round over `round_seconds` at cached_len on
+  `hardware`: {k: measured_s[k] / priced}, k = 0 a dense decode step. The roofline prices a
+  round's passes as independent decode steps at the hardware's peak rates; what a round really
+  costs beyond that (the verification's k + 1 sampled positions, the accept test, the cache's
+  rollback, a program's fixed cost, a machine slower or busier than its roofline) shows up as the
+  factor, which `best_draft` then charges that k's rounds (or dense steps) at every length: so
+  draft counts that have run are compared on the measured clock, the roofline giving only how
+  their prices change with length."""
   common = dict(rows=rows, hardware=hardware, sparse=sparse)
   return {
-    k: float(s / round_seconds(model, schedule, cached_len, k=k, **common))
+    k: float(s / round_seconds(model, schedule if k else None, cached_len, k=k, **common))
     for k, s in measured_s.items()
-    if k > 0
   }
 
 
@@ -675,14 +676,17 @@ def best_draft(
   """The draft count whose rounds `roofline_round_rate` prices fastest at cached_len, the drafts
   under `schedule` at mean acceptance alpha, against dense decoding -> (k, its rate, the dense
   rate); k = 0 (dense) unless a k of `ks` beats it, ties to the smaller k. scale: {k: factor}
-  on k's round seconds, measured (`round_scale`); a k without one is priced by the roofline."""
+  on k's round seconds (k = 0: a dense step's), measured (`round_scale`); a k without one gets
+  the dense step's (the machine's measured clock against its roofline), or none."""
+  scale = scale or {}
+  clock = scale.get(0, 1.0)
   common = dict(rows=rows, hardware=hardware)
-  dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common)
+  dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common) / clock
   best = (0, dense)
   for k in ks:
     rate = roofline_round_rate(
       model, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
-    ) / (scale or {}).get(k, 1.0)
+    ) / scale.get(k, clock)
     if rate > best[1]:
       best = (k, rate)
   return (*best, dense)
