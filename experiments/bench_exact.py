@@ -15,7 +15,7 @@ plan, priced as the trainer's switch prices it (`hooks.DraftSwitch`: the rooflin
 measured seconds per round of dense decoding and of each speculateK, at the drafts' mean
 acceptance measured at this context on the speculateK rows' judged drafts), all measured before
 it plans as the trainer's earlier steps measure them, then run as the engine runs it (a chunk
-runs the program of the most drafts its rounds take; none: the dense-round program).
+runs the program of the most drafts its rounds take; none: dense decode steps).
 
 (2) A trained model at its own context: the shipped tiny model on its task's prompts (the default
 job's prompts, group size and cutoff), whole rollouts through `engine.run` (prefill, decode, refill)
@@ -151,10 +151,9 @@ def bench_shapes(config, hardware) -> list:
     budget = engine._budget(schedule, sparse, PR * Z)
     got = {}
 
-    def chunk(name, k, budget=budget, speculative=True):
+    def chunk(name, k, budget=budget, speculative=True, dense=False):
       def call():
         key = jax.random.PRNGKey(2)
-        dense = name.startswith("dense")
         kw = dict(cfg=cfg, sparse=None if dense else sparse, sampling=sampling)
         pool, params_, bud = state["pool"], params, None if dense else budget
         if speculative:
@@ -172,7 +171,7 @@ def bench_shapes(config, hardware) -> list:
       return call
 
     names = ["dense", "dense again", "sparse"] + [f"speculate{k}" for k in config.drafts]
-    calls = [chunk(n, 0, speculative=False) for n in names[:3]]
+    calls = [chunk(n, 0, speculative=False, dense=n != "sparse") for n in names[:3]]
     calls += [chunk(f"speculate{k}", k) for k in config.drafts]
     # What the plan is priced at, measured first (as the trainer's earlier steps measure it): the
     # speculate runs' judged drafts' acceptance and every setting's seconds per round.
@@ -187,10 +186,11 @@ def bench_shapes(config, hardware) -> list:
       cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, round_s, context
     )
     by_len = np.minimum(plan.k_by_len(PR * Z), K)
-    draft = int(by_len[context : context + T].max())  # the engine's choice of program
+    # The engine's choice of program: the most drafts a round takes, or none: dense decode steps.
+    draft = int(by_len[context : context + T].max())
     auto_budget = budget.replace(draft_by_len=jnp.asarray(by_len))
     names.append("auto")
-    calls.append(chunk("auto", draft, budget=auto_budget))
+    calls.append(chunk("auto", draft, auto_budget, speculative=draft > 0, dense=draft == 0))
     seconds = median_seconds(calls, config.runs)
     rows = []
     for name, sec in zip(names, seconds):

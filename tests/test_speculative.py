@@ -413,6 +413,19 @@ def test_a_draft_plan_switches_per_bin_and_rows_stay_the_dense_policy_s():
     assert_same_rows(run_plan(MIXED, 1.0, slots, chunk, pages)[0], ref)
 
 
+@pytest.mark.slow
+def test_a_plan_that_drafts_nowhere_is_dense_decoding():
+  """The switch's dense regime is the dense engine's decoding, sampled rows included (a round of
+  no drafts draws with the token's own key, as a decode step does): so it costs what dense
+  decoding costs, and its counters say one token a round, nothing drafted."""
+  dense, _ = run(0, sparse=None, schedule=None, temperature=1.0)
+  rows, stats = run_plan(DraftPlan((0,), 4, 8), temperature=1.0)
+  assert_same_rows(rows, dense)
+  assert np.all(np.isnan(np.asarray(rows.alpha)))
+  assert stats.emitted == stats.rounds == int(np.sum(np.asarray(rows.lengths) - 1))
+  assert stats.drafted == stats.judged == 0 and stats.kv_pages_read > 0
+
+
 def test_a_draft_plan_by_cached_length():
   plan = DraftPlan((0, 3, 2), page_size=4, bin_size=8)
   # position_bin: whole pages cached // 2 pages a bin; past the last bin the last value holds

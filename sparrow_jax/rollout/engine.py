@@ -162,6 +162,8 @@ class _Programs:
     """One chunk -> (pool, host outputs, n_gen and active after it, steps (rounds) run, and
     exact mode's per-slot counters, else None). draft: the most drafts a round of an exact-mode
     chunk runs (0: dense rounds only)."""
+    if self.speculate and not draft:
+      return self.dense_rounds(pool, slots)
     args = (*self.split, pool, self.budget, self.key)
     args += ({k: self.to_global(v) for k, v in slots.items()},)
     kw = dict(cfg=self.cfg, sparse=self.sparse, sampling=self.sampling)
@@ -176,6 +178,43 @@ class _Programs:
     out = {k: self.to_local(v) for k, v in out.items()}
     n_gen, active = self.to_local(after["n_gen"]), self.to_local(after["active"])
     return pool, out, n_gen, active, int(sharding.to_host(steps_run)), count
+
+  def dense_rounds(self, pool, slots):
+    """An exact-mode chunk whose rounds draft nothing, as `decode`: the dense policy's own decode
+    program (no LoRA, every page), as fast as dense decoding. A round of no drafts draws its token
+    from p_0 with the token's own key (`speculative.accept_round`), as a decode step does, so the
+    tokens are those a speculative program's dense rounds give. Its counters and NaN alphas are
+    made here: each step is a round that emits one token and drafts nothing."""
+    args = (self.split[0], None, pool, None, self.key)
+    args += ({k: self.to_global(v) for k, v in slots.items()},)
+    kw = dict(cfg=self.cfg, sparse=None, sampling=self.sampling, steps=self.rounds_of(0))
+    pool, after, out, steps_run = programs.decode_chunk(*args, **kw)
+    out = {k: self.to_local(v) for k, v in out.items()}
+    out["alpha"] = np.full(out["tokens"].shape, np.nan, np.float32)
+    n_gen, active = self.to_local(after["n_gen"]), self.to_local(after["active"])
+    emitted = n_gen - np.asarray(slots["n_gen"])
+    count = _dense_round_counts(np.asarray(slots["length"]), emitted, self.cfg, pool.page_size)
+    return pool, out, n_gen, active, int(sharding.to_host(steps_run)), count
+
+
+def _dense_round_counts(length_B, emitted_B, cfg: Qwen3Config, page_size: int) -> dict:
+  """Exact mode's per-slot counters (`programs.speculative_chunk`'s) of dense decode steps: row b
+  ran emitted_B[b] rounds from length_B[b] cached tokens, each emitting one token, drafting
+  nothing, and reading every cached page of every layer (as a dense round counts them)."""
+  L = cfg.num_hidden_layers
+  cached_BC = length_B[:, None] + np.arange(max(int(emitted_B.max(initial=0)), 1))[None]
+  ran_BC = np.arange(cached_BC.shape[1])[None] < emitted_B[:, None]
+  pages = lambda n: L * -(-n // page_size)
+  zeros = np.zeros_like(emitted_B)
+  return dict(
+    rounds=emitted_B,
+    emitted=emitted_B,
+    drafted=zeros,
+    judged=zeros,
+    accepted=zeros,
+    read=np.sum(np.where(ran_BC, pages(cached_BC), 0), axis=1).astype(np.float32),
+    dense=np.sum(np.where(ran_BC, pages(cached_BC + 1), 0), axis=1).astype(np.float32),
+  )
 
 
 def run(

@@ -163,7 +163,8 @@ def speculative_chunk(
   outputs, which add `alpha` (each token's draft acceptance rate, NaN for a bonus token). With
   `budget.draft_by_len` (exact mode's regime switch) a row's round drafts that many tokens at its
   cached length, at most `draft`: 0 makes the round one dense decoding step (its token drawn from
-  p_0 as a bonus token is), and `draft` = 0 compiles the program for chunks with no drafts.
+  p_0 with the token's own key, as `decode_chunk` draws it), and `draft` = 0 compiles a program
+  of such rounds only (the engine runs those chunks as `decode_chunk` itself).
   Returns (pool, slots, out, rounds run, per-slot counters: rounds, tokens emitted, drafts run,
   drafts judged (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and
   the pages dense decoding of the emitted tokens reads)."""

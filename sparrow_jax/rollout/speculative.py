@@ -79,9 +79,10 @@ def accept_round(logp_p_CV, logq_dV, draft_d, token_keys_C, drafts=None):
   logq_dV: the drafts' distributions q_0 .. q_{k-1}; draft_d: d_1 .. d_k; token_keys_C: the keys
   of the tokens the round emits at offsets 0 .. k; drafts: the row's own draft count this round,
   at most k (exact mode's regime switch; the drafts past it are not judged; 0 draws the one token
-  from p_0). Returns (tokens_C, n_accepted, logp_C, alpha_d): the round emits
-  tokens_C[: n_accepted + 1] (the accepted drafts, then the residual or bonus token); logp_C their
-  log-probs under p; alpha_d each draft's acceptance rate."""
+  from p_0 with the token's own key, as a decode step does). Returns (tokens_C, n_accepted,
+  logp_C, alpha_d): the round emits tokens_C[: n_accepted + 1] (the accepted drafts, then the
+  residual or bonus token); logp_C their log-probs under p; alpha_d each draft's acceptance
+  rate."""
   k = draft_d.shape[0]
   drafts = k if drafts is None else drafts
   keys = jax.vmap(draw_keys)(token_keys_C)
@@ -89,12 +90,14 @@ def accept_round(logp_p_CV, logq_dV, draft_d, token_keys_C, drafts=None):
   take = lambda logp_aV, ids_a: jnp.take_along_axis(logp_aV, ids_a[:, None], axis=1)[:, 0]
   n = n_accepted(u_d, take(logp_p_CV[:k], draft_d), take(logq_dV, draft_d), drafts)
   # After all drafts accepted the bonus is drawn from p_n itself (a dense step's draw), at a
-  # rejection from the residual against q_n.
+  # rejection from the residual against q_n. A round of no drafts draws its one token with the
+  # token's own key, exactly as a dense decode step does (`programs.sample_rows`): the engine runs
+  # chunks of such rounds as dense decode steps.
   fix_V = logp_p_CV[n]
   if k:
     residual_V = residual_logits(fix_V, logq_dV[jnp.minimum(n, k - 1)])
     fix_V = jnp.where(n < drafts, residual_V, fix_V)
-  fix = jax.random.categorical(keys[2][n], fix_V)
+  fix = jax.random.categorical(jnp.where(drafts == 0, token_keys_C[0], keys[2][n]), fix_V)
   fix = fix.astype(jnp.int32)
   C = k + 1
   tokens_C = jnp.where(jnp.arange(C) < n, jnp.pad(draft_d, (0, 1)), fix)
