@@ -1,6 +1,7 @@
 """How the benchmark scripts time calls: the settings of a comparison are called in turn, run by
 run, so that whatever else loads the machine falls on each of them alike, after one warm-up call
-of each (it compiles)."""
+of each (it compiles). Each run starts one setting later than the last, so that no setting always
+follows the same one (a call can leave the next one a colder cache or a fragmented heap)."""
 
 import statistics
 import time
@@ -12,11 +13,12 @@ def interleaved_seconds(calls, runs) -> list:
   for call in calls:
     call()
   times = [[] for _ in calls]
-  for _ in range(runs):
-    for call, t in zip(calls, times):
+  for run in range(runs):
+    for turn in range(len(calls)):
+      i = (turn + run) % len(calls)
       start = time.perf_counter()
-      call()
-      t.append(time.perf_counter() - start)
+      calls[i]()
+      times[i].append(time.perf_counter() - start)
   return times
 
 

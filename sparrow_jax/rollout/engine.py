@@ -312,16 +312,16 @@ def run(
     sched.check_progress()
     if not _any_process(bool(sched.running())):
       break
+    start = time.perf_counter()  # a chunk's cost: its program and the host's work around it
     sched.grow()
     width = sched.width(not engine.drain_slots or _any_process(sched.wants_all_slots()))
     slots, at = sched.chunk_inputs(width)
     draft = engine.speculate
     if draft_by_len is not None:
       draft = _most_of_processes(sched.drafts_ahead(draft_by_len))
-    start = time.perf_counter()
     pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
-    sched.stats.time_chunk(draft, time.perf_counter() - start, steps_run)  # decode waited for it
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
+    sched.stats.time_chunk(draft, time.perf_counter() - start, steps_run)
   return _rollout(sched, sampling), sched.stats
 
 

@@ -107,9 +107,10 @@ class EngineStats:
   accepted: int = 0
   kv_pages_read: float = 0.0
   kv_pages_dense: float = 0.0
-  # Wall seconds per round (decode step) of each chunk, by its program's draft count (0: dense
-  # rounds): what exact mode's regime switch prices rounds by (`round_seconds`); a clock, so
-  # two rollouts' stats compare equal without it.
+  # Wall seconds per round (decode step) of each chunk, the host's scheduling around its program
+  # included (a chunk of few long rounds pays it over fewer tokens), by the chunk's draft count (0:
+  # dense rounds): what exact mode's regime switch prices rounds by (`round_seconds`); a clock,
+  # so two rollouts' stats compare equal without it.
   chunk_round_s: dict = dataclasses.field(default_factory=dict, compare=False)
 
   def time_chunk(self, draft: int, seconds: float, rounds: int) -> None:
