@@ -1345,9 +1345,11 @@ def speculative_rollout_page(records) -> str:
     "of this machine between identical calls; sparse: the schedule's pages (lossy: rows are the "
     "sparse policy's); speculateK: exact mode, K sparse drafts and one dense verification a "
     "round; auto: the regime switch (`rollout.speculate = \"auto\"`), its plan (drafts per "
-    "position bin, 0 = dense decoding) priced on this machine's roofline at the acceptance "
-    "measured on the speculateK rows. Exact rows are the dense policy's samples. accepted / round "
-    "counts the tokens a row-round emits; draft acceptance is accepted over judged drafts.",
+    "position bin, 0 = dense decoding) priced as the trainer's switch prices it: the measured "
+    "seconds per round of dense decoding and of each speculateK (the roofline giving only how "
+    "prices change with length) at the acceptance measured on the speculateK rows. Exact rows "
+    "are the dense policy's samples. accepted / round counts the tokens a row-round emits; draft "
+    "acceptance is accepted over judged drafts.",
     "",
   ]
   for record in records:
@@ -1394,6 +1396,15 @@ def _exact_verdict(rows) -> list:
       line += f"; lossy sparse {sparse:.2f}x, so the 1.25x target: "
       line += "met" if auto >= 1.25 else "missed"
     out.append(line + ".")
+    # what a round buys: tokens it emits against its cost in dense steps (its rate is
+    # accepted_per_round / round seconds, dense's 1 / step seconds)
+    rounds = [
+      f"{row['setting']} a round costs {row['accepted_per_round'] / row['vs_dense']:.2f} dense "
+      f"steps and emits {row['accepted_per_round']:.2f} tokens"
+      for row in rows
+      if row["context"] == shape and row["setting"].startswith("speculate")
+    ]
+    out.append(f"  - {'; '.join(rounds)}.")
   return out
 
 
