@@ -137,11 +137,14 @@ def evaluation(*fields, **overrides) -> ml_collections.ConfigDict:
 def mesh(*fields, **overrides) -> ml_collections.ConfigDict:
   """The device mesh (sparrow_jax.sharding): rows over data x fsdp, weights FSDP over fsdp,
   heads / FFN / vocab over tensor. One device is the mesh 1 x 1 x 1; the product must be the number
-  of devices of all processes."""
+  of devices of all processes, less the rollout's."""
   c = ml_collections.ConfigDict()
   c.data = -1  # data-parallel ways (-1: the devices fsdp x tensor leaves)
   c.fsdp = 1  # FSDP ways: params, grads and Adam states sharded, rows too
   c.tensor = 1  # tensor-parallel ways (keep within a host: NVLink / ICI)
+  # Devices of each process that only roll out, the weights whole on each, rows over them; the
+  # rest train on data x fsdp x tensor (0: rollouts run on the trainer's devices; docs/async_rl.md)
+  c.rollout_devices = 0
   return _select(c, fields, overrides)
 
 

@@ -95,6 +95,9 @@ def get_config():
   #                                    policy loss (mismatch masking; 0 = off)
   c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole
   #                                    (0 = off; why p1: docs/configuration.md#mismatch-masking)
+  # 1: one-step-off: step t trains on rollouts sampled with step t - 1's weights, drawn while
+  # step t - 1's update ran (overlap; TIS corrects the lag; docs/async_rl.md); 0: on-policy
+  c.rl.off_policy_steps = 0
   # Per-layer remat: full (keep each layer's input, recompute the rest: what long rows need,
   # experiments/memory_report.py) | attention (also keep the attention's output, so the backward
   # runs the attention and its page selection once; docs/architecture.md) | dots | none.

@@ -82,6 +82,7 @@ def get_config():
   #                                    policy loss (mismatch masking; 0 = off)
   c.rl.mask_row_alpha_below = 0.0  # a row whose p1 alpha is under this leaves the loss whole
   #                                    (0 = off; why p1: docs/configuration.md#mismatch-masking)
+  c.rl.off_policy_steps = 0  # on-policy (1: one-step-off, docs/async_rl.md)
   c.rl.remat = "full"  # per-layer remat: what 38K-token rows need
   c.rl.logits_chunk = 512  # positions per LM-head chunk
 

@@ -171,18 +171,22 @@ def read_rows(path: str) -> list:
   return rows
 
 
-def write_atomic(path: str, text: str) -> None:
-  """`text` as the file `path`, all or nothing: written to a temporary file beside it, flushed to
-  disk, then renamed over it, so a kill leaves the old file or the new one, never a torn one. On an
-  object store the object is written directly: its upload is all or nothing, while a rename there
-  is a copy and a delete."""
+def write_atomic(path: str, text: str | bytes) -> None:
+  """`text` (str or bytes) as the file `path`, all or nothing: written to a temporary file beside
+  it, flushed to disk, then renamed over it, so a kill leaves the old file or the new one, never a
+  torn one. On an object store the object is written directly: its upload is all or nothing, while
+  a rename there is a copy and a delete."""
+  binary = isinstance(text, bytes)
   if not is_local(path):
-    epath.Path(path).write_text(text)
+    if binary:
+      epath.Path(path).write_bytes(text)
+    else:
+      epath.Path(path).write_text(text)
     return
   directory, name = os.path.split(os.path.abspath(path))
   tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # open(): the usual file mode
   try:
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if binary else "w") as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

@@ -113,6 +113,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
 
 
+def split_devices(rollout_per_process: int) -> tuple:
+  """Every process's devices in two lists, process-major: (the trainer's, the rollout's), each
+  process giving its first `rollout_per_process` devices (by id) to the rollout."""
+  by_process = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  train, rollout = [], []
+  for p in sorted(by_process):
+    devices = sorted(by_process[p], key=lambda d: d.id)
+    rollout += devices[:rollout_per_process]
+    train += devices[rollout_per_process:]
+  return train, rollout
+
+
 def platform() -> str:
   """What is being compiled for: the platform of the enclosing mesh's devices (compile-only TPU
   devices on this CPU give "tpu"), else the default backend's."""

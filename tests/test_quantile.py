@@ -41,7 +41,7 @@ def test_logged_stats_hold_the_quantile():
     logp_rollout=jnp.zeros((1, 100)),
     rewards=jnp.zeros((1,)),
   )
-  metrics = train_step._acceptance_metrics(batch, jnp.zeros((1, 100)), None, ALPHA_BT, step)
+  metrics = train_step._acceptance_metrics(batch, jnp.zeros((1, 100)), None, ALPHA_BT, None, step)
   assert float(metrics["acceptance/p2.5_bin"][0]) == pytest.approx(float(stats["p2.5_bin"][0]))
   with pytest.raises(ValueError, match="StatsConfig.quantile = 50"):
     step_schema.StatsConfig(quantile=50)

@@ -7,8 +7,9 @@ builders from here only.
 """
 
 import dataclasses
+import math
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,6 @@ import numpy as np
 import optax
 
 from sparrow_jax import schema, sharding
-from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.data import synthetic, tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
@@ -151,17 +151,40 @@ def init_distributed(c) -> None:
 
 
 def make_mesh(c):
-  """The config's (data, fsdp, tensor) mesh over every process's devices, checked against the
-  batch (run_config.check_mesh)."""
+  """The trainer's (data, fsdp, tensor) mesh of config.mesh, checked against the batch
+  (run_config.check_mesh): over every process's devices, less each process's first
+  mesh.rollout_devices, which only roll out (`rollout_mesh`)."""
   m = c.mesh
+  run_config.require(
+    m.rollout_devices < jax.local_device_count(),
+    "mesh.rollout_devices",
+    m.rollout_devices,
+    f"must leave the trainer devices: each process has {jax.local_device_count()}",
+  )
+  devices = sharding.split_devices(m.rollout_devices)[0] if m.rollout_devices else None
   try:
-    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
   except ValueError as e:
     raise ValueError(
-      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) is invalid: {e}"
+      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}, "
+      f"rollout_devices={m.rollout_devices}) is invalid: {e}"
     ) from None
   run_config.check_mesh(c, mesh)
   return mesh
+
+
+def rollout_mesh(c, mesh):
+  """The mesh the step's rollouts run on: the trainer's `mesh` (colocated, mesh.rollout_devices =
+  0), or each process's first mesh.rollout_devices devices, rows over data and the weights whole
+  on each (decode reads every weight at every token: no FSDP gathers there). Each process rolls
+  out the same rows it trains on (checked)."""
+  if not c.mesh.rollout_devices:
+    return mesh
+  devices = sharding.split_devices(c.mesh.rollout_devices)[1]
+  rollout = sharding.make_mesh(len(devices), 1, 1, devices=devices)
+  count = c.rollout.prompts_per_step * c.rollout.group_size
+  run_config.check_rollout_mesh(c, Rows.of(rollout, count), Rows.of(mesh, count))
+  return rollout
 
 
 class Optimizers(NamedTuple):
@@ -201,7 +224,12 @@ def _state_init(c, opt: Optimizers):
       targets=tuple(c.distill.targets.split(",")),
     )
   init = lambda p, lora: step_schema.init_state(
-    p, opt.base, lora, opt.lora, keep_reference=c.rl.kl_coef > 0
+    p,
+    opt.base,
+    lora,
+    opt.lora,
+    keep_reference=c.rl.kl_coef > 0,
+    keep_behaviour=c.rl.off_policy_steps > 0,
   )
   return init, make_lora
 
@@ -264,41 +292,64 @@ def lower_step(c):
     return step.lower(state, batch, budget), shardings
 
 
-def rollout_weights(state, mesh):
-  """(params, lora) -> the sampler's copy, gathered over fsdp once per rollout
-  (sharding.ROLLOUT_RULES); the identity without FSDP."""
-  if mesh.shape["fsdp"] == 1:
-    return lambda params, lora: (params, lora)
+def rollout_weights(state, mesh, rollout, copy: bool = False):
+  """(params, lora) on the trainer's `mesh` -> the sampler's copy on the `rollout` mesh, gathered
+  over fsdp once per rollout (sharding.ROLLOUT_RULES). On the trainer's own mesh without FSDP it is
+  the same arrays, unless `copy` (an off-policy rollout still reads them while the update, which
+  donates the state, runs); on a mesh of its own (`rollout_mesh`) the arrays are resharded onto
+  its devices, device to device (`jax.device_put`)."""
   rules = sharding.ROLLOUT_RULES
   out = (
-    sharding.param_shardings(state.params, mesh, rules),
-    None if state.lora is None else sharding.lora_shardings(state.lora, mesh, rules),
+    sharding.param_shardings(state.params, rollout, rules),
+    None if state.lora is None else sharding.lora_shardings(state.lora, rollout, rules),
   )
-  return jax.jit(lambda params, lora: (params, lora), out_shardings=out)
+  if rollout is not mesh:
+    return lambda params, lora: jax.device_put((params, lora), out)
+  if mesh.shape["fsdp"] == 1 and not copy:
+    return lambda params, lora: (params, lora)
+  fresh = (lambda tree: jax.tree.map(jnp.copy, tree)) if copy else (lambda tree: tree)
+  return jax.jit(lambda params, lora: fresh((params, lora)), out_shardings=out)
 
 
-def sampler_of(c, cfg, tokenizer, weights, engine_cfg, sparse):
-  """sample(state, this process's engine.Requests, key, StepBudget or None) -> (its rollout,
-  EngineStats): the engine over the policy's weights (`weights`, `rollout_weights`: gathered over
-  fsdp once per rollout)."""
+class Sampler(NamedTuple):
+  """The step's rollouts on the rollout mesh: `sync` copies the policy's weights there (timed by
+  the loop), `sample` runs the engine on them."""
+
+  sync: Callable  # TrainState -> the rollout's (params, lora)
+  sample: Callable  # ((params, lora), Requests, key, StepBudget | None) -> (rollout, EngineStats)
+  mesh: Any  # the rollout mesh (the trainer's when colocated)
+
+
+def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
+  """The engine over the policy's weights on the rollout mesh, fed this process's
+  engine.Requests; state: the train state (abstract) whose weights it samples; meshes: (the
+  trainer's, the rollout's: `rollout_mesh`)."""
   how = sampling(c, tokenizer)
+  weights = rollout_weights(state, *meshes, copy=c.rl.off_policy_steps > 0)
+  mesh = meshes[1]
+  replicated = sharding.replicated(mesh)
 
-  def sample(state, requests, key, budget):
-    params, lora = weights(state.params, state.lora)
-    return engine.run(
-      params,
-      cfg,
-      requests,
-      np.asarray(key),
-      engine=engine_cfg,
-      sampling=how,
-      sparse=sparse,
-      schedule=None if budget is None else budget.table,
-      lora=lora,
-      draft_plan=None if budget is None else budget.drafts,
-    )
+  def sync(state):
+    return weights(state.params, state.lora)
 
-  return sample
+  def sample(synced, requests, key, budget):
+    params, lora = synced
+    table = None if budget is None else jax.device_put(budget.table, replicated)
+    with jax.set_mesh(mesh):  # also in a rollout thread: a mesh context is the thread's own
+      return engine.run(
+        params,
+        cfg,
+        requests,
+        np.asarray(key),
+        engine=engine_cfg,
+        sampling=how,
+        sparse=sparse,
+        schedule=table,
+        lora=lora,
+        draft_plan=None if budget is None else budget.drafts,
+      )
+
+  return Sampler(sync, sample, mesh)
 
 
 def budgets(c, cfg, sparse, mesh, cache_len: int, rows: int = 1) -> hooks.Budgets:
@@ -372,7 +423,7 @@ class Run:
   cfg: Qwen3Config
   state: step_schema.TrainState  # the initial train state, on its shardings
   train_step: Callable  # (state, Batch, BudgetTable | None) -> (state, metrics), jitted
-  sample: Callable  # (state, Requests, key, StepBudget | None) -> (rollout, EngineStats)
+  sampler: Sampler  # the rollouts: the weights' copy on the rollout mesh, the engine over it
   engine_cfg: engine.EngineConfig  # each device's engine
   budgets: Optional[hooks.Budgets]  # None: dense rollouts
   hooks: list  # the step hooks, Budgets among them
@@ -393,14 +444,16 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   tokenizer = load_tokenizer_of(c, task)
   cfg = model_config(c, tokenizer)
   rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
-  device, device_rows = jax.local_devices()[0], rows.count // page_pool.row_shards()
+  rollout = rollout_mesh(c, mesh)
+  device = jax.local_devices()[0]
+  device_rows = rows.count // math.prod(rollout.shape[a] for a in sharding.BATCH)
   run_config.check_rows(c, device_rows, device, sparse)
   run_config.check_inputs(c, task, cfg, tokenizer)
   engine_cfg = engine_config(c, cfg, device_rows)
   run_config.check_pool(c, sparse, engine_config(c, cfg, rows_per_device=1))
   opt = optimizers(c)
   abstract, shardings = abstract_state(c, cfg, mesh, opt)
-  weights = rollout_weights(abstract, mesh)
+  weights = rollout_weights(abstract, mesh, mesh)  # the held-out evaluation's, on this mesh
   cache_len = r.max_prompt_len + r.max_new_tokens
   step_hooks = [hooks.PerfMetrics(opt.learning_rate)]
   step_hooks.append(kv_metrics(c, cfg, sparse, engine_cfg, _hardware(c, sparse)))
@@ -425,9 +478,9 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   step_memory = run_config.StepMemory.of(compiled, abstract, shardings)
   run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device)
   state = build_state(c, load_params(c, cfg), shardings, opt)
-  sample = sampler_of(c, cfg, tokenizer, weights, engine_cfg, sparse)
+  rollouts = sampler_of(c, cfg, tokenizer, abstract, (mesh, rollout), engine_cfg, sparse)
   to_batch = jax.jit(step_schema.batch_from_rollout, out_shardings=rows.sharding)
-  parts = (task, tokenizer, cfg, state, step, sample, engine_cfg, budget, step_hooks, held_out)
+  parts = (task, tokenizer, cfg, state, step, rollouts, engine_cfg, budget, step_hooks, held_out)
   return Run(*parts, rows, to_batch)
 
 

@@ -54,6 +54,10 @@ class StepOutput:
   rollout_s: float
   train_s: float
   state: object = None  # the train state after the step's update
+  step_s: float = 0.0  # the step's wall time: its wait for rollouts, the weights' copy, the update
+  wait_s: float = 0.0  # the wait for its rollouts (about 0 when they ran during the last update)
+  sync_s: float = 0.0  # copying the weights the rollouts sampled to the rollout's devices
+  sync_bytes: int = 0  # what that copy holds on them (0: the sampler read the trainer's arrays)
 
 
 class Hook:
@@ -105,6 +109,10 @@ class Budgets(Hook):
   def example_table(self) -> schedule_lib.BudgetTable:
     """A table as every step's (one shape, one static cap): to compile the train step up front."""
     return self._placed(self.stages[0][1])
+
+  def placed(self, budget: StepBudget) -> StepBudget:
+    """A budget read back from disk (its placed table left out) with its table placed again."""
+    return budget._replace(table=self._placed(budget.schedule))
 
   def for_step(self, step: int) -> StepBudget:
     stage = schedule_lib.stage_index(self.stages, step)
@@ -342,6 +350,10 @@ class PerfMetrics(Hook):
       "perf/engine_rows_in_flight": stats.rows_in_flight,
       "perf/engine_preemptions": stats.preemptions,
       "perf/train_step_s": out.train_s,
+      "perf/step_s": out.step_s,
+      "perf/rollout_wait_s": out.wait_s,
+      "perf/weight_sync_s": out.sync_s,
+      "perf/weight_sync_bytes": out.sync_bytes,
       "lr": float(self.learning_rate(out.step)),
     }
 

@@ -188,6 +188,11 @@ def _check_ranges(c) -> None:
     ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
     ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
     ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
+    (
+      "mesh.rollout_devices",
+      isinstance(c.mesh.rollout_devices, int) and c.mesh.rollout_devices >= 0,
+      "must be >= 0 devices of each process (0: rollouts on the trainer's devices)",
+    ),
     ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
     ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
     (
@@ -781,6 +786,26 @@ def check_mesh(c, mesh) -> None:
     "rollout.group_size",
     r.group_size,
     f"this process holds rows [{lo}, {hi}): each process must hold whole groups",
+  )
+
+
+def check_rollout_mesh(c, rollout_rows, train_rows) -> None:
+  """Rollout devices of their own (mesh.rollout_devices): each holds whole GRPO groups, and each
+  process rolls out the rows it trains on (so its rollouts never cross to another host)."""
+  n, ways = c.mesh.rollout_devices, rollout_rows.sharding.mesh.size
+  require(
+    rollout_rows.count % (ways * c.rollout.group_size) == 0,
+    "mesh.rollout_devices",
+    n,
+    f"the {rollout_rows.count} rows of a step must split into whole groups of "
+    f"{c.rollout.group_size} over the {ways} rollout devices",
+  )
+  require(
+    (rollout_rows.lo, rollout_rows.hi) == (train_rows.lo, train_rows.hi),
+    "mesh.rollout_devices",
+    n,
+    f"this process would roll out rows [{rollout_rows.lo}, {rollout_rows.hi}) and train on "
+    f"[{train_rows.lo}, {train_rows.hi}): the two meshes must split the rows alike over processes",
   )
 
 

@@ -75,6 +75,7 @@ class RLConfig:
   mask_row_alpha_below: float = 0.0
   remat: str = "full"  # per-layer rematerialisation (qwen3.REMAT_POLICIES)
   logits_chunk: int = 512  # positions per LM-head chunk (qwen3.map_logits)
+  off_policy_steps: int = 0  # 1: the rollouts are one step stale (TrainState.behaviour_params)
 
   def __post_init__(self):
     require = functools.partial(_require, self)
@@ -99,6 +100,12 @@ class RLConfig:
       "is compiled into the step's one program",
     )
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
+    require(
+      self.off_policy_steps in (0, 1),
+      "off_policy_steps",
+      "must be 0 (each step trains on rollouts of its own weights) or 1 (one-step-off: on "
+      "rollouts of the previous step's weights, sampled while the previous update ran)",
+    )
     require(
       all(isinstance(n, int) and n >= 1 for n in self.length_buckets)
       and list(self.length_buckets) == sorted(set(self.length_buckets)),
@@ -217,18 +224,29 @@ class TrainState:
   lora: Optional[LoRA] = None
   lora_opt_state: Optional[optax.OptState] = None
   ref_params: Optional[dict] = None
+  # rl.off_policy_steps = 1: the weights the rollouts of the step's update were sampled with (the
+  # pre-update params of the step before), which the step measures staleness against; each step
+  # leaves its own pre-update params here for the next.
+  behaviour_params: Optional[dict] = None
 
 
 def init_state(
-  params, optimizer, lora: Optional[LoRA] = None, lora_optimizer=None, keep_reference: bool = False
+  params,
+  optimizer,
+  lora: Optional[LoRA] = None,
+  lora_optimizer=None,
+  keep_reference: bool = False,
+  keep_behaviour: bool = False,
 ) -> TrainState:
+  copy = lambda: jax.tree_util.tree_map(jnp.copy, params)
   return TrainState(
     step=jnp.zeros((), jnp.int32),
     params=params,
     opt_state=optimizer.init(params),
     lora=lora,
     lora_opt_state=lora_optimizer.init(lora) if lora is not None else None,
-    ref_params=jax.tree_util.tree_map(jnp.copy, params) if keep_reference else None,
+    ref_params=copy() if keep_reference else None,
+    behaviour_params=copy() if keep_behaviour else None,
   )
 
 
@@ -260,6 +278,7 @@ def state_sharding(state: TrainState, mesh, optimizer, lora_optimizer=None) -> T
     lora=lora,
     lora_opt_state=lora_opt,
     ref_params=None if state.ref_params is None else params,
+    behaviour_params=None if state.behaviour_params is None else params,
   )
 
 

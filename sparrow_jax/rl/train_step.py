@@ -191,16 +191,20 @@ def exact_acceptance(params, x_p_BSD, x_q_BSD, cfg, sc: StepConfig):
   return next_token_aligned(alpha)
 
 
-def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, sc: StepConfig):
+def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, stale_BS, sc: StepConfig):
   """Tail stats per family of per-token acceptance, binned by `schedule.position_bin`:
   "acceptance" (exact alpha = sum_x min(p, q), when given), "acceptance_sampled"
-  (min(1, p(x)/q(x)) of the sampled token: unbiased for the mean, biased low in the tail) and
+  (min(1, p(x)/q(x)) of the sampled token: unbiased for the mean, biased low in the tail; q the
+  sampler's own, so with stale rollouts it carries staleness and sparsity together),
+  "acceptance_stale" (exact alpha of the stale dense policy against p, when given) and
   "acceptance_topk20" (the reference's lower bound from both top-20s, when the rollout has them)."""
   mask = batch.gen_mask
   positions = jnp.broadcast_to(jnp.arange(mask.shape[1])[None], mask.shape)
   families = {"acceptance_sampled": acceptance.sampled_acceptance(logp_old_BS, batch.logp_rollout)}
   if alpha_BS is not None:
     families["acceptance"] = alpha_BS
+  if stale_BS is not None:
+    families["acceptance_stale"] = stale_BS
   if top_old is not None:
     families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
       *top_old, batch.top_logp, batch.top_ids
@@ -329,6 +333,25 @@ def _rollout_acceptance(state, batch, dense, x_q_BSD, cfg, sc, sparse, budget, s
     return exact_acceptance(state.params, x_p_BSD, x_q_BSD, cfg, sc)
 
   return map_row_slices(alpha, (batch, dense["hidden"], x_q_BSD), slices, lengths)
+
+
+def _stale_acceptance(state, batch, x_p_BSD, cfg, sc: StepConfig, slices, lengths):
+  """Exact alpha_BS between the dense policy of the weights that sampled the rollouts one step
+  ago (state.behaviour_params: rl.off_policy_steps) and the pre-update dense policy p (x_p_BSD its
+  hidden states) on the same tokens: what staleness alone costs, whatever the rollouts' sparsity
+  (the sparse actor against p, at the current weights, is "acceptance")."""
+  behaviour, params = state.behaviour_params, state.params
+  logits = lambda w, x_BCD: qwen3.unembed(w, x_BCD, cfg)
+  fn = lambda x_b, x_p: acceptance.acceptance_rate(
+    logits(behaviour, x_b), logits(params, x_p), sc.rollout.temperature
+  )
+
+  def alpha(rows):
+    b, x_p_BSD = rows
+    x_b_BSD = hidden_states(behaviour, b, cfg, sc)
+    return next_token_aligned(qwen3.map_sequence(fn, (x_b_BSD, x_p_BSD), sc.rl.logits_chunk))
+
+  return map_row_slices(alpha, (batch, jax.lax.stop_gradient(x_p_BSD)), slices, lengths)
 
 
 def _dense_pass(params, batch, cfg, sc: StepConfig, slices, lengths):
@@ -464,7 +487,13 @@ def make_train_step(
     metrics.update(mask_metrics)
     if sc.stats.exact_acceptance and alpha_BS is None:
       alpha_BS = acceptance_of(p, x_q_BSD)
-    metrics.update(_acceptance_metrics(batch, p["logp"], p.get("top"), alpha_BS, sc))
+    stale_BS = None
+    if (
+      state.behaviour_params is not None
+    ):  # one step off: the next update's rollouts are this one's
+      stale_BS = _stale_acceptance(state, batch, p["hidden"], cfg, sc, pass_slices, lengths)
+      updated = updated.replace(behaviour_params=state.params)
+    metrics.update(_acceptance_metrics(batch, p["logp"], p.get("top"), alpha_BS, stale_BS, sc))
     return updated.replace(step=state.step + 1), metrics
 
   if state_shardings is None:

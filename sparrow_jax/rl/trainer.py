@@ -21,11 +21,14 @@ are all unreadable is refused rather than restarted at step 0, unless config.res
 (`Preemption`).
 """
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
 import time
+from typing import NamedTuple, Optional
 
 from etils import epath
 import jax
@@ -69,12 +72,14 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     return []
   log, key = _StepLog(c, start), jax.random.PRNGKey(c.seed)
   preemption = stack.enter_context(Preemption())
+  thread = stack.enter_context(_rollout_thread(c))
+  ahead = _in_flight(c, run, start)  # the next step's rollouts under way (rl.off_policy_steps)
   for step in range(start, c.total_steps):
     for hook in step_hooks:
       if hook.due(step):
         hook.begin_step(step)
     t0 = time.time()
-    state, out, metrics = _step(c, run, state, step, jax.random.fold_in(key, step))
+    state, out, metrics, ahead = _step(c, run, state, step, key, ahead, thread)
     for hook in step_hooks:
       if hook.due(step):
         metrics.update(hook.metrics(out))
@@ -82,6 +87,8 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     if held:  # a lease taken over while this run stalled
       held.check()
     stop = preemption.requested()
+    if ahead and (saver.due(step) or stop):  # the rollouts under way go with the checkpoint
+      workdir.save_in_flight(c.workdir, _storable(ahead.result()), mgr.all_steps())
     for hook in step_hooks + [saver]:
       if hook.due(step) or (stop and hook is saver):
         hook.end_step(out, metrics)
@@ -100,36 +107,105 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
   return log.rows
 
 
-def _step(c, run: build.Run, state, step: int, key):
-  """Step `step`: this process's prompts, their rollouts (drawn with `key`), their rewards and
-  the update. Returns (state, hooks.StepOutput, metrics)."""
+class Sampled(NamedTuple):
+  """A step's rollouts, graded, on the host: what its update trains on."""
+
+  step: int
+  weights_step: int  # the policy version that sampled them: the step whose weights it was
+  budget: Optional[hooks.StepBudget]  # the KV budget (and drafts) they were sampled under
+  prompt: np.ndarray  # this process's rows
+  prompt_len: np.ndarray
+  rollout: object  # sampler.Rollout, host arrays
+  engine_stats: engine.EngineStats
+  grades: list
+  rollout_s: float  # the engine's wall time
+  sync_s: float  # Synced.seconds of the weights that sampled them
+  sync_bytes: int  # Synced.nbytes
+
+
+class Synced(NamedTuple):
+  """The sampler's copy of the policy's weights (`build.Sampler.sync`)."""
+
+  version: int  # the step whose weights they are (the step that starts with them)
+  weights: tuple  # (params, lora) where the rollouts run
+  seconds: float  # the copy's wall time
+  nbytes: int  # what it holds on this process's devices (0: the trainer's arrays themselves)
+
+
+def _sync(run: build.Run, state, version: int) -> Synced:
+  """The sampler's copy of the state's weights, complete before the update that donates the state
+  is dispatched."""
+  t0 = time.time()
+  weights = jax.block_until_ready(run.sampler.sync(state))
+  moved = weights[0] is not state.params
+  leaves = jax.tree.leaves(weights) if moved else []
+  nbytes = sum(shard.data.nbytes for x in leaves for shard in x.addressable_shards)
+  return Synced(version, weights, time.time() - t0, nbytes)
+
+
+def _sample(c, run: build.Run, synced: Synced, step: int, key, budget) -> Sampled:
+  """Step `step`'s prompts (this process's), their rollouts drawn with `key` from the synced
+  weights under `budget`, and their grades. Runs in the rollout thread when rollouts are
+  off-policy."""
   r, rows = c.rollout, run.rows
   t0 = time.time()
-  budget = run.budgets.for_step(step) if run.budgets else None
   n, group = r.prompts_per_step, r.group_size
   problems = run.task.sample(n, step * n)[rows.lo // group : rows.hi // group]
   prompt, prompt_len = _prompts(problems, run.tokenizer, group, r.max_prompt_len)
   requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, group, first_row=rows.lo)
-  rollout, engine_stats = run.sample(state, requests, key, budget)  # host arrays, this process's
+  rollout, engine_stats = run.sampler.sample(synced.weights, requests, key, budget)
   rollout_s = time.time() - t0
   grades = run.task.grade(
     _responses(rollout, run.tokenizer), [p for p in problems for _ in range(group)]
   )
-  rewards = np.asarray([g.reward for g in grades], np.float32)
-  placed = jax.tree.map(rows.place, (prompt, prompt_len, rollout, rewards))  # their one trip there
-  batch = run.to_batch(*placed)
+  parts = (prompt, prompt_len, rollout, engine_stats, grades, rollout_s)
+  return Sampled(step, synced.version, budget, *parts, synced.seconds, synced.nbytes)
+
+
+def _step(c, run: build.Run, state, step: int, key, ahead, thread):
+  """Step `step`: its rollouts (`ahead`'s, a future of the rollout `thread`, when they were
+  sampled during the previous update: rl.off_policy_steps; else sampled now), the next step's
+  rollouts started on the current weights (off-policy), and the update. A step's rollouts are
+  drawn with the run's `key` folded with the step. Returns (state, hooks.StepOutput, metrics, the
+  next step's future or None)."""
+
+  def sample_args(s):  # the budget in force when a rollout starts is the one it samples under
+    budget = run.budgets.for_step(s) if run.budgets else None
+    return _sync(run, state, step), s, jax.random.fold_in(key, s), budget
+
+  t0 = time.time()
+  sampled = ahead.result() if ahead else _sample(c, run, *sample_args(step))
+  waited = time.time() - t0
+  ahead = None
+  if c.rl.off_policy_steps and step + 1 < c.total_steps:  # sampled while this update runs
+    ahead = thread.submit(_sample, c, run, *sample_args(step + 1))
+  state, out, metrics = _update(c, run, state, sampled)
+  timed = dict(step_s=time.time() - t0, wait_s=waited, sync_s=sampled.sync_s)
+  out = dataclasses.replace(out, sync_bytes=sampled.sync_bytes, **timed)
+  metrics["rollout/weights_step"] = sampled.weights_step  # the policy version that sampled them
+  return state, out, metrics, ahead
+
+
+def _update(c, run: build.Run, state, sampled: Sampled):
+  """The update on `sampled`: its rows placed on the trainer's mesh once, the fused train step.
+  Returns (state, hooks.StepOutput, metrics)."""
+  rows, rollout, engine_stats = run.rows, sampled.rollout, sampled.engine_stats
+  rewards = np.asarray([g.reward for g in sampled.grades], np.float32)
+  placed = jax.tree.map(rows.place, (sampled.prompt, sampled.prompt_len, rollout, rewards))
+  batch = run.to_batch(*placed)  # their one trip there
   t1 = time.time()
+  budget = sampled.budget
   state, metrics = run.train_step(state, batch, None if budget is None else budget.table)
   metrics = jax.tree.map(sharding.to_host, metrics)
   # this process's responses the sandbox ran out of its batch's time budget for
-  metrics["grading/budget_exceeded"] = sum(g.reason == "budget_exceeded" for g in grades)
+  metrics["grading/budget_exceeded"] = sum(g.reason == "budget_exceeded" for g in sampled.grades)
   out = hooks.StepOutput(
-    step,
+    sampled.step,
     budget,
-    rows.every_row(prompt_len, placed[1]),
+    rows.every_row(sampled.prompt_len, placed[1]),
     rows.every_row(rollout.lengths, placed[2].lengths),
     engine_stats,
-    rollout_s,
+    sampled.rollout_s,
     time.time() - t1,
     state,
   )
@@ -138,6 +214,51 @@ def _step(c, run: build.Run, state, step: int, key):
     alpha = rows.every_row(rollout.alpha, placed[2].alpha)
     metrics.update(speculative.metrics(engine_stats, alpha, out.prompt_len_B, **stats))
   return state, out, metrics
+
+
+def _storable(sampled: Sampled) -> Sampled:
+  """Sampled with host data only: its budget's table (placed on the mesh) left out."""
+  budget = sampled.budget and sampled.budget._replace(table=None)
+  return sampled._replace(budget=budget)
+
+
+def _in_flight(c, run: build.Run, step: int):
+  """The rollouts a one-step-off run had under way when the checkpoint it resumes from was taken
+  (saved with it), as a finished future; None on-policy or at a fresh start. They are required:
+  the checkpoint's behaviour params are the weights that sampled them."""
+  if not (c.rl.off_policy_steps and step):
+    return None
+  sampled = workdir.load_in_flight(c.workdir, step)
+  if sampled is None:
+    raise ValueError(
+      f"{c.workdir}/{workdir.IN_FLIGHT} holds no rollouts of step {step} for this process: a "
+      "one-step-off run resumes on the rollouts it had under way at its checkpoint, saved there "
+      "beside it; put them back, or start a new config.workdir"
+    )
+  if sampled.budget:
+    sampled = sampled._replace(budget=run.budgets.placed(sampled.budget))
+  return _InOrder().submit(lambda: sampled)
+
+
+@contextlib.contextmanager
+def _rollout_thread(c):
+  """Where off-policy rollouts run while the update does: a thread of this process. With several
+  processes they run in the loop's own thread instead, in order (every process must issue its
+  collectives in the same order), still one step off, without the overlap."""
+  if not c.rl.off_policy_steps or jax.process_count() > 1:
+    yield _InOrder()
+    return
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
+    yield pool
+
+
+class _InOrder:
+  """submit() runs the call at once and returns its finished future."""
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
 
 
 def _prompts(problems, tokenizer, group_size, width):

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -78,20 +79,52 @@ def _flock(workdir: str, path: str):
     f.close()  # releases the lock
 
 
+# One-step-off rollouts under way when a checkpoint is taken (rl.off_policy_steps): each process's
+# own rows, kept beside the checkpoint of the step they belong to, so a resume trains on them.
+IN_FLIGHT = "in_flight"
 # metrics_log.write_atomic's temporary files: .<name>.<pid>.tmp
 _TMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
 
 
 def remove_stale_tmp(workdir: str) -> None:
-  """Deletes the temporary files a killed run left (metrics_log.write_atomic's); called under the
-  workdir's lock, so no live writer owns one."""
-  stale = sorted(p.name for p in epath.Path(workdir).iterdir() if _TMP_FILE.match(p.name))
-  for name in stale:
-    epath.Path(workdir, name).unlink()
+  """Deletes the temporary files a killed run left (metrics_log.write_atomic's) in the workdir and
+  its in_flight/; called under the workdir's lock, so no live writer owns one."""
+  stale = [
+    p
+    for d in (epath.Path(workdir), epath.Path(workdir, IN_FLIGHT))
+    if d.exists()
+    for p in d.iterdir()
+    if _TMP_FILE.match(p.name)
+  ]
+  for path in stale:
+    path.unlink()
   if stale:
-    metrics_log.progress(
-      f"removed temporary files a killed run left in {workdir}: {', '.join(stale)}"
-    )
+    names = ", ".join(sorted(str(p.relative_to(workdir)) for p in stale))
+    metrics_log.progress(f"removed temporary files a killed run left in {workdir}: {names}")
+
+
+def _in_flight_path(workdir: str, step: int) -> epath.Path:
+  return epath.Path(workdir, IN_FLIGHT, f"{step}.process{jax.process_index()}.pkl")
+
+
+def save_in_flight(workdir: str, sampled, kept_steps) -> None:
+  """This process's rollouts of step sampled.step (rl/trainer.py's Sampled: host arrays, its
+  budget's placed table left out), for a resume at that step; its files of steps no checkpoint
+  keeps (kept_steps: the checkpoints' steps) are removed."""
+  path = _in_flight_path(workdir, sampled.step)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  metrics_log.write_atomic(str(path), pickle.dumps(sampled))
+  mine = f".process{jax.process_index()}.pkl"
+  for old in path.parent.iterdir():
+    step = old.name.removesuffix(mine)
+    if old.name.endswith(mine) and step.isdigit() and int(step) not in {*kept_steps, sampled.step}:
+      old.unlink()
+
+
+def load_in_flight(workdir: str, step: int):
+  """This process's rollouts saved for a resume at `step` (`save_in_flight`), or None."""
+  path = _in_flight_path(workdir, step)
+  return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
 def export_policy(c, cfg, params, directory, task):
