@@ -1408,6 +1408,52 @@ def _exact_verdict(rows) -> list:
   return out
 
 
+def async_rl_page(records) -> str:
+  """docs/results/async_rl.md from experiments/bench_async.py's record."""
+  lines = [
+    "# On-policy vs one step off (measured)",
+    "",
+    "`experiments/bench_async.py`: the same job trained for the same steps from scratch with "
+    "`rl.off_policy_steps` = 0 (sync) and 1 (one step off: the next step's rollouts, sampled and "
+    "graded in a thread, overlap the update), on the trainer's own devices. step: the mean wall "
+    "time of a step (`perf/step_s`) after the first, which compiles; trainer idle: the share of it "
+    "the trainer waited for rollouts (`perf/rollout_wait_s`); update: the train step's own time; "
+    "stale alpha: the mean `acceptance_stale/mean` (the sampling weights' dense policy against "
+    "the current one); sync again repeats the first setting, the spread of this machine between "
+    "identical runs.",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    first = r["rows"][0]
+    job = r["config"]["job"]
+    lines += [
+      _provenance(record),
+      "",
+      f"The job: `configs/default.py` ({job['rollout']['prompts_per_step']} prompts x "
+      f"{job['rollout']['group_size']} rows of up to {job['rollout']['max_new_tokens']} tokens, "
+      f"rollout.speculate = {job['rollout']['speculate']}), {r['config']['steps']} steps a run.",
+      "",
+      "| setting | step (s) | vs sync | trainer idle | update (s) | last reward | stale alpha |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+      last = row["steps"][-1]
+      stale = [s["acceptance_stale/mean"] for s in row["steps"][1:] if "acceptance_stale/mean" in s]
+      cells = [
+        row["setting"],
+        f"{row['step_s']:.2f}",
+        f"{first['step_s'] / row['step_s']:.2f}x",
+        f"{100 * row['idle_share']:.0f}%",
+        f"{row['train_step_s']:.2f}",
+        f"{last['reward/mean']:.3f}",
+        f"{sum(stale) / len(stale):.4f}" if stale else "-",
+      ]
+      lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
 def real_lm_rl_page(records) -> str:
   """docs/results/real_lm_rl.md from run_report's record of short RL runs on the real LM: what a
   step costs here, and so whether a run fits."""
@@ -1535,6 +1581,7 @@ PAGES = {
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
+  "async_rl.md": ("async_rl.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),
 }
