@@ -81,7 +81,7 @@ print("RESULT", len(train), len(rollout), len(train & rollout), same, run.engine
 """
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_rollout_devices_get_the_trainers_weights_bit_for_bit(tmp_path):
   proc = subprocess.run(
     [sys.executable, "-c", SYNC.format(workdir=tmp_path / "run")],

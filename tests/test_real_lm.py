@@ -93,7 +93,7 @@ def test_study_record_holds_every_budget_and_its_page_renders(study):
   assert f"top-k per bin {table}" in out
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_study_schedule_is_a_kv_schedule_and_rechooses_from_the_record(study, tmp_path):
   tmp, record, _ = study
   schedule = KVSchedule.parse(str(tmp / "schedule.json"), 4, field="schedule")

@@ -183,7 +183,7 @@ def test_task_the_tokenizer_cannot_read_is_refused_up_front(tmp_path):
   run_config.check_inputs(c, build.make_task(config()), cfg, tokenizer)  # its own task reads
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path):
   """While a run holds the workdir's lock, another is refused (one line, exit 2) and writes
   nothing; once the holder is killed (SIGKILL), the kernel has released the lock."""

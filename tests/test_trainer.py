@@ -197,7 +197,7 @@ def engine_programs():
   )
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_schedule_stages_switch_without_recompiling(tmp_path):
   c = config(
     workdir=str(tmp_path / "run"),
