@@ -15,7 +15,7 @@ def get_config():
   # The settings in the order they run; "sync again" repeats the first: this machine's spread
   # between identical runs. Each: rl.off_policy_steps.
   c.settings = (("sync", 0), ("one_step_off", 1), ("sync again", 0))
-  c.steps = 8  # steps a run trains; the first (it compiles) is left out of the timings
+  c.steps = 6  # steps a run trains; the first (it compiles) is left out of the timings
   c.workdir = "/tmp/bench_async"  # each setting's run under <workdir>/<setting>, started afresh
   c.record = ""  # write the results record here, e.g. docs/results/async_rl.json
   c.job = default.get_config()  # the job every setting runs (here: the default job)
