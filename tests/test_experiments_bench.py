@@ -512,7 +512,7 @@ def test_bench_async_runs_each_setting_and_renders_its_page(tmp_path):
     f"--config.workdir={tmp_path / 'runs'}",
     "--config.job.rollout.prompts_per_step=1",
     "--config.job.rollout.group_size=4",
-    "--config.job.rollout.max_new_tokens=24",
+    "--config.job.rollout.max_new_tokens=32",  # prompt + completion: whole pages
     f"--config.record={path}",
   ).stdout
   rows = json.load(open(path))["results"]["rows"]
