@@ -136,8 +136,10 @@ def _sync(run: build.Run, state, version: int) -> Synced:
   """The sampler's copy of the state's weights, complete before the update that donates the state
   is dispatched."""
   t0 = time.time()
-  weights = jax.block_until_ready(run.sampler.sync(state))
+  weights = run.sampler.sync(state)
   moved = weights[0] is not state.params
+  if moved:  # on-policy the sampler reads the state's own arrays: nothing to wait for here
+    weights = jax.block_until_ready(weights)
   leaves = jax.tree.leaves(weights) if moved else []
   nbytes = sum(shard.data.nbytes for x in leaves for shard in x.addressable_shards)
   return Synced(version, weights, time.time() - t0, nbytes)
