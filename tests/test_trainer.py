@@ -355,11 +355,12 @@ def sample_rows(workdir):
 def test_evaluation_runs_every_n_steps_dense_and_sparse(tmp_path):
   """eval.every = 2 over 4 steps: steps 1 and 3 (0-based) are evaluated, dense and under the
   sparse budget, logged as eval/* (completions as TensorBoard text, not in the rows), shown in
-  eval_samples.jsonl and listed in summary.json."""
+  eval_samples.jsonl and listed in summary.json. Prompt + completion (64 + 36) is not a whole
+  number of pages: the budget tables cover the cache up to the end of its last page."""
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   work = tmp_path / "run"
-  rows = trainer.train(evaluated(work, total_steps=4, eval__every=2))
+  rows = trainer.train(evaluated(work, total_steps=4, eval__every=2, rollout__max_new_tokens=36))
   assert [i for i, r in enumerate(rows) if "eval/dense/pass@2" in r] == [1, 3]
   assert all(0 <= rows[i]["eval/sparse/mean@2"] <= 1 for i in (1, 3))
   assert not any(name.endswith("/samples") for r in rows for name in r)

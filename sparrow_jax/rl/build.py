@@ -285,9 +285,8 @@ def lower_step(c):
   step = train_step(c, cfg, opt, sparse_config(c), shardings)
   length = r.max_prompt_len + r.max_new_tokens
   batch = step_schema.Batch.abstract(r.prompts_per_step * r.group_size, length, r.num_top_logprobs)
-  budget = (
-    schedule_lib.BudgetTable(jax.ShapeDtypeStruct((length + 1,), jnp.int32)) if r.sparse else None
-  )
+  table = jax.ShapeDtypeStruct((budget_len(c) + 1,), jnp.int32)
+  budget = schedule_lib.BudgetTable(table) if r.sparse else None
   with jax.set_mesh(mesh):
     return step.lower(state, batch, budget), shardings
 
@@ -350,6 +349,13 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
       )
 
   return Sampler(sync, sample, mesh)
+
+
+def budget_len(c) -> int:
+  """The longest cached length a sparse run's budget tables cover: prompt + completion up to the
+  end of its last page, where the engine's cache of a row ends (`engine.run`)."""
+  r = c.rollout
+  return -(-(r.max_prompt_len + r.max_new_tokens) // r.page_size) * r.page_size
 
 
 def budgets(c, cfg, sparse, mesh, cache_len: int, rows: int = 1) -> hooks.Budgets:
@@ -457,7 +463,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   cache_len = r.max_prompt_len + r.max_new_tokens
   step_hooks = [hooks.PerfMetrics(opt.learning_rate)]
   step_hooks.append(kv_metrics(c, cfg, sparse, engine_cfg, _hardware(c, sparse)))
-  budget = budgets(c, cfg, sparse, mesh, cache_len, engine_cfg.num_slots) if sparse else None
+  budget = budgets(c, cfg, sparse, mesh, budget_len(c), engine_cfg.num_slots) if sparse else None
   step_hooks += [budget] if budget else []
   held_out = None
   if c.eval.every:
