@@ -188,3 +188,71 @@ def test_bad_requests_rejected():
     sj.Sampling(top_p=0.0)
   with pytest.raises(ValueError, match="permutation"):
     run(order=[0, 1, 2])
+
+
+def partial_rows(params2=None):
+  """Six groups through engine.Partial in three calls that take two ended groups each: groups
+  0-3 queued first (row indices 0-7), 4-5 at the second call (row indices 20-23), nothing new at
+  the third; the second and third calls sample with params2 (default: the same weights) as
+  versions 2 and 3. Returns each call's (rollout, row indices) and the uncut rollout of the twelve
+  rows by row index."""
+  prompt, prompt_len, max_new = (
+    np.tile(x, (2,) + (1,) * (x.ndim - 1)) for x in (PROMPT, PROMPT_LEN, MAX_NEW)
+  )
+  requests = lambda lo, hi, first: engine.Requests(
+    prompt[lo:hi], prompt_len[lo:hi], max_new[lo:hi], group_size=2, first_row=first
+  )
+  config = engine.EngineConfig(num_slots=4, num_pages=200, chunk_steps=4)
+  sampling = sj.Sampling(eos_ids=EOS)
+  partial = engine.Partial(CFG, jax.random.PRNGKey(1), engine=config, sampling=sampling)
+  calls = []
+  for version, (params, new) in enumerate(
+    [
+      (PARAMS, requests(0, 8, 0)),
+      (params2 or PARAMS, requests(8, 12, 20)),
+      (params2 or PARAMS, None),
+    ],
+    1,
+  ):
+    rollout, _, keys = partial.run(params, new, groups=2, version=version)
+    calls.append((rollout, keys))
+  uncut = {}
+  for lo, hi, first in ((0, 8, 0), (8, 12, 20)):
+    rollout, _ = engine.run(
+      PARAMS, CFG, requests(lo, hi, first), jax.random.PRNGKey(1), engine=config, sampling=sampling
+    )
+    uncut.update({first + i: jax.tree.map(lambda x: x[i], rollout) for i in range(hi - lo)})
+  return calls, uncut
+
+
+@pytest.mark.slow
+def test_partial_rollouts_carry_cut_rows_over_calls_with_every_token_once():
+  """Rows cut when a call has its groups go on in the next call on the pages they hold: every row
+  comes out once, whole groups at a time; with unchanged weights each row is the uncut rollout's
+  row of its key, token for token; each token carries the version of the call that sampled it, and
+  some row carries two. With new weights from the second call, what the first sampled is kept."""
+  calls, uncut = partial_rows()
+  keys = np.concatenate([k for _, k in calls])
+  assert sorted(keys.tolist()) == sorted(uncut)
+  assert all(np.all(k.reshape(-1, 2)[:, 0] // 2 == k.reshape(-1, 2)[:, 1] // 2) for _, k in calls)
+  carried = 0
+  for call, (rollout, k) in enumerate(calls, 1):
+    assert_same_rows(rollout, jax.tree.map(lambda *x: np.stack(x), *[uncut[i] for i in k]))
+    for row, n in zip(rollout.versions, rollout.lengths):
+      assert (
+        np.all(row[n:] == -1)
+        and np.all(np.diff(row[:n]) >= 0)
+        and 1 <= row[0] <= row[n - 1] <= call
+      )
+      carried += row[0] < call
+  assert carried > 0, "no row was cut"
+
+  other = jax.tree.map(lambda x: x * 1.5, PARAMS)
+  changed, _ = partial_rows(other)
+  versions = set()
+  for rollout, k in changed:
+    for i, (row, n) in enumerate(zip(rollout.versions, rollout.lengths)):
+      first = int(np.sum(row[:n] == 1))  # what the first weights sampled is the uncut prefix
+      np.testing.assert_array_equal(rollout.tokens[i, :first], uncut[k[i]].tokens[:first])
+      versions.add(tuple(np.unique(row[:n])))
+  assert (1, 2) in versions  # a row the new weights finished

@@ -50,8 +50,8 @@ def fake_chunk(slots, steps: int):
 
 def owned_pages(sched) -> list:
   """Every page some row or group holds (with repeats, if any were handed out twice)."""
-  pages = [p for r in sched.rows for p in r.pages]
-  for g in sched.groups:
+  pages = [p for r in sched.rows.values() for p in r.pages]
+  for g in sched.groups.values():
     pages += g.shared + ([g.template] if g.template is not None else [])
   return pages
 
@@ -159,10 +159,10 @@ def test_random_streams_come_out_as_each_row_alone():
     except ValueError as e:
       assert "too small" in str(e)
       continue
-    for r in sched.rows:
+    for r in sched.rows.values():
       assert r.tokens == alone(r.max_new, r.index)
       assert r.done and not r.pages and r.slot is None
-    assert sched.stats.useful_row_steps == sum(len(r.tokens) - 1 for r in sched.rows)
+    assert sched.stats.useful_row_steps == sum(len(r.tokens) - 1 for r in sched.rows.values())
     assert sched.stats.peak_pages <= engine.num_pages - 1
     assert len(sched.shards[0].free_pages) == engine.num_pages - 1
     completed, preempted = completed + 1, preempted + sched.stats.preemptions

@@ -39,7 +39,16 @@ from sparrow_jax.rollout.programs import row_key
 from sparrow_jax.rollout.scheduler import EngineConfig, EngineStats, Requests
 from sparrow_jax.sparsity.schedule import BudgetTable, DraftPlan
 
-__all__ = ["EngineConfig", "EngineStats", "Requests", "row_key", "run", "generate", "full_batch"]
+__all__ = [
+  "EngineConfig",
+  "EngineStats",
+  "Requests",
+  "Partial",
+  "row_key",
+  "run",
+  "generate",
+  "full_batch",
+]
 
 DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
 
@@ -266,13 +275,101 @@ def run(
       without engine.draft_switch (or sparse), or missing with it.
   """
   T, max_new = requests.prompt_BT.shape[1], int(requests.max_new_B.max())
-  if T + max_new > cfg.max_position_embeddings:
+  pool = _new_pool(params, cfg, engine, sparse)
+  bound = (params, cfg, T + max_new, key, engine, sampling, sparse, schedule, lora, draft_plan)
+  progs, draft_by_len = _bind(pool, *bound)
+  sched = scheduler.Scheduler(
+    engine, requests, page_size(sparse), progs.local, order, sampling.eos_ids
+  )
+  _decode(pool, progs, sched, engine, draft_by_len)
+  return _rollout(sched, sampling), sched.stats
+
+
+class Partial:
+  """A rollout that goes on across calls (partial rollouts): each `run` queues its new groups beside
+  the rows still under way, which keep their slots and pages, decodes with the weights it is given
+  until `groups` groups have ended on every process, and returns the oldest `groups` ended ones. A
+  row cut by one call goes on in the next under that call's weights (its cache as it was written);
+  each token records the version of the weights that sampled it, and its log-prob is theirs.
+
+  Every row draws with the one `key` and its Requests row index (`first_row` + its place, which the
+  caller keeps unique over calls), so with unchanged weights its tokens are those an uncut rollout
+  draws, wherever the cuts fall."""
+
+  def __init__(self, cfg: Qwen3Config, key, *, engine: EngineConfig, sampling, sparse=None):
+    self.cfg, self.key, self.engine, self.sampling, self.sparse = cfg, key, engine, sampling, sparse
+    self.pool, self.sched = None, None
+
+  def run(
+    self, params, requests, groups: int, version: int, *, schedule=None, lora=None, draft_plan=None
+  ):
+    """Queues `requests` (this process's new rows; None: none) and decodes; returns
+    (sampler.Rollout of the `groups` oldest ended groups with their policy versions, EngineStats
+    of this call, their rows' Requests row indices)."""
+    if self.sched is None:
+      if requests is None:
+        raise ValueError("a partial rollout's first call needs requests")
+      self.pool = _new_pool(params, self.cfg, self.engine, self.sparse)
+      length = requests.prompt_BT.shape[1] + int(requests.max_new_B.max())
+    else:
+      length = self.sched.prompt_width + self.sched.max_new
+    args = (self.cfg, length, self.key, self.engine, self.sampling, self.sparse, schedule, lora)
+    progs, draft_by_len = _bind(self.pool, params, *args, draft_plan)
+    if self.sched is None:
+      Z, eos = page_size(self.sparse), self.sampling.eos_ids
+      self.sched = scheduler.Scheduler(self.engine, requests, Z, progs.local, None, eos)
+    elif requests is not None:
+      self.sched.extend(requests)
+    if len(self.sched.groups) < groups:
+      raise ValueError(
+        f"a partial rollout holds {len(self.sched.groups)} groups, fewer than the {groups} asked"
+      )
+    self.sched.version, self.sched.stats = version, EngineStats()
+    enough = lambda: len(self.sched.ended_groups()) >= groups
+    self.pool = _decode(self.pool, progs, self.sched, self.engine, draft_by_len, enough)
+    rows = self.sched.take(groups)
+    keys = np.asarray([r.key for r in rows], np.int64)
+    return _rollout(self.sched, self.sampling, rows), self.sched.stats, keys
+
+  def state(self):
+    """What a checkpoint keeps of the rows under way: the scheduler and this process's pool shards
+    (host arrays); None before the first call."""
+    if self.sched is None:
+      return None
+    shards = lambda x: [np.asarray(s.data) for s in x.addressable_shards]
+    return self.sched, jax.tree.map(shards, self.pool)
+
+  def restore(self, state, params) -> None:
+    """The rows under way of `state()` back, their pool shards placed on this process's devices as
+    a new pool's (built from `params`)."""
+    if state is None:
+      return
+    self.sched, stored = state
+    fresh = _new_pool(params, self.cfg, self.engine, self.sparse)
+
+    def place(x, parts):
+      on = [jax.device_put(p, s.device) for p, s in zip(parts, x.addressable_shards)]
+      return jax.make_array_from_single_device_arrays(x.shape, x.sharding, on)
+
+    self.pool = jax.tree.map(place, fresh, stored)
+
+
+def _new_pool(params, cfg: Qwen3Config, engine: EngineConfig, sparse):
+  """Every device's empty page pool, in the embedding's dtype."""
+  score = sparse.page_score if sparse is not None else "mean"
+  return page_pool.init_pool(cfg, engine.num_pages, page_size(sparse), params["embed"].dtype, score)
+
+
+def _bind(pool, params, cfg, length, key, engine, sampling, sparse, schedule, lora, draft_plan):
+  """The programs of a rollout whose rows reach `length` tokens (prompt + max_new), and exact
+  mode's drafts by cached length (None without the regime switch)."""
+  if length > cfg.max_position_embeddings:
     raise ValueError(
-      f"prompt width ({T}) + max_new_B ({max_new}) exceeds "
-      f"max_position_embeddings ({cfg.max_position_embeddings})"
+      f"prompt width + max_new_B ({length}) exceeds max_position_embeddings "
+      f"({cfg.max_position_embeddings})"
     )
   Z = page_size(sparse)
-  max_len = max(-(-(T + max_new) // Z) * Z, T + max_new)
+  max_len = max(-(-length // Z) * Z, length)
   budget = None if sparse is None else _budget(schedule, sparse, max_len)
   if (draft_plan is not None) != engine.draft_switch or (draft_plan and sparse is None):
     raise ValueError(
@@ -282,8 +379,6 @@ def run(
   if draft_plan is not None:
     draft_by_len = np.minimum(draft_plan.k_by_len(max_len), engine.speculate)
     budget = budget.replace(draft_by_len=jnp.asarray(draft_by_len))
-  score = sparse.page_score if sparse is not None else "mean"
-  pool = page_pool.init_pool(cfg, engine.num_pages, Z, params["embed"].dtype, score)
   progs = _Programs.of(
     pool,
     params=params,
@@ -298,7 +393,12 @@ def run(
     speculate=engine.speculate,
     rounds_of=engine.rounds_of,
   )
-  sched = scheduler.Scheduler(engine, requests, Z, progs.local, order, sampling.eos_ids)
+  return progs, draft_by_len
+
+
+def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None):
+  """Admits and decodes the scheduler's rows until every one has ended, or, with `enough`, until
+  enough() holds on every process (a partial rollout's groups). Returns the pool."""
   while True:
     while True:  # admission rounds, until nothing more fits
       plan = sched.admit()
@@ -310,6 +410,8 @@ def run(
       if not _any_process(bool(plan.rows)):
         break
     sched.check_progress()
+    if enough is not None and not _any_process(not enough()):
+      break
     if not _any_process(bool(sched.running())):
       break
     start = time.perf_counter()  # a chunk's cost: its program and the host's work around it
@@ -322,7 +424,7 @@ def run(
     pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
     sched.stats.time_chunk(draft, time.perf_counter() - start, steps_run)
-  return _rollout(sched, sampling), sched.stats
+  return pool
 
 
 def full_batch(
@@ -442,6 +544,8 @@ def generate(
   )
 
 
-def _rollout(sched: scheduler.Scheduler, sampling: sampler.Sampling) -> sampler.Rollout:
-  outputs = sched.outputs(sampling.num_top_logprobs, sampling.pad_id)
-  return sampler.Rollout(*outputs)  # host arrays
+def _rollout(sched: scheduler.Scheduler, sampling: sampler.Sampling, rows=None) -> sampler.Rollout:
+  """Host arrays of `rows` (default: every row); their policy versions with `rows`, a partial
+  rollout's."""
+  *outputs, versions = sched.outputs(sampling.num_top_logprobs, sampling.pad_id, rows)
+  return sampler.Rollout(*outputs, versions=None if rows is None else versions)

@@ -32,6 +32,9 @@ class Rollout:
   # Speculative rollouts (rollout/speculative.py): the acceptance rate sum_x min(p, q) of the draft
   # at each token's position, NaN where no draft was proposed (a round's bonus token).
   alpha: Optional[jax.Array] = None  # [B, M]
+  # Partial rollouts (`engine.Partial`): the policy version (trainer step) that sampled each
+  # token, -1 after the row's end; a row carried over a step holds two or more.
+  versions: Optional[jax.Array] = None  # [B, M] int32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,9 @@ programs (rollout/programs.py) and hands their results back:
   chunk_inputs()   the slots' state, as the decode-chunk program takes it
   finish_chunk()   the chunk's tokens appended, ended rows released
 
+A partial rollout (`extend`, `take`) goes on across calls: new groups join the rows still under
+way, which keep their slots and pages, and the first groups to end are taken out.
+
 Every decision that decides whether a collective program runs is returned as a flag: with several
 processes the engine agrees on it across processes before it acts (each process schedules only
 its own devices' shards).
@@ -190,7 +193,8 @@ class Requests:
 
 @dataclasses.dataclass
 class Row:
-  index: int  # the row's index in the request: its key and its place in the output
+  index: int  # the row's index in the scheduler: its place in the output
+  key: int  # the row's index in its key (`programs.row_key`): global over processes and calls
   group: int
   prompt_len: int
   max_new: int
@@ -198,8 +202,9 @@ class Row:
   logprobs: list = dataclasses.field(default_factory=list)
   top: list = dataclasses.field(default_factory=list)
   alpha: list = dataclasses.field(default_factory=list)  # speculative rollouts
+  versions: list = dataclasses.field(default_factory=list)  # each token's policy version
   pages: list = dataclasses.field(default_factory=list)  # its own pool pages, in logical order
-  first: Optional[tuple] = None  # (token, logp, top) sampled at its group's prefill
+  first: Optional[tuple] = None  # (token, logp, top, version) sampled at its group's prefill
   slot: Optional[int] = None  # its slot on its group's shard while it runs
   done: bool = False
 
@@ -207,6 +212,7 @@ class Row:
 @dataclasses.dataclass
 class Group:
   rows: list
+  prompt: np.ndarray  # [T] the prompt, right-padded to whole pages
   shard: Optional[int] = None  # the device whose pool holds its prompt (set at its prefill)
   shared: list = dataclasses.field(default_factory=list)  # full prompt pages, shared by the rows
   template: Optional[int] = None  # the partial last prompt page
@@ -247,34 +253,57 @@ class Scheduler:
     order: Optional[Sequence[int]] = None,
     eos_ids: Sequence[int] = (),
   ):
-    B, T = requests.prompt_BT.shape
-    n, Z = requests.group_size, page_size
-    self.engine, self.Z, self.eos_ids = engine, Z, tuple(eos_ids)
-    self.group_size, self.first_row = n, requests.first_row
-    self.prompt_BT = np.pad(requests.prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages
+    T = requests.prompt_BT.shape[1]
+    self.engine, self.Z, self.eos_ids = engine, page_size, tuple(eos_ids)
+    self.group_size, self.prompt_width = requests.group_size, T
     self.max_new = int(requests.max_new_B.max())
-    self.max_pages_per_row = -(-(T + self.max_new) // Z)
+    self.max_pages_per_row = -(-(T + self.max_new) // page_size)
     # groups a device prefills per prefill call
-    self.per_prefill = max(1, engine.num_slots // n)
-    self.rows = [
-      Row(b, b // n, int(requests.prompt_len_B[b]), int(requests.max_new_B[b])) for b in range(B)
-    ]
-    self.groups = [Group(list(range(g * n, (g + 1) * n)), unfinished=n) for g in range(B // n)]
-    order = list(range(B)) if order is None else [int(b) for b in order]
-    if sorted(order) != list(range(B)):
-      raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
-    for row in self.rows:  # a row that cannot fit alone in a pool would wait forever
+    self.per_prefill = max(1, engine.num_slots // self.group_size)
+    self.rows, self.groups = {}, {}  # by index, in the order they came
+    self.queue = collections.deque()
+    self.shards = [Shard(engine, self.max_pages_per_row) for _ in range(shards)]
+    self.stats = EngineStats()
+    self.version = 0  # the policy version the tokens sampled now are recorded with
+    self._preempted = set()  # states preempted from (`_check_not_cycling`)
+    self.extend(requests, order)
+
+  def extend(self, requests: Requests, order: Optional[Sequence[int]] = None):
+    """Queues the rows of `requests` (in `order`, a permutation of them; default: row order)
+    after the ones it holds, as rows and groups numbered on from theirs."""
+    B, T = requests.prompt_BT.shape
+    n, Z = requests.group_size, self.Z
+    if (n, T) != (self.group_size, self.prompt_width) or requests.max_new_B.max() > self.max_new:
+      raise ValueError(
+        f"a partial rollout's new rows must have its group size {self.group_size}, prompt width "
+        f"{self.prompt_width} and at most {self.max_new} new tokens, got {n}, {T}, "
+        f"{requests.max_new_B.max()}"
+      )
+    b0 = max(self.rows, default=-1) + 1
+    g0 = max(self.groups, default=-1) + 1
+    prompt_BT = np.pad(requests.prompt_BT, ((0, 0), (0, -T % Z)))  # whole pages
+    for b in range(B):
+      row = Row(
+        b0 + b,
+        requests.first_row + b,
+        g0 + b // n,
+        *map(int, (requests.prompt_len_B[b], requests.max_new_B[b])),
+      )
       need = -(-(row.prompt_len + row.max_new - 1) // Z) + 1
-      if need > engine.num_pages - 1:
+      if need > self.engine.num_pages - 1:  # a row that cannot fit alone would wait forever
         raise ValueError(
-          f"EngineConfig.num_pages = {engine.num_pages} cannot hold row {row.index} "
+          f"EngineConfig.num_pages = {self.engine.num_pages} cannot hold row {b} "
           f"({row.prompt_len} prompt + {row.max_new} new tokens need {need} pages "
           f"with the trash page and a prompt template)"
         )
-    self.queue = collections.deque(order)
-    self.shards = [Shard(engine, self.max_pages_per_row) for _ in range(shards)]
-    self.stats = EngineStats()
-    self._preempted = set()  # states preempted from (`_check_not_cycling`)
+      self.rows[row.index] = row
+    for g in range(B // n):
+      rows = list(range(b0 + g * n, b0 + (g + 1) * n))
+      self.groups[g0 + g] = Group(rows, prompt_BT[g * n], unfinished=n)
+    order = list(range(B)) if order is None else [int(b) for b in order]
+    if sorted(order) != list(range(B)):
+      raise ValueError(f"order must be a permutation of the {B} rows, got {order}")
+    self.queue.extend(b0 + b for b in order)
 
   # -- pages and slots
 
@@ -382,7 +411,7 @@ class Scheduler:
     """(prompts [B, T], lengths [B], destination pages [B, T / Z], row indices [B, n], {group:
     its place}) for the planned groups, per_prefill places a shard (unused places: length-1
     prompts written to the trash page); n = group_size."""
-    B, T = len(self.shards) * self.per_prefill, self.prompt_BT.shape[1]
+    B, T = len(self.shards) * self.per_prefill, -(-self.prompt_width // self.Z) * self.Z
     prompts = np.zeros((B, T), np.int32)
     lens = np.ones(B, np.int32)
     dest = np.zeros((B, T // self.Z), np.int32)
@@ -391,11 +420,10 @@ class Scheduler:
     for r, group_ids in enumerate(planned):
       for j, g in enumerate(group_ids):
         i, group = r * self.per_prefill + j, self.groups[g]
-        first = self.rows[group.rows[0]]
         pages = group.shared + ([group.template] if group.template is not None else [])
-        prompts[i], lens[i] = self.prompt_BT[first.index], first.prompt_len
+        prompts[i], lens[i] = group.prompt, self.rows[group.rows[0]].prompt_len
         dest[i, : len(pages)] = pages
-        row_ids[i], at[g] = np.asarray(group.rows) + self.first_row, i
+        row_ids[i], at[g] = [self.rows[b].key for b in group.rows], i
     return prompts, lens, dest, row_ids, at
 
   def set_first(self, at, token_Bn, logp_Bn, top=None):
@@ -406,12 +434,14 @@ class Scheduler:
           int(token_Bn[i, j]),
           float(logp_Bn[i, j]),
           None if top is None else (top[0][i, j], top[1][i, j]),
+          self.version,
         )
 
   def restart(self, row):
     """The row back to its first token (at admission and after a preemption)."""
-    token, logp, top = row.first
+    token, logp, top, version = row.first
     row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
+    row.versions = [version]
     row.alpha = [float("nan")]  # sampled at the prefill: no draft
     row.done = token in self.eos_ids or row.max_new == 1
 
@@ -472,7 +502,7 @@ class Scheduler:
     prompt pages)."""
     state = (
       victim.index,
-      tuple(len(r.tokens) if not r.done else -1 for r in self.rows),
+      tuple(len(r.tokens) if not r.done else -1 for r in self.rows.values()),
       tuple(self.queue),
       tuple(tuple(sh.slots) for sh in self.shards),
     )
@@ -537,7 +567,7 @@ class Scheduler:
       i = at[r.index]
       slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
       slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
-      slots["row"][i], slots["active"][i] = self.first_row + r.index, True
+      slots["row"][i], slots["active"][i] = r.key, True
     return slots, at
 
   def finish_chunk(
@@ -558,6 +588,7 @@ class Scheduler:
       self.stats.useful_row_steps += new
       r.tokens += out["tokens"][i, :new].tolist()
       r.logprobs += out["logprobs"][i, :new].tolist()
+      r.versions += [self.version] * new
       if "top_lp" in out:
         r.top += list(zip(out["top_lp"][i, :new], out["top_id"][i, :new]))
       if "alpha" in out:
@@ -573,26 +604,36 @@ class Scheduler:
     self.stats.kv_pages_read += float(np.sum(count["read"]))
     self.stats.kv_pages_dense += float(np.sum(count["dense"]))
 
-  def outputs(self, num_top: int, pad_id: int) -> tuple:
+  def ended_groups(self) -> list:
+    """The groups whose rows have all ended, oldest first."""
+    return [g for g, group in self.groups.items() if not group.unfinished]
+
+  def take(self, n: int) -> list:
+    """Takes the `n` oldest ended groups out of a partial rollout; returns their rows, in order."""
+    rows = []
+    for g in self.ended_groups()[:n]:
+      rows += [self.rows.pop(b) for b in self.groups.pop(g).rows]
+    return rows
+
+  def outputs(self, num_top: int, pad_id: int, rows: Optional[list] = None) -> tuple:
     """Host [B, max_new] tokens, logprobs, [B] lengths, [B, max_new, k] top_lp, top_id (None
-    without top log-probs) and [B, max_new] alpha (speculative rollouts, else None) of every
-    row."""
-    B, M = len(self.rows), self.max_new
+    without top log-probs), [B, max_new] alpha (speculative rollouts, else None) and [B, max_new]
+    policy versions of `rows` (default: every row), in order."""
+    rows = list(self.rows.values()) if rows is None else rows
+    B, M = len(rows), self.max_new
     tokens = np.full((B, M), pad_id, np.int32)
     logprobs = np.zeros((B, M), np.float32)
-    lengths = np.asarray([len(r.tokens) for r in self.rows], np.int32)
+    versions = np.full((B, M), -1, np.int32)
+    lengths = np.asarray([len(r.tokens) for r in rows], np.int32)
     top_lp = np.zeros((B, M, num_top), np.float32) if num_top else None
     top_id = np.zeros((B, M, num_top), np.int32) if num_top else None
-    for r in self.rows:
+    alpha = np.full((B, M), np.nan, np.float32) if self.engine.speculate else None
+    for i, r in enumerate(rows):
       n = len(r.tokens)
-      tokens[r.index, :n] = r.tokens
-      logprobs[r.index, :n] = r.logprobs
+      tokens[i, :n], logprobs[i, :n], versions[i, :n] = r.tokens, r.logprobs, r.versions
       if num_top:
-        top_lp[r.index, :n] = np.stack([t[0] for t in r.top])
-        top_id[r.index, :n] = np.stack([t[1] for t in r.top])
-    alpha = None
-    if self.engine.speculate:
-      alpha = np.full((B, M), np.nan, np.float32)
-      for r in self.rows:
-        alpha[r.index, : len(r.alpha)] = r.alpha
-    return tokens, logprobs, lengths, top_lp, top_id, alpha
+        top_lp[i, :n] = np.stack([t[0] for t in r.top])
+        top_id[i, :n] = np.stack([t[1] for t in r.top])
+      if alpha is not None:
+        alpha[i, : len(r.alpha)] = r.alpha
+    return tokens, logprobs, lengths, top_lp, top_id, alpha, versions
