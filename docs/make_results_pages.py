@@ -1563,6 +1563,179 @@ def train_step_buckets_page(records) -> str:
   return "\n".join(lines)
 
 
+def _async_cell(f) -> str:
+  """A priced step: seconds, the split's R when it has one, the speedup against on-policy."""
+  r = f" (R = {f['rollout_devices']})" if f["rollout_devices"] else ""
+  return f"{f['step_s']:.0f} s{r}, **{f['speedup']:.2f}x**"
+
+
+def async_pricing_page(records) -> str:
+  """docs/results/async_pricing.md from experiments/price_async.py's record."""
+  lines = [
+    "# On-policy vs one step off on the paper's workload (predicted)",
+    "",
+    "`experiments/price_async.py` prices one RL step of the paper's 1.7B config on the roofline "
+    "of `sparrow_jax/mismatch/cost_model.py` ([cost_model.md](../cost_model.md)): the rollout "
+    "(dense, or sparse under the published tau table), the update (its passes at the expected row "
+    "of the length distribution) and the weights' transfer to the rollout, in four layouts "
+    "([async_rl.md](../async_rl.md)): on-policy on all N devices (the baseline), one step off on "
+    "the same devices (nothing overlaps: one device runs one program at a time), and R devices "
+    "rolling out while N - R train, on-policy and one step off (the slower side plus the "
+    "transfer), R swept. Nothing here is timed; the script's docstring lists what is left out. "
+    "Speedup = the on-policy colocated step / the layout's; as configured: the splits the config "
+    "runs (whole groups on every rollout device, a backward pass's rows even over the trainers).",
+    "",
+  ]
+  for record in records:
+    r = record["results"]
+    c = r["config"]
+    lines += [
+      _provenance(record),
+      "",
+      f"{c['model']} ({r['params_b']:.2f}B), {c['devices']} x {c['hardware']} "
+      f"({r['peak_tflops']:.0f} TFLOP/s, {r['bandwidth_gbs']:.0f} GB/s HBM, {c['link_gbs']:g} GB/s "
+      f"link), {c['prompts_per_step']} x {c['group_size']} rows a step, prompt {c['prompt_len']}, "
+      f"cutoff {c['gen_len']}, geometric response lengths of mean {r['mean_response']:.0f} tokens. "
+      f"Derated: the rollout at {c['decode_share_dense']:.0%} (dense) / "
+      f"{c['decode_share_sparse']:.0%} (sparse) of its roofline, the update at "
+      f"{c['train_mfu']:.0%} MFU.",
+      "",
+    ]
+    for kind, b in r["balance"].items():
+      lines.append(
+        f"- {kind} rollouts: the rollout is **{b['rollout_share']:.0%}** of the on-policy step at "
+        f"the roofline; the two sides would balance at R = {b['r_star']:.2f} of {c['devices']} "
+        "if both scaled linearly with their devices."
+      )
+    if r["paper_rollout_share"] is not None:
+      lines.append(
+        f"- the paper's rollout and step speedups of sparse over dense imply a rollout share of "
+        f"{r['paper_rollout_share']:.0%} of its dense step."
+      )
+    lines += [
+      "",
+      "| scenario | rollouts | on-policy, colocated | one step off, colocated | on-policy, split "
+      "(best R) | one step off, split (best R) | one step off, split (as configured) |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for scenario, by_kind in r["scenarios"].items():
+      for kind, f in by_kind.items():
+        conf = f["one step off, split"]["best_configured"]
+        cells = [
+          scenario,
+          kind,
+          _async_cell(f["on-policy, colocated"]),
+          _async_cell(f["one step off, colocated"]),
+          _async_cell(f["on-policy, split"]["best"]),
+          _async_cell(f["one step off, split"]["best"]),
+          _async_cell(conf) if conf else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    step = lambda by_kind, kind: by_kind[kind]["on-policy, colocated"]["step_s"]
+    lines += [
+      "",
+      "Sparse over dense rollouts, the on-policy colocated step (the paper's RL step speedup): "
+      + ", ".join(
+        f"{scenario} **{step(by_kind, 'dense') / step(by_kind, 'sparse'):.2f}x**"
+        for scenario, by_kind in r["scenarios"].items()
+      )
+      + ".",
+      "",
+      "One step off on rollout devices of their own, every R (rollout / update / weights, "
+      "seconds; peak: weights + the largest KV the busiest rollout device holds, against "
+      f"{c['hbm_gb']:g} GB):",
+      "",
+      "| scenario | rollouts | R | rollout | update | weights | step | speedup | as configured | "
+      "peak GB |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario, by_kind in r["scenarios"].items():
+      for kind, f in by_kind.items():
+        for g in f["one step off, split"]["sweep"]:
+          cells = [
+            scenario,
+            kind,
+            str(g["rollout_devices"]),
+            f"{g['rollout_s']:.0f}",
+            f"{g['update_s']:.0f}",
+            f"{g['weights_s']:.3f}",
+            f"{g['step_s']:.0f}",
+            f"{g['speedup']:.2f}x",
+            "yes" if g["runs_as_configured"] else "no",
+            f"{g['rollout_peak_gb']:.0f}",
+          ]
+          lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def _layout_side(f) -> str:
+  return f"{f:.1f}"
+
+
+def _layout_settings(i, c) -> str:
+  return (
+    f"record {i}: {c['target']}, {c['dtype']}, distill {c['distill']}, engine "
+    f"{c['engine_slots']} slots, chunks of {c['engine_chunk']} steps"
+  )
+
+
+def memory_layout_page(records) -> str:
+  """docs/results/memory_layout.md from experiments/memory_report.py's layout records: memory per
+  device of each side of a run, colocated and with rollout devices of their own."""
+  lines = [
+    "# Memory per device: colocated vs rollout devices of their own (compiled, not run)",
+    "",
+    "`experiments/memory_report.py --config.parts=layout` compiles, at full width and depth, the "
+    "train step on the trainer's mesh and the engine's decode chunk on one rollout device (its "
+    "weights whole, its page pool), and reads `compiled.memory_analysis()` per device (nothing is "
+    "allocated; GB = 1e9 bytes). Colocated (rollout devices 0), every device trains and rolls "
+    "out: while it rolls out it keeps the train state (params, Adam states, sharded over the "
+    "mesh) beside the engine's weights, pool and temporaries, so its peak is the larger of the two "
+    "columns. With n rollout devices of their own the trainer's mesh is the rest of the devices "
+    "and each side holds only its own ([many_devices.md](../many_devices.md#laying-out-rollout-and-"
+    "trainer-devices)). train = the step's arguments (state and batch) + temporaries; engine = "
+    "the decode chunk's arguments (weights, pool, slots) + temporaries.",
+    "",
+    "| layout | record | trainer mesh (data, fsdp, tensor) | train rows (minibatches x "
+    "micro-batches) | off policy | model | tokens a row | state | train | engine (pool) | "
+    "trainer device | rollout device |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  notes = []
+  for i, record in enumerate(records, 1):
+    c = record["results"]["config"]
+    notes.append(f"{i}. {_provenance(record)}")
+    for key, f in record["results"].items():
+      if not key.startswith("layout/"):
+        continue
+      _, model, tokens = key.split("/")
+      n = f["rollout_devices"]
+      cells = [
+        f"{n} rollout + {f['trainer_devices']} train" if n else "colocated",
+        str(i),
+        f"({c['mesh']})",
+        f"{c['train_rows']} ({c['train_minibatches']} x {c['micro_batches']})",
+        str(c["off_policy_steps"]),
+        model,
+        tokens,
+        _layout_side(f["state_gb"]),
+        _layout_side(f["trainer_device_gb"]),
+        f"{f['engine_args_gb'] + f['engine_temp_gb']:.1f} ({f['pool_gb']:.1f})",
+        f"**{_layout_side(f['trainer_device_gb'])}**",
+        f"**{_layout_side(f['rollout_device_gb'])}**",
+      ]
+      lines.append("| " + " | ".join(cells) + " |")
+  lines += [
+    "",
+    "Targets and settings: "
+    + "; ".join(_layout_settings(i, r["results"]["config"]) for i, r in enumerate(records, 1))
+    + ".",
+    "",
+  ]
+  return "\n".join(lines + notes + [""])
+
+
 PAGES = {
   "rollout_engine.md": ("engine_long_tail_*.json", engine_page),
   "memory_tpu.md": ("memory_tpu_*.json", memory_page),
@@ -1584,6 +1757,8 @@ PAGES = {
   "async_rl.md": ("async_rl.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),
+  "async_pricing.md": ("async_pricing.json", async_pricing_page),
+  "memory_layout.md": ("memory_layout_*.json", memory_layout_page),
 }
 
 
