@@ -83,6 +83,10 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   c.pool_gb = 0.0  # each device's KV page pool, GB (0: room for all its rows at
   #                                    prompt + max_new_tokens, so no row waits or is preempted)
   c.chunk_steps = 16  # decode steps between the engine's scheduler passes
+  c.partial_groups = 0  # partial rollouts: GRPO groups under way beyond prompts_per_step;
+  #                                    a step's rollout ends once prompts_per_step groups have
+  #                                    ended, the rest keep their pages and go on next step under
+  #                                    the new weights (docs/async_rl.md); 0 = off
   # (an int or "auto": a field of any type, which --config.rollout.speculate=auto can set)
   c.speculate = ml_collections.FieldReference(
     0, field_type=object

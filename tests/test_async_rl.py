@@ -55,6 +55,22 @@ def test_one_step_off_trains_on_the_previous_steps_weights(tmp_path):
   assert_same_metrics({0: same(off[0])}, {0: same(on[0])}, (0,), atol=0)
 
 
+@pytest.mark.slow
+def test_partial_rollouts_train_whole_groups_and_carry_the_rest_over(tmp_path):
+  """rollout.partial_groups = 2 with 8 slots for 24 rows under way: each step trains on the first
+  4 groups to end; rows cut at a step's end go on in the next step's rollout under the new weights
+  (rows_carried, tokens a step old: token_lag), and TIS divides by the log-probs of the weights
+  that sampled each token, so with dense rollouts a step's TIS weights move off 1 exactly when it
+  trains on tokens of earlier weights."""
+  changes = dict(rollout__partial_groups=2, rollout__engine_slots=8, **DENSE)
+  rows = trainer.train(small(tmp_path / "run", total_steps=4, **changes))
+  assert rows[0]["rollout/token_lag/max"] == 0 and rows[0]["rollout/rows_carried"] == 0
+  assert any(r["rollout/rows_carried"] > 0 for r in rows[1:])
+  for r in rows:
+    assert (_tis_spread(r) > 1e-2) == (r["rollout/token_lag/max"] > 0), r
+    assert np.isfinite(r["loss/policy"])
+
+
 def test_off_policy_steps_beyond_one_are_refused(tmp_path):
   from sparrow_jax.rl import run_config
 
@@ -125,13 +141,13 @@ def test_in_flight_rollouts_are_kept_per_step_and_process_until_no_checkpoint_ne
 
   sampled = lambda step: trainer.Sampled(step, step - 1, None, *([None] * 6), 0.0, 0)
   for step in (2, 4, 6):
-    workdir.save_in_flight(str(tmp_path), sampled(step), kept_steps=[2, 4])
+    workdir.save_in_flight(str(tmp_path), step, sampled(step), kept_steps=[2, 4])
   assert sorted(p.name for p in (tmp_path / "in_flight").iterdir()) == [
     "2.process0.pkl",
     "4.process0.pkl",
     "6.process0.pkl",
   ]
-  workdir.save_in_flight(str(tmp_path), sampled(8), kept_steps=[6])
+  workdir.save_in_flight(str(tmp_path), 8, sampled(8), kept_steps=[6])
   assert workdir.load_in_flight(str(tmp_path), 6) == sampled(6)
   assert workdir.load_in_flight(str(tmp_path), 4) is None  # no checkpoint of step 4 is kept
   (tmp_path / "in_flight" / ".8.process0.pkl.123.tmp").write_bytes(b"torn")
@@ -151,19 +167,30 @@ def _wait_for_logged_step(proc, workdir, step):
 
 
 @pytest.mark.nightly
-def test_a_one_step_off_run_killed_mid_run_resumes_on_the_rollouts_it_had_under_way(tmp_path):
-  """SIGKILL after step 3 is logged (the step-2 checkpoint exists, with the rollouts of step 3
-  that were under way, sampled with step 2's weights): the resumed run logs the uninterrupted
-  run's metrics at every step, version tags included: nothing lost, nothing trained twice."""
-  off = "--config.rl.off_policy_steps=1"
-  whole = _run(tmp_path / "whole", 1, off)
+@pytest.mark.parametrize(
+  "under_way",
+  [
+    ("--config.rl.off_policy_steps=1",),
+    ("--config.rollout.partial_groups=2", "--config.rollout.engine_slots=8"),
+  ],
+  ids=["one_step_off", "partial"],
+)
+def test_a_run_killed_mid_run_resumes_on_the_rollouts_it_had_under_way(tmp_path, under_way):
+  """SIGKILL after step 3 is logged (the step-2 checkpoint exists, with what was under way: one
+  step off, the rollouts of step 3 sampled with step 2's weights; partial rollouts, the rows cut
+  at step 2's end, in the engine's pool): the resumed run logs the uninterrupted run's metrics at
+  every step, version tags and token lags included: nothing lost, nothing trained twice."""
+  whole = _run(tmp_path / "whole", 1, *under_way)
   workdir = tmp_path / "killed"
-  proc = launch_small(workdir, off)
+  proc = launch_small(workdir, *under_way)
   _wait_for_logged_step(proc, workdir, 3)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert (workdir / "in_flight" / "2.process0.pkl").exists()
-  resumed = _run(workdir, 1, off)
+  resumed = _run(workdir, 1, *under_way)
   assert sorted(resumed) == [1, 2, 3, 4]
   assert_same_metrics(resumed, whole, (1, 2, 3, 4), atol=0)
-  assert [resumed[s]["rollout/weights_step"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+  weights_step = [0, 0, 1, 2] if "off_policy" in under_way[0] else [0, 1, 2, 3]
+  assert [resumed[s]["rollout/weights_step"] for s in (1, 2, 3, 4)] == weights_step
+  if "partial" in under_way[0]:
+    assert any(resumed[s]["rollout/rows_carried"] for s in (3, 4))

@@ -244,7 +244,7 @@ def test_a_hook_runs_every_n_steps_and_the_checkpoint_also_at_the_end(monkeypatc
   counter = _Counter()
   saved = []
   monkeypatch.setattr(hooks.checkpoint, "save", lambda *a: saved.append(a))
-  saver = hooks.Checkpoint("mgr", every=4, total_steps=10, prompts_per_step=5, hooks=[counter])
+  saver = hooks.Checkpoint("mgr", 4, total_steps=10, data_position=lambda s: 5 * s, hooks=[counter])
   for step in range(10):
     out = dataclasses.replace(output(step, None), state=f"state{step}")
     for hook in (counter, saver):  # as the trainer's loop runs them

@@ -488,6 +488,7 @@ OUT_OF_RANGE = {
   "rollout.max_prompt_len": 0,
   "rollout.num_top_logprobs": -1,
   "rollout.page_size": 12,
+  "rollout.partial_groups": -1,
   "rollout.pool_gb": -1.0,
   "rollout.prompts_per_step": 0,
   "rollout.speculate": -1,

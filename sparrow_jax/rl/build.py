@@ -27,6 +27,7 @@ from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf
 from sparrow_jax.model.qwen3 import init_params
 from sparrow_jax.rl import evaluate, hooks, run_config, step_schema
+from sparrow_jax.rl import partial as partial_lib
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -315,8 +316,11 @@ class Sampler(NamedTuple):
   the loop), `sample` runs the engine on them."""
 
   sync: Callable  # TrainState -> the rollout's (params, lora)
-  sample: Callable  # ((params, lora), Requests, key, StepBudget | None) -> (rollout, EngineStats)
+  # ((params, lora), the new groups' problems, their Requests, key, StepBudget | None, the
+  # weights' version) -> partial.Taken: the rows the step trains on
+  sample: Callable
   mesh: Any  # the rollout mesh (the trainer's when colocated)
+  partial: Optional[partial_lib.Rollouts]  # the rows under way across steps (partial rollouts)
 
 
 def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
@@ -325,17 +329,26 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
   trainer's, the rollout's: `rollout_mesh`)."""
   how = sampling(c, tokenizer)
   weights = rollout_weights(state, *meshes, copy=c.rl.off_policy_steps > 0)
-  mesh = meshes[1]
+  mesh, r = meshes[1], c.rollout
   replicated = sharding.replicated(mesh)
+  rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
+  in_flight = None
+  if r.partial_groups:  # one key for rows of every step: step 0's (the loop's fold_in(key, step))
+    key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(c.seed), 0))
+    kept = engine.Partial(cfg, key, engine=engine_cfg, sampling=how, sparse=sparse)
+    in_flight = partial_lib.Rollouts(kept, mesh, r.group_size, r.prompts_per_step)
 
   def sync(state):
     return weights(state.params, state.lora)
 
-  def sample(synced, requests, key, budget):
+  def sample(synced, problems, requests, key, budget, version):
     params, lora = synced
-    table = None if budget is None else jax.device_put(budget.table, replicated)
+    if budget is not None:
+      budget = budget._replace(table=jax.device_put(budget.table, replicated))
+    if in_flight:
+      return in_flight.sample(synced, problems, requests, version, budget, rows)
     with jax.set_mesh(mesh):  # also in a rollout thread: a mesh context is the thread's own
-      return engine.run(
+      rollout, stats = engine.run(
         params,
         cfg,
         requests,
@@ -343,12 +356,13 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
         engine=engine_cfg,
         sampling=how,
         sparse=sparse,
-        schedule=table,
+        schedule=None if budget is None else budget.table,
         lora=lora,
         draft_plan=None if budget is None else budget.drafts,
       )
+    return partial_lib.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)
 
-  return Sampler(sync, sample, mesh)
+  return Sampler(sync, sample, mesh, in_flight)
 
 
 def budget_len(c) -> int:
@@ -452,10 +466,19 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
   rollout = rollout_mesh(c, mesh)
   device = jax.local_devices()[0]
-  device_rows = rows.count // math.prod(rollout.shape[a] for a in sharding.BATCH)
+  devices = math.prod(rollout.shape[a] for a in sharding.BATCH)
+  run_config.require(
+    r.partial_groups % jax.process_count() == 0,
+    "rollout.partial_groups",
+    r.partial_groups,
+    f"must split evenly over the {jax.process_count()} processes (each rolls out its share)",
+  )
+  device_rows = rows.count // devices
   run_config.check_rows(c, device_rows, device, sparse)
   run_config.check_inputs(c, task, cfg, tokenizer)
-  engine_cfg = engine_config(c, cfg, device_rows)
+  # partial rollouts: a device holds its share of the groups under way, partial_groups more
+  under_way = -(-(r.prompts_per_step + r.partial_groups) // devices) * r.group_size
+  engine_cfg = engine_config(c, cfg, under_way)
   run_config.check_pool(c, sparse, engine_config(c, cfg, rows_per_device=1))
   opt = optimizers(c)
   abstract, shardings = abstract_state(c, cfg, mesh, opt)

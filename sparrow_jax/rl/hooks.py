@@ -19,7 +19,7 @@ A hook runs after every `every`-th step only (`due`; 1: each step), as levanter'
 import dataclasses
 import functools
 import json
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 from jax.experimental import multihost_utils
@@ -462,16 +462,17 @@ class Checkpoint(Hook):
   and the meta of `hooks` (placed after them in the loop: the meta of the state they end the step
   in), for `_restore` in rl/trainer.py."""
 
-  def __init__(self, mgr, every: int, total_steps: int, prompts_per_step: int, hooks=()):
+  def __init__(self, mgr, every: int, total_steps: int, data_position: Callable, hooks=()):
+    """data_position: step -> the data position of the step's first new prompt."""
     self.mgr, self.every, self.total_steps = mgr, every, total_steps
-    self.prompts_per_step, self.hooks = prompts_per_step, list(hooks)
+    self.data_position, self.hooks = data_position, list(hooks)
 
   def due(self, step: int) -> bool:
     return super().due(step) or step + 1 == self.total_steps
 
   def end_step(self, out: StepOutput, metrics: dict) -> None:
     step = out.step + 1
-    meta = {"step": step, "data_position": step * self.prompts_per_step}
+    meta = {"step": step, "data_position": self.data_position(step)}
     for hook in self.hooks:
       meta.update(hook.meta())
     checkpoint.save(self.mgr, step, out.state, meta)

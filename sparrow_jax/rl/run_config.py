@@ -196,6 +196,11 @@ def _check_ranges(c) -> None:
     ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
     ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
     (
+      "rollout.partial_groups",
+      isinstance(r.partial_groups, int) and r.partial_groups >= 0,
+      "must be >= 0 GRPO groups under way beyond prompts_per_step (0: off)",
+    ),
+    (
       "rollout.chunk_steps",
       1 <= r.chunk_steps <= r.max_new_tokens,
       f"must be in [1, rollout.max_new_tokens = {r.max_new_tokens}]: a chunk runs that many "

@@ -38,7 +38,7 @@ import numpy as np
 
 from sparrow_jax import checkpoint, sharding
 from sparrow_jax import logging as metrics_log
-from sparrow_jax.rl import build, hooks, run_config, workdir
+from sparrow_jax.rl import build, hooks, partial, run_config, workdir
 from sparrow_jax.rollout import engine, speculative
 
 _print = metrics_log.progress
@@ -64,8 +64,8 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     step_hooks.append(profile)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   state, start = _restore(c, mgr, run.state, step_hooks)
-  prompts = c.rollout.prompts_per_step
-  saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, prompts, step_hooks)
+  position = lambda step: partial.new_groups(c, step)[1]
+  saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, position, step_hooks)
   history = lambda: run.evaluation.history if run.evaluation else []
   if start >= c.total_steps:
     _at_the_end(c, run, state, start, history())
@@ -74,6 +74,7 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
   preemption = stack.enter_context(Preemption())
   thread = stack.enter_context(_rollout_thread(c))
   ahead = _in_flight(c, run, start)  # the next step's rollouts under way (rl.off_policy_steps)
+  under_way = c.rl.off_policy_steps or run.sampler.partial  # what a checkpoint keeps beside it
   for step in range(start, c.total_steps):
     for hook in step_hooks:
       if hook.due(step):
@@ -87,8 +88,8 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     if held:  # a lease taken over while this run stalled
       held.check()
     stop = preemption.requested()
-    if ahead and (saver.due(step) or stop):  # the rollouts under way go with the checkpoint
-      workdir.save_in_flight(c.workdir, _storable(ahead.result()), mgr.all_steps())
+    if under_way and step + 1 < c.total_steps and (saver.due(step) or stop):
+      workdir.save_in_flight(c.workdir, step + 1, _under_way(run, ahead), mgr.all_steps())
     for hook in step_hooks + [saver]:
       if hook.due(step) or (stop and hook is saver):
         hook.end_step(out, metrics)
@@ -146,21 +147,25 @@ def _sync(run: build.Run, state, version: int) -> Synced:
 
 
 def _sample(c, run: build.Run, synced: Synced, step: int, key, budget) -> Sampled:
-  """Step `step`'s prompts (this process's), their rollouts drawn with `key` from the synced
-  weights under `budget`, and their grades. Runs in the rollout thread when rollouts are
+  """Step `step`'s new prompts (this process's), their rollouts drawn with `key` from the synced
+  weights under `budget`, and the grades of the rows the step trains on (with partial rollouts,
+  the first groups to end, new or carried over). Runs in the rollout thread when rollouts are
   off-policy."""
-  r, rows = c.rollout, run.rows
+  r, group = c.rollout, c.rollout.group_size
   t0 = time.time()
-  n, group = r.prompts_per_step, r.group_size
-  problems = run.task.sample(n, step * n)[rows.lo // group : rows.hi // group]
+  count, position = partial.new_groups(c, step)
+  share = partial.process_groups(count, run.rows)
+  problems = run.task.sample(count, position)[share]
   prompt, prompt_len = _prompts(problems, run.tokenizer, group, r.max_prompt_len)
-  requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, group, first_row=rows.lo)
-  rollout, engine_stats = run.sampler.sample(synced.weights, requests, key, budget)
+  # partial rollouts key each row by its data position: rows go on over steps
+  first = (position + share.start) * group if r.partial_groups else run.rows.lo
+  requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, group, first_row=first)
+  taken = run.sampler.sample(synced.weights, problems, requests, key, budget, synced.version)
   rollout_s = time.time() - t0
   grades = run.task.grade(
-    _responses(rollout, run.tokenizer), [p for p in problems for _ in range(group)]
+    _responses(taken.rollout, run.tokenizer), [p for p in taken.problems for _ in range(group)]
   )
-  parts = (prompt, prompt_len, rollout, engine_stats, grades, rollout_s)
+  parts = (taken.prompt, taken.prompt_len, taken.rollout, taken.engine_stats, grades, rollout_s)
   return Sampled(step, synced.version, budget, *parts, synced.seconds, synced.nbytes)
 
 
@@ -185,6 +190,8 @@ def _step(c, run: build.Run, state, step: int, key, ahead, thread):
   timed = dict(step_s=time.time() - t0, wait_s=waited, sync_s=sampled.sync_s)
   out = dataclasses.replace(out, sync_bytes=sampled.sync_bytes, **timed)
   metrics["rollout/weights_step"] = sampled.weights_step  # the policy version that sampled them
+  if sampled.rollout.versions is not None:  # partial rollouts: tokens of earlier steps' weights
+    metrics.update(partial.lag_metrics(step, sampled.rollout.versions, sampled.rollout.lengths))
   return state, out, metrics, ahead
 
 
@@ -218,25 +225,35 @@ def _update(c, run: build.Run, state, sampled: Sampled):
   return state, out, metrics
 
 
-def _storable(sampled: Sampled) -> Sampled:
-  """Sampled with host data only: its budget's table (placed on the mesh) left out."""
-  budget = sampled.budget and sampled.budget._replace(table=None)
-  return sampled._replace(budget=budget)
+def _under_way(run: build.Run, ahead) -> partial.InFlight:
+  """What the run has under way, host data only: the next step's rollouts (one step off; their
+  budget's placed table left out), then the rows partial rollouts carry over (once those
+  rollouts, which move them, are done)."""
+  sampled = ahead and ahead.result()
+  if sampled and sampled.budget:
+    sampled = sampled._replace(budget=sampled.budget._replace(table=None))
+  return partial.InFlight(sampled, run.sampler.partial and run.sampler.partial.state())
 
 
 def _in_flight(c, run: build.Run, step: int):
-  """The rollouts a one-step-off run had under way when the checkpoint it resumes from was taken
-  (saved with it), as a finished future; None on-policy or at a fresh start. They are required:
-  the checkpoint's behaviour params are the weights that sampled them."""
-  if not (c.rl.off_policy_steps and step):
+  """What a run had under way when the checkpoint it resumes from was taken (saved with it): the
+  rows partial rollouts carry over, restored in the sampler, and the next step's rollouts of a
+  one-step-off run, returned as a finished future (None on-policy or at a fresh start). They are
+  required: the checkpoint's weights went on from the weights that sampled them."""
+  if not (step and (c.rl.off_policy_steps or run.sampler.partial)):
     return None
-  sampled = workdir.load_in_flight(c.workdir, step)
-  if sampled is None:
+  saved = workdir.load_in_flight(c.workdir, step)
+  if saved is None:
     raise ValueError(
       f"{c.workdir}/{workdir.IN_FLIGHT} holds no rollouts of step {step} for this process: a "
-      "one-step-off run resumes on the rollouts it had under way at its checkpoint, saved there "
-      "beside it; put them back, or start a new config.workdir"
+      "one-step-off or partial-rollout run resumes on the rollouts it had under way at its "
+      "checkpoint, saved there beside it; put them back, or start a new config.workdir"
     )
+  if run.sampler.partial:
+    run.sampler.partial.restore(saved.partial, run.state.params)
+  sampled = saved.ahead
+  if sampled is None:
+    return None
   if sampled.budget:
     sampled = sampled._replace(budget=run.budgets.placed(sampled.budget))
   return _InOrder().submit(lambda: sampled)

@@ -79,8 +79,9 @@ def _flock(workdir: str, path: str):
     f.close()  # releases the lock
 
 
-# One-step-off rollouts under way when a checkpoint is taken (rl.off_policy_steps): each process's
-# own rows, kept beside the checkpoint of the step they belong to, so a resume trains on them.
+# What a run has under way when a checkpoint is taken (rl/partial.py's InFlight: one-step-off
+# rollouts, rows partial rollouts carry over): each process's own, kept beside the checkpoint of
+# the step it resumes at, so a resume goes on with them.
 IN_FLIGHT = "in_flight"
 # metrics_log.write_atomic's temporary files: .<name>.<pid>.tmp
 _TMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
@@ -107,22 +108,21 @@ def _in_flight_path(workdir: str, step: int) -> epath.Path:
   return epath.Path(workdir, IN_FLIGHT, f"{step}.process{jax.process_index()}.pkl")
 
 
-def save_in_flight(workdir: str, sampled, kept_steps) -> None:
-  """This process's rollouts of step sampled.step (rl/trainer.py's Sampled: host arrays, its
-  budget's placed table left out), for a resume at that step; its files of steps no checkpoint
-  keeps (kept_steps: the checkpoints' steps) are removed."""
-  path = _in_flight_path(workdir, sampled.step)
+def save_in_flight(workdir: str, step: int, in_flight, kept_steps) -> None:
+  """What this process has under way (host data), for a resume at `step`; its files of steps no
+  checkpoint keeps (kept_steps: the checkpoints' steps) are removed."""
+  path = _in_flight_path(workdir, step)
   path.parent.mkdir(parents=True, exist_ok=True)
-  metrics_log.write_atomic(str(path), pickle.dumps(sampled))
+  metrics_log.write_atomic(str(path), pickle.dumps(in_flight))
   mine = f".process{jax.process_index()}.pkl"
   for old in path.parent.iterdir():
-    step = old.name.removesuffix(mine)
-    if old.name.endswith(mine) and step.isdigit() and int(step) not in {*kept_steps, sampled.step}:
+    kept = old.name.removesuffix(mine)
+    if old.name.endswith(mine) and kept.isdigit() and int(kept) not in {*kept_steps, step}:
       old.unlink()
 
 
 def load_in_flight(workdir: str, step: int):
-  """This process's rollouts saved for a resume at `step` (`save_in_flight`), or None."""
+  """What this process saved for a resume at `step` (`save_in_flight`), or None."""
   path = _in_flight_path(workdir, step)
   return pickle.loads(path.read_bytes()) if path.exists() else None
 
