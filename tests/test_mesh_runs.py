@@ -21,11 +21,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(workdir):
+def _two_processes(workdir, *overrides):
   port = _free_port()
   return [
     launch_small(
       workdir,
+      *overrides,
       "--config.distributed.enabled=True",
       f"--config.distributed.coordinator=localhost:{port}",
       "--config.distributed.num_processes=2",
@@ -62,3 +63,30 @@ def test_two_processes_match_one_device_and_resume_after_sigkill(small_run, tmp_
   got = rows_by_step(workdir)
   assert sorted(got) == [1, 2, 3, 4]  # step 3, logged before the kill, replaced by its replay
   assert_same_metrics(got, rows_by_step(small_run), (1, 2, 3, 4), ATOL, skip=PER_DEVICE_METRICS)
+
+
+@pytest.mark.nightly
+def test_two_processes_one_step_off_match_one_device_and_partial_rollouts_run(tmp_path):
+  """One step off on 2 processes x 2 devices (each process's next rollouts in order, before the
+  update) gives the single-device one-step-off run's metrics; partial rollouts on 2 processes
+  (each takes its share of a step's groups, agreeing when to stop) train every step and carry rows
+  over."""
+  off = "--config.rl.off_policy_steps=1"
+  single = launch_small(tmp_path / "single", off)
+  out = single.communicate(timeout=900)[0]
+  assert single.returncode == 0, out[-3000:]
+  runs = {}
+  for name, overrides in (
+    ("off", (off,)),
+    ("partial", ("--config.rollout.partial_groups=2", "--config.rollout.engine_slots=4")),
+  ):
+    procs = _two_processes(tmp_path / name, *overrides)
+    for p in procs:
+      out = p.communicate(timeout=900)[0]
+      assert p.returncode == 0, out[-3000:]
+    runs[name] = rows_by_step(tmp_path / name)
+  want = rows_by_step(tmp_path / "single")
+  assert_same_metrics(runs["off"], want, (1, 2, 3, 4), ATOL, skip=PER_DEVICE_METRICS)
+  partial = runs["partial"]
+  assert sorted(partial) == [1, 2, 3, 4]
+  assert any(partial[s]["rollout/rows_carried"] for s in (2, 3, 4))
