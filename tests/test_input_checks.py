@@ -4,6 +4,7 @@ int32. Each case goes through `trainer.train` up to the point where the train st
 (here replaced by a stop), so a check that does not fire fails the test at once, not after
 training into NaNs."""
 
+import dataclasses
 import errno
 import gzip
 import json
@@ -11,11 +12,14 @@ import os
 import re
 import shutil
 
+import jax
+import jax.numpy as jnp
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from configs import default
+from sparrow_jax.attention import page_pool
 from sparrow_jax.rl import build, run_config, trainer
 from sparrow_jax.sparsity import schedule as schedule_lib
 from tests.helpers import ROOT
@@ -388,6 +392,31 @@ def test_oversized_sizes_are_one_line_before_the_workdir(
     trainer.train(c)
   assert "\n" not in str(raised.value).strip()
   assert not work.exists()
+
+
+def test_rollout_devices_of_their_own_are_checked_apart_from_the_trainers(device_of):
+  """Colocated, a device holds the train state beside the rollout's pool; with rollout devices of
+  their own a trainer device holds the step, and a rollout device the whole weights and the pool:
+  a pool that overflows a trainer device beside the state fits a rollout device beside the
+  weights, and whole weights too big for one device are refused naming the layout."""
+  c = small("/unused")
+  cfg = build.model_config(c)
+  engine_cfg = build.engine_config(c, cfg, 16)
+  gb = 10**9
+  page = page_pool.page_bytes(cfg, c.rollout.page_size, jnp.float32, c.rollout.page_score)
+  engine_cfg = dataclasses.replace(engine_cfg, num_pages=int(2.5 * gb // page))
+  step = run_config.StepMemory(peak=3 * gb, state=2 * gb, lora=0, metrics=0)
+  sparse = build.sparse_config(c)
+  check = lambda weights: run_config.check_memory(
+    c, cfg, engine_cfg, sparse, step, jax.devices()[0], weights
+  )
+  with pytest.raises(ValueError, match=r"^config\.rollout\.prompts_per_step .* a KV pool of"):
+    check(0)  # 2 GB of state + 2.5 GB of pool on one 4 GB device
+  check(int(1 * gb))  # 1 GB of weights + 2.5 GB of pool on a rollout device; the step 3 GB
+  with pytest.raises(
+    ValueError, match=r"^config\.mesh\.rollout_devices = 0 .* weights whole, 5 GB"
+  ):
+    check(5 * gb)
 
 
 @pytest.mark.slow

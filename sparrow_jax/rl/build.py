@@ -505,7 +505,10 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
     budget.example_table if budget else None,
   ).compile()
   step_memory = run_config.StepMemory.of(compiled, abstract, shardings)
-  run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device)
+  # rollout devices of their own hold the weights whole (bytes of every leaf), no train state
+  whole = (abstract.params, abstract.lora) if c.mesh.rollout_devices else ()
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole))
+  run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device, whole)
   state = build_state(c, load_params(c, cfg), shardings, opt)
   rollouts = sampler_of(c, cfg, tokenizer, abstract, (mesh, rollout), engine_cfg, sparse)
   to_batch = jax.jit(step_schema.batch_from_rollout, out_shardings=rows.sharding)

@@ -470,11 +470,16 @@ def check_rows(c, rows_per_device: int, device, sparse) -> None:
   )
 
 
-def check_memory(c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, device) -> None:
+def check_memory(
+  c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, device, rollout_weights: int = 0
+) -> None:
   """Refuses, before the model's weights are read or the workdir written, a run one device cannot
   hold. The train state stays on the device throughout; beside it the rollout holds its KV page
   pool (engine_cfg's pages) and the train step its batch, activations, gradients, logits chunks and
-  metrics (`step`, XLA's numbers). The larger of the two must fit. The refusal names the fields of
+  metrics (`step`, XLA's numbers). The larger of the two must fit. With rollout devices of their
+  own (mesh.rollout_devices; rollout_weights: the bytes of the weights whole on one of them) each
+  side has its devices: a trainer device holds the train step, a rollout device the weights and
+  the pool. The refusal names the fields of
   what does not fit: the train state's larger part when the state alone does not (no smaller batch
   helps then), else the pool when it is the rollout that does not fit and the larger addition, else
   the step's larger addition."""
@@ -484,9 +489,17 @@ def check_memory(c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, devi
   score = sparse.page_score if sparse else "mean"
   page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
   pool = engine_cfg.num_pages * page
-  rollout = step.state + pool
+  rollout = (rollout_weights or step.state) + pool
   if max(step.peak, rollout) <= have:
     return
+  require(
+    rollout_weights <= have,
+    "mesh.rollout_devices",
+    c.mesh.rollout_devices,
+    f"a rollout device holds the weights whole, {rollout_weights / 1e9:.3g} GB, more than this "
+    f"{device.platform} device's {have / 1e9:.3g} GB: colocate the rollout (0), whose weights "
+    "keep their tensor sharding, or a smaller model",
+  )
   parts = _memory_parts(c, cfg, engine_cfg, step, pool)
   if step.state > have:
     names = ("lora", "model")
@@ -502,7 +515,8 @@ def check_memory(c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, devi
     part.value,
     f"{part.what}: {gb(part.size)}; a device needs at least {gb(max(step.peak, rollout))} (the "
     f"train step {gb(step.peak)} by XLA's memory analysis, the rollout with its KV pool "
-    f"{gb(rollout)}; the train state {gb(step.state)}, its LoRA {gb(step.lora)}), more than this "
+    f"{gb(rollout)}{' on a rollout device' if rollout_weights else ''}; the train state "
+    f"{gb(step.state)}, its LoRA {gb(step.lora)}), more than this "
     f"{device.platform} device's {gb(have)}: {part.fix}",
   )
 
