@@ -18,17 +18,23 @@ def get_config():
   c.dtype = "bfloat16"  # params and KV cache dtype
   c.layers = 0  # 0: each model's full depth; N: its first N layers (the
   #                                    sampler, calibrate and engine parts; a quick check)
-  c.parts = "train,sampler,calibrate,engine,compile_time,calibrate_run"  # what to measure (script)
+  c.parts = "train,sampler,calibrate,engine,compile_time,calibrate_run"  # what to measure (script;
+  #                                    also "layout": the trainer's and a rollout device's memory)
   c.train_rows = 2  # rows per train step: one GRPO group of 2 ...
   c.micro_batches = 2  # ... one row per backward pass (gradient accumulation)
+  c.train_minibatches = 1  # updates a step (rl.num_minibatches; > 1 adds a no-grad dense pass)
+  c.distill = True  # the train step with DistillSparse (the paper configs: False)
+  c.off_policy_steps = 0  # 1: one step off, the state keeps the behaviour params (rl.)
   c.length_buckets = ""  # train also with rl.length_buckets, e.g. "4096,8192,16384" ("" = off)
   c.sampler_rows = 8  # sampled rows ...
   c.sampler_group = 8  # ... in groups of this many samples of one prompt (one prefill)
   c.mesh = "1,1,1"  # data,fsdp,tensor: figures per device (fake CPU devices:
   #                                    XLA_FLAGS=--xla_force_host_platform_device_count=N)
+  c.rollout_devices = 0  # layout: the first n devices only roll out, the mesh is over
+  #                                    the rest (mesh.rollout_devices); 0 = colocated
   c.target = "cpu"  # cpu: this machine's backend | a TPU topology such as
   #                                    "v5p:4x4x2" (at least the mesh's chips): compile-only TPU
-  #                                    devices, parts train and sampler only (needs jax[tpu])
+  #                                    devices, parts train, sampler and layout (needs jax[tpu])
   c.calibrate_rows = 1  # rows per calibration pass (one candidate per pass)
   c.engine_pool_gb = 100.0  # the engine's KV pool per device (an H200's 141 GB less
   #                                    weights and working memory)

@@ -23,6 +23,12 @@ and of its temporaries (everything XLA allocates besides arguments and outputs) 
                  the rows in flight the pool holds (cost_model.roofline_engine_rate, mean length
                  `engine_mean_len_frac` x the cutoff) against the static batch's rows at full
                  length in the same memory.
+  layout         one device of each side of a run's layout (docs/many_devices.md): the train step
+                 (part train) on the trainer's mesh and the engine's decode chunk (part engine) on
+                 one rollout device, its weights whole. `rollout_devices` = 0 (colocated): every
+                 device does both, so during the rollout it holds the engine's buffers and the
+                 train state besides; n: the first n devices only roll out, the mesh is over the
+                 rest (the device count is n + the mesh's), as `mesh.rollout_devices` = n.
   compile_time   seconds to lower + compile the train step at full depth vs `compile_time_layers`.
   calibrate_run  a real p5 pass over one `run_len`-token row of a `run_model`-shaped model with
                  random weights on this CPU: wall time and peak RSS.
@@ -38,6 +44,7 @@ rules (sharding.py), the rollout's weights gathered over fsdp (sharding.ROLLOUT_
 device prefilling and decoding only its own groups.
 """
 
+import contextlib
 import dataclasses
 import time
 
@@ -97,28 +104,36 @@ def _budget(schedule, model, length):
   return BudgetTable(SDS((length + 1,), jnp.int32), sampler.max_selected_pages(table)), table
 
 
-def make_mesh(spec: str, target: str = "cpu"):
-  """The (data, fsdp, tensor) mesh: this process's devices, or the first chips of a compile-only
-  TPU topology."""
+def _devices(target: str) -> list:
+  """This process's devices, or the chips of a compile-only TPU topology."""
+  if target == "cpu":
+    return jax.devices()
+  from jax.experimental import topologies
+
+  return list(topologies.get_topology_desc(target, "tpu").devices)
+
+
+def make_mesh(spec: str, target: str = "cpu", rollout_devices: int = 0):
+  """The trainer's (data, fsdp, tensor) mesh: the devices after the first `rollout_devices` (which
+  only roll out, `sharding.split_devices`'s split of one process), this process's or the chips of
+  a compile-only TPU topology."""
   data, fsdp, tensor = (int(n) for n in spec.split(","))
   n = data * fsdp * tensor
+  devices = _devices(target)
+  need = (
+    f"config.mesh = {spec!r} with config.rollout_devices = {rollout_devices} needs "
+    f"{n + rollout_devices} devices"
+  )
   if target != "cpu":
-    from jax.experimental import topologies
-
-    chips = topologies.get_topology_desc(target, "tpu").devices
-    if len(chips) < n:
-      raise ValueError(
-        f"config.mesh = {spec!r} needs {n} devices, config.target = {target!r} "
-        f"has {len(chips)} chips"
-      )
-    return sharding.make_mesh(data, fsdp, tensor, devices=chips[:n])
-  if n != jax.device_count():
+    if len(devices) < n + rollout_devices:
+      raise ValueError(f"{need}, config.target = {target!r} has {len(devices)} chips")
+    return sharding.make_mesh(data, fsdp, tensor, devices=devices[rollout_devices:][:n])
+  if n + rollout_devices != len(devices):
     raise ValueError(
-      f"config.mesh = {spec!r} needs {n} devices, this process "
-      f"has {jax.device_count()}: set XLA_FLAGS=--xla_force_host_platform_device_"
-      f"count={n} (fake CPU devices)"
+      f"{need}, this process has {len(devices)}: set XLA_FLAGS=--xla_force_host_platform_device_"
+      f"count={n + rollout_devices} (fake CPU devices)"
     )
-  return sharding.make_mesh(data, fsdp, tensor)
+  return sharding.make_mesh(data, fsdp, tensor, devices=sharding.split_devices(rollout_devices)[0])
 
 
 def _on(tree, shardings):
@@ -126,24 +141,46 @@ def _on(tree, shardings):
   return jax.tree_util.tree_map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _per_device_gb(tree, shardings) -> float:
+  """GB one device holds of `tree` placed on `shardings` (the largest shard of each leaf)."""
+  leaves = zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings))
+  return sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in leaves) / GB
+
+
 def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   cfg, params, lora = _model(model, dtype, layers)
   sc = step_schema.StepConfig(
-    rl=step_schema.RLConfig(micro_batches=c.micro_batches, length_buckets=length_buckets),
+    rl=step_schema.RLConfig(
+      micro_batches=c.micro_batches,
+      num_minibatches=c.train_minibatches,
+      off_policy_steps=c.off_policy_steps,
+      length_buckets=length_buckets,
+    ),
+    distill=step_schema.DistillConfig(enabled=c.distill),
     stats=step_schema.StatsConfig(bin_size=2048, num_bins=20),
     rollout=step_schema.RolloutConfig(group_size=c.train_rows, page_size=SPARSE.page_size),
   )
-  opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5)
-  state = jax.eval_shape(lambda p, lo: step_schema.init_state(p, opt, lo, lora_opt), params, lora)
-  batch = step_schema.Batch.abstract(c.train_rows, length)
-  step = ts.make_train_step(
-    cfg, sc, opt, lora_opt, SPARSE, step_schema.state_sharding(state, mesh, opt, lora_opt)
+  opt, lora_opt = optax.adamw(1e-6), optax.adam(1e-5) if c.distill else None
+  lora = lora if c.distill else None
+  state = jax.eval_shape(
+    lambda p, lo: step_schema.init_state(
+      p, opt, lo, lora_opt, keep_behaviour=c.off_policy_steps > 0
+    ),
+    params,
+    lora,
   )
+  state_shardings = step_schema.state_sharding(state, mesh, opt, lora_opt)
+  batch = step_schema.Batch.abstract(c.train_rows, length)
+  step = ts.make_train_step(cfg, sc, opt, lora_opt, SPARSE, state_shardings)
   budget = _budget(c.schedule, model, length)[0]
   start = time.time()
   with jax.set_mesh(mesh):
     compiled = step.lower(state, batch, budget).compile()
-  return dict(_analysis(compiled), compile_s=time.time() - start)
+  return dict(
+    _analysis(compiled),
+    compile_s=time.time() - start,
+    state_gb=_per_device_gb(state, state_shardings),
+  )
 
 
 def sampler_memory(model, length, c, dtype, mesh):
@@ -222,8 +259,9 @@ def sampler_memory(model, length, c, dtype, mesh):
   return out
 
 
-def engine_memory(model, length, c, dtype):
-  """The engine's decode chunk compiled over a pool of engine_pool_gb GB (one device)."""
+def engine_memory(model, length, c, dtype, device=None):
+  """The engine's decode chunk compiled over a pool of engine_pool_gb GB on one device: the
+  default backend's, or `device` (a compile-only TPU chip too)."""
   cfg, params, _ = _model(model, dtype, c.layers or None)
   pages = engine.pages_for_bytes(
     cfg, c.engine_pool_gb * GB, SPARSE.page_size, dtype, SPARSE.page_score
@@ -243,18 +281,14 @@ def engine_memory(model, length, c, dtype):
     page_table=ints(S, PR),
   )
   budget, table = _budget(c.schedule, model, PR * SPARSE.page_size)
-  compiled = programs.decode_chunk.lower(
-    params,
-    None,
-    pool,
-    budget,
-    SDS((2,), jnp.uint32),
-    slots,
-    cfg=cfg,
-    steps=c.engine_chunk,
-    sparse=SPARSE,
-    sampling=SAMPLING,
-  ).compile()
+  args = (params, None, pool, budget, SDS((2,), jnp.uint32), slots)
+  one = None if device is None else sharding.make_mesh(1, 1, 1, devices=[device])
+  if one is not None:
+    args = _on(args, jax.tree_util.tree_map(lambda _: sharding.replicated(one), args))
+  with contextlib.nullcontext() if one is None else jax.set_mesh(one):
+    compiled = programs.decode_chunk.lower(
+      *args, cfg=cfg, steps=c.engine_chunk, sparse=SPARSE, sampling=SAMPLING
+    ).compile()
   out = _analysis(compiled)
   gen = length - c.prompt_len
   static_rows = pages * SPARSE.page_size // length
@@ -275,6 +309,32 @@ def engine_memory(model, length, c, dtype):
     total_gb=out["args_gb"] + out["temp_gb"],
   )
   return out
+
+
+def layout_memory(model, length, c, dtype, mesh):
+  """One device of each side of the layout: the trainer's (the train step on `mesh`) and the
+  rollout's (the engine on the first device, weights whole). Colocated (rollout_devices 0) the
+  same device is both, and while it rolls out it keeps the train state (params, Adam states and
+  the rest, sharded over the mesh) beside the engine's weights, pool and temporaries."""
+  train = train_step(model, length, c, dtype, mesh)
+  rollout = engine_memory(model, length, c, dtype, _devices(c.target)[0])
+  train_gb = train["args_gb"] + train["temp_gb"]
+  engine_gb = rollout["total_gb"]
+  rollout_gb = engine_gb + (0.0 if c.rollout_devices else train["state_gb"])
+  return dict(
+    rollout_devices=c.rollout_devices,
+    trainer_devices=int(mesh.size),
+    train_args_gb=train["args_gb"],
+    train_temp_gb=train["temp_gb"],
+    state_gb=train["state_gb"],
+    engine_args_gb=rollout["args_gb"],
+    engine_temp_gb=rollout["temp_gb"],
+    pool_gb=rollout["pool_gb"],
+    rows_in_flight=rollout["rows_in_flight"],
+    trainer_device_gb=train_gb,
+    rollout_device_gb=rollout_gb,
+    compile_s=train["compile_s"],
+  )
 
 
 def calibrate_memory(model, length, c, dtype):
@@ -357,15 +417,29 @@ def main(argv):
   models = [m for m in c.models.split(",") if m]
   lengths = [int(n) for n in c.lengths.split(",") if n]
   parts = set(c.parts.split(","))
-  unknown = parts - {"train", "sampler", "calibrate", "engine", "compile_time", "calibrate_run"}
+  unknown = parts - {
+    "train",
+    "sampler",
+    "calibrate",
+    "engine",
+    "layout",
+    "compile_time",
+    "calibrate_run",
+  }
   if unknown:
     raise ValueError(f"config.parts: unknown part(s) {sorted(unknown)}")
-  if c.target != "cpu" and parts - {"train", "sampler"}:
+  on_target = {"train", "sampler", "layout"}
+  if c.target != "cpu" and parts - on_target:
     raise ValueError(
-      f"config.target = {c.target!r} compiles the parts train and sampler (on the "
-      f"mesh); {sorted(parts - {'train', 'sampler'})} run on this machine's backend"
+      f"config.target = {c.target!r} compiles the parts train and sampler (on the mesh) "
+      f"and layout; {sorted(parts - on_target)} run on this machine's backend"
     )
-  mesh = make_mesh(c.mesh, c.target)
+  if c.rollout_devices and parts != {"layout"}:
+    raise ValueError(
+      f"config.rollout_devices = {c.rollout_devices} splits the devices for the part layout "
+      f"only; got parts {sorted(parts)}"
+    )
+  mesh = make_mesh(c.mesh, c.target, c.rollout_devices)
   report = {"config": c.to_dict()}
   backend = jax.default_backend() if c.target == "cpu" else f"compile-only TPU {c.target}"
   print(
@@ -451,6 +525,33 @@ def main(argv):
         ("pool GB", "pool_gb"),
         ("static", "static_rows"),
         ("engine", "rows_in_flight"),
+      ),
+    )
+  if "layout" in parts:
+    side = (
+      f"{c.rollout_devices} rollout device(s) of their own, the trainer's mesh ({c.mesh}) over "
+      "the rest"
+      if c.rollout_devices
+      else f"colocated: every device of the mesh ({c.mesh}) trains and rolls out"
+    )
+    print(
+      f"\nlayout, {side}; train: {c.train_rows} rows, {c.train_minibatches} minibatch(es) of "
+      f"{c.micro_batches} micro-batches, distill {c.distill}, off_policy_steps "
+      f"{c.off_policy_steps}; rollout: the engine, {c.engine_slots} slots, pool "
+      f"{c.engine_pool_gb:g} GB, weights whole; GB per device"
+    )
+    _table(
+      report,
+      "layout",
+      lambda m, n: layout_memory(m, n, c, dtype, mesh),
+      models,
+      lengths,
+      (
+        ("state", "state_gb"),
+        ("train", "trainer_device_gb"),
+        ("engine", "engine_args_gb"),
+        ("rollout", "rollout_device_gb"),
+        ("compile s", "compile_s"),
       ),
     )
   if "compile_time" in parts:
