@@ -398,7 +398,8 @@ def test_rollout_devices_of_their_own_are_checked_apart_from_the_trainers(device
   """Colocated, a device holds the train state beside the rollout's pool; with rollout devices of
   their own a trainer device holds the step, and a rollout device the whole weights and the pool:
   a pool that overflows a trainer device beside the state fits a rollout device beside the
-  weights, and whole weights too big for one device are refused naming the layout."""
+  weights, and whole weights too big for one device are refused naming the layout. Partial
+  rollouts hold their pool beside the train step."""
   c = small("/unused")
   cfg = build.model_config(c)
   engine_cfg = build.engine_config(c, cfg, 16)
@@ -417,6 +418,13 @@ def test_rollout_devices_of_their_own_are_checked_apart_from_the_trainers(device
     ValueError, match=r"^config\.mesh\.rollout_devices = 0 .* weights whole, 5 GB"
   ):
     check(5 * gb)
+  # Partial rollouts keep the pool through the update: 1 GB of state + 2.5 GB of pool fit a
+  # device, and so does the 3 GB step, but not the step beside the pool.
+  step = run_config.StepMemory(peak=3 * gb, state=1 * gb, lora=0, metrics=0)
+  check(0)
+  c.rollout.partial_groups = 2
+  with pytest.raises(ValueError, match=r"KV pool partial rollouts keep 5\.5 GB"):
+    check(0)
 
 
 @pytest.mark.slow

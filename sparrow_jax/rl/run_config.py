@@ -490,7 +490,9 @@ def check_memory(
   page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
   pool = engine_cfg.num_pages * page
   rollout = (rollout_weights or step.state) + pool
-  if max(step.peak, rollout) <= have:
+  kept = c.rollout.partial_groups and not rollout_weights  # partial rollouts keep their pool
+  peak = step.peak + (pool if kept else 0)  # through the update, beside the step
+  if max(peak, rollout) <= have:
     return
   require(
     rollout_weights <= have,
@@ -503,7 +505,7 @@ def check_memory(
   parts = _memory_parts(c, cfg, engine_cfg, step, pool)
   if step.state > have:
     names = ("lora", "model")
-  elif rollout > have and (step.peak <= have or pool >= step.peak - step.state):
+  elif (rollout > have or kept) and (step.peak <= have or pool >= step.peak - step.state):
     names = ("pool",)
   else:
     names = ("metrics", "rows")
@@ -513,8 +515,10 @@ def check_memory(
     False,
     part.field,
     part.value,
-    f"{part.what}: {gb(part.size)}; a device needs at least {gb(max(step.peak, rollout))} (the "
-    f"train step {gb(step.peak)} by XLA's memory analysis, the rollout with its KV pool "
+    f"{part.what}: {gb(part.size)}; a device needs at least {gb(max(peak, rollout))} (the "
+    f"train step {gb(step.peak)} by XLA's memory analysis"
+    f"{', with the KV pool partial rollouts keep ' + gb(peak) if kept else ''}, the rollout with "
+    "its KV pool "
     f"{gb(rollout)}{' on a rollout device' if rollout_weights else ''}; the train state "
     f"{gb(step.state)}, its LoRA {gb(step.lora)}), more than this "
     f"{device.platform} device's {gb(have)}: {part.fix}",
