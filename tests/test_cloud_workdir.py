@@ -20,7 +20,7 @@ from tests.test_trainer import small
 LEASE = dict(lease_s=2.0, settle_s=0.2)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_run_on_an_object_store_writes_there_and_resumes(tmp_path, monkeypatch):
   """Checkpoints, metrics.jsonl, TensorBoard events, config and summary, the HF export: all in
   the bucket, the lock released; a longer run resumes from the bucket's step-2 checkpoint."""

@@ -71,9 +71,9 @@ def reference_run():
   "placement",
   [
     dict(slots=2, chunk=1),
-    dict(slots=5),
-    dict(chunk=7),
-    dict(order=[4, 5, 0, 1, 2, 3]),
+    pytest.param(dict(slots=5), marks=pytest.mark.nightly),
+    pytest.param(dict(chunk=7), marks=pytest.mark.nightly),
+    pytest.param(dict(order=[4, 5, 0, 1, 2, 3]), marks=pytest.mark.nightly),
     dict(order=[3, 2, 5, 4, 1, 0], slots=2),
     dict(slots=5, chunk=4, drain=2),
   ],

@@ -433,7 +433,7 @@ def test_no_readable_checkpoint_is_refused_unless_restart_from_scratch(tmp_path)
   assert sorted(os.listdir(directory)) == ["1.corrupt", "2.corrupt"]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path):
   """A real SIGTERM mid-run (what a cluster scheduler sends): the step under way finishes, its
   checkpoint is saved (ckpt_every is far off), a line says so, exit 0. Temporary files a killed

@@ -220,7 +220,7 @@ def assert_same_rows(a, b, atol=1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny", "kv_heads"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("kv_heads", marks=pytest.mark.nightly)])
 def test_greedy_speculative_rows_are_dense_greedy_rows(model):
   params, cfg = PARAMS, CFG
   if model == "kv_heads":  # several KV heads, two sparse layers past the dense one
@@ -281,8 +281,10 @@ def test_logprobs_are_the_dense_policy_s_and_alpha_its_acceptance():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_score", ["mean", "quest"])
-@pytest.mark.parametrize("prompt_len", [10, 48])  # 48: past what TIGHT keeps, drafts rejected
+@pytest.mark.parametrize(  # 48: past what TIGHT keeps, drafts rejected
+  "prompt_len, page_score",
+  [(10, "mean"), pytest.param(10, "quest", marks=pytest.mark.nightly), (48, "mean"), (48, "quest")],
+)
 def test_a_round_leaves_the_cache_dense_decoding_of_its_tokens_leaves(page_score, prompt_len):
   sparse = SparseConfig(page_size=4, dense_layers=1, page_score=page_score)
   Z, S, PR, rounds = 4, 4, 16, 2

@@ -148,7 +148,7 @@ def test_nonfinite_loss_skips_update():
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, before)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_ppo_minibatches_run():
   params, lora, opt, lora_opt = setup()
   sc = step_schema.StepConfig(
@@ -224,7 +224,9 @@ def reference_exact_stats(params, lora, batch, sc=SC):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("distill, minibatches", [(True, 1), (False, 1), (True, 2)])
+@pytest.mark.parametrize(
+  "distill, minibatches", [(True, 1), (False, 1), pytest.param(True, 2, marks=pytest.mark.nightly)]
+)
 def test_logged_p5_is_exact_acceptance(distill, minibatches):
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora if distill else None, seed=5, top=True)
@@ -270,7 +272,7 @@ DOCUMENTED = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_minibatches_log_every_metric_from_the_full_batch():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=6, top=True)
@@ -294,7 +296,7 @@ def test_minibatches_log_every_metric_from_the_full_batch():
   assert float(runs[4]["grad_norm/policy"]) > 0 and float(runs[4]["grad_norm/lora"]) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_a_skipped_minibatch_is_reported():
   params, lora, opt, lora_opt = setup()
   batch = make_batch(params, lora, seed=7)
