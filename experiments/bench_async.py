@@ -1,8 +1,10 @@
-"""The trainer on-policy against one step off (`rl.off_policy_steps = 1`), side by side in one run
-on this machine: each setting trains the same job for the same steps from scratch, and the record
-keeps per step the wall time (`perf/step_s`), the part the trainer waited for rollouts
-(`perf/rollout_wait_s`), the rollout's and the update's own times, the reward and the staleness
-alpha. The first step of a run compiles and is left out of the means.
+"""The trainer on-policy against one step off (`rl.off_policy_steps = 1`) and one step off with
+partial rollouts (`rollout.partial_groups`), side by side in one run on this machine: each setting
+trains each job (the default one and a long-tailed one) for the same steps from scratch, and the
+record keeps per step the wall time (`perf/step_s`), the part the trainer waited for rollouts
+(`perf/rollout_wait_s`), the rollout's and the update's own times, the reward, the staleness
+alpha, the response lengths and, with partial rollouts, the rows carried over and the tokens' lag.
+The first step of a run compiles and is left out of the means.
 
   python experiments/bench_async.py --config=configs/bench_async.py \\
       [--config.record=docs/results/async_rl.json]
@@ -33,25 +35,31 @@ KEPT = (
   "reward/mean",
   "acceptance_stale/mean",
   "acceptance/mean",
+  "response_length/mean",
+  "response_length/max",
+  "rollout/rows_carried",
+  "rollout/token_lag/mean",
 )
 
 
-def run_setting(config, name: str, off_policy_steps: int) -> dict:
-  """One setting's run from scratch -> its per-step metrics (KEPT) and the means over the steps
-  after the first."""
-  c = config.job.copy_and_resolve_references()
-  c.workdir = os.path.join(config.workdir, name.replace(" ", "_"))
+def run_setting(config, job: str, name: str, off_policy_steps: int, partial_groups: int) -> dict:
+  """One setting's run of `job` from scratch -> its per-step metrics (KEPT) and the means over
+  the steps after the first."""
+  c = config[job].copy_and_resolve_references()
+  c.workdir = os.path.join(config.workdir, job, name.replace(" ", "_").replace("+", "and"))
   shutil.rmtree(c.workdir, ignore_errors=True)
   c.total_steps, c.ckpt_every = config.steps, config.steps
-  c.rl.off_policy_steps = off_policy_steps
+  c.rl.off_policy_steps, c.rollout.partial_groups = off_policy_steps, partial_groups
   rows = trainer.train(c)
   steps = [{k: row[k] for k in KEPT if k in row} for row in rows]
   timed = steps[1:]
   step_s = float(np.mean([s["perf/step_s"] for s in timed]))
   wait_s = float(np.mean([s["perf/rollout_wait_s"] for s in timed]))
   return dict(
+    job=job,
     setting=name,
     off_policy_steps=off_policy_steps,
+    partial_groups=partial_groups,
     step_s=step_s,
     idle_share=wait_s / step_s,
     train_step_s=float(np.mean([s["perf/train_step_s"] for s in timed])),
@@ -64,14 +72,16 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
   rows = []
-  for name, off in config.settings:
-    rows.append(run_setting(config, name, off))
-    row = rows[-1]
-    print(
-      f"  {name:14s} step {row['step_s']:.2f}s  ({row['step_s'] / rows[0]['step_s']:.2f}x of "
-      f"{rows[0]['setting']}'s)  trainer idle {100 * row['idle_share']:.0f}%",
-      flush=True,
-    )
+  for job in config.jobs.split(","):
+    first = None
+    for name, off, partial_groups in config.settings:
+      rows.append(run_setting(config, job, name, off, partial_groups))
+      row, first = rows[-1], first or rows[-1]
+      print(
+        f"  {job} {name:24s} step {row['step_s']:.2f}s  ({first['step_s'] / row['step_s']:.2f}x "
+        f"{first['setting']}'s speed)  trainer idle {100 * row['idle_share']:.0f}%",
+        flush=True,
+      )
   if config.record:
     results = dict(config=config.to_dict(), rows=rows)
     records.write_record(os.path.join(records.ROOT, config.record), results)

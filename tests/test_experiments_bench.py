@@ -504,21 +504,30 @@ def test_device_check_finishes_when_a_part_fails(tmp_path, capsys, monkeypatch):
 @pytest.mark.nightly
 def test_bench_async_runs_each_setting_and_renders_its_page(tmp_path):
   """bench_async at toy size: a row per setting in the order run, its steps version-tagged (one
-  step off: the first two steps sampled with the first weights), and the page's table from it."""
+  step off: the first two steps sampled with the first weights; partial rollouts: token lags
+  logged), and the page's table from it."""
   path = tmp_path / "async_rl.json"
   out = _run(
     "bench_async",
     "--config.steps=3",
+    "--config.jobs=long_tail",
     f"--config.workdir={tmp_path / 'runs'}",
-    "--config.job.rollout.prompts_per_step=1",
-    "--config.job.rollout.group_size=4",
-    "--config.job.rollout.max_new_tokens=32",  # prompt + completion: whole pages
+    "--config.long_tail.rollout.prompts_per_step=1",
+    "--config.long_tail.rollout.group_size=4",
+    "--config.long_tail.rollout.max_new_tokens=30",
     f"--config.record={path}",
   ).stdout
   rows = json.load(open(path))["results"]["rows"]
-  assert [r["setting"] for r in rows] == ["sync", "one_step_off", "sync again"]
+  assert [r["setting"] for r in rows] == [
+    "sync",
+    "one_step_off",
+    "one_step_off + partial",
+    "sync again",
+  ]
   tags = lambda r: [s["rollout/weights_step"] for s in r["steps"]]
-  assert tags(rows[0]) == [0, 1, 2] and tags(rows[1]) == [0, 0, 1]
+  assert tags(rows[0]) == [0, 1, 2] and tags(rows[1]) == tags(rows[2]) == [0, 0, 1]
+  assert all("rollout/token_lag/mean" in s for s in rows[2]["steps"])
   assert all(0 <= r["idle_share"] <= 1 for r in rows) and "trainer idle" in out
   page = load_file("docs/make_results_pages.py").async_rl_page([json.load(open(path))])
   assert page.count("| one_step_off |") == 1 and page.count("| sync") == 2
+  assert "**long_tail**" in page
