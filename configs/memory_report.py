@@ -32,12 +32,17 @@ def get_config():
   #                                    XLA_FLAGS=--xla_force_host_platform_device_count=N)
   c.rollout_devices = 0  # layout: the first n devices only roll out, the mesh is over
   #                                    the rest (mesh.rollout_devices); 0 = colocated
+  c.layouts = ""  # layout: several in one run, "/" between "n:data,fsdp,tensor:micro_batches:
+  #                                    off_policy_steps" (each overrides rollout_devices, mesh,
+  #                                    micro_batches, off_policy_steps; "" = those four's one)
   c.target = "cpu"  # cpu: this machine's backend | a TPU topology such as
   #                                    "v5p:4x4x2" (at least the mesh's chips): compile-only TPU
   #                                    devices, parts train, sampler and layout (needs jax[tpu])
   c.calibrate_rows = 1  # rows per calibration pass (one candidate per pass)
   c.engine_pool_gb = 100.0  # the engine's KV pool per device (an H200's 141 GB less
   #                                    weights and working memory)
+  c.engine_fallback_pools = "40,30,20"  # layout: if the engine's pool does not fit a device,
+  #                                    these pools (GB) in turn until one does
   c.engine_slots = 64  # the engine's slots per device
   c.engine_chunk = 16  # decode steps per compiled chunk
   c.engine_mean_len_frac = 0.5  # mean response length / cutoff for the rows in flight

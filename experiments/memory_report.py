@@ -29,6 +29,11 @@ and of its temporaries (everything XLA allocates besides arguments and outputs) 
                  device does both, so during the rollout it holds the engine's buffers and the
                  train state besides; n: the first n devices only roll out, the mesh is over the
                  rest (the device count is n + the mesh's), as `mesh.rollout_devices` = n.
+                 `layouts` compiles several layouts in one run (the engine once for all). Each
+                 side is written to `out` as soon as it compiles; a side the compiler refuses for
+                 memory is kept as not fitting, with the bytes the compiler says it needs and its
+                 error text, and an engine refused at `engine_pool_gb` is compiled again at each
+                 of `engine_fallback_pools` until one fits.
   compile_time   seconds to lower + compile the train step at full depth vs `compile_time_layers`.
   calibrate_run  a real p5 pass over one `run_len`-token row of a `run_model`-shaped model with
                  random weights on this CPU: wall time and peak RSS.
@@ -46,6 +51,7 @@ device prefilling and decoding only its own groups.
 
 import contextlib
 import dataclasses
+import re
 import time
 
 from absl import app, flags
@@ -311,30 +317,169 @@ def engine_memory(model, length, c, dtype, device=None):
   return out
 
 
-def layout_memory(model, length, c, dtype, mesh):
-  """One device of each side of the layout: the trainer's (the train step on `mesh`) and the
-  rollout's (the engine on the first device, weights whole). Colocated (rollout_devices 0) the
-  same device is both, and while it rolls out it keeps the train state (params, Adam states and
-  the rest, sharded over the mesh) beside the engine's weights, pool and temporaries."""
-  train = train_step(model, length, c, dtype, mesh)
-  rollout = engine_memory(model, length, c, dtype, _devices(c.target)[0])
-  train_gb = train["args_gb"] + train["temp_gb"]
-  engine_gb = rollout["total_gb"]
-  rollout_gb = engine_gb + (0.0 if c.rollout_devices else train["state_gb"])
-  return dict(
-    rollout_devices=c.rollout_devices,
-    trainer_devices=int(mesh.size),
-    train_args_gb=train["args_gb"],
-    train_temp_gb=train["temp_gb"],
-    state_gb=train["state_gb"],
-    engine_args_gb=rollout["args_gb"],
-    engine_temp_gb=rollout["temp_gb"],
-    pool_gb=rollout["pool_gb"],
-    rows_in_flight=rollout["rows_in_flight"],
-    trainer_device_gb=train_gb,
-    rollout_device_gb=rollout_gb,
-    compile_s=train["compile_s"],
+# The TPU compiler's refusals for memory, e.g. "the total memory required for HLO temporaries
+# (101.30G) exceeds available HBM (95.74G)" or "Used 101.30G of 95.74G hbm": sizes as tsl's
+# human-readable bytes, whose K/M/G/T are powers of 1024.
+_REFUSALS = (
+  re.compile(
+    r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
+  ),
+  re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm"),
+)
+
+
+def _human_bytes(number: str, unit: str) -> float:
+  return float(number) * 1024 ** ("KMGT".index(unit) + 1)
+
+
+def refusal(text: str):
+  """A compiler error's text as a side that does not fit: the bytes it needs and the device's (GB
+  = 1e9; None where the text names none), the text kept; None if it is not about memory."""
+  if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+    return None
+  for pattern in _REFUSALS:
+    m = pattern.search(text)
+    if m:
+      needs, hbm = _human_bytes(m[1], m[2]) / GB, _human_bytes(m[3], m[4]) / GB
+      return dict(fits=False, needs_gb=needs, hbm_gb=hbm, error=text[:2000])
+  return dict(fits=False, needs_gb=None, hbm_gb=None, error=text[:2000])
+
+
+def _side(compile_side):
+  """`compile_side()`'s figures marked as fitting, or the compiler's refusal for memory."""
+  try:
+    return dict(compile_side(), fits=True)
+  except jax.errors.JaxRuntimeError as e:
+    out = refusal(str(e))
+    if out is None:
+      raise
+    return out
+
+
+def layouts(c) -> list:
+  """The layouts to compile: `layouts`' "n:data,fsdp,tensor:micro_batches:off_policy_steps" each
+  ("/" between them), or the one of rollout_devices, mesh, micro_batches and off_policy_steps."""
+  if not c.layouts:
+    return [
+      dict(
+        rollout_devices=c.rollout_devices,
+        mesh=c.mesh,
+        micro_batches=c.micro_batches,
+        off_policy_steps=c.off_policy_steps,
+      )
+    ]
+  out = []
+  for spec in c.layouts.split("/"):
+    n, mesh, micro, off = spec.split(":")
+    out.append(
+      dict(rollout_devices=int(n), mesh=mesh, micro_batches=int(micro), off_policy_steps=int(off))
+    )
+  return out
+
+
+def layout_name(layout) -> str:
+  n = layout["rollout_devices"]
+  return f"split{n}" if n else "colocated"
+
+
+def _with(c, **fields):
+  """A copy of config `c` with `fields` set (one layout's train settings)."""
+  out = c.copy_and_resolve_references()
+  out.update(fields)
+  return out
+
+
+def engine_pools(c) -> list:
+  """The engine's pools to compile, GB: engine_pool_gb, then engine_fallback_pools in turn."""
+  return [c.engine_pool_gb] + [float(g) for g in c.engine_fallback_pools.split(",") if g]
+
+
+def layout_summary(fig) -> dict:
+  """Per layout, a trainer device's and a rollout device's GB at each engine pool and whether each
+  fits a device: a refused side needs what the compiler said; a colocated rollout device adds the
+  train state to the engine, checked against the device's memory where a refusal named it."""
+  engines = fig.get("engine", {})
+  hbm = next((s["hbm_gb"] for s in _sides(fig) if s.get("hbm_gb")), None)
+  out = {}
+  for name, lay in fig.items():
+    if name == "engine":
+      continue
+    train = lay["train"]
+    state = train.get("state_gb", 0.0) if not lay["rollout_devices"] else 0.0
+    rollout = {}
+    for pool, eng in engines.items():
+      if not eng["fits"]:
+        needs = eng["needs_gb"] and eng["needs_gb"] + state
+        rollout[pool] = dict(gb=None, needs_gb=needs, fits=False)
+      elif lay["rollout_devices"] or train["fits"]:
+        gb = eng["total_gb"] + state
+        rollout[pool] = dict(gb=gb, fits=None if hbm is None else bool(gb <= hbm))
+    trainer = (
+      dict(gb=train["args_gb"] + train["temp_gb"], fits=True)
+      if train["fits"]
+      else dict(gb=None, needs_gb=train["needs_gb"], fits=False)
+    )
+    out[name] = dict(trainer_device=trainer, rollout_device=rollout)
+  return dict(hbm_gb=hbm, layouts=out)
+
+
+def _sides(fig) -> list:
+  return [lay["train"] for name, lay in fig.items() if name != "engine"] + list(
+    fig.get("engine", {}).values()
   )
+
+
+def layout_memory(model, length, c, dtype, save):
+  """One device of each side of each layout, each side kept in the figures (and `save()`d) as
+  soon as it is compiled: the trainer's (the train step on the layout's mesh) and the rollout's
+  (the engine on the first device, weights whole; one compile serves every layout). Colocated
+  (rollout_devices 0) the same device is both, and while it rolls out it keeps the train state
+  (params, Adam states and the rest, sharded over the mesh) beside the engine's weights, pool and
+  temporaries. The engine at engine_pool_gb, and if that does not fit a device the fallback pools
+  in turn until one does."""
+  fig = {}
+  for lay in layouts(c):
+    mesh = make_mesh(lay["mesh"], c.target, lay["rollout_devices"])
+    lc = _with(c, micro_batches=lay["micro_batches"], off_policy_steps=lay["off_policy_steps"])
+    train = _side(lambda: train_step(model, length, lc, dtype, mesh))
+    fig[layout_name(lay)] = dict(
+      lay,
+      trainer_devices=int(mesh.size),
+      train_rows=c.train_rows,
+      train_minibatches=c.train_minibatches,
+      train=train,
+    )
+    _print_side(f"{layout_name(lay)} train", train)
+    save(fig)
+  fig["engine"] = {}
+  for pool in engine_pools(c):
+    eng = _side(
+      lambda: engine_memory(
+        model, length, _with(c, engine_pool_gb=pool), dtype, _devices(c.target)[0]
+      )
+    )
+    fig["engine"][f"{pool:g}"] = dict(eng, pool_asked_gb=pool)
+    _print_side(f"engine, pool {pool:g} GB", eng)
+    save(fig)
+    if eng["fits"]:
+      break
+  return fig
+
+
+def _print_side(name, side):
+  if side["fits"]:
+    gb = side["args_gb"] + side["temp_gb"]
+    print(
+      f"  {name}: {side['args_gb']:.2f} args + {side['temp_gb']:.2f} temps = {gb:.2f} GB "
+      f"per device",
+      flush=True,
+    )
+  else:
+    print(
+      f"  {name}: does not fit, the compiler needs {side['needs_gb'] or 0:.2f} GB of "
+      f"{side['hbm_gb'] or 0:.2f} GB ({side['error'][:200]})",
+      flush=True,
+    )
 
 
 def calibrate_memory(model, length, c, dtype):
@@ -434,17 +579,21 @@ def main(argv):
       f"config.target = {c.target!r} compiles the parts train and sampler (on the mesh) "
       f"and layout; {sorted(parts - on_target)} run on this machine's backend"
     )
-  if c.rollout_devices and parts != {"layout"}:
+  if (c.rollout_devices or c.layouts) and parts != {"layout"}:
     raise ValueError(
-      f"config.rollout_devices = {c.rollout_devices} splits the devices for the part layout "
-      f"only; got parts {sorted(parts)}"
+      f"config.rollout_devices = {c.rollout_devices} / config.layouts = {c.layouts!r} split the "
+      f"devices for the part layout only; got parts {sorted(parts)}"
     )
-  mesh = make_mesh(c.mesh, c.target, c.rollout_devices)
+  # with config.layouts each layout has its mesh (the part layout alone runs)
+  mesh = None if c.layouts else make_mesh(c.mesh, c.target, c.rollout_devices)
+  if "layout" in parts:
+    for lay in layouts(c):  # a wrong mesh fails now, not after the first compile
+      make_mesh(lay["mesh"], c.target, lay["rollout_devices"])
   report = {"config": c.to_dict()}
   backend = jax.default_backend() if c.target == "cpu" else f"compile-only TPU {c.target}"
   print(
     f"backend {backend}, params/KV {c.dtype}, GB = 1e9 bytes, per device of "
-    f"the mesh (data, fsdp, tensor) = ({c.mesh})",
+    + ("each layout's mesh" if c.layouts else f"the mesh (data, fsdp, tensor) = ({c.mesh})"),
     flush=True,
   )
   if "train" in parts:
@@ -528,32 +677,24 @@ def main(argv):
       ),
     )
   if "layout" in parts:
-    side = (
-      f"{c.rollout_devices} rollout device(s) of their own, the trainer's mesh ({c.mesh}) over "
-      "the rest"
-      if c.rollout_devices
-      else f"colocated: every device of the mesh ({c.mesh}) trains and rolls out"
-    )
     print(
-      f"\nlayout, {side}; train: {c.train_rows} rows, {c.train_minibatches} minibatch(es) of "
-      f"{c.micro_batches} micro-batches, distill {c.distill}, off_policy_steps "
-      f"{c.off_policy_steps}; rollout: the engine, {c.engine_slots} slots, pool "
-      f"{c.engine_pool_gb:g} GB, weights whole; GB per device"
+      f"\nlayout: train {c.train_rows} rows, {c.train_minibatches} minibatch(es), distill "
+      f"{c.distill}; rollout: the engine, {c.engine_slots} slots, pool {c.engine_pool_gb:g} GB "
+      f"(else {c.engine_fallback_pools or 'none'}), weights whole; GB per device",
+      flush=True,
     )
-    _table(
-      report,
-      "layout",
-      lambda m, n: layout_memory(m, n, c, dtype, mesh),
-      models,
-      lengths,
-      (
-        ("state", "state_gb"),
-        ("train", "trainer_device_gb"),
-        ("engine", "engine_args_gb"),
-        ("rollout", "rollout_device_gb"),
-        ("compile s", "compile_s"),
-      ),
-    )
+    for model in models:
+      for n in lengths:
+        key = f"layout/{model}/{n}"
+        print(f"{model} {n}", flush=True)
+
+        def save(fig, key=key):
+          # each side as soon as it is compiled: a later side refused or killed keeps the rest
+          report[key] = dict(fig, summary=layout_summary(fig))
+          if c.out:
+            records.write_record(c.out, report)
+
+        save(layout_memory(model, n, c, dtype, save))
   if "compile_time" in parts:
     m, n = c.compile_time_model, c.compile_time_len
     few = train_step(m, n, c, dtype, mesh, layers=c.compile_time_layers)["compile_s"]
