@@ -1411,46 +1411,69 @@ def _exact_verdict(rows) -> list:
 def async_rl_page(records) -> str:
   """docs/results/async_rl.md from experiments/bench_async.py's record."""
   lines = [
-    "# On-policy vs one step off (measured)",
+    "# On-policy vs one step off vs partial rollouts (measured)",
     "",
-    "`experiments/bench_async.py`: the same job trained for the same steps from scratch with "
+    "`experiments/bench_async.py`: each job trained for the same steps from scratch with "
     "`rl.off_policy_steps` = 0 (sync) and 1 (one step off: the next step's rollouts, sampled and "
-    "graded in a thread, overlap the update), on the trainer's own devices. step: the mean wall "
-    "time of a step (`perf/step_s`) after the first, which compiles; trainer idle: the share of it "
-    "the trainer waited for rollouts (`perf/rollout_wait_s`); update: the train step's own time; "
+    "graded in a thread, overlap the update), and one step off with `rollout.partial_groups` "
+    "(partial rollouts: a step trains on the first groups to end, the rest go on next step), on "
+    "the trainer's own devices. step: the mean wall time of a step (`perf/step_s`) after the "
+    "first, which compiles; speed: sync's step time over the setting's; trainer idle: the share "
+    "of a step the trainer waited for rollouts (`perf/rollout_wait_s`); update: the train step's "
+    "own time; length: the trained rows' mean and longest response (mean over steps); carried: "
+    "rows cut at an earlier step's end and finished later (`rollout/rows_carried`); lag: "
+    "the mean age in steps of the weights that sampled a trained token (`rollout/token_lag/mean`); "
     "stale alpha: the mean `acceptance_stale/mean` (the sampling weights' dense policy against "
     "the current one); sync again repeats the first setting, the spread of this machine between "
     "identical runs.",
     "",
   ]
+
+  def mean(row, key):  # over the steps after the first; None where the run logs no such metric
+    values = [s[key] for s in row["steps"][1:] if key in s]
+    return sum(values) / len(values) if values else None
+
   for record in records:
     r = record["results"]
-    first = r["rows"][0]
-    job = r["config"]["job"]
-    lines += [
-      _provenance(record),
-      "",
-      f"The job: `configs/default.py` ({job['rollout']['prompts_per_step']} prompts x "
-      f"{job['rollout']['group_size']} rows of up to {job['rollout']['max_new_tokens']} tokens, "
-      f"rollout.speculate = {job['rollout']['speculate']}), {r['config']['steps']} steps a run.",
-      "",
-      "| setting | step (s) | vs sync | trainer idle | update (s) | last reward | stale alpha |",
-      "|---|---|---|---|---|---|---|",
-    ]
-    for row in r["rows"]:
-      last = row["steps"][-1]
-      stale = [s["acceptance_stale/mean"] for s in row["steps"][1:] if "acceptance_stale/mean" in s]
-      cells = [
-        row["setting"],
-        f"{row['step_s']:.2f}",
-        f"{first['step_s'] / row['step_s']:.2f}x",
-        f"{100 * row['idle_share']:.0f}%",
-        f"{row['train_step_s']:.2f}",
-        f"{last['reward/mean']:.3f}",
-        f"{sum(stale) / len(stale):.4f}" if stale else "-",
+    lines += [_provenance(record), ""]
+    for job in dict.fromkeys(row.get("job", "default") for row in r["rows"]):
+      rows = [row for row in r["rows"] if row.get("job", "default") == job]
+      config = r["config"].get(job) or r["config"]["job"]
+      ro, task = config["rollout"], config["task"]
+      lines += [
+        f"**{job}**: `configs/default.py` with {task['min_hops']}-{task['max_hops']} hop chains "
+        f"({ro['prompts_per_step']} prompts x {ro['group_size']} rows of up to "
+        f"{ro['max_new_tokens']} tokens, rollout.speculate = {ro['speculate']}), "
+        f"{r['config']['steps']} steps a run.",
+        "",
+        "| setting | step (s) | speed | trainer idle | update (s) | length mean / max | carried "
+        "| lag | last reward | stale alpha |",
+        "|---|---|---|---|---|---|---|---|---|---|",
       ]
-      lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+      for row in rows:
+        cells = [
+          row["setting"],
+          f"{row['step_s']:.2f}",
+          f"{rows[0]['step_s'] / row['step_s']:.2f}x",
+          f"{100 * row['idle_share']:.0f}%",
+          f"{row['train_step_s']:.2f}",
+          f"{mean(row, 'response_length/mean'):.0f} / {mean(row, 'response_length/max'):.0f}"
+          if mean(row, "response_length/max") is not None
+          else "-",
+        ]
+        for key, fmt in (
+          ("rollout/rows_carried", "{:.1f}"),
+          ("rollout/token_lag/mean", "{:.2f}"),
+        ):
+          value = mean(row, key)
+          cells.append("-" if value is None else fmt.format(value))
+        stale = mean(row, "acceptance_stale/mean")
+        cells += [
+          f"{row['steps'][-1]['reward/mean']:.3f}",
+          "-" if stale is None else f"{stale:.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+      lines.append("")
   return "\n".join(lines)
 
 
@@ -1669,8 +1692,24 @@ def async_pricing_page(records) -> str:
   return "\n".join(lines)
 
 
-def _layout_side(f) -> str:
-  return f"{f:.1f}"
+def _layout_gb(side, hbm) -> str:
+  """A device's GB, or why it does not fit: the compiler's refusal, or more than the device has."""
+  if side["gb"] is None:
+    needs = side.get("needs_gb")
+    return "does not fit" + (f" (needs {needs:.1f})" if needs else "")
+  if side["fits"] is False:
+    return f"{side['gb']:.1f}: does not fit (over {hbm:.1f})"
+  if hbm and side["gb"] > hbm:  # one program the compiler accepted: its sum overstates its peak
+    return f"{side['gb']:.1f} (over {hbm:.1f}, compiled)"
+  return f"{side['gb']:.1f}"
+
+
+def _layout_engine(eng) -> str:
+  """The engine's arguments + temporaries (its pool), or the compiler's refusal."""
+  if not eng["fits"]:
+    needs = eng.get("needs_gb")
+    return "refused" + (f", needs {needs:.1f}" if needs else "")
+  return f"{eng['args_gb'] + eng['temp_gb']:.1f} ({eng['pool_gb']:.1f})"
 
 
 def _layout_settings(i, c) -> str:
@@ -1680,6 +1719,57 @@ def _layout_settings(i, c) -> str:
   )
 
 
+def _layout_rows(i, key, fig) -> list:
+  """A table row per layout and engine pool of one (model, length) of a layout record."""
+  _, model, tokens = key.split("/")
+  summary = fig["summary"]
+  hbm = summary["hbm_gb"]
+  rows = []
+  for name, lay in fig.items():
+    if name in ("engine", "summary"):
+      continue
+    n, sides = lay["rollout_devices"], summary["layouts"][name]
+    state = lay["train"].get("state_gb")
+    for pool, eng in fig.get("engine", {}).items():
+      cells = [
+        f"{n} rollout + {lay['trainer_devices']} train" if n else "colocated",
+        str(i),
+        f"({lay['mesh']})",
+        f"{lay['train_rows']} ({lay['train_minibatches']} x {lay['micro_batches']})",
+        str(lay["off_policy_steps"]),
+        model,
+        tokens,
+        "" if state is None else f"{state:.1f}",
+        f"{pool} GB",
+        _layout_engine(eng),
+        f"**{_layout_gb(sides['trainer_device'], hbm)}**",
+        f"**{_layout_gb(sides['rollout_device'][pool], hbm)}**"
+        if pool in sides["rollout_device"]
+        else "",
+      ]
+      rows.append("| " + " | ".join(cells) + " |")
+  return rows
+
+
+def _layout_refusals(records) -> list:
+  """The compiler's words for each side it refused."""
+  out = []
+  for i, record in enumerate(records, 1):
+    for key, fig in record["results"].items():
+      if not key.startswith("layout/"):
+        continue
+      sides = [
+        (f"{name} train step", lay["train"])
+        for name, lay in fig.items()
+        if name not in ("engine", "summary")
+      ]
+      sides += [(f"engine, pool {pool} GB", eng) for pool, eng in fig.get("engine", {}).items()]
+      out += [
+        f"- record {i}, {key[7:]}, {name}: `{s['error']}`" for name, s in sides if not s["fits"]
+      ]
+  return out
+
+
 def memory_layout_page(records) -> str:
   """docs/results/memory_layout.md from experiments/memory_report.py's layout records: memory per
   device of each side of a run, colocated and with rollout devices of their own."""
@@ -1687,52 +1777,55 @@ def memory_layout_page(records) -> str:
     "# Memory per device: colocated vs rollout devices of their own (compiled, not run)",
     "",
     "`experiments/memory_report.py --config.parts=layout` compiles, at full width and depth, the "
-    "train step on the trainer's mesh and the engine's decode chunk on one rollout device (its "
-    "weights whole, its page pool), and reads `compiled.memory_analysis()` per device (nothing is "
-    "allocated; GB = 1e9 bytes). Colocated (rollout devices 0), every device trains and rolls "
-    "out: while it rolls out it keeps the train state (params, Adam states, sharded over the "
-    "mesh) beside the engine's weights, pool and temporaries, so its peak is the larger of the two "
-    "columns. With n rollout devices of their own the trainer's mesh is the rest of the devices "
-    "and each side holds only its own ([many_devices.md](../many_devices.md#laying-out-rollout-and-"
-    "trainer-devices)). train = the step's arguments (state and batch) + temporaries; engine = "
-    "the decode chunk's arguments (weights, pool, slots) + temporaries.",
+    "train step on each layout's trainer mesh and the engine's decode chunk on one rollout device "
+    "(its weights whole, its page pool), and reads `compiled.memory_analysis()` per device "
+    "(nothing is allocated; GB = 1e9 bytes). Colocated (rollout devices 0), every device trains "
+    "and rolls out: while it rolls out it keeps the train state (params, Adam states, sharded "
+    "over the mesh) beside the engine's weights, pool and temporaries, so the rollout device "
+    "column adds the state to the engine. With n rollout devices of their own the trainer's mesh "
+    "is the rest of the devices and each side holds only its own ([many_devices.md](../many_"
+    "devices.md#laying-out-rollout-and-trainer-devices)). trainer device = the step's arguments "
+    "(state and batch) + temporaries; engine = the decode chunk's arguments (weights, pool, "
+    "slots) + temporaries. Where the compiler refuses a side for memory, the side does not fit "
+    "and its cell gives the bytes the compiler says it needs (its words below, its G = 2^30 "
+    "bytes, converted to GB); the engine is then compiled again over smaller pools until one "
+    "fits. A compiled program whose arguments + temporaries exceed the device's memory is marked "
+    "compiled: the compiler, which refuses what does not fit, accepted it, so that sum overstates "
+    "its peak. A colocated rollout device is a sum over two programs (the engine and the state "
+    "the trainer keeps), checked against the device's memory.",
     "",
     "| layout | record | trainer mesh (data, fsdp, tensor) | train rows (minibatches x "
-    "micro-batches) | off policy | model | tokens a row | state | train | engine (pool) | "
+    "micro-batches) | off policy | model | tokens a row | state | engine pool | engine (pool) | "
     "trainer device | rollout device |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   notes = []
   for i, record in enumerate(records, 1):
-    c = record["results"]["config"]
     notes.append(f"{i}. {_provenance(record)}")
-    for key, f in record["results"].items():
-      if not key.startswith("layout/"):
-        continue
-      _, model, tokens = key.split("/")
-      n = f["rollout_devices"]
-      cells = [
-        f"{n} rollout + {f['trainer_devices']} train" if n else "colocated",
-        str(i),
-        f"({c['mesh']})",
-        f"{c['train_rows']} ({c['train_minibatches']} x {c['micro_batches']})",
-        str(c["off_policy_steps"]),
-        model,
-        tokens,
-        _layout_side(f["state_gb"]),
-        _layout_side(f["trainer_device_gb"]),
-        f"{f['engine_args_gb'] + f['engine_temp_gb']:.1f} ({f['pool_gb']:.1f})",
-        f"**{_layout_side(f['trainer_device_gb'])}**",
-        f"**{_layout_side(f['rollout_device_gb'])}**",
-      ]
-      lines.append("| " + " | ".join(cells) + " |")
+    for key, fig in record["results"].items():
+      if key.startswith("layout/"):
+        lines += _layout_rows(i, key, fig)
+  hbm = sorted(
+    {
+      f"{f['summary']['hbm_gb']:.1f}"
+      for r in records
+      for k, f in r["results"].items()
+      if k.startswith("layout/") and f["summary"]["hbm_gb"]
+    }
+  )
   lines += [
+    "",
+    "A device's memory, as the compiler's refusals name it: "
+    + (", ".join(hbm) + " GB." if hbm else "not named (no side was refused)."),
     "",
     "Targets and settings: "
     + "; ".join(_layout_settings(i, r["results"]["config"]) for i, r in enumerate(records, 1))
     + ".",
     "",
   ]
+  refusals = _layout_refusals(records)
+  if refusals:
+    lines += ["The compiler's refusals:", ""] + refusals + [""]
   return "\n".join(lines + notes + [""])
 
 
