@@ -120,7 +120,7 @@ def test_chunked_prefill_equals_one_chunk():
   np.testing.assert_allclose(logits_a, ref[jnp.arange(3), prompt_len - 1], atol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_group_shared_prefill_samples_the_same():
   sparse = select.SparseConfig(page_size=4, dense_layers=1)
   cfg = tiny_config(num_hidden_layers=2)

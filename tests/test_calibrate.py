@@ -366,7 +366,7 @@ def test_default_candidates():
   assert list(small) == sorted(set(small))
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_cli_writes_schedule_surface_and_plot(tmp_path, run_experiment):
   rng = np.random.RandomState(3)
   prompts = tmp_path / "prompts.jsonl"

@@ -36,7 +36,7 @@ def train_step_temp_bytes(S, B=2):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_train_step_memory_is_linear_in_length():
   B, S = 2, 8192
   small, large = train_step_temp_bytes(S // 2), train_step_temp_bytes(S)

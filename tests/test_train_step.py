@@ -415,7 +415,7 @@ def clean_thresholds(values, avoid=()):
   return t[(np.diff(v) > 2e-4) & far.all(1)]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_masking_off_or_under_every_alpha_is_the_unmasked_step():
   """Thresholds 0: the unmasked step (no mask/* metrics). Thresholds under every token's alpha:
   the masked path (alpha before the update, p from a no-grad pass) gives the same update."""

@@ -287,7 +287,7 @@ def small(workdir, **changes):
   )
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_profile_steps_write_a_trace_of_the_rollout_and_the_update(tmp_path):
   """profile_steps = (1, 3): one trace, of steps 1 and 2, in workdir/profile where TensorBoard's
   profile plugin finds it (plugins/profile/<run>/<host>.xplane.pb), the engine's decode chunks and
