@@ -68,7 +68,7 @@ from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.rl import step_schema
+from sparrow_jax.rl import run_config, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, programs, sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -147,12 +147,6 @@ def _on(tree, shardings):
   return jax.tree_util.tree_map(lambda x, s: SDS(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _per_device_gb(tree, shardings) -> float:
-  """GB one device holds of `tree` placed on `shardings` (the largest shard of each leaf)."""
-  leaves = zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings))
-  return sum(np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in leaves) / GB
-
-
 def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   cfg, params, lora = _model(model, dtype, layers)
   sc = step_schema.StepConfig(
@@ -185,7 +179,7 @@ def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   return dict(
     _analysis(compiled),
     compile_s=time.time() - start,
-    state_gb=_per_device_gb(state, state_shardings),
+    state_gb=run_config.device_bytes(state, state_shardings) / GB,
   )
 
 

@@ -67,10 +67,9 @@ def attended_keys(cfg: Qwen3Config, schedule, length: int):
   s = np.arange(1, length + 1, dtype=np.float64)
   if schedule is None:
     return cfg.num_hidden_layers * s
-  sparse = SparseConfig(page_size=schedule.page_size)  # the paper's layout
-  budget = np.asarray(schedule.budget_pages(s.astype(np.int32))) * schedule.page_size
-  sparse_layers = cfg.num_hidden_layers - sparse.dense_layers
-  return sparse.dense_layers * s + sparse_layers * np.minimum(budget, s)
+  dense = SparseConfig(page_size=schedule.page_size).dense_layers  # the paper's layout
+  sparse_layers = cfg.num_hidden_layers - dense
+  return dense * s + sparse_layers * cost_model.attended_tokens(schedule, s, schedule.page_size)
 
 
 def pass_flops(c, schedule=None):

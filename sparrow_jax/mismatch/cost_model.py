@@ -168,7 +168,7 @@ def _check_dense_layers(cfg: Qwen3Config, sparse: SparseConfig):
     )
 
 
-def _attended_tokens(schedule: KVSchedule, s_t, page_size: int):
+def attended_tokens(schedule: KVSchedule, s_t, page_size: int):
   """Tokens a sparse layer reads at s_t cached tokens: the schedule's token budget rounded up to
   whole pages of `page_size` (so page sizes compare at equal budget), at most the whole cache."""
   budget_tokens_t = np.asarray(schedule.budget_pages(s_t.astype(np.int32))) * schedule.page_size
@@ -208,7 +208,7 @@ def sparse_rollout_cost(
   dense_layers = sparse.dense_layers
   s_t, t = _steps(prompt_len, gen_len, n_samples)
   z = sparse.page_size
-  b_t = _attended_tokens(schedule, s_t, z)
+  b_t = attended_tokens(schedule, s_t, z)
   pages_t, prompt_pages = np.ceil(s_t / z), prompt_len // z
   d_dense = 2 * cfg.kv_width * dense_layers
   d_sparse = 2 * cfg.kv_width * (cfg.num_hidden_layers - dense_layers)
@@ -298,7 +298,7 @@ def _row_step_work(cfg: Qwen3Config, hw: Hardware, schedule, s_t, sparse, page_s
   _check_dense_layers(cfg, sparse)
   dense_layers, z = sparse.dense_layers, sparse.page_size
   sparse_layers = cfg.num_hidden_layers - dense_layers
-  kv_elems_t = kv_layer * (dense_layers * s_t + sparse_layers * _attended_tokens(schedule, s_t, z))
+  kv_elems_t = kv_layer * (dense_layers * s_t + sparse_layers * attended_tokens(schedule, s_t, z))
   flops_t, bytes_t = 2 * cfg.group_size * kv_elems_t, hw.dtype_bytes * kv_elems_t
   if page_selection:
     # Per sparse layer and KV head, every complete page's centroid (head_dim elements; quest: two

@@ -331,12 +331,13 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
   weights = rollout_weights(state, *meshes, copy=c.rl.off_policy_steps > 0)
   mesh, r = meshes[1], c.rollout
   replicated = sharding.replicated(mesh)
-  rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
   in_flight = None
   if r.partial_groups:  # one key for rows of every step: step 0's (the loop's fold_in(key, step))
     key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(c.seed), 0))
     kept = engine.Partial(cfg, key, engine=engine_cfg, sampling=how, sparse=sparse)
-    in_flight = partial_lib.Rollouts(kept, mesh, r.group_size, r.prompts_per_step)
+    rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
+    share = partial_lib.process_groups(r.prompts_per_step, rows)
+    in_flight = partial_lib.Rollouts(kept, mesh, r.group_size, share.stop - share.start)
 
   def sync(state):
     return weights(state.params, state.lora)
@@ -346,7 +347,7 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
     if budget is not None:
       budget = budget._replace(table=jax.device_put(budget.table, replicated))
     if in_flight:
-      return in_flight.sample(synced, problems, requests, version, budget, rows)
+      return in_flight.sample(synced, problems, requests, version, budget)
     with jax.set_mesh(mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats = engine.run(
         params,

@@ -61,12 +61,12 @@ class Rollouts:
   """The rows under way across steps: the engine's partial rollout and each queued group's problem
   and prompt, by the group's first row index."""
 
-  def __init__(self, partial: engine.Partial, mesh, group_size: int, prompts_per_step: int):
-    self.partial, self.mesh, self.group_size = partial, mesh, group_size
-    self.groups = prompts_per_step  # a step's groups, all processes'
+  def __init__(self, partial: engine.Partial, mesh, group_size: int, groups: int):
+    """groups: this process's share of a step's groups (`process_groups`)."""
+    self.partial, self.mesh, self.group_size, self.groups = partial, mesh, group_size, groups
     self.queued = {}
 
-  def sample(self, weights, problems, requests: engine.Requests, version: int, budget, rows):
+  def sample(self, weights, problems, requests: engine.Requests, version: int, budget):
     """Queues the step's new groups, decodes until this process's share of a step's groups has
     ended, and takes them out (Taken)."""
     g = self.group_size
@@ -78,12 +78,11 @@ class Rollouts:
         requests.prompt_len_B[b],
       )
     params, lora = weights
-    share = process_groups(self.groups, rows)
     with jax.set_mesh(self.mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats, keys = self.partial.run(
         params,
         requests,
-        share.stop - share.start,
+        self.groups,
         version,
         schedule=None if budget is None else budget.table,
         lora=lora,
