@@ -209,3 +209,37 @@ def test_rows_in_flight_counts_rows_not_tokens():
   dense = scheduler.EngineStats(decode_steps=10, useful_row_steps=30)
   exact = scheduler.EngineStats(decode_steps=10, useful_row_steps=90, rounds=30, emitted=90)
   assert dense.rows_in_flight == 3.0 and exact.rows_in_flight == 3.0
+
+
+def test_take_returns_the_oldest_ended_groups_when_a_newer_one_ended_first():
+  """A partial rollout hands out the groups that ended in queue order, whichever ended first:
+  group 2, queued last (`extend`), ends at its first token, then group 0 ends; group 1 runs on.
+  take(1) is group 0, the next take(1) group 2, and then nothing while group 1 runs."""
+  EOS_ID, OTHER = EOS[0], 2
+  engine = scheduler.EngineConfig(num_slots=8, num_pages=100, chunk_steps=2)
+  first = scheduler.Requests(np.zeros((4, 4), np.int32), [4] * 4, 6, group_size=2)
+  sched = scheduler.Scheduler(engine, first, 4, 1, eos_ids=EOS)
+  sched.extend(scheduler.Requests(np.zeros((2, 4), np.int32), [4] * 2, 1, group_size=2))
+  plan = sched.admit()
+  assert sorted(r.index for r in plan.rows) == list(range(6))
+  *_, at = sched.prefill_inputs(plan.planned)
+  first_tokens = np.full((len(at), 2), OTHER)
+  sched.set_first(at, first_tokens, np.zeros(first_tokens.shape))
+  sched.start(plan.rows)  # group 2's rows (max_new 1) end here
+  assert sched.ended_groups() == [2]
+
+  # One decode step: group 0's rows draw EOS, group 1's rows go on.
+  slots, at = sched.chunk_inputs(engine.num_slots)
+  n = len(slots["token"])
+  out = dict(tokens=np.full((n, 1), OTHER, np.int32), logprobs=np.zeros((n, 1)))
+  n_gen, active = slots["n_gen"].copy(), slots["active"].copy()
+  for b, i in at.items():
+    n_gen[i] += 1
+    if sched.rows[b].group == 0:
+      out["tokens"][i, 0], active[i] = EOS_ID, False
+  sched.finish_chunk(at, engine.num_slots, 1, out, n_gen, active)
+  assert sched.ended_groups() == [0, 2]
+
+  assert [(r.index, r.group) for r in sched.take(1)] == [(0, 0), (1, 0)]
+  assert [(r.index, r.group) for r in sched.take(1)] == [(4, 2), (5, 2)]
+  assert sched.take(1) == [] and sorted(sched.groups) == [1]
