@@ -484,3 +484,53 @@ def test_auto_speculation_starts_dense_and_stays_exact(tmp_path):
   for row in rows:
     assert len(row["rollout/draft_k_bin"]) == len(rows[0]["rollout/draft_k_bin"])
     assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["tis/weight_min"] > 1 - 1e-2
+
+
+def test_a_row_drafting_fewer_than_the_chunk_s_k_draws_its_last_token_from_its_dense_p():
+  """Exact mode's regime switch: a chunk runs the program of its most drafts k, and a row whose own
+  draft count k_row is below it (`accept_round`'s drafts) ends its round, once its k_row drafts
+  are kept, with the bonus token at offset k_row drawn from p_{k_row}, the dense distribution
+  after its own last draft; the residual against the draft distribution the program computed
+  there, q_{k_row}, would break the dense law. Rows of every k_row in one vmapped call, as the
+  chunk makes it; p = q on a row's own drafts' positions keeps each of them."""
+  logq_dV = jnp.log(jnp.asarray(Q_VV[:K_DRAFT]))
+  # p_{k_row} = P_VV[0], against q_0, q_1, q_2 a residual on 2, 1 and 1 tokens; k_row = k: bonus.
+  k_rows = np.arange(K_DRAFT + 1)
+  logp_RCV = jnp.stack(
+    [
+      jnp.concatenate([logq_dV[:k], jnp.log(jnp.asarray(np.tile(P_VV[0], (K_DRAFT + 1 - k, 1))))])
+      for k in k_rows
+    ]
+  )
+  R = len(k_rows)
+  draft_d = jnp.asarray([2, 0, 1], jnp.int32)
+
+  def one(key):
+    keys_RC = jax.vmap(
+      lambda r: jax.vmap(lambda c: jax.random.fold_in(jax.random.fold_in(key, r), c))(
+        jnp.arange(K_DRAFT + 1)
+      )
+    )(jnp.arange(R))
+    tokens_RC, n_R, _, _ = jax.vmap(speculative.accept_round)(
+      logp_RCV,
+      jnp.broadcast_to(logq_dV, (R,) + logq_dV.shape),
+      jnp.broadcast_to(draft_d, (R, K_DRAFT)),
+      keys_RC,
+      jnp.asarray(k_rows, jnp.int32),
+    )
+    return tokens_RC, n_R
+
+  tokens_NRC, n_NR = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(7), N_SAMPLES))
+  tokens_NRC, n_NR = np.asarray(tokens_NRC), np.asarray(n_NR)
+  threshold = scipy_stats.chi2.ppf(1 - 1e-6, V - 1)
+  expected = P_VV[0] * N_SAMPLES
+  wrong = {}
+  for r, k in enumerate(k_rows):
+    assert np.all(n_NR[:, r] == k), f"k_row {k}: its own drafts are not all kept"
+    np.testing.assert_array_equal(
+      tokens_NRC[:, r, :k], np.broadcast_to(draft_d[:k], (N_SAMPLES, k))
+    )
+    counts = np.bincount(tokens_NRC[:, r, k], minlength=V)
+    if float(np.sum((counts - expected) ** 2 / expected)) >= threshold:
+      wrong[int(k)] = counts.tolist()
+  assert not wrong, f"last-token counts by k_row (of k {K_DRAFT}) {wrong}, want {expected}"
