@@ -32,6 +32,10 @@ from sparrow_jax.logging import as_path
 CHECKSUMS = "checksums"  # meta key: {leaf path: 16 hex digits}
 META_CHECKSUM = "meta_sha256"  # meta key: sha256 of the rest of the meta (`_meta_digest`)
 CORRUPT = ".corrupt"  # suffix of a checkpoint moved aside
+# What a run has under way beside its state (rl/rollouts.py's `Source.saved`): its JSON is the
+# meta's ROLLOUTS, its arrays an item of their own, checksummed under ROLLOUT_CHECKSUMS; restored,
+# the arrays come back as the meta's ROLLOUT_ARRAYS.
+ROLLOUTS, ROLLOUT_CHECKSUMS, ROLLOUT_ARRAYS = "rollouts", "rollout_checksums", "rollout_arrays"
 
 
 async def _the_other_tasks_ended() -> None:
@@ -77,16 +81,25 @@ def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
     as_path(workdir) / "checkpoints",
     options=ocp.CheckpointManagerOptions(max_to_keep=keep),
-    item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    item_handlers={
+      "state": ocp.StandardCheckpointHandler(),
+      "meta": ocp.JsonCheckpointHandler(),
+      ROLLOUTS: ocp.StandardCheckpointHandler(),
+    },
   )
 
 
-def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
+def save(mgr: ocp.CheckpointManager, step: int, state, meta: dict, rollouts=None) -> None:
+  """Checkpoint `step`: the state, the meta and (rollouts: (JSON, arrays), or None) what the run
+  has under way, in one orbax step: it is committed whole or not at all."""
+  items = {"state": ocp.args.StandardSave(state)}
+  if rollouts is not None:
+    saved, arrays = rollouts
+    meta = {**meta, ROLLOUTS: saved, ROLLOUT_CHECKSUMS: checksums(arrays)}
+    items[ROLLOUTS] = ocp.args.StandardSave(arrays)
   meta = json.loads(json.dumps({**meta, CHECKSUMS: checksums(state)}))  # as it will read back
   meta[META_CHECKSUM] = _meta_digest(meta)
-  mgr.save(
-    step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-  )
+  mgr.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
 
 
 def _leaf_checksum(x):
@@ -170,16 +183,33 @@ def state_difference(saved: dict, wanted: dict) -> str:
   return "; ".join(diffs[:3]) + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
 
 
-def _restore(mgr, step, abstract, path):
-  """(state, meta) of checkpoint `step`. Raises _Unreadable when its files do not read as a
-  checkpoint or fail their checksums, ValueError when it reads but holds another state or a meta
-  that is not the one saved at `step`."""
+def _readable(read):
+  """read() or, when the checkpoint's bytes do not read (orbax, tensorstore or JSON errors of
+  damaged files), _Unreadable; errors of the machine (memory, permissions) pass as they are."""
   try:
-    saved = _shapes(mgr.item_metadata(step)["state"].tree, serialize=False)
-  except (MemoryError, PermissionError):  # the machine, not the checkpoint
+    return read()
+  except (MemoryError, PermissionError):
     raise
-  except Exception as e:  # orbax / tensorstore / JSON errors of damaged metadata
+  except Exception as e:
     raise _Unreadable(f"{type(e).__name__}: {e}") from e
+
+
+def _checked(tree, want: dict | None) -> None:
+  """_Unreadable when `tree`'s arrays fail their saved checksums `want` (None: saved without)."""
+  if want is None:
+    return
+  got = checksums(tree)
+  bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+  if bad:
+    raise _Unreadable(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
+
+
+def _restore(mgr, step, abstract, path, like_rollouts=None):
+  """(state, meta) of checkpoint `step`, and with `like_rollouts` the arrays of what it has under
+  way as the meta's ROLLOUT_ARRAYS. Raises _Unreadable when its files do not read as a checkpoint
+  or fail their checksums, ValueError when it reads but holds another state or a meta that is not
+  the one saved at `step`."""
+  saved = _readable(lambda: _shapes(mgr.item_metadata(step)["state"].tree, serialize=False))
   difference = state_difference(saved, _shapes(abstract, serialize=True))
   if difference:
     raise ValueError(
@@ -187,29 +217,22 @@ def _restore(mgr, step, abstract, path):
       "written by another config or code version. Nothing was changed; resume with that run's "
       "config or use a new config.workdir"
     )
-  try:
-    restored = mgr.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-      ),
-    )
-  except (MemoryError, PermissionError):
-    raise
-  except Exception as e:  # damaged array data or meta JSON
-    raise _Unreadable(f"{type(e).__name__}: {e}") from e
+  items = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+  restored = _readable(lambda: mgr.restore(step, args=items))
   if not isinstance(restored.meta, dict):
     raise _Unreadable(f"its meta is a JSON {type(restored.meta).__name__}, not an object")
   _check_meta(restored.meta, step, path)
-  want = restored.meta.get(CHECKSUMS)
-  if want is not None:  # checkpoints written before checksums existed are taken as they are
-    got = checksums(restored.state)
-    bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
-    if bad:
-      raise _Unreadable(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
-  return restored.state, {
-    k: v for k, v in restored.meta.items() if k not in (CHECKSUMS, META_CHECKSUM)
-  }
+  _checked(restored.state, restored.meta.get(CHECKSUMS))  # older checkpoints have none
+  meta = {k: v for k, v in restored.meta.items() if k not in (CHECKSUMS, META_CHECKSUM)}
+  if like_rollouts is not None and ROLLOUTS in meta:
+    # checked against the meta first: its shapes say what this run must restore them onto
+    tree = _readable(lambda: mgr.item_metadata(step)[ROLLOUTS].tree)
+    like = like_rollouts(_shapes(tree, serialize=False), step)
+    args = ocp.args.Composite(**{ROLLOUTS: ocp.args.StandardRestore(like)})
+    arrays = _readable(lambda: mgr.restore(step, args=args)[ROLLOUTS])
+    _checked(arrays, meta.pop(ROLLOUT_CHECKSUMS))
+    meta[ROLLOUT_ARRAYS] = arrays
+  return restored.state, meta
 
 
 def _aside(path: str) -> str:
@@ -229,7 +252,9 @@ def moved_aside(mgr: ocp.CheckpointManager) -> list:
   return sorted(str(p) for p in directory.iterdir() if CORRUPT in p.name)
 
 
-def restore_latest(mgr: ocp.CheckpointManager, like_state, restart_from_scratch: bool = False):
+def restore_latest(
+  mgr: ocp.CheckpointManager, like_state, restart_from_scratch: bool = False, like_rollouts=None
+):
   """(state, meta) of the newest readable checkpoint, or None when there is none; arrays come back
   on the shardings of `like_state`'s (any mesh: a run may resume on another one).
 
@@ -240,12 +265,17 @@ def restore_latest(mgr: ocp.CheckpointManager, like_state, restart_from_scratch:
     step, raises ValueError and changes nothing on disk. When none is left and some were moved
     aside (now or by an earlier run), NoReadableCheckpoint names them, unless
     `restart_from_scratch` (then None: the run starts at step 0).
+
+    like_rollouts: (the saved rollout arrays' {name: (shape, dtype)}, step) -> the abstract arrays
+    to restore them onto (rl/rollouts.py's `Source.abstract_saved`); with it, a checkpoint that
+    keeps rows under way returns their arrays as the meta's ROLLOUT_ARRAYS, checked like the
+    state (damaged: moved aside, the previous checkpoint tried).
   """
   abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like_state)
   for step in sorted(mgr.all_steps(), reverse=True):
     path = os.path.join(str(mgr.directory), str(step))
     try:
-      return _restore(mgr, step, abstract, path)
+      return _restore(mgr, step, abstract, path, like_rollouts)
     except _Unreadable as e:
       target = _aside(path)
       if jax.process_index() == 0:  # on an object store a copy and a delete, not atomic

@@ -78,6 +78,29 @@ def test_off_policy_steps_beyond_one_are_refused(tmp_path):
     run_config.validate(small(tmp_path / "run", rl__off_policy_steps=2))
 
 
+SPLIT = """
+from sparrow_jax.rl import build
+from tests.test_trainer import small
+c = small("{workdir}", mesh__rollout_devices=3)
+try:
+  build.rollout_mesh(c, build.make_mesh(c))
+except ValueError as e:
+  print("ERROR", e)
+"""
+
+
+@pytest.mark.slow
+def test_rollout_devices_that_do_not_split_the_rows_name_the_field(tmp_path):
+  """3 rollout devices of 4 cannot hold the step's 16 rows as whole groups: the error names
+  mesh.rollout_devices before the rows are split over them (where a sharding error would say
+  nothing of the config)."""
+  code = SPLIT.format(workdir=tmp_path / "run")
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(4), cwd=ROOT
+  )
+  assert "ERROR config.mesh.rollout_devices = 3 is invalid: the 16 rows" in out.stdout, out
+
+
 # In a subprocess with 8 fake CPU devices: a run whose rollouts have 4 devices of their own, its
 # weights synced there device to device and equal to the trainer's bit for bit.
 SYNC = """
@@ -88,7 +111,7 @@ c = small("{workdir}", mesh__rollout_devices=4)
 mesh = build.make_mesh(c)
 with jax.set_mesh(mesh):
   run = build.build(c, mesh)
-  params, lora = run.sampler.sync(run.state)
+  params, lora = run.source.sampler.sync(run.state)
 train = set(jax.tree.leaves(run.state.params)[0].sharding.device_set)
 rollout = set(jax.tree.leaves(params)[0].sharding.device_set)
 equal = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
@@ -136,26 +159,70 @@ def test_split_meshes_equal_the_colocated_run_and_train_one_step_off(tmp_path):
   assert all(np.isfinite(off[s]["loss/policy"]) for s in off)
 
 
-def test_in_flight_rollouts_are_kept_per_step_and_process_until_no_checkpoint_needs_them(tmp_path):
-  from sparrow_jax.rl import workdir
+CARRIED = dict(rollout__partial_groups=2, rollout__engine_slots=8, **DENSE)
 
-  sampled = lambda step: trainer.Sampled(step, step - 1, None, *([None] * 6), 0.0, 0)
-  for step in (2, 4, 6):
-    workdir.save_in_flight(str(tmp_path), step, sampled(step), kept_steps=[2, 4])
-  assert sorted(p.name for p in (tmp_path / "in_flight").iterdir()) == [
-    "2.process0.pkl",
-    "4.process0.pkl",
-    "6.process0.pkl",
-  ]
-  workdir.save_in_flight(str(tmp_path), 8, sampled(8), kept_steps=[6])
-  assert workdir.load_in_flight(str(tmp_path), 6) == sampled(6)
-  assert workdir.load_in_flight(str(tmp_path), 4) is None  # no checkpoint of step 4 is kept
-  (tmp_path / "in_flight" / ".8.process0.pkl.123.tmp").write_bytes(b"torn")
-  workdir.remove_stale_tmp(str(tmp_path))
-  assert sorted(p.name for p in (tmp_path / "in_flight").iterdir()) == [
-    "6.process0.pkl",
-    "8.process0.pkl",
-  ]
+
+@pytest.mark.slow
+def test_a_finished_run_with_carried_rows_is_extended_as_if_never_stopped(tmp_path):
+  """A run of 2 steps, then the same workdir with total_steps 4: its last checkpoint keeps the
+  carried rows and their pool (inside the checkpoint, as arrays and JSON), so steps 3 and 4 are
+  the 4-step run's, token lags and carried rows included."""
+  whole = trainer.train(small(tmp_path / "whole", total_steps=4, ckpt_every=2, **CARRIED))
+  trainer.train(small(tmp_path / "cut", total_steps=2, ckpt_every=2, **CARRIED))
+  assert (tmp_path / "cut" / "checkpoints" / "2" / "rollouts").is_dir()
+  assert not (tmp_path / "cut" / "in_flight").exists()  # nothing beside the checkpoint
+  extended = trainer.train(small(tmp_path / "cut", total_steps=4, ckpt_every=2, **CARRIED))
+  same = lambda rows: {
+    i: {k: v for k, v in r.items() if not k.startswith("perf/")} for i, r in enumerate(rows)
+  }
+  assert_same_metrics(same(extended), same(whole[2:]), (0, 1), atol=0)
+  assert any(r["rollout/rows_carried"] for r in extended)
+
+
+@pytest.mark.slow
+def test_a_finished_one_step_off_run_is_extended_and_says_its_next_step_samples_afresh(
+  tmp_path, capsys
+):
+  """The last checkpoint of a one-step-off run keeps no rows sampled ahead (no later step was to
+  run): raising total_steps goes on, the first new step samples its own rows and says so, and the
+  steps after it are one step off again."""
+  trainer.train(small(tmp_path / "run", total_steps=2, **DENSE, rl__off_policy_steps=1))
+  capsys.readouterr()
+  rows = trainer.train(small(tmp_path / "run", total_steps=4, **DENSE, rl__off_policy_steps=1))
+  assert "checkpoint 2 holds no rows sampled ahead" in capsys.readouterr().out
+  assert [r["rollout/weights_step"] for r in rows] == [2, 2]
+
+
+@pytest.mark.slow
+def test_a_damaged_or_edited_saved_rollout_is_refused(tmp_path, capsys):
+  """The rows a checkpoint keeps under way are checked like its train state: arrays whose bytes
+  were damaged move the checkpoint aside and the run resumes from the one before; an edited JSON
+  part (a grade, a queued group) fails the meta's checksum and stops the resume in one line."""
+  import json
+  import shutil
+
+  run = lambda: trainer.train(small(tmp_path / "run", total_steps=3, ckpt_every=1, **CARRIED))
+  trainer.train(small(tmp_path / "run", total_steps=2, ckpt_every=1, **CARRIED))
+  ckpt = tmp_path / "run" / "checkpoints"
+  backup = tmp_path / "backup"
+  shutil.copytree(ckpt / "2", backup)
+  meta = ckpt / "2" / "meta" / "metadata"
+  saved = json.loads(meta.read_text())
+  saved["rollouts"]["processes"][0]["carried"]["queued"][0][1] += 1  # a prompt length
+  meta.write_text(json.dumps(saved))
+  with pytest.raises(ValueError, match="its meta fails its checksum") as e:
+    run()
+  assert "\n" not in str(e.value)
+  shutil.rmtree(ckpt / "2")
+  shutil.copytree(backup, ckpt / "2")
+  data = [p for p in (ckpt / "2" / "rollouts").rglob("*") if p.is_file() and p.stat().st_size > 64]
+  for path in data:  # every data file of the rollouts item cut to half
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  capsys.readouterr()
+  rows = run()
+  out = capsys.readouterr().out
+  assert "checkpoint" in out and "is unreadable" in out and "resumed from" in out
+  assert (ckpt / "2.corrupt").exists() and len(rows) == 2  # steps 2 and 3 from checkpoint 1
 
 
 def _wait_for_logged_step(proc, workdir, step):
@@ -186,7 +253,7 @@ def test_a_run_killed_mid_run_resumes_on_the_rollouts_it_had_under_way(tmp_path,
   _wait_for_logged_step(proc, workdir, 3)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  assert (workdir / "in_flight" / "2.process0.pkl").exists()
+  assert (workdir / "checkpoints" / "2" / "rollouts").is_dir()
   resumed = _run(workdir, 1, *under_way)
   assert sorted(resumed) == [1, 2, 3, 4]
   assert_same_metrics(resumed, whole, (1, 2, 3, 4), atol=0)

@@ -26,8 +26,7 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf
 from sparrow_jax.model.qwen3 import init_params
-from sparrow_jax.rl import evaluate, hooks, run_config, step_schema
-from sparrow_jax.rl import partial as partial_lib
+from sparrow_jax.rl import evaluate, hooks, rollouts, run_config, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -182,8 +181,9 @@ def rollout_mesh(c, mesh):
   if not c.mesh.rollout_devices:
     return mesh
   devices = sharding.split_devices(c.mesh.rollout_devices)[1]
-  rollout = sharding.make_mesh(len(devices), 1, 1, devices=devices)
   count = c.rollout.prompts_per_step * c.rollout.group_size
+  run_config.check_rollout_split(c, len(devices), count)  # before the rows are split over them
+  rollout = sharding.make_mesh(len(devices), 1, 1, devices=devices)
   run_config.check_rollout_mesh(c, Rows.of(rollout, count), Rows.of(mesh, count))
   return rollout
 
@@ -317,13 +317,13 @@ class Sampler(NamedTuple):
 
   sync: Callable  # TrainState -> the rollout's (params, lora)
   # ((params, lora), the new groups' problems, their Requests, key, StepBudget | None, the
-  # weights' version) -> partial.Taken: the rows the step trains on
+  # weights' version) -> rollouts.Taken: the rows the step trains on
   sample: Callable
   mesh: Any  # the rollout mesh (the trainer's when colocated)
-  partial: Optional[partial_lib.Rollouts]  # the rows under way across steps (partial rollouts)
+  carried: Optional[rollouts.Carried]  # the rows under way across steps (rollout.partial_groups)
 
 
-def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
+def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
   """The engine over the policy's weights on the rollout mesh, fed this process's
   engine.Requests; state: the train state (abstract) whose weights it samples; meshes: (the
   trainer's, the rollout's: `rollout_mesh`)."""
@@ -331,13 +331,13 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
   weights = rollout_weights(state, *meshes, copy=c.rl.off_policy_steps > 0)
   mesh, r = meshes[1], c.rollout
   replicated = sharding.replicated(mesh)
-  in_flight = None
+  carried = None
   if r.partial_groups:  # one key for rows of every step: step 0's (the loop's fold_in(key, step))
     key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(c.seed), 0))
     kept = engine.Partial(cfg, key, engine=engine_cfg, sampling=how, sparse=sparse)
     rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
-    share = partial_lib.process_groups(r.prompts_per_step, rows)
-    in_flight = partial_lib.Rollouts(kept, mesh, r.group_size, share.stop - share.start)
+    share = rollouts.process_groups(r.prompts_per_step, rows)
+    carried = rollouts.Carried(kept, mesh, task, r.group_size, share.stop - share.start)
 
   def sync(state):
     return weights(state.params, state.lora)
@@ -346,8 +346,8 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
     params, lora = synced
     if budget is not None:
       budget = budget._replace(table=jax.device_put(budget.table, replicated))
-    if in_flight:
-      return in_flight.sample(synced, problems, requests, version, budget)
+    if carried:
+      return carried.sample(synced, problems, requests, version, budget)
     with jax.set_mesh(mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats = engine.run(
         params,
@@ -361,9 +361,9 @@ def sampler_of(c, cfg, tokenizer, state, meshes, engine_cfg, sparse) -> Sampler:
         lora=lora,
         draft_plan=None if budget is None else budget.drafts,
       )
-    return partial_lib.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)
+    return rollouts.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)
 
-  return Sampler(sync, sample, mesh, in_flight)
+  return Sampler(sync, sample, mesh, carried)
 
 
 def budget_len(c) -> int:
@@ -444,7 +444,7 @@ class Run:
   cfg: Qwen3Config
   state: step_schema.TrainState  # the initial train state, on its shardings
   train_step: Callable  # (state, Batch, BudgetTable | None) -> (state, metrics), jitted
-  sampler: Sampler  # the rollouts: the weights' copy on the rollout mesh, the engine over it
+  source: rollouts.Source  # the graded rows of each step, whatever the rollout mode
   engine_cfg: engine.EngineConfig  # each device's engine
   budgets: Optional[hooks.Budgets]  # None: dense rollouts
   hooks: list  # the step hooks, Budgets among them
@@ -511,9 +511,10 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole))
   run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device, whole)
   state = build_state(c, load_params(c, cfg), shardings, opt)
-  rollouts = sampler_of(c, cfg, tokenizer, abstract, (mesh, rollout), engine_cfg, sparse)
+  sampler_ = sampler_of(c, cfg, task, tokenizer, abstract, (mesh, rollout), engine_cfg, sparse)
+  source = rollouts.Source(rollouts.Settings.of(c), task, tokenizer, sampler_, rows, budget)
   to_batch = jax.jit(step_schema.batch_from_rollout, out_shardings=rows.sharding)
-  parts = (task, tokenizer, cfg, state, step, rollouts, engine_cfg, budget, step_hooks, held_out)
+  parts = (task, tokenizer, cfg, state, step, source, engine_cfg, budget, step_hooks, held_out)
   return Run(*parts, rows, to_batch)
 
 

@@ -462,10 +462,13 @@ class Checkpoint(Hook):
   and the meta of `hooks` (placed after them in the loop: the meta of the state they end the step
   in), for `_restore` in rl/trainer.py."""
 
-  def __init__(self, mgr, every: int, total_steps: int, data_position: Callable, hooks=()):
-    """data_position: step -> the data position of the step's first new prompt."""
+  def __init__(
+    self, mgr, every: int, total_steps: int, data_position: Callable, hooks=(), under_way=None
+  ):
+    """data_position: step -> the data position of the step's first new prompt; under_way: () ->
+    what the run has under way (rl/rollouts.py's `Source.saved`), kept in the same checkpoint."""
     self.mgr, self.every, self.total_steps = mgr, every, total_steps
-    self.data_position, self.hooks = data_position, list(hooks)
+    self.data_position, self.hooks, self.under_way = data_position, list(hooks), under_way
 
   def due(self, step: int) -> bool:
     return super().due(step) or step + 1 == self.total_steps
@@ -475,7 +478,7 @@ class Checkpoint(Hook):
     meta = {"step": step, "data_position": self.data_position(step)}
     for hook in self.hooks:
       meta.update(hook.meta())
-    checkpoint.save(self.mgr, step, out.state, meta)
+    checkpoint.save(self.mgr, step, out.state, meta, self.under_way and self.under_way())
 
 
 class Profile(Hook):

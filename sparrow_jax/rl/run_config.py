@@ -538,11 +538,19 @@ def _memory_parts(c, cfg, engine_cfg, step: StepMemory, pool: int) -> dict:
   r = c.rollout
   model_field = "model.hf_dir" if c.model.hf_dir else "model.preset"
   reference = ", and the reference params (rl.kl_coef > 0)" if c.rl.kl_coef > 0 else ""
+  # the pool holds a device's share of the groups under way: a step's and partial_groups more
   pool_field, pool_value = (
-    ("rollout.pool_gb", r.pool_gb)
-    if r.pool_gb
-    else ("rollout.prompts_per_step", f"{r.prompts_per_step} (x group_size {r.group_size})")
+    "rollout.prompts_per_step",
+    f"{r.prompts_per_step} (x group_size {r.group_size})",
   )
+  if r.partial_groups:
+    pool_field = "rollout.partial_groups"
+    pool_value = (
+      f"{r.partial_groups} (beside prompts_per_step {r.prompts_per_step}, x group_size "
+      f"{r.group_size})"
+    )
+  if r.pool_gb:
+    pool_field, pool_value = "rollout.pool_gb", r.pool_gb
   rows = r.prompts_per_step * r.group_size // (c.rl.num_minibatches * c.rl.micro_batches)
   length = r.max_prompt_len + r.max_new_tokens
   return {
@@ -812,17 +820,22 @@ def check_mesh(c, mesh) -> None:
   )
 
 
-def check_rollout_mesh(c, rollout_rows, train_rows) -> None:
-  """Rollout devices of their own (mesh.rollout_devices): each holds whole GRPO groups, and each
-  process rolls out the rows it trains on (so its rollouts never cross to another host)."""
-  n, ways = c.mesh.rollout_devices, rollout_rows.sharding.mesh.size
+def check_rollout_split(c, ways: int, rows: int) -> None:
+  """Rollout devices of their own (mesh.rollout_devices, `ways` of them over every process): each
+  holds whole GRPO groups of the step's `rows`."""
   require(
-    rollout_rows.count % (ways * c.rollout.group_size) == 0,
+    rows % (ways * c.rollout.group_size) == 0,
     "mesh.rollout_devices",
-    n,
-    f"the {rollout_rows.count} rows of a step must split into whole groups of "
-    f"{c.rollout.group_size} over the {ways} rollout devices",
+    c.mesh.rollout_devices,
+    f"the {rows} rows of a step must split into whole groups of {c.rollout.group_size} over the "
+    f"{ways} rollout devices",
   )
+
+
+def check_rollout_mesh(c, rollout_rows, train_rows) -> None:
+  """Rollout devices of their own: each process rolls out the rows it trains on (so its rollouts
+  never cross to another host)."""
+  n = c.mesh.rollout_devices
   require(
     (rollout_rows.lo, rollout_rows.hi) == (train_rows.lo, train_rows.hi),
     "mesh.rollout_devices",

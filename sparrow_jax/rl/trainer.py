@@ -21,14 +21,12 @@ are all unreadable is refused rather than restarted at step 0, unless config.res
 (`Preemption`).
 """
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import signal
 import threading
 import time
-from typing import NamedTuple, Optional
 
 from etils import epath
 import jax
@@ -38,8 +36,8 @@ import numpy as np
 
 from sparrow_jax import checkpoint, sharding
 from sparrow_jax import logging as metrics_log
-from sparrow_jax.rl import build, hooks, partial, run_config, workdir
-from sparrow_jax.rollout import engine, speculative
+from sparrow_jax.rl import build, hooks, rollouts, run_config, workdir
+from sparrow_jax.rollout import speculative
 
 _print = metrics_log.progress
 
@@ -54,8 +52,9 @@ def train(c: ml_collections.ConfigDict) -> list:
 
 
 def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
-  """The loop over the run's steps; what it holds until it ends (the workdir lock) goes on
-  `stack`. Nothing is written before `workdir.hold`, so a config error leaves no workdir."""
+  """The loop over the run's steps; what it holds until it ends (the workdir lock, the rollout
+  source) goes on `stack`. Nothing is written before `workdir.hold`, so a config error leaves no
+  workdir."""
   held = workdir.hold(c, stack)
   step_hooks = list(run.hooks)
   if c.profile_steps:
@@ -63,24 +62,24 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     stack.callback(profile.close)  # a run stopped inside the range still writes its trace
     step_hooks.append(profile)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
-  state, start = _restore(c, mgr, run.state, step_hooks)
-  position = lambda step: partial.new_groups(c, step)[1]
-  saver = hooks.Checkpoint(mgr, c.ckpt_every, c.total_steps, position, step_hooks)
+  source = stack.enter_context(run.source)
+  state, start = _restore(c, mgr, run, step_hooks)
+  saver = hooks.Checkpoint(
+    mgr, c.ckpt_every, c.total_steps, source.data_position, step_hooks, source.saved
+  )
   history = lambda: run.evaluation.history if run.evaluation else []
   if start >= c.total_steps:
     _at_the_end(c, run, state, start, history())
     return []
-  log, key = _StepLog(c, start), jax.random.PRNGKey(c.seed)
+  log = _StepLog(c, start)
   preemption = stack.enter_context(Preemption())
-  thread = stack.enter_context(_rollout_thread(c))
-  ahead = _in_flight(c, run, start)  # the next step's rollouts under way (rl.off_policy_steps)
-  under_way = c.rl.off_policy_steps or run.sampler.partial  # what a checkpoint keeps beside it
   for step in range(start, c.total_steps):
     for hook in step_hooks:
       if hook.due(step):
         hook.begin_step(step)
     t0 = time.time()
-    state, out, metrics, ahead = _step(c, run, state, step, key, ahead, thread)
+    state, out, metrics = _update(c, run, state, source.take(step, state))
+    out = dataclasses.replace(out, step_s=time.time() - t0)
     for hook in step_hooks:
       if hook.due(step):
         metrics.update(hook.metrics(out))
@@ -88,8 +87,6 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
     if held:  # a lease taken over while this run stalled
       held.check()
     stop = preemption.requested()
-    if under_way and step + 1 < c.total_steps and (saver.due(step) or stop):
-      workdir.save_in_flight(c.workdir, step + 1, _under_way(run, ahead), mgr.all_steps())
     for hook in step_hooks + [saver]:
       if hook.due(step) or (stop and hook is saver):
         hook.end_step(out, metrics)
@@ -103,99 +100,14 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
       return log.rows
   mgr.wait_until_finished()
   log.close()
+  if source.under_way():
+    _print(source.under_way())
   workdir.write_summary(c, run.cfg, state, run.task, log.rows[-1], log.times, history())
   log.done()
   return log.rows
 
 
-class Sampled(NamedTuple):
-  """A step's rollouts, graded, on the host: what its update trains on."""
-
-  step: int
-  weights_step: int  # the policy version that sampled them: the step whose weights it was
-  budget: Optional[hooks.StepBudget]  # the KV budget (and drafts) they were sampled under
-  prompt: np.ndarray  # this process's rows
-  prompt_len: np.ndarray
-  rollout: object  # sampler.Rollout, host arrays
-  engine_stats: engine.EngineStats
-  grades: list
-  rollout_s: float  # the engine's wall time
-  sync_s: float  # Synced.seconds of the weights that sampled them
-  sync_bytes: int  # Synced.nbytes
-
-
-class Synced(NamedTuple):
-  """The sampler's copy of the policy's weights (`build.Sampler.sync`)."""
-
-  version: int  # the step whose weights they are (the step that starts with them)
-  weights: tuple  # (params, lora) where the rollouts run
-  seconds: float  # the copy's wall time
-  nbytes: int  # what it holds on this process's devices (0: the trainer's arrays themselves)
-
-
-def _sync(run: build.Run, state, version: int) -> Synced:
-  """The sampler's copy of the state's weights, complete before the update that donates the state
-  is dispatched."""
-  t0 = time.time()
-  weights = run.sampler.sync(state)
-  moved = weights[0] is not state.params
-  if moved:  # on-policy the sampler reads the state's own arrays: nothing to wait for here
-    weights = jax.block_until_ready(weights)
-  leaves = jax.tree.leaves(weights) if moved else []
-  nbytes = sum(shard.data.nbytes for x in leaves for shard in x.addressable_shards)
-  return Synced(version, weights, time.time() - t0, nbytes)
-
-
-def _sample(c, run: build.Run, synced: Synced, step: int, key, budget) -> Sampled:
-  """Step `step`'s new prompts (this process's), their rollouts drawn with `key` from the synced
-  weights under `budget`, and the grades of the rows the step trains on (with partial rollouts,
-  the first groups to end, new or carried over). Runs in the rollout thread when rollouts are
-  off-policy."""
-  r, group = c.rollout, c.rollout.group_size
-  t0 = time.time()
-  count, position = partial.new_groups(c, step)
-  share = partial.process_groups(count, run.rows)
-  problems = run.task.sample(count, position)[share]
-  prompt, prompt_len = _prompts(problems, run.tokenizer, group, r.max_prompt_len)
-  # partial rollouts key each row by its data position: rows go on over steps
-  first = (position + share.start) * group if r.partial_groups else run.rows.lo
-  requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, group, first_row=first)
-  taken = run.sampler.sample(synced.weights, problems, requests, key, budget, synced.version)
-  rollout_s = time.time() - t0
-  grades = run.task.grade(
-    _responses(taken.rollout, run.tokenizer), [p for p in taken.problems for _ in range(group)]
-  )
-  parts = (taken.prompt, taken.prompt_len, taken.rollout, taken.engine_stats, grades, rollout_s)
-  return Sampled(step, synced.version, budget, *parts, synced.seconds, synced.nbytes)
-
-
-def _step(c, run: build.Run, state, step: int, key, ahead, thread):
-  """Step `step`: its rollouts (`ahead`'s, a future of the rollout `thread`, when they were
-  sampled during the previous update: rl.off_policy_steps; else sampled now), the next step's
-  rollouts started on the current weights (off-policy), and the update. A step's rollouts are
-  drawn with the run's `key` folded with the step. Returns (state, hooks.StepOutput, metrics, the
-  next step's future or None)."""
-
-  def sample_args(s):  # the budget in force when a rollout starts is the one it samples under
-    budget = run.budgets.for_step(s) if run.budgets else None
-    return _sync(run, state, step), s, jax.random.fold_in(key, s), budget
-
-  t0 = time.time()
-  sampled = ahead.result() if ahead else _sample(c, run, *sample_args(step))
-  waited = time.time() - t0
-  ahead = None
-  if c.rl.off_policy_steps and step + 1 < c.total_steps:  # sampled while this update runs
-    ahead = thread.submit(_sample, c, run, *sample_args(step + 1))
-  state, out, metrics = _update(c, run, state, sampled)
-  timed = dict(step_s=time.time() - t0, wait_s=waited, sync_s=sampled.sync_s)
-  out = dataclasses.replace(out, sync_bytes=sampled.sync_bytes, **timed)
-  metrics["rollout/weights_step"] = sampled.weights_step  # the policy version that sampled them
-  if sampled.rollout.versions is not None:  # partial rollouts: tokens of earlier steps' weights
-    metrics.update(partial.lag_metrics(step, sampled.rollout.versions, sampled.rollout.lengths))
-  return state, out, metrics, ahead
-
-
-def _update(c, run: build.Run, state, sampled: Sampled):
+def _update(c, run: build.Run, state, sampled: rollouts.Sampled):
   """The update on `sampled`: its rows placed on the trainer's mesh once, the fused train step.
   Returns (state, hooks.StepOutput, metrics)."""
   rows, rollout, engine_stats = run.rows, sampled.rollout, sampled.engine_stats
@@ -206,6 +118,7 @@ def _update(c, run: build.Run, state, sampled: Sampled):
   budget = sampled.budget
   state, metrics = run.train_step(state, batch, None if budget is None else budget.table)
   metrics = jax.tree.map(sharding.to_host, metrics)
+  metrics.update(sampled.metrics())
   # this process's responses the sandbox ran out of its batch's time budget for
   metrics["grading/budget_exceeded"] = sum(g.reason == "budget_exceeded" for g in sampled.grades)
   out = hooks.StepOutput(
@@ -217,84 +130,15 @@ def _update(c, run: build.Run, state, sampled: Sampled):
     sampled.rollout_s,
     time.time() - t1,
     state,
+    wait_s=sampled.wait_s,
+    sync_s=sampled.sync_s,
+    sync_bytes=sampled.sync_bytes,
   )
   if run.engine_cfg.speculate:  # exact mode: the drafts' acceptance, read with the verification's
     stats = dict(bin_size=c.stats.bin_size, num_bins=c.stats.num_bins)
     alpha = rows.every_row(rollout.alpha, placed[2].alpha)
     metrics.update(speculative.metrics(engine_stats, alpha, out.prompt_len_B, **stats))
   return state, out, metrics
-
-
-def _under_way(run: build.Run, ahead) -> partial.InFlight:
-  """What the run has under way, host data only: the next step's rollouts (one step off; their
-  budget's placed table left out), then the rows partial rollouts carry over (once those
-  rollouts, which move them, are done)."""
-  sampled = ahead and ahead.result()
-  if sampled and sampled.budget:
-    sampled = sampled._replace(budget=sampled.budget._replace(table=None))
-  return partial.InFlight(sampled, run.sampler.partial and run.sampler.partial.state())
-
-
-def _in_flight(c, run: build.Run, step: int):
-  """What a run had under way when the checkpoint it resumes from was taken (saved with it): the
-  rows partial rollouts carry over, restored in the sampler, and the next step's rollouts of a
-  one-step-off run, returned as a finished future (None on-policy or at a fresh start). They are
-  required: the checkpoint's weights went on from the weights that sampled them."""
-  if not (step and (c.rl.off_policy_steps or run.sampler.partial)):
-    return None
-  saved = workdir.load_in_flight(c.workdir, step)
-  if saved is None:
-    raise ValueError(
-      f"{c.workdir}/{workdir.IN_FLIGHT} holds no rollouts of step {step} for this process: a "
-      "one-step-off or partial-rollout run resumes on the rollouts it had under way at its "
-      "checkpoint, saved there beside it; put them back, or start a new config.workdir"
-    )
-  if run.sampler.partial:
-    run.sampler.partial.restore(saved.partial, run.state.params)
-  sampled = saved.ahead
-  if sampled is None:
-    return None
-  if sampled.budget:
-    sampled = sampled._replace(budget=run.budgets.placed(sampled.budget))
-  return _InOrder().submit(lambda: sampled)
-
-
-@contextlib.contextmanager
-def _rollout_thread(c):
-  """Where off-policy rollouts run while the update does: a thread of this process. With several
-  processes they run in the loop's own thread instead, in order (every process must issue its
-  collectives in the same order), still one step off, without the overlap."""
-  if not c.rl.off_policy_steps or jax.process_count() > 1:
-    yield _InOrder()
-    return
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
-    yield pool
-
-
-class _InOrder:
-  """submit() runs the call at once and returns its finished future."""
-
-  def submit(self, fn, *args):
-    future = concurrent.futures.Future()
-    future.set_result(fn(*args))
-    return future
-
-
-def _prompts(problems, tokenizer, group_size, width):
-  """Host arrays of right-padded prompt rows (each problem group_size times) and their lengths."""
-  texts = [p.prompt for p in problems for _ in range(group_size)]
-  tokens, lengths = tokenizer.encode_batch(texts)
-  if tokens.shape[1] > width:
-    raise ValueError(
-      f"a prompt has {tokens.shape[1]} tokens, more than config.rollout.max_prompt_len = {width}"
-    )
-  tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])), constant_values=tokenizer.pad_id)
-  return tokens.astype(np.int32), np.asarray(lengths, np.int32)
-
-
-def _responses(rollout, tokenizer):
-  """Decoded completions of this process's rows (host arrays)."""
-  return [tokenizer.decode(row[:n]) for row, n in zip(rollout.tokens, rollout.lengths)]
 
 
 class Preemption:
@@ -327,20 +171,25 @@ class Preemption:
     return stop
 
 
-def _restore(c, mgr, state, step_hooks):
+def _restore(c, mgr, run: build.Run, step_hooks):
   """(state, first step to run): the latest checkpoint restored onto the state's shardings, each
-  hook given its meta; (state, 0) when there is none."""
-  restored = checkpoint.restore_latest(mgr, state, c.restart_from_scratch)
+  hook given its meta and the rollout source what the run had under way; (the initial state, 0)
+  when there is none."""
+  like = lambda saved, step: run.source.abstract_saved(run.state.params, saved, step)
+  restored = checkpoint.restore_latest(mgr, run.state, c.restart_from_scratch, like)
   if restored is None:
     moved = checkpoint.moved_aside(mgr)
     if moved:  # config.restart_from_scratch: said so, or restore_latest would have refused
       _print(f"restarting at step 0 (config.restart_from_scratch); kept aside: {', '.join(moved)}")
-    return state, 0
+    return run.state, 0
   state, meta = restored
   for hook in step_hooks:
     hook.restore(meta)
-  _print(f"resumed from {c.workdir} at step {meta['step']} (data position {meta['data_position']})")
-  return state, int(meta["step"])
+  step = int(meta["step"])
+  under_way = meta.get(checkpoint.ROLLOUTS)
+  run.source.restore(under_way and (under_way, meta[checkpoint.ROLLOUT_ARRAYS]), step, state.params)
+  _print(f"resumed from {c.workdir} at step {step} (data position {meta['data_position']})")
+  return state, step
 
 
 def _at_the_end(c, run: build.Run, state, start: int, eval_history: list) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import fcntl
 import json
 import os
-import pickle
 import re
 import shutil
 import socket
@@ -79,52 +78,19 @@ def _flock(workdir: str, path: str):
     f.close()  # releases the lock
 
 
-# What a run has under way when a checkpoint is taken (rl/partial.py's InFlight: one-step-off
-# rollouts, rows partial rollouts carry over): each process's own, kept beside the checkpoint of
-# the step it resumes at, so a resume goes on with them.
-IN_FLIGHT = "in_flight"
 # metrics_log.write_atomic's temporary files: .<name>.<pid>.tmp
 _TMP_FILE = re.compile(r"^\..+\.\d+\.tmp$")
 
 
 def remove_stale_tmp(workdir: str) -> None:
-  """Deletes the temporary files a killed run left (metrics_log.write_atomic's) in the workdir and
-  its in_flight/; called under the workdir's lock, so no live writer owns one."""
-  stale = [
-    p
-    for d in (epath.Path(workdir), epath.Path(workdir, IN_FLIGHT))
-    if d.exists()
-    for p in d.iterdir()
-    if _TMP_FILE.match(p.name)
-  ]
+  """Deletes the temporary files a killed run left (metrics_log.write_atomic's) in the workdir;
+  called under the workdir's lock, so no live writer owns one."""
+  stale = [p for p in epath.Path(workdir).iterdir() if _TMP_FILE.match(p.name)]
   for path in stale:
     path.unlink()
   if stale:
-    names = ", ".join(sorted(str(p.relative_to(workdir)) for p in stale))
+    names = ", ".join(sorted(p.name for p in stale))
     metrics_log.progress(f"removed temporary files a killed run left in {workdir}: {names}")
-
-
-def _in_flight_path(workdir: str, step: int) -> epath.Path:
-  return epath.Path(workdir, IN_FLIGHT, f"{step}.process{jax.process_index()}.pkl")
-
-
-def save_in_flight(workdir: str, step: int, in_flight, kept_steps) -> None:
-  """What this process has under way (host data), for a resume at `step`; its files of steps no
-  checkpoint keeps (kept_steps: the checkpoints' steps) are removed."""
-  path = _in_flight_path(workdir, step)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  metrics_log.write_atomic(str(path), pickle.dumps(in_flight))
-  mine = f".process{jax.process_index()}.pkl"
-  for old in path.parent.iterdir():
-    kept = old.name.removesuffix(mine)
-    if old.name.endswith(mine) and kept.isdigit() and int(kept) not in {*kept_steps, step}:
-      old.unlink()
-
-
-def load_in_flight(workdir: str, step: int):
-  """What this process saved for a resume at `step` (`save_in_flight`), or None."""
-  path = _in_flight_path(workdir, step)
-  return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
 def export_policy(c, cfg, params, directory, task):

@@ -332,26 +332,25 @@ class Partial:
     return _rollout(self.sched, self.sampling, rows), self.sched.stats, keys
 
   def state(self):
-    """What a checkpoint keeps of the rows under way: the scheduler and this process's pool shards
-    (host arrays); None before the first call."""
+    """(JSON, host arrays, the pool) of the rows under way (`scheduler.Scheduler.state`); None
+    before the first call."""
     if self.sched is None:
       return None
-    shards = lambda x: [np.asarray(s.data) for s in x.addressable_shards]
-    return self.sched, jax.tree.map(shards, self.pool)
+    meta, arrays = self.sched.state()
+    return meta, arrays, self.pool
 
-  def restore(self, state, params) -> None:
-    """The rows under way of `state()` back, their pool shards placed on this process's devices as
-    a new pool's (built from `params`)."""
-    if state is None:
-      return
-    self.sched, stored = state
-    fresh = _new_pool(params, self.cfg, self.engine, self.sparse)
+  def abstract_pool(self, params):
+    """The pool's shapes, dtypes and shardings on this run's devices: what a saved pool is
+    restored onto."""
+    return jax.eval_shape(lambda: _new_pool(params, self.cfg, self.engine, self.sparse))
 
-    def place(x, parts):
-      on = [jax.device_put(p, s.device) for p, s in zip(parts, x.addressable_shards)]
-      return jax.make_array_from_single_device_arrays(x.shape, x.sharding, on)
+  def restore(self, state) -> None:
+    """The rows under way of `state()` back, the pool restored onto this run's devices."""
+    meta, arrays, self.pool = state
+    self.sched = scheduler.Scheduler.from_state(self.engine, self.sampling.eos_ids, meta, arrays)
 
-    self.pool = jax.tree.map(place, fresh, stored)
+  def rows_under_way(self) -> int:
+    return 0 if self.sched is None else len(self.sched.rows)
 
 
 def _new_pool(params, cfg: Qwen3Config, engine: EngineConfig, sparse):

@@ -116,6 +116,17 @@ class EngineStats:
   # so two rollouts' stats compare equal without it.
   chunk_round_s: dict = dataclasses.field(default_factory=dict, compare=False)
 
+  def state(self) -> dict:
+    """The counters as JSON (a checkpoint's): the clock's draft counts become string keys."""
+    state = dataclasses.asdict(self)
+    state["chunk_round_s"] = {str(k): v for k, v in self.chunk_round_s.items()}
+    return state
+
+  @classmethod
+  def from_state(cls, state: dict) -> "EngineStats":
+    clock = {int(k): list(v) for k, v in state["chunk_round_s"].items()}
+    return cls(**{**state, "chunk_round_s": clock})
+
   def time_chunk(self, draft: int, seconds: float, rounds: int) -> None:
     if rounds:
       self.chunk_round_s.setdefault(draft, []).append(seconds / rounds)
@@ -614,6 +625,138 @@ class Scheduler:
     for g in self.ended_groups()[:n]:
       rows += [self.rows.pop(b) for b in self.groups.pop(g).rows]
     return rows
+
+  def state(self) -> tuple:
+    """(JSON-able dict, dict of host arrays): everything a partial rollout needs to go on in a
+    later process (`from_state`), as plain data: a checkpoint holds no object of this class, so a
+    resume runs no code from it and a change of this class cannot misread it."""
+    rows = list(self.rows.values())
+    flat = lambda field, dtype: np.asarray(
+      [x for r in rows for x in getattr(r, field)], dtype
+    ).reshape(-1)
+    tops = [t for r in rows for t in r.top]
+    firsts = [r.first for r in rows if r.first is not None and r.first[2] is not None]
+    k = len(tops[0][0]) if tops else (len(firsts[0][2][0]) if firsts else 0)
+    stack = lambda items, i, dtype: np.asarray([t[i] for t in items], dtype).reshape(-1, k)
+    arrays = {
+      "tokens": flat("tokens", np.int32),
+      "logprobs": flat("logprobs", np.float32),
+      "alpha": flat("alpha", np.float32),
+      "versions": flat("versions", np.int32),
+      "top_lp": stack(tops, 0, np.float32),
+      "top_id": stack(tops, 1, np.int32),
+      "first_top_lp": stack([f[2] for f in firsts], 0, np.float32),
+      "first_top_id": stack([f[2] for f in firsts], 1, np.int32),
+      "group_prompts": np.asarray([g.prompt for g in self.groups.values()], np.int32).reshape(
+        len(self.groups), -(-self.prompt_width // self.Z) * self.Z
+      ),
+      "page_tables": np.asarray([sh.page_table for sh in self.shards], np.int32),
+    }
+    first = lambda r: (
+      None if r.first is None else [*r.first[:2], r.first[3], r.first[2] is not None]
+    )
+    row = lambda r: {
+      "index": r.index,
+      "key": r.key,
+      "group": r.group,
+      "prompt_len": r.prompt_len,
+      "max_new": r.max_new,
+      "counts": [len(r.tokens), len(r.alpha), len(r.top)],
+      "pages": list(r.pages),
+      "first": first(r),  # token, log-prob, version, whether it has top log-probs
+      "slot": r.slot,
+      "done": r.done,
+    }
+    group = lambda i, g: {
+      "index": i,
+      "rows": list(g.rows),
+      "shard": g.shard,
+      "shared": list(g.shared),
+      "template": g.template,
+      "unfinished": g.unfinished,
+    }
+    meta = {
+      "group_size": self.group_size,
+      "prompt_width": self.prompt_width,
+      "max_new": self.max_new,
+      "page_size": self.Z,
+      "version": self.version,
+      "rows": [row(r) for r in rows],
+      "groups": [group(i, g) for i, g in self.groups.items()],
+      "queue": list(self.queue),
+      "shards": [{"free_pages": list(sh.free_pages), "slots": sh.slots} for sh in self.shards],
+      "stats": self.stats.state(),
+    }
+    return meta, arrays
+
+  @classmethod
+  def from_state(cls, engine: EngineConfig, eos_ids: Sequence[int], meta: dict, arrays: dict):
+    """The scheduler `state()` was taken of, for `engine` (the run's, which must hold its pages
+    and slots: ValueError naming the difference)."""
+    shards, slots = meta["shards"], len(meta["shards"][0]["slots"]) if meta["shards"] else 0
+    if slots != engine.num_slots or arrays["page_tables"].shape[0] != len(shards):
+      raise ValueError(
+        f"the saved rows under way ran {len(shards)} device(s) x {slots} slots, this run's engine "
+        f"has {engine.num_slots} slots a device"
+      )
+    self = cls.__new__(cls)
+    self.engine, self.Z, self.eos_ids = engine, meta["page_size"], tuple(eos_ids)
+    self.group_size, self.prompt_width = meta["group_size"], meta["prompt_width"]
+    self.max_new = meta["max_new"]
+    self.max_pages_per_row = -(-(self.prompt_width + self.max_new) // self.Z)
+    self.per_prefill = max(1, engine.num_slots // self.group_size)
+    self.version, self._preempted = meta["version"], set()
+    self.stats = EngineStats.from_state(meta["stats"])
+    self.queue = collections.deque(meta["queue"])
+    self.shards = []
+    for sh, table in zip(shards, arrays["page_tables"]):
+      shard = Shard(engine, self.max_pages_per_row)
+      shard.free_pages, shard.slots = collections.deque(sh["free_pages"]), list(sh["slots"])
+      shard.page_table = np.array(table, np.int32)
+      self.shards.append(shard)
+    ends = {"tokens": 0, "alpha": 0, "top": 0, "first": 0}  # each flat array's rows read so far
+
+    def take(name, n):
+      ends[name] += n
+      return slice(ends[name] - n, ends[name])
+
+    self.rows = {}
+    for r in meta["rows"]:
+      n, n_alpha, n_top = r["counts"]
+      tok, top = take("tokens", n), take("top", n_top)
+      first = None
+      if r["first"] is not None:
+        token, logp, version, has_top = r["first"]
+        f = take("first", int(has_top))
+        top0 = (arrays["first_top_lp"][f][0], arrays["first_top_id"][f][0]) if has_top else None
+        first = (token, logp, top0, version)
+      self.rows[r["index"]] = Row(
+        r["index"],
+        r["key"],
+        r["group"],
+        r["prompt_len"],
+        r["max_new"],
+        tokens=arrays["tokens"][tok].tolist(),
+        logprobs=arrays["logprobs"][tok].tolist(),
+        top=list(zip(arrays["top_lp"][top], arrays["top_id"][top])),
+        alpha=arrays["alpha"][take("alpha", n_alpha)].tolist(),
+        versions=arrays["versions"][tok].tolist(),
+        pages=list(r["pages"]),
+        first=first,
+        slot=r["slot"],
+        done=r["done"],
+      )
+    self.groups = {}
+    for g, prompt in zip(meta["groups"], arrays["group_prompts"]):
+      self.groups[g["index"]] = Group(
+        list(g["rows"]),
+        np.array(prompt, np.int32),
+        g["shard"],
+        list(g["shared"]),
+        g["template"],
+        g["unfinished"],
+      )
+    return self
 
   def outputs(self, num_top: int, pad_id: int, rows: Optional[list] = None) -> tuple:
     """Host [B, max_new] tokens, logprobs, [B] lengths, [B, max_new, k] top_lp, top_id (None
