@@ -87,6 +87,9 @@ def rollout(*fields, **overrides) -> ml_collections.ConfigDict:
   #                                    a step's rollout ends once prompts_per_step groups have
   #                                    ended, the rest keep their pages and go on next step under
   #                                    the new weights (docs/async_rl.md); 0 = off
+  c.max_carry_steps = 2  # with partial_groups: a row that started this many steps ago ends
+  #                                    before a step trains (decoding goes on until it has), so
+  #                                    long rows are not carried ever staler; 0 = no bound
   # (an int or "auto": a field of any type, which --config.rollout.speculate=auto can set)
   c.speculate = ml_collections.FieldReference(
     0, field_type=object

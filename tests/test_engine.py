@@ -225,6 +225,31 @@ def partial_rows(params2=None):
   return calls, uncut
 
 
+def carried_spans(max_carry: int) -> list:
+  """The three groups through engine.Partial in three calls that take one ended group each
+  (versions 1-3, the same weights): the versions each taken row's tokens span."""
+  requests = engine.Requests(PROMPT, PROMPT_LEN, MAX_NEW, group_size=2)
+  config = engine.EngineConfig(num_slots=4, num_pages=200, chunk_steps=4)
+  partial = engine.Partial(
+    CFG, jax.random.PRNGKey(1), engine=config, sampling=sj.Sampling(eos_ids=EOS)
+  )
+  spans = []
+  for version in (1, 2, 3):
+    new = requests if version == 1 else None
+    rollout, _, _ = partial.run(PARAMS, new, groups=1, version=version, max_carry=max_carry)
+    spans += [int(np.ptp(row[:n])) for row, n in zip(rollout.versions, rollout.lengths)]
+  return spans
+
+
+@pytest.mark.slow
+def test_a_carry_bound_ends_a_row_before_it_spans_more_versions():
+  """max_carry = 1: a row started by an earlier call ends in the call it was carried into (that
+  call decodes on until it has), so no row's tokens span more than two versions; without the
+  bound a long row spans three."""
+  assert max(carried_spans(0)) == 2
+  assert max(carried_spans(1)) == 1
+
+
 @pytest.mark.slow
 def test_partial_rollouts_carry_cut_rows_over_calls_with_every_token_once():
   """Rows cut when a call has its groups go on in the next call on the pages they hold: every row

@@ -337,7 +337,8 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
     kept = engine.Partial(cfg, key, engine=engine_cfg, sampling=how, sparse=sparse)
     rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
     share = rollouts.process_groups(r.prompts_per_step, rows)
-    carried = rollouts.Carried(kept, mesh, task, r.group_size, share.stop - share.start)
+    groups = share.stop - share.start
+    carried = rollouts.Carried(kept, mesh, task, r.group_size, groups, r.max_carry_steps)
 
   def sync(state):
     return weights(state.params, state.lora)

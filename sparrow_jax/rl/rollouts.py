@@ -45,8 +45,11 @@ class Settings:
   max_new_tokens: int
   off_policy_steps: int  # 0: on-policy; 1: a step trains on rows of the previous step's weights
   partial_groups: int  # E: groups under way beyond a step's (0: no row is carried)
+  max_carry_steps: int  # a carried row that started this many steps ago ends before a step trains
   total_steps: int  # no rows are sampled ahead for a step past it
   seed: int  # the rollout key of step s is fold_in(PRNGKey(seed), s)
+  bin_size: int  # tokens a position bin of the per-bin metrics (stats.bin_size)
+  num_bins: int
 
   @classmethod
   def of(cls, c) -> "Settings":
@@ -58,8 +61,11 @@ class Settings:
       r.max_new_tokens,
       c.rl.off_policy_steps,
       r.partial_groups,
+      r.max_carry_steps,
       c.total_steps,
       c.seed,
+      c.stats.bin_size,
+      c.stats.num_bins,
     )
 
 
@@ -76,15 +82,27 @@ def process_groups(count: int, rows) -> slice:
   return slice(count * rows.lo // rows.count, count * rows.hi // rows.count)
 
 
-def lag_metrics(step: int, versions_BM, lengths_B) -> dict:
+def lag_metrics(step: int, versions_BM, lengths_B, prompt_len_B, bin_size: int, bins: int) -> dict:
   """How many steps old the weights that sampled the step's tokens are (step - version), over
-  every row's tokens, and the rows carried over from an earlier step's rollout."""
+  every row's tokens and per position bin (by cached length, as the acceptance bins: where long
+  rows' tokens are older, the length bias shows), the trained tokens per bin, and the rows carried
+  over from an earlier step's rollout."""
+  versions_BM = np.asarray(versions_BM)
   valid_BM = np.arange(versions_BM.shape[1])[None] < np.asarray(lengths_B)[:, None]
-  lag = step - np.asarray(versions_BM)[valid_BM]
-  carried = np.asarray(versions_BM)[:, 0] < np.max(np.where(valid_BM, versions_BM, -1), axis=1)
+  lag_BM = step - versions_BM
+  bin_BM = np.minimum(
+    (np.asarray(prompt_len_B)[:, None] + np.arange(versions_BM.shape[1])) // bin_size, bins - 1
+  )
+  tokens_bin = np.bincount(bin_BM[valid_BM], minlength=bins)
+  lag_bin = np.bincount(bin_BM[valid_BM], lag_BM[valid_BM], minlength=bins)
+  carried = versions_BM[:, 0] < np.max(np.where(valid_BM, versions_BM, -1), axis=1)
+  with np.errstate(invalid="ignore", divide="ignore"):  # a bin without tokens: NaN, not logged
+    mean_bin = lag_bin / tokens_bin
   return {
-    "rollout/token_lag/mean": float(lag.mean()),
-    "rollout/token_lag/max": int(lag.max()),
+    "rollout/token_lag/mean": float(lag_BM[valid_BM].mean()),
+    "rollout/token_lag/max": int(lag_BM[valid_BM].max()),
+    "rollout/token_lag_bin": mean_bin,
+    "rollout/tokens_bin": np.where(tokens_bin > 0, tokens_bin, np.nan),
     "rollout/rows_carried": int(carried.sum()),
   }
 
@@ -124,11 +142,12 @@ class Sampled(NamedTuple):
   sync_bytes: int  # Synced.nbytes
   wait_s: float = 0.0  # how long `take` waited for them (about 0 when sampled ahead)
 
-  def metrics(self) -> dict:
+  def metrics(self, bin_size: int, bins: int) -> dict:
     """The rollout's own tags: the weights that sampled it and, for carried rows, their age."""
     metrics = {"rollout/weights_step": self.weights_step}
     if self.rollout.versions is not None:
-      metrics.update(lag_metrics(self.step, self.rollout.versions, self.rollout.lengths))
+      parts = (self.rollout.versions, self.rollout.lengths, self.prompt_len, bin_size, bins)
+      metrics.update(lag_metrics(self.step, *parts))
     return metrics
 
 
@@ -136,10 +155,13 @@ class Carried:
   """The rows under way across steps: the engine's partial rollout and each queued group's prompt,
   by the group's first row key (its data position x group size)."""
 
-  def __init__(self, partial: engine.Partial, mesh, task, group_size: int, groups: int):
-    """groups: this process's share of a step's groups (`process_groups`)."""
+  def __init__(
+    self, partial: engine.Partial, mesh, task, group_size: int, groups: int, max_carry: int
+  ):
+    """groups: this process's share of a step's groups (`process_groups`); max_carry: steps a row
+    may be carried (Settings.max_carry_steps)."""
     self.partial, self.mesh, self.task = partial, mesh, task
-    self.group_size, self.groups = group_size, groups
+    self.group_size, self.groups, self.max_carry = group_size, groups, max_carry
     self.queued = {}  # first row key -> (prompt row, prompt length)
 
   def sample(self, weights, problems, requests: engine.Requests, version: int, budget) -> Taken:
@@ -159,6 +181,7 @@ class Carried:
         schedule=None if budget is None else budget.table,
         lora=lora,
         draft_plan=None if budget is None else budget.drafts,
+        max_carry=self.max_carry,
       )
     first = [int(k) for k in keys[::g]]
     done = [self.queued.pop(k) for k in first]

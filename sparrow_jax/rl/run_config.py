@@ -201,6 +201,11 @@ def _check_ranges(c) -> None:
       "must be >= 0 GRPO groups under way beyond prompts_per_step (0: off)",
     ),
     (
+      "rollout.max_carry_steps",
+      isinstance(r.max_carry_steps, int) and r.max_carry_steps >= 0,
+      "must be >= 0 steps a row may be carried (0: no bound)",
+    ),
+    (
       "rollout.chunk_steps",
       1 <= r.chunk_steps <= r.max_new_tokens,
       f"must be in [1, rollout.max_new_tokens = {r.max_new_tokens}]: a chunk runs that many "

@@ -118,7 +118,7 @@ def _update(c, run: build.Run, state, sampled: rollouts.Sampled):
   budget = sampled.budget
   state, metrics = run.train_step(state, batch, None if budget is None else budget.table)
   metrics = jax.tree.map(sharding.to_host, metrics)
-  metrics.update(sampled.metrics())
+  metrics.update(sampled.metrics(c.stats.bin_size, c.stats.num_bins))
   # this process's responses the sandbox ran out of its batch's time budget for
   metrics["grading/budget_exceeded"] = sum(g.reason == "budget_exceeded" for g in sampled.grades)
   out = hooks.StepOutput(

@@ -301,11 +301,22 @@ class Partial:
     self.pool, self.sched = None, None
 
   def run(
-    self, params, requests, groups: int, version: int, *, schedule=None, lora=None, draft_plan=None
+    self,
+    params,
+    requests,
+    groups: int,
+    version: int,
+    *,
+    schedule=None,
+    lora=None,
+    draft_plan=None,
+    max_carry: int = 0,
   ):
     """Queues `requests` (this process's new rows; None: none) and decodes; returns
     (sampler.Rollout of the `groups` oldest ended groups with their policy versions, EngineStats
-    of this call, their rows' Requests row indices)."""
+    of this call, their rows' Requests row indices). max_carry > 0: a row that started that many
+    versions ago ends in this call (decoding goes on until it has), so no row is carried longer
+    and the oldest groups are the ones taken."""
     if self.sched is None:
       if requests is None:
         raise ValueError("a partial rollout's first call needs requests")
@@ -325,7 +336,10 @@ class Partial:
         f"a partial rollout holds {len(self.sched.groups)} groups, fewer than the {groups} asked"
       )
     self.sched.version, self.sched.stats = version, EngineStats()
-    enough = lambda: len(self.sched.ended_groups()) >= groups
+    enough = lambda: (
+      len(self.sched.ended_groups()) >= groups
+      and not (max_carry and self.sched.started_before(version - max_carry + 1))
+    )
     self.pool = _decode(self.pool, progs, self.sched, self.engine, draft_by_len, enough)
     rows = self.sched.take(groups)
     keys = np.asarray([r.key for r in rows], np.int64)

@@ -615,6 +615,10 @@ class Scheduler:
     self.stats.kv_pages_read += float(np.sum(count["read"]))
     self.stats.kv_pages_dense += float(np.sum(count["dense"]))
 
+  def started_before(self, version: int) -> bool:
+    """Whether a row still decoding started (was prefilled) with weights older than `version`."""
+    return any(not r.done and r.first and r.first[3] < version for r in self.rows.values())
+
   def ended_groups(self) -> list:
     """The groups whose rows have all ended, oldest first."""
     return [g for g, group in self.groups.items() if not group.unfinished]
