@@ -75,7 +75,7 @@ def _write_run(workdir, c, steps=(1, 2), resume_step=0):
   logger.close()
 
 
-def _tensorboard(logdir):
+def tensorboard_over(logdir):
   """(the custom scalars plugin, the hparams backend, the request context) over `logdir`, as
   `tensorboard --logdir` serves them."""
   multiplexer = plugin_event_multiplexer.EventMultiplexer()
@@ -92,6 +92,20 @@ def _tensorboard(logdir):
   return custom, backend_context.Context(tb), context.RequestContext()
 
 
+def served_regexes(custom, ctx) -> list:
+  """The tag regexes of the layout the custom scalars plugin serves (a Margin chart's tags as
+  exact ones)."""
+  layout = json.loads(custom.layout_impl(ctx, ""))  # what the frontend is served
+  charts = [chart for category in layout["category"] for chart in category["chart"]]
+  named = [
+    f"{tag}$"
+    for chart in charts
+    if "margin" in chart
+    for tag in chart["margin"]["series"][0].values()
+  ]
+  return named + [tag for chart in charts for tag in chart.get("multiline", {}).get("tag", [])]
+
+
 def _session_groups(hparams, ctx):
   request = api_pb2.ListSessionGroupsRequest(
     allowed_statuses=[api_pb2.STATUS_UNKNOWN], start_index=0, slice_size=100
@@ -102,20 +116,17 @@ def _session_groups(hparams, ctx):
 def test_dashboard_opens_on_the_layout_with_a_curve_in_every_tag_it_names(tmp_path):
   c = _config(0.86)
   _write_run(tmp_path / "run", c)
-  custom, _, ctx = _tensorboard(tmp_path)
-  layout = json.loads(custom.layout_impl(ctx, ""))  # what the frontend is served
+  custom, _, ctx = tensorboard_over(tmp_path)
+  layout = json.loads(custom.layout_impl(ctx, ""))
   assert [category["title"] for category in layout["category"]] == list(dashboard.layout(c))
   charts = {chart["title"]: chart for cat in layout["category"] for chart in cat["chart"]}
   assert len(charts) == len(dashboard.CHARTS)
-  reward = charts["reward/mean with its std band"]["margin"]["series"][0]
-  assert reward == {
+  assert charts["reward/mean with its std band"]["margin"]["series"][0] == {
     "value": "reward/mean",
     "lower": "reward/mean_minus_std",
     "upper": "reward/mean_plus_std",
   }
-  named = [f"{tag}$" for tag in reward.values()]
-  named += [tag for chart in charts.values() for tag in chart.get("multiline", {}).get("tag", [])]
-  for regex in named:
+  for regex in served_regexes(custom, ctx):
     curves = custom.scalars_impl(ctx, "run/tensorboard", regex, "")["tag_to_events"]
     assert curves and all(len(points) == 2 for points in curves.values()), regex
   p5_bins = custom.scalars_impl(ctx, "run/tensorboard", r"acceptance/p5_bin/\d+$", "")
@@ -126,7 +137,7 @@ def test_dashboard_opens_on_the_layout_with_a_curve_in_every_tag_it_names(tmp_pa
 
 def test_bins_without_tokens_are_not_written_but_stay_in_the_rows(tmp_path):
   _write_run(tmp_path / "run", _config(0.86))
-  custom, _, ctx = _tensorboard(tmp_path)
+  custom, _, ctx = tensorboard_over(tmp_path)
   scalars = custom.scalars_impl(ctx, "run/tensorboard", r".*_bin/\d+$", "")["tag_to_events"]
   bins = {int(tag.rsplit("/", 1)[1]) for tag in scalars}
   assert bins == {3, 4, 5, 6}  # count_bin is 0 in bins 0-2: neither it nor any stat is written
@@ -146,7 +157,7 @@ def test_sweep_runs_carry_their_hyperparameters_and_summary_metrics(tmp_path):
     _write_run(rc.workdir, rc)
     with SummaryWriter(tau_sweep.eval_config(sweep, rc).logdir) as writer:  # as evaluate.py does
       writer.add_scalar("eval/mean@1", score, rc.total_steps)
-  _, hparams, ctx = _tensorboard(tmp_path)
+  _, hparams, ctx = tensorboard_over(tmp_path)
   groups = {group.name: group for group in _session_groups(hparams, ctx)}
   assert sorted(groups) == ["tau0.8_seed0/tensorboard", "tau0.9_seed0/tensorboard"]
   taus = {name: group.hparams["stats.tau"].number_value for name, group in groups.items()}
@@ -164,7 +175,7 @@ def test_a_resumed_run_keeps_one_layout_and_one_session(tmp_path):
   """The dashboard and hyperparameters go with the run's first events only."""
   _write_run(tmp_path / "run", _config(0.86))
   _write_run(tmp_path / "run", _config(0.86), steps=(2, 3), resume_step=1)
-  _, hparams, ctx = _tensorboard(tmp_path)
+  _, hparams, ctx = tensorboard_over(tmp_path)
   multiplexer = hparams.tb_context.multiplexer
   for tag in ("custom_scalars__config__", "_hparams_/session_start_info"):
     assert len(multiplexer.Tensors("run/tensorboard", tag)) == 1, tag
