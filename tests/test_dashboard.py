@@ -1,8 +1,8 @@
 """What TensorBoard opens on (sparrow_jax.dashboard), read by TensorBoard's own plugins from the
 events MetricsLogger writes: the Custom Scalars layout and a point in every tag it names, no point
 for a bin without tokens, and each run's hyperparameters and summary metrics in the HParams tab.
-Real runs' tags against the layout: tests/test_trainer.py, test_speculative.py, test_async_rl.py
-(`assert_dashboard_has_data`)."""
+Real runs' tags against the layout: tests/test_speculative.py and test_async_rl.py (their rows,
+`assert_dashboard_has_data`), tests/test_trainer.py (the small run's events, through the plugin)."""
 
 import json
 
