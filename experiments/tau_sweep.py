@@ -202,11 +202,12 @@ def run_config(c, setting: dict, seed: int) -> ml_collections.ConfigDict:
 
 def eval_config(c, rc) -> ml_collections.ConfigDict:
   """The evaluation config (configs/evaluate.py) for run `rc`'s exported policy: dense, on the run's
-  task and lengths, held-out seed; results to <workdir>/eval.json."""
+  task and lengths, held-out seed; results to <workdir>/eval.json, and TensorBoard's to
+  <workdir>/tensorboard/eval, where the HParams tab reads the run's held-out score."""
   ec = evaluate_config.get_config()
   ec.update(c.eval.to_dict())
   ec.out = os.path.join(rc.workdir, "eval.json")
-  ec.logdir = os.path.join(rc.workdir, "eval_tb")
+  ec.logdir = os.path.join(rc.workdir, "tensorboard", "eval")
   ec.step = rc.total_steps
   ec.model.update(rc.model.to_dict(), hf_dir=os.path.join(rc.workdir, "hf"), preset="")
   ec.task.update(rc.task.to_dict())

@@ -44,13 +44,16 @@ APPEND_ONLY = ("metrics.jsonl", "eval_samples.jsonl")
 
 
 class MetricsLogger:
-  """Writes scalars, per-bin arrays (one scalar per bin), bucketed histograms and text (a str value:
-  TensorBoard's text tab only, not metrics.jsonl)."""
+  """Writes scalars, per-bin arrays (one scalar per bin with tokens: `measured_bins`), bucketed
+  histograms and text (a str value: TensorBoard's text tab only, not metrics.jsonl)."""
 
-  def __init__(self, workdir: str, resume_step: int):
+  def __init__(self, workdir: str, resume_step: int, first_events: tuple = ()):
     """Appends to the workdir's logs from step `resume_step` on (0: a fresh run), after dropping
     what was logged past it (steps a killed run logged after its last checkpoint, replayed now)
-    from the APPEND_ONLY files and the TensorBoard events, so each step is logged once."""
+    from the APPEND_ONLY files and the TensorBoard events, so each step is logged once.
+    `first_events`: summaries the run's first event file carries at step 0 (its dashboard and
+    hyperparameters: sparrow_jax.dashboard); a later start of the run finds them there and writes
+    none again."""
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     for name in APPEND_ONLY:
       _drop_rows_after(os.path.join(workdir, name), resume_step)
@@ -60,6 +63,10 @@ class MetricsLogger:
     self.writer = _Events(
       os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None
     )
+    if self.writer.first and first_events:
+      for event in first_events:
+        self.writer.add(event, 0)
+      self.writer.flush()
 
   def write(self, step: int, metrics: dict) -> None:
     try:
@@ -68,7 +75,7 @@ class MetricsLogger:
       raise OSError(f"writing step {step}'s metrics to {self.workdir}: {e.strerror or e}") from None
 
   def _write(self, step: int, metrics: dict) -> None:
-    row = {"step": step}
+    row = {"step": step}  # every bin, empty ones too: readers index the lists by bin
     for name, value in metrics.items():
       if isinstance(value, str):
         self.writer.add(summary.text(name, value), step)
@@ -77,13 +84,11 @@ class MetricsLogger:
       if name.endswith("histogram"):
         self._histogram(name, value, step)
       elif value.ndim == 0:
-        self.writer.add(summary.scalar(name, float(value)), step)
         row[name] = float(value) if np.isfinite(value) else None  # strict JSON: no NaN
-      else:  # per position bin: one curve per bin, skipping empty (NaN) bins
-        for i, v in enumerate(value.tolist()):
-          if np.isfinite(v):
-            self.writer.add(summary.scalar(f"{name}/{i:02d}", v), step)
+      else:
         row[name] = [None if not np.isfinite(v) else v for v in value.tolist()]
+    for tag, value in tensorboard_scalars(metrics).items():
+      self.writer.add(summary.scalar(tag, value), step)
     append_text(self.path, json.dumps(row, allow_nan=False) + "\n")
     self.writer.flush()
 
@@ -110,6 +115,30 @@ class MetricsLogger:
     self.writer.close()
 
 
+def measured_bins(name: str, values, metrics: dict) -> list:
+  """The bins of the per-bin metric `name` (its `values`) that TensorBoard gets a point of: the
+  finite ones, less, in a family that counts its tokens per bin (`<family>/count_bin` in the same
+  `metrics`), the bins without tokens, whose 0 count would read like a measurement."""
+  count = metrics.get(name.split("/")[0] + "/count_bin")
+  empty = np.zeros(len(values), bool) if count is None else np.asarray(count) == 0
+  return [i for i, v in enumerate(np.asarray(values).tolist()) if np.isfinite(v) and not empty[i]]
+
+
+def tensorboard_scalars(metrics: dict) -> dict:
+  """{tag: value} of the scalar points a step's `metrics` give TensorBoard: each scalar as is,
+  each per-bin array as a curve per bin `<name>/NN` (`measured_bins`); text and histograms aside."""
+  out = {}
+  for name, value in metrics.items():
+    if isinstance(value, str) or name.endswith("histogram"):
+      continue
+    value = np.asarray(value)
+    if value.ndim == 0:
+      out[name] = float(value)
+    else:
+      out.update({f"{name}/{i:02d}": float(value[i]) for i in measured_bins(name, value, metrics)})
+  return out
+
+
 class _Events:
   """A TensorBoard event file written in the calling thread, so that a write that fails (a full
   disk) raises in the step that made it. tensorboardX's SummaryWriter writes from a thread of its
@@ -117,7 +146,12 @@ class _Events:
 
   def __init__(self, logdir: str, purge_step: int | None):
     event_file_writer.directory_check(logdir)  # through epath's writer for a URL (as the files)
-    self.events = event_file_writer.EventsWriter(os.path.join(logdir, "events"))
+    # A file's name is its second and host, which a restart within the same second would reuse,
+    # truncating the earlier file: later files are numbered, in the order TensorBoard reads them.
+    earlier = len(list(as_path(logdir).glob("events*")))
+    self.first = not earlier  # the run's first event file
+    suffix = f".{earlier:04d}" if earlier else ""
+    self.events = event_file_writer.EventsWriter(os.path.join(logdir, "events"), suffix)
     if purge_step is not None:  # TensorBoard drops the events of earlier files from this step on
       self.events.write_event(
         Event(step=purge_step, session_log=SessionLog(status=SessionLog.START))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import sparrow_jax as sj
+from sparrow_jax import dashboard
+from sparrow_jax.logging import tensorboard_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,6 +183,21 @@ def assert_same_metrics(got, want, steps, atol, skip=()):
         atol=atol,
         err_msg=f"step {step} {name}",
       )
+
+
+def assert_dashboard_has_data(c, rows):
+  """Every tag the dashboard of run `c` names (`dashboard.layout`) has a point among the TensorBoard
+  scalars of the run's metrics `rows` (as trainer.train returns them): what catches a misspelled
+  or renamed tag."""
+  tags = set().union(*(tensorboard_scalars(row) for row in rows))
+  regexes = [
+    regex
+    for charts in dashboard.layout(c).values()
+    for kind, named in charts.values()
+    for regex in (named if kind == "Multiline" else [re.escape(tag) + "$" for tag in named])
+  ]
+  missing = [regex for regex in regexes if not any(re.match(regex, tag) for tag in tags)]
+  assert not missing, f"dashboard tags the run does not log: {missing}"
 
 
 def rescored_logprobs(params, cfg, prompt, prompt_len, out, **forward_kwargs):

@@ -88,6 +88,7 @@ LAYERS = (
     "sparrow_jax.schema",
     "sparrow_jax.records",
     "sparrow_jax.logging",
+    "sparrow_jax.dashboard",
     "sparrow_jax.sandbox",
   ),
   ("sparrow_jax.attention", "sparrow_jax.data"),  # the attention ops; tasks, rewards, tokenizer

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from sparrow_jax.rl import trainer
-from tests.helpers import ROOT, assert_same_metrics, launch_small, rows_by_step, subprocess_env
+from tests.helpers import (
+  ROOT,
+  assert_dashboard_has_data,
+  assert_same_metrics,
+  launch_small,
+  rows_by_step,
+  subprocess_env,
+)
 from tests.test_trainer import small
 
 # Dense rollouts and no warmup: an on-policy step's TIS weights are 1 up to float32 rounding, and
@@ -34,8 +41,11 @@ def test_one_step_off_trains_on_the_previous_steps_weights(tmp_path):
   """Step t's rollouts were sampled with step t - 1's weights (the version tag), so its TIS
   weights move off 1 once an update has happened, and its staleness alpha says by how much; step
   0, which has no previous step, samples its own, and equals the on-policy run's step 0."""
-  on = trainer.train(small(tmp_path / "on", total_steps=3, **DENSE))
-  off = trainer.train(small(tmp_path / "off", total_steps=3, rl__off_policy_steps=1, **DENSE))
+  on_config = small(tmp_path / "on", total_steps=3, **DENSE)
+  off_config = small(tmp_path / "off", total_steps=3, rl__off_policy_steps=1, **DENSE)
+  on, off = trainer.train(on_config), trainer.train(off_config)
+  assert_dashboard_has_data(on_config, on)
+  assert_dashboard_has_data(off_config, off)  # its staleness chart too
   assert [r["rollout/weights_step"] for r in on] == [0, 1, 2]
   assert [r["rollout/weights_step"] for r in off] == [0, 0, 1]
   assert all(_tis_spread(r) < 1e-3 for r in on)

@@ -18,7 +18,7 @@ from sparrow_jax.model import qwen3
 from sparrow_jax.rollout import engine, programs, sampler, speculative
 from sparrow_jax.sparsity import policy
 from sparrow_jax.sparsity.schedule import DraftPlan, KVSchedule
-from tests.helpers import tiny_config
+from tests.helpers import assert_dashboard_has_data, tiny_config
 
 # A Markov chain on V tokens: the dense p(x | previous) and a draft q far from it.
 V, K_DRAFT, N_SAMPLES = 4, 3, 20000
@@ -458,11 +458,14 @@ def test_no_recompilation_across_rounds_lengths_and_budgets():
 @pytest.mark.slow
 def test_a_speculative_training_step_logs_dense_rollouts(tmp_path):
   """rollout.speculate through the trainer: the rollouts' log-probs are the dense policy's, so the
-  TIS weights are 1 up to the re-score's rounding; the exact mode's metrics are logged."""
+  TIS weights are 1 up to the re-score's rounding; the exact mode's metrics are logged, and so is
+  every tag of its dashboard."""
   from sparrow_jax.rl import trainer
   from tests.test_trainer import small
 
-  rows = trainer.train(small(tmp_path / "run", total_steps=2, rollout__speculate=2))
+  c = small(tmp_path / "run", total_steps=2, rollout__speculate=2)
+  rows = trainer.train(c)
+  assert_dashboard_has_data(c, rows)
   for row in rows:
     assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["tis/weight_min"] > 1 - 1e-2
     assert 1 <= row["rollout/accepted_per_round"] <= 3

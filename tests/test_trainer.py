@@ -18,6 +18,7 @@ from sparrow_jax.rl import build, hooks, run_config, trainer, workdir
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import programs
 from sparrow_jax.sparsity.schedule import KVSchedule
+from tests import test_dashboard
 from tests.helpers import ROOT, assert_same_metrics, rows_by_step
 
 
@@ -33,6 +34,14 @@ def test_run_logs_tensorboard_curves(small_run):
   assert any(t.startswith("acceptance/p5_bin/") for t in tags)  # bins holding generated tokens
   assert len(events.Scalars("reward/mean")) == 4
   assert sorted(rows_by_step(small_run)) == [1, 2, 3, 4]
+  # bins without tokens in any step (the prompt's) get no point, though metrics.jsonl lists them
+  counts = np.sum([row["acceptance/count_bin"] for row in rows_by_step(small_run).values()], 0)
+  written = [f"acceptance/count_bin/{b:02d}" in tags for b in range(len(counts))]
+  assert counts[0] == 0 and written == [n > 0 for n in counts]
+  # the dashboard as TensorBoard serves it names only tags the run wrote
+  custom, _, ctx = test_dashboard.tensorboard_over(small_run)
+  for regex in test_dashboard.served_regexes(custom, ctx):
+    assert custom.scalars_impl(ctx, "tensorboard", regex, "")["tag_to_events"], regex
 
 
 def config(**changes):

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from sparrow_jax import checkpoint, sharding
+from sparrow_jax import checkpoint, dashboard, sharding
 from sparrow_jax import logging as metrics_log
 from sparrow_jax.rl import build, hooks, rollouts, run_config, workdir
 from sparrow_jax.rollout import speculative
@@ -212,9 +212,11 @@ def _at_the_end(c, run: build.Run, state, start: int, eval_history: list) -> Non
 
 
 class _StepLog:
-  """Each step's metrics: metrics.jsonl and TensorBoard (written by the lead process, after the
-  run's config.json), the rows `train` returns, the guard against non-finite updates, a progress
-  line with an ETA, and the run's wall time by part (the first step of a process also compiles)."""
+  """Each step's metrics with the tags the dashboard draws beside them: metrics.jsonl and
+  TensorBoard (written by the lead process, after the run's config.json; the run's dashboard and
+  hyperparameters with its first events), the rows `train` returns, the guard against non-finite
+  updates, a progress line with an ETA, and the run's wall time by part (the first step of a
+  process also compiles)."""
 
   def __init__(self, c, start: int):
     self.c, self.start, self.rows, self.nonfinite = c, start, [], 0
@@ -224,10 +226,13 @@ class _StepLog:
       metrics_log.write_atomic(
         os.path.join(c.workdir, "config.json"), c.to_json_best_effort(indent=2)
       )
-      self.logger = metrics_log.MetricsLogger(c.workdir, resume_step=start)
+      self.logger = metrics_log.MetricsLogger(
+        c.workdir, resume_step=start, first_events=dashboard.summaries(c)
+      )
 
   def write(self, out: hooks.StepOutput, metrics: dict, t0: float) -> None:
     c, step = self.c, out.step
+    metrics.update(dashboard.chart_metrics(metrics, c.stats.tau))
     if self.logger:
       self.logger.write(step + 1, metrics)
     # text (an evaluation's completions) goes to TensorBoard only
