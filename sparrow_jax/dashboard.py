@@ -18,6 +18,7 @@ EVERY_RUN = lambda c: True
 SPARSE = lambda c: bool(c.rollout.sparse)
 EXACT_MODE = lambda c: bool(c.rollout.speculate)
 ONE_STEP_OFF = lambda c: bool(c.rl.off_policy_steps)
+CARRIED_ROWS = lambda c: bool(c.rollout.partial_groups)
 
 # (category, title, kind, tags, the runs that log them). A "Multiline" chart's tags are regular
 # expressions, which TensorBoard matches from a tag's start; a "Margin" chart's are a value, its
@@ -58,6 +59,20 @@ CHARTS = (
     "Multiline",
     (r"acceptance_stale/(p5|mean)$", r"acceptance/(p5|mean)$"),
     ONE_STEP_OFF,
+  ),
+  (
+    "carried rows",
+    "token lag per bin (steps)",
+    "Multiline",
+    (r"rollout/token_lag_bin/\d+$",),
+    CARRIED_ROWS,
+  ),
+  (
+    "carried rows",
+    "trained tokens per bin",
+    "Multiline",
+    (r"rollout/tokens_bin/\d+$",),
+    CARRIED_ROWS,
   ),
   (
     "time per step",
@@ -124,6 +139,7 @@ def hparams(c: ml_collections.ConfigDict) -> dict:
     "rollout.page_score": c.rollout.page_score,
     "rollout.speculate": str(c.rollout.speculate),  # an int or "auto": one type in every run
     "rl.off_policy_steps": c.rl.off_policy_steps,
+    "rollout.partial_groups": c.rollout.partial_groups,
     "rl.mask_alpha_below": c.rl.mask_alpha_below,
     "distill.enabled": bool(c.distill.enabled),
   }

@@ -73,7 +73,9 @@ def test_partial_rollouts_train_whole_groups_and_carry_the_rest_over(tmp_path):
   that sampled each token, so with dense rollouts a step's TIS weights move off 1 exactly when it
   trains on tokens of earlier weights."""
   changes = dict(rollout__partial_groups=2, rollout__engine_slots=8, **DENSE)
-  rows = trainer.train(small(tmp_path / "run", total_steps=4, **changes))
+  c = small(tmp_path / "run", total_steps=4, **changes)
+  rows = trainer.train(c)
+  assert_dashboard_has_data(c, rows)  # the carried rows' charts too
   assert rows[0]["rollout/token_lag/max"] == 0 and rows[0]["rollout/rows_carried"] == 0
   assert any(r["rollout/rows_carried"] > 0 for r in rows[1:])
   for r in rows:
