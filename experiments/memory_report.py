@@ -68,7 +68,7 @@ from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import lora as lora_lib
-from sparrow_jax.rl import run_config, step_schema
+from sparrow_jax.rl import memory, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, programs, sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
@@ -179,7 +179,7 @@ def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
   return dict(
     _analysis(compiled),
     compile_s=time.time() - start,
-    state_gb=run_config.device_bytes(state, state_shardings) / GB,
+    state_gb=memory.device_bytes(state, state_shardings) / GB,
   )
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from configs import default
 from sparrow_jax.attention import page_pool
-from sparrow_jax.rl import build, run_config, trainer
+from sparrow_jax.rl import build, memory, run_config, trainer
 from sparrow_jax.sparsity import schedule as schedule_lib
 from tests.helpers import ROOT
 from tests.test_trainer import config, small
@@ -276,8 +276,8 @@ DEVICE_GB = 4  # the device the size checks measure against, fixed: not this mac
 
 @pytest.fixture
 def device_of(monkeypatch):
-  monkeypatch.setattr(run_config, "device_memory_bytes", lambda device: DEVICE_GB * 10**9)
-  monkeypatch.setattr(run_config, "host_memory_bytes", lambda: 4 * DEVICE_GB * 10**9)
+  monkeypatch.setattr(memory, "device_memory_bytes", lambda device: DEVICE_GB * 10**9)
+  monkeypatch.setattr(memory, "host_memory_bytes", lambda: 4 * DEVICE_GB * 10**9)
 
 
 # Every size a config scales: (changes to the small config, or to the shipped tiny model's
@@ -406,7 +406,7 @@ def test_rollout_devices_of_their_own_are_checked_apart_from_the_trainers(device
   gb = 10**9
   page = page_pool.page_bytes(cfg, c.rollout.page_size, jnp.float32, c.rollout.page_score)
   engine_cfg = dataclasses.replace(engine_cfg, num_pages=int(2.5 * gb // page))
-  step = run_config.StepMemory(peak=3 * gb, state=2 * gb, lora=0, metrics=0)
+  step = memory.StepMemory(peak=3 * gb, state=2 * gb, lora=0, metrics=0)
   sparse = build.sparse_config(c)
   check = lambda weights: run_config.check_memory(
     c, cfg, engine_cfg, sparse, step, jax.devices()[0], weights
@@ -420,7 +420,7 @@ def test_rollout_devices_of_their_own_are_checked_apart_from_the_trainers(device
     check(5 * gb)
   # Partial rollouts keep the pool through the update: 1 GB of state + 2.5 GB of pool fit a
   # device, and so does the 3 GB step, but not the step beside the pool.
-  step = run_config.StepMemory(peak=3 * gb, state=1 * gb, lora=0, metrics=0)
+  step = memory.StepMemory(peak=3 * gb, state=1 * gb, lora=0, metrics=0)
   check(0)
   c.rollout.partial_groups = 2  # and the pool, sized for the groups under way, is named by it
   with pytest.raises(

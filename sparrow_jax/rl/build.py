@@ -26,7 +26,7 @@ from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config, load_hf
 from sparrow_jax.model.qwen3 import init_params
-from sparrow_jax.rl import evaluate, hooks, rollouts, run_config, step_schema
+from sparrow_jax.rl import evaluate, hooks, memory, rollouts, run_config, step_schema
 from sparrow_jax.rl import train_step as ts
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -506,7 +506,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
     _placed_like(batch, rows.sharding),
     budget.example_table if budget else None,
   ).compile()
-  step_memory = run_config.StepMemory.of(compiled, abstract, shardings)
+  step_memory = memory.StepMemory.of(compiled, abstract, shardings)
   # rollout devices of their own hold the weights whole (bytes of every leaf), no train state
   whole = (abstract.params, abstract.lora) if c.mesh.rollout_devices else ()
   whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole))

@@ -1,33 +1,28 @@
 """The checks of a training run's experiment config, each run before anything is written: the
 fields only the whole config knows (`validate`; the components check their own fields,
 `schema.from_group`), then against the mesh, the task and the model's tokenizer, the device's
-memory (the train step compiled from abstract inputs), the workdir, and the rule for resuming a
-workdir. rl/build.py runs them as it builds the run.
+memory (the sizes rl/memory.py computes, the train step's compiled from abstract inputs), the
+workdir, and the rule for resuming a workdir. rl/build.py runs them as it builds the run.
 """
 
-import dataclasses
 import fcntl
 import json
 import math
 import os
 import tempfile
-from typing import NamedTuple
 
 from etils import epath
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from sparrow_jax import schema, sharding
-from sparrow_jax.attention import page_pool
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.logging import is_local
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config
-from sparrow_jax.rl import step_schema
+from sparrow_jax.rl import memory, step_schema
 from sparrow_jax.rl.evaluate import EvalConfig
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -394,68 +389,12 @@ def check_pool(c, sparse, one_row: engine.EngineConfig) -> None:
   )
 
 
-def host_memory_bytes() -> int | None:
-  """The host's physical memory; None when it is not known."""
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError):
-    return None
-
-
-def device_memory_bytes(device) -> int | None:
-  """What one device can hold: its allocator's limit (GPU, TPU), or on the CPU the host's physical
-  memory split over its local devices; None when neither is known."""
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  host = host_memory_bytes() if device.platform == "cpu" else None
-  if not host:
-    return None
-  return host // max(sum(d.platform == "cpu" for d in jax.local_devices()), 1)
-
-
-def device_bytes(tree, shardings) -> int:
-  """Bytes one device holds of the (abstract) arrays of `tree` laid out by `shardings`."""
-  sizes = jax.tree.map(
-    lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize, tree, shardings
-  )
-  return sum(jax.tree.leaves(sizes))
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMemory:
-  """One device's bytes of the compiled train step, from XLA (`memory_analysis()` of the step
-  lowered from abstract inputs: nothing allocated): `peak` its arguments, outputs and temporaries
-  (activations, gradients, logits chunks) with the donated state counted once; of them `state` the
-  train state, of which `lora` the LoRA adapters and their Adam moments, and `metrics` the outputs
-  beside the state."""
-
-  peak: int
-  state: int
-  lora: int
-  metrics: int
-
-  @classmethod
-  def of(cls, compiled, state, shardings) -> "StepMemory":
-    m = compiled.memory_analysis()
-    lora = (state.lora, state.lora_opt_state)
-    return cls(
-      peak=m.argument_size_in_bytes
-      + m.output_size_in_bytes
-      - m.alias_size_in_bytes
-      + m.temp_size_in_bytes,
-      state=device_bytes(state, shardings),
-      lora=device_bytes(lora, (shardings.lora, shardings.lora_opt_state)),
-      metrics=m.output_size_in_bytes - m.alias_size_in_bytes,
-    )
-
-
 def check_rows(c, rows_per_device: int, device, sparse) -> None:
   """A device's rows of the step, checked before its prompts are made and read (`check_inputs`,
   which would take hours over a huge batch): as int32 token ids alone (a lower bound of the step's
   memory) they must fit the device, and engine_slots may not exceed them (a slot without a row
   stays empty)."""
-  r, have = c.rollout, device_memory_bytes(device)
+  r, have = c.rollout, memory.device_memory_bytes(device)
   length = r.max_prompt_len + r.max_new_tokens
   need = rows_per_device * length * 4
   require(
@@ -476,7 +415,7 @@ def check_rows(c, rows_per_device: int, device, sparse) -> None:
 
 
 def check_memory(
-  c, cfg: Qwen3Config, engine_cfg, sparse, step: StepMemory, device, rollout_weights: int = 0
+  c, cfg: Qwen3Config, engine_cfg, sparse, step: memory.StepMemory, device, rollout_weights: int = 0
 ) -> None:
   """Refuses, before the model's weights are read or the workdir written, a run one device cannot
   hold. The train state stays on the device throughout; beside it the rollout holds its KV page
@@ -488,12 +427,10 @@ def check_memory(
   what does not fit: the train state's larger part when the state alone does not (no smaller batch
   helps then), else the pool when it is the rollout that does not fit and the larger addition, else
   the step's larger addition."""
-  have = device_memory_bytes(device)
+  have = memory.device_memory_bytes(device)
   if not have:
     return
-  score = sparse.page_score if sparse else "mean"
-  page = page_pool.page_bytes(cfg, engine.page_size(sparse), jnp.dtype(c.model.dtype), score)
-  pool = engine_cfg.num_pages * page
+  pool = memory.pool_bytes(c, cfg, engine_cfg, sparse)
   rollout = (rollout_weights or step.state) + pool
   kept = c.rollout.partial_groups and not rollout_weights  # partial rollouts keep their pool
   peak = step.peak + (pool if kept else 0)  # through the update, beside the step
@@ -507,7 +444,7 @@ def check_memory(
     f"{device.platform} device's {have / 1e9:.3g} GB: colocate the rollout (0), whose weights "
     "keep their tensor sharding, or a smaller model",
   )
-  parts = _memory_parts(c, cfg, engine_cfg, step, pool)
+  parts = memory.parts(c, cfg, engine_cfg, step, pool)
   if step.state > have:
     names = ("lora", "model")
   elif (rollout > have or kept) and (step.peak <= have or pool >= step.peak - step.state):
@@ -528,78 +465,6 @@ def check_memory(
     f"{gb(step.state)}, its LoRA {gb(step.lora)}), more than this "
     f"{device.platform} device's {gb(have)}: {part.fix}",
   )
-
-
-class _MemoryPart(NamedTuple):
-  field: str
-  value: object
-  what: str
-  fix: str
-  size: int
-
-
-def _memory_parts(c, cfg, engine_cfg, step: StepMemory, pool: int) -> dict:
-  """What a device holds, by the config fields that scale each part."""
-  r = c.rollout
-  model_field = "model.hf_dir" if c.model.hf_dir else "model.preset"
-  reference = ", and the reference params (rl.kl_coef > 0)" if c.rl.kl_coef > 0 else ""
-  # the pool holds a device's share of the groups under way: a step's and partial_groups more
-  pool_field, pool_value = (
-    "rollout.prompts_per_step",
-    f"{r.prompts_per_step} (x group_size {r.group_size})",
-  )
-  if r.partial_groups:
-    pool_field = "rollout.partial_groups"
-    pool_value = (
-      f"{r.partial_groups} (beside prompts_per_step {r.prompts_per_step}, x group_size "
-      f"{r.group_size})"
-    )
-  if r.pool_gb:
-    pool_field, pool_value = "rollout.pool_gb", r.pool_gb
-  rows = r.prompts_per_step * r.group_size // (c.rl.num_minibatches * c.rl.micro_batches)
-  length = r.max_prompt_len + r.max_new_tokens
-  return {
-    "lora": _MemoryPart(
-      "distill.rank",
-      c.distill.rank,
-      "the LoRA adapters and their Adam moments",
-      "lower it",
-      step.lora,
-    ),
-    "model": _MemoryPart(
-      model_field,
-      c.model[model_field.split(".")[1]],
-      f"the params and their Adam moments{reference}, of {cfg.num_hidden_layers} layers, "
-      f"hidden_size {cfg.hidden_size}, intermediate_size {cfg.intermediate_size}, vocab_size "
-      f"{cfg.vocab_size}",
-      "a smaller model, or shard it over more devices (mesh.fsdp, mesh.tensor)",
-      step.state - step.lora,
-    ),
-    "pool": _MemoryPart(
-      pool_field,
-      pool_value,
-      f"a KV pool of {engine_cfg.num_pages} pages",
-      "lower it, or bound the pool with rollout.pool_gb / engine_slots",
-      pool,
-    ),
-    "metrics": _MemoryPart(
-      "stats.num_bins",
-      c.stats.num_bins,
-      "the step's metrics, some per position bin",
-      "lower it",
-      step.metrics,
-    ),
-    "rows": _MemoryPart(
-      "rollout.prompts_per_step / group_size / max_prompt_len / max_new_tokens",
-      (r.prompts_per_step, r.group_size, r.max_prompt_len, r.max_new_tokens),
-      f"the step's batch, activations, gradients and logits chunks, of {rows} rows a backward "
-      f"pass (prompts_per_step x group_size / (rl.num_minibatches x rl.micro_batches)) of "
-      f"{length} tokens",
-      "fewer or shorter rows a pass: raise rl.micro_batches, lower prompts_per_step, group_size, "
-      "the lengths or distill.rank, or add devices on mesh.data",
-      step.peak - step.state - step.metrics,
-    ),
-  }
 
 
 def check_inputs(c, task, cfg: Qwen3Config, tokenizer) -> None:
@@ -644,7 +509,7 @@ def check_evaluation_rows(c, task) -> None:
   generates every problem first)."""
   e, r = c.eval, c.rollout
   problems = min(e.problems or len(task), len(task)) if hasattr(task, "__len__") else e.problems
-  need, have = problems * e.samples * r.max_prompt_len * 4, host_memory_bytes()
+  need, have = problems * e.samples * r.max_prompt_len * 4, memory.host_memory_bytes()
   require(
     not have or need <= have,
     "eval.problems",
