@@ -14,12 +14,14 @@ from configs import default
 def get_config():
   c = ml_collections.ConfigDict()
   # The settings in the order they run; "sync again" repeats the first: this machine's spread
-  # between identical runs. Each: (name, rl.off_policy_steps, rollout.partial_groups).
+  # between identical runs. Each: (name, rl.off_policy_steps, rollout.partial_groups,
+  # rollout.max_carry_steps); "no carry bound" shows what the bound changes of the length bias.
   c.settings = (
-    ("sync", 0, 0),
-    ("one_step_off", 1, 0),
-    ("one_step_off + partial", 1, 2),
-    ("sync again", 0, 0),
+    ("sync", 0, 0, 2),
+    ("one_step_off", 1, 0, 2),
+    ("one_step_off + partial", 1, 2, 2),
+    ("one_step_off + partial, no carry bound", 1, 2, 0),
+    ("sync again", 0, 0, 2),
   )
   c.jobs = "default,long_tail"  # the jobs each setting runs (fields of this config)
   c.steps = 6  # steps a run trains; the first (it compiles) is left out of the timings

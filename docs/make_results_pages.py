@@ -1422,7 +1422,9 @@ def async_rl_page(records) -> str:
     "of a step the trainer waited for rollouts (`perf/rollout_wait_s`); update: the train step's "
     "own time; length: the trained rows' mean and longest response (mean over steps); carried: "
     "rows cut at an earlier step's end and finished later (`rollout/rows_carried`); lag: "
-    "the mean age in steps of the weights that sampled a trained token (`rollout/token_lag/mean`); "
+    "the mean age in steps of the weights that sampled a trained token (`rollout/token_lag/mean`) "
+    "and the oldest (`rollout/token_lag/max`, mean over steps); carry bound: "
+    "`rollout.max_carry_steps` where rows are carried (0: none); "
     "stale alpha: the mean `acceptance_stale/mean` (the sampling weights' dense policy against "
     "the current one); sync again repeats the first setting, the spread of this machine between "
     "identical runs.",
@@ -1447,8 +1449,8 @@ def async_rl_page(records) -> str:
         f"{r['config']['steps']} steps a run.",
         "",
         "| setting | step (s) | speed | trainer idle | update (s) | length mean / max | carried "
-        "| lag | last reward | stale alpha |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| lag mean / max | carry bound | last reward | stale alpha |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
       ]
       for row in rows:
         cells = [
@@ -1461,20 +1463,46 @@ def async_rl_page(records) -> str:
           if mean(row, "response_length/max") is not None
           else "-",
         ]
-        for key, fmt in (
-          ("rollout/rows_carried", "{:.1f}"),
-          ("rollout/token_lag/mean", "{:.2f}"),
-        ):
-          value = mean(row, key)
-          cells.append("-" if value is None else fmt.format(value))
+        carried, lag = mean(row, "rollout/rows_carried"), mean(row, "rollout/token_lag/mean")
+        lag_max = mean(row, "rollout/token_lag/max")
+        cells += [
+          "-" if carried is None else f"{carried:.1f}",
+          "-"
+          if lag is None
+          else f"{lag:.2f} / {lag_max:.1f}"
+          if lag_max is not None
+          else f"{lag:.2f}",
+          str(row["max_carry_steps"])
+          if row.get("partial_groups") and "max_carry_steps" in row
+          else "-",
+        ]
         stale = mean(row, "acceptance_stale/mean")
         cells += [
           f"{row['steps'][-1]['reward/mean']:.3f}",
           "-" if stale is None else f"{stale:.4f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-      lines.append("")
+      lines += ["", *_length_bias(rows, mean), ""]
   return "\n".join(lines)
+
+
+def _length_bias(rows, mean) -> list:
+  """The trained rows' mean length of each setting that carries rows against the first (sync)
+  setting's: how much shorter the rows a step trains are when long rows train later."""
+  base = mean(rows[0], "response_length/mean")
+  carrying = [row for row in rows if row.get("partial_groups")]
+  if not carrying or base is None:
+    return []
+  parts = [
+    f"{row['setting']} {mean(row, 'response_length/mean'):.0f} "
+    f"({mean(row, 'response_length/mean') / base:.2f}x)"
+    for row in carrying
+  ]
+  return [
+    f"Length bias: trained mean response length, {rows[0]['setting']} {base:.0f} against "
+    + ", ".join(parts)
+    + "."
+  ]
 
 
 def real_lm_rl_page(records) -> str:
@@ -1847,7 +1875,7 @@ PAGES = {
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
-  "async_rl.md": ("async_rl.json", async_rl_page),
+  "async_rl.md": ("async_rl*.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),
   "async_pricing.md": ("async_pricing.json", async_pricing_page),

@@ -39,10 +39,13 @@ KEPT = (
   "response_length/max",
   "rollout/rows_carried",
   "rollout/token_lag/mean",
+  "rollout/token_lag/max",
 )
 
 
-def run_setting(config, job: str, name: str, off_policy_steps: int, partial_groups: int) -> dict:
+def run_setting(
+  config, job: str, name: str, off_policy_steps: int, partial_groups: int, max_carry_steps: int
+) -> dict:
   """One setting's run of `job` from scratch -> its per-step metrics (KEPT) and the means over
   the steps after the first."""
   c = config[job].copy_and_resolve_references()
@@ -50,6 +53,7 @@ def run_setting(config, job: str, name: str, off_policy_steps: int, partial_grou
   shutil.rmtree(c.workdir, ignore_errors=True)
   c.total_steps, c.ckpt_every = config.steps, config.steps
   c.rl.off_policy_steps, c.rollout.partial_groups = off_policy_steps, partial_groups
+  c.rollout.max_carry_steps = max_carry_steps
   rows = trainer.train(c)
   steps = [{k: row[k] for k in KEPT if k in row} for row in rows]
   timed = steps[1:]
@@ -60,6 +64,7 @@ def run_setting(config, job: str, name: str, off_policy_steps: int, partial_grou
     setting=name,
     off_policy_steps=off_policy_steps,
     partial_groups=partial_groups,
+    max_carry_steps=max_carry_steps,
     step_s=step_s,
     idle_share=wait_s / step_s,
     train_step_s=float(np.mean([s["perf/train_step_s"] for s in timed])),
@@ -74,8 +79,8 @@ def main(argv):
   rows = []
   for job in config.jobs.split(","):
     first = None
-    for name, off, partial_groups in config.settings:
-      rows.append(run_setting(config, job, name, off, partial_groups))
+    for name, *setting in config.settings:
+      rows.append(run_setting(config, job, name, *setting))
       row, first = rows[-1], first or rows[-1]
       print(
         f"  {job} {name:24s} step {row['step_s']:.2f}s  ({first['step_s'] / row['step_s']:.2f}x "

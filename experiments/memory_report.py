@@ -153,7 +153,6 @@ def train_step(model, length, c, dtype, mesh, layers=None, length_buckets=()):
     rl=step_schema.RLConfig(
       micro_batches=c.micro_batches,
       num_minibatches=c.train_minibatches,
-      off_policy_steps=c.off_policy_steps,
       length_buckets=length_buckets,
     ),
     distill=step_schema.DistillConfig(enabled=c.distill),

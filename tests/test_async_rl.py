@@ -273,3 +273,87 @@ def test_a_run_killed_mid_run_resumes_on_the_rollouts_it_had_under_way(tmp_path,
   assert [resumed[s]["rollout/weights_step"] for s in (1, 2, 3, 4)] == weights_step
   if "partial" in under_way[0]:
     assert any(resumed[s]["rollout/rows_carried"] for s in (3, 4))
+
+
+def _source(partial_groups=2, off_policy_steps=0, pool_shape=(1, 2, 64, 8, 16)):
+  """A rollout source whose sampler carries rows in a pool of `pool_shape` (no engine: what the
+  resume checks read)."""
+  import jax
+
+  from sparrow_jax.rl import rollouts
+
+  class Carried:
+    def abstract_pool(self, params):
+      return [jax.ShapeDtypeStruct(pool_shape, np.float32)]
+
+  class Sampler:
+    carried = Carried() if partial_groups else None
+
+  overlap = rollouts.AsyncConfig(off_policy_steps, partial_groups)
+  settings = rollouts.Settings(4, 4, 64, 40, overlap, 8, 0, 16, 20)
+  return rollouts.Source(settings, None, None, Sampler(), None, None)
+
+
+def test_resuming_carried_rows_elsewhere_is_refused_naming_the_checkpoint():
+  """Carried rows saved in a pool this run's devices cannot hold (another device count), saved by
+  another process count, saved where this config carries none, or missing from a checkpoint of a
+  run that carries rows (written before rows were saved inside checkpoints): one line each,
+  naming the checkpoint, before anything is restored."""
+  saved = {"host/carried/tokens": ((1, 10), "int32"), "pool/0": ((2, 2, 64, 8, 16), "float32")}
+  with pytest.raises(ValueError, match=r"^checkpoint 4 holds carried rows in a KV pool of shape"):
+    _source().abstract_saved(None, saved, 4)
+  with pytest.raises(ValueError, match=r"^checkpoint 4 holds carried rows, but this config has"):
+    _source(partial_groups=0, off_policy_steps=1).abstract_saved(None, saved, 4)
+  mine = {"host/carried/tokens": ((1, 10), "int32"), "pool/0": ((1, 2, 64, 8, 16), "float32")}
+  assert set(_source().abstract_saved(None, mine, 4)) == {"host", "pool"}
+  with pytest.raises(ValueError, match=r"^checkpoint 4 holds rows under way of 2 processes"):
+    _source().restore(({"processes": [{}, {}]}, {}), 4, None)
+  with pytest.raises(ValueError, match=r"^checkpoint 4 keeps no carried rows"):
+    _source().restore(None, 4, None)
+
+
+# The SMALL run with carried rows in a subprocess that SIGKILLs itself as orbax starts writing the
+# second item of checkpoint 4: one item of it is on disk (in orbax's temporary directory), the
+# train state or the rows under way, the other not.
+KILL_BETWEEN_ITEMS = """
+import os, signal, sys
+from absl import app
+import orbax.checkpoint as ocp
+from sparrow_jax import train
+
+save, started = ocp.StandardCheckpointHandler.async_save, []
+
+async def save_or_die(self, directory, *args, **kwargs):
+  if "/4.orbax-checkpoint-tmp" in str(directory):
+    started.append(str(directory))
+    if len(started) == 2:
+      os.kill(os.getpid(), signal.SIGKILL)
+  return await save(self, directory, *args, **kwargs)
+
+ocp.StandardCheckpointHandler.async_save = save_or_die
+sys.argv = ["train", *{argv!r}]
+app.run(train.main, flags_parser=train._parse_flags)
+"""
+
+
+@pytest.mark.nightly
+def test_a_kill_between_a_checkpoints_items_resumes_as_the_uninterrupted_run(tmp_path):
+  """Killed between writing checkpoint 4's train state and its rows under way (either order),
+  the checkpoint is not committed: the resume takes checkpoint 2, its state and its carried rows
+  together, and logs the uninterrupted run's metrics at every step."""
+  from tests.helpers import SMALL
+
+  under_way = ("--config.rollout.partial_groups=2", "--config.rollout.engine_slots=8")
+  changes = ("--config.total_steps=6", *under_way)
+  whole = _run(tmp_path / "whole", 1, *changes)
+  workdir = tmp_path / "killed"
+  argv = ["--config=configs/default.py", f"--config.workdir={workdir}", *SMALL, *changes]
+  code = KILL_BETWEEN_ITEMS.format(argv=argv)
+  killed = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=ROOT
+  )
+  assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-2000:]
+  steps = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  assert "2" in steps and "4" not in steps, steps  # 4 was never committed
+  resumed = _run(workdir, 1, *changes)
+  assert_same_metrics(resumed, whole, range(1, 7), atol=0)

@@ -38,7 +38,8 @@ def _family(name, alpha):
 
 
 def _metrics(step, tau):
-  """A step of an exact-mode, one-step-off run (every chart of the layout), as the trainer logs."""
+  """A step of an exact-mode, one-step-off run with carried rows (every chart of the layout), as
+  the trainer logs."""
   metrics = {
     "reward/mean": 0.4 + 0.01 * step,
     "reward/std": 0.2,
@@ -49,6 +50,8 @@ def _metrics(step, tau):
     "rollout/draft_acceptance": 0.98,
     "rollout/draft_alpha_mean": 0.98,
     "rollout/draft_alpha_mean_bin": np.where(COUNT_BIN > 0, 0.98, np.nan),
+    "rollout/token_lag_bin": np.where(COUNT_BIN > 0, 0.4, np.nan),
+    "rollout/tokens_bin": np.where(COUNT_BIN > 0, COUNT_BIN, np.nan),
     "perf/rollout_wait_s": 1.0,
     "perf/train_step_s": 2.0,
     "perf/step_s": 3.5,
@@ -63,7 +66,7 @@ def _metrics(step, tau):
 
 def _config(tau):
   c = default.get_config()
-  c.stats.tau, c.rl.off_policy_steps = tau, 1
+  c.stats.tau, c.rl.off_policy_steps, c.rollout.partial_groups = tau, 1, 2
   return c
 
 

@@ -523,6 +523,7 @@ OUT_OF_RANGE = {
   "rollout.dense_layers": -1,
   "rollout.engine_slots": -1,
   "rollout.group_size": 1,
+  "rollout.max_carry_steps": -1,
   "rollout.max_new_tokens": 0,
   "rollout.max_prompt_len": 0,
   "rollout.num_top_logprobs": -1,

@@ -154,20 +154,20 @@ def make_mesh(c):
   """The trainer's (data, fsdp, tensor) mesh of config.mesh, checked against the batch
   (run_config.check_mesh): over every process's devices, less each process's first
   mesh.rollout_devices, which only roll out (`rollout_mesh`)."""
-  m = c.mesh
+  m, n = c.mesh, rollouts.AsyncConfig.of(c).rollout_devices
   run_config.require(
-    m.rollout_devices < jax.local_device_count(),
+    n < jax.local_device_count(),
     "mesh.rollout_devices",
-    m.rollout_devices,
+    n,
     f"must leave the trainer devices: each process has {jax.local_device_count()}",
   )
-  devices = sharding.split_devices(m.rollout_devices)[0] if m.rollout_devices else None
+  devices = sharding.split_devices(n)[0] if n else None
   try:
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
   except ValueError as e:
     raise ValueError(
-      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}, "
-      f"rollout_devices={m.rollout_devices}) is invalid: {e}"
+      f"config.mesh (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}, rollout_devices={n}) is "
+      f"invalid: {e}"
     ) from None
   run_config.check_mesh(c, mesh)
   return mesh
@@ -178,13 +178,14 @@ def rollout_mesh(c, mesh):
   0), or each process's first mesh.rollout_devices devices, rows over data and the weights whole
   on each (decode reads every weight at every token: no FSDP gathers there). Each process rolls
   out the same rows it trains on (checked)."""
-  if not c.mesh.rollout_devices:
+  n = rollouts.AsyncConfig.of(c).rollout_devices
+  if not n:
     return mesh
-  devices = sharding.split_devices(c.mesh.rollout_devices)[1]
+  devices = sharding.split_devices(n)[1]
   count = c.rollout.prompts_per_step * c.rollout.group_size
-  run_config.check_rollout_split(c, len(devices), count)  # before the rows are split over them
+  run_config.check_rollout_split(c, n, len(devices), count)  # before the rows are split over them
   rollout = sharding.make_mesh(len(devices), 1, 1, devices=devices)
-  run_config.check_rollout_mesh(c, Rows.of(rollout, count), Rows.of(mesh, count))
+  run_config.check_rollout_mesh(n, Rows.of(rollout, count), Rows.of(mesh, count))
   return rollout
 
 
@@ -230,7 +231,7 @@ def _state_init(c, opt: Optimizers):
     lora,
     opt.lora,
     keep_reference=c.rl.kl_coef > 0,
-    keep_behaviour=c.rl.off_policy_steps > 0,
+    keep_behaviour=rollouts.AsyncConfig.of(c).off_policy_steps > 0,
   )
   return init, make_lora
 
@@ -327,18 +328,18 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
   """The engine over the policy's weights on the rollout mesh, fed this process's
   engine.Requests; state: the train state (abstract) whose weights it samples; meshes: (the
   trainer's, the rollout's: `rollout_mesh`)."""
-  how = sampling(c, tokenizer)
-  weights = rollout_weights(state, *meshes, copy=c.rl.off_policy_steps > 0)
+  how, overlap = sampling(c, tokenizer), rollouts.AsyncConfig.of(c)
+  weights = rollout_weights(state, *meshes, copy=overlap.off_policy_steps > 0)
   mesh, r = meshes[1], c.rollout
   replicated = sharding.replicated(mesh)
   carried = None
-  if r.partial_groups:  # one key for rows of every step: step 0's (the loop's fold_in(key, step))
+  if overlap.partial_groups:  # one key for rows of every step: step 0's (fold_in(key, step))
     key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(c.seed), 0))
     kept = engine.Partial(cfg, key, engine=engine_cfg, sampling=how, sparse=sparse)
     rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
     share = rollouts.process_groups(r.prompts_per_step, rows)
     groups = share.stop - share.start
-    carried = rollouts.Carried(kept, mesh, task, r.group_size, groups, r.max_carry_steps)
+    carried = rollouts.Carried(kept, mesh, task, r.group_size, groups, overlap.max_carry_steps)
 
   def sync(state):
     return weights(state.params, state.lora)
@@ -461,7 +462,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   analysis, then the weights. Nothing is written."""
   run_config.check_workdir(c.workdir)
   run_config.check_resume(c)  # reads only: a changed config fails before the model loads
-  r, sparse = c.rollout, sparse_config(c)
+  r, sparse, overlap = c.rollout, sparse_config(c), rollouts.AsyncConfig.of(c)
   task = make_task(c)
   tokenizer = load_tokenizer_of(c, task)
   cfg = model_config(c, tokenizer)
@@ -470,16 +471,16 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   device = jax.local_devices()[0]
   devices = math.prod(rollout.shape[a] for a in sharding.BATCH)
   run_config.require(
-    r.partial_groups % jax.process_count() == 0,
+    overlap.partial_groups % jax.process_count() == 0,
     "rollout.partial_groups",
-    r.partial_groups,
+    overlap.partial_groups,
     f"must split evenly over the {jax.process_count()} processes (each rolls out its share)",
   )
   device_rows = rows.count // devices
   run_config.check_rows(c, device_rows, device, sparse)
   run_config.check_inputs(c, task, cfg, tokenizer)
   # partial rollouts: a device holds its share of the groups under way, partial_groups more
-  under_way = -(-(r.prompts_per_step + r.partial_groups) // devices) * r.group_size
+  under_way = -(-(r.prompts_per_step + overlap.partial_groups) // devices) * r.group_size
   engine_cfg = engine_config(c, cfg, under_way)
   run_config.check_pool(c, sparse, engine_config(c, cfg, rows_per_device=1))
   opt = optimizers(c)
@@ -508,7 +509,7 @@ def build(c: ml_collections.ConfigDict, mesh) -> Run:
   ).compile()
   step_memory = memory.StepMemory.of(compiled, abstract, shardings)
   # rollout devices of their own hold the weights whole (bytes of every leaf), no train state
-  whole = (abstract.params, abstract.lora) if c.mesh.rollout_devices else ()
+  whole = (abstract.params, abstract.lora) if overlap.rollout_devices else ()
   whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole))
   run_config.check_memory(c, cfg, engine_cfg, sparse, step_memory, device, whole)
   state = build_state(c, load_params(c, cfg), shardings, opt)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.attention import page_pool
+from sparrow_jax.rl import rollouts
 from sparrow_jax.rollout import engine
 
 
@@ -101,11 +102,11 @@ def parts(c, cfg, engine_cfg, step: StepMemory, pool: int) -> dict:
     "rollout.prompts_per_step",
     f"{r.prompts_per_step} (x group_size {r.group_size})",
   )
-  if r.partial_groups:
+  carried = rollouts.AsyncConfig.of(c).partial_groups
+  if carried:
     pool_field = "rollout.partial_groups"
     pool_value = (
-      f"{r.partial_groups} (beside prompts_per_step {r.prompts_per_step}, x group_size "
-      f"{r.group_size})"
+      f"{carried} (beside prompts_per_step {r.prompts_per_step}, x group_size {r.group_size})"
     )
   if r.pool_gb:
     pool_field, pool_value = "rollout.pool_gb", r.pool_gb

@@ -28,6 +28,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from sparrow_jax import schema
 from sparrow_jax.data.rewards import Grade
 from sparrow_jax.rl import hooks
 from sparrow_jax.rollout import engine, sampler
@@ -35,17 +36,59 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 
 
 @dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+  """How rollouts overlap training: each setting declared here once, with its bound, and read by
+  every module through it (`of`: from the config's rl, rollout and mesh groups; a bad value names
+  its config field)."""
+
+  off_policy_steps: int = 0  # rl: 1: a step trains on rows of the previous step's weights
+  partial_groups: int = 0  # rollout: E groups under way beyond a step's (0: no row is carried)
+  max_carry_steps: int = 2  # rollout: a row carried this many steps ends before a step trains
+  rollout_devices: int = 0  # mesh: each process's first n devices only roll out (0: colocated)
+
+  def __post_init__(self):
+    for name, ok, allowed in (
+      (
+        "off_policy_steps",
+        self.off_policy_steps in (0, 1),
+        "must be 0 (each step trains on rollouts of its own weights) or 1 (one-step-off: on "
+        "rollouts of the previous step's weights, sampled while the previous update ran)",
+      ),
+      ("partial_groups", _count(self.partial_groups), "must be >= 0 GRPO groups (0: off)"),
+      ("max_carry_steps", _count(self.max_carry_steps), "must be >= 0 steps (0: no bound)"),
+      (
+        "rollout_devices",
+        _count(self.rollout_devices),
+        "must be >= 0 devices of each process (0: rollouts on the trainer's devices)",
+      ),
+    ):
+      if not ok:
+        value = getattr(self, name)
+        raise ValueError(f"AsyncConfig.{name} = {value!r} is invalid: {allowed}")
+
+  @classmethod
+  def of(cls, c) -> "AsyncConfig":
+    return schema.from_group(cls, c, "rl", "rollout", "mesh")
+
+  @property
+  def under_way(self) -> bool:
+    """Whether a checkpoint keeps rows under way (sampled ahead, or carried)."""
+    return bool(self.off_policy_steps or self.partial_groups)
+
+
+def _count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
-  """What the source reads of the run's config (`of`); the async settings' bounds are checked
-  by rl/run_config.py before any of this is built."""
+  """What the source reads of the run's config (`of`)."""
 
   prompts_per_step: int  # GRPO groups a step trains on
   group_size: int  # rows a group
   max_prompt_len: int  # the prompt width, in tokens
   max_new_tokens: int
-  off_policy_steps: int  # 0: on-policy; 1: a step trains on rows of the previous step's weights
-  partial_groups: int  # E: groups under way beyond a step's (0: no row is carried)
-  max_carry_steps: int  # a carried row that started this many steps ago ends before a step trains
+  overlap: AsyncConfig
   total_steps: int  # no rows are sampled ahead for a step past it
   seed: int  # the rollout key of step s is fold_in(PRNGKey(seed), s)
   bin_size: int  # tokens a position bin of the per-bin metrics (stats.bin_size)
@@ -54,24 +97,13 @@ class Settings:
   @classmethod
   def of(cls, c) -> "Settings":
     r = c.rollout
-    return cls(
-      r.prompts_per_step,
-      r.group_size,
-      r.max_prompt_len,
-      r.max_new_tokens,
-      c.rl.off_policy_steps,
-      r.partial_groups,
-      r.max_carry_steps,
-      c.total_steps,
-      c.seed,
-      c.stats.bin_size,
-      c.stats.num_bins,
-    )
+    parts = (r.prompts_per_step, r.group_size, r.max_prompt_len, r.max_new_tokens)
+    return cls(*parts, AsyncConfig.of(c), c.total_steps, c.seed, c.stats.bin_size, c.stats.num_bins)
 
 
 def new_groups(s: Settings, step: int) -> tuple:
   """(count, data position) of the GRPO groups step `step`'s rollout starts."""
-  n, extra = s.prompts_per_step, s.partial_groups
+  n, extra = s.prompts_per_step, s.overlap.partial_groups
   if step == 0:
     return n + extra, 0
   return n, step * n + extra
@@ -248,7 +280,7 @@ class Source:
   def __enter__(self) -> "Source":
     # Several processes sample in the loop's own thread, in order (every process must issue its
     # collectives in the same order), still one step off, without the overlap.
-    if self.s.off_policy_steps and jax.process_count() == 1:
+    if self.s.overlap.off_policy_steps and jax.process_count() == 1:
       self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout")
     return self
 
@@ -267,7 +299,7 @@ class Source:
     sampled = self.ahead.result() if self.ahead else self._sample(*self._args(state, step, step))
     waited = time.time() - t0
     self.ahead = None
-    if self.s.off_policy_steps and step + 1 < self.s.total_steps:
+    if self.s.overlap.off_policy_steps and step + 1 < self.s.total_steps:
       self.ahead = self.thread.submit(self._sample, *self._args(state, step, step + 1))
     return sampled._replace(wait_s=waited)
 
@@ -288,7 +320,7 @@ class Source:
     problems = self.task.sample(count, position)[share]
     prompt, prompt_len = _prompts(problems, self.tokenizer, g, s.max_prompt_len)
     # carried rows are keyed by their group's data position: rows go on over steps
-    first = (position + share.start) * g if s.partial_groups else self.rows.lo
+    first = (position + share.start) * g if s.overlap.partial_groups else self.rows.lo
     requests = engine.Requests(prompt, prompt_len, s.max_new_tokens, g, first_row=first)
     taken = self.sampler.sample(synced.weights, problems, requests, key, budget, synced.version)
     rollout_s = time.time() - t0
@@ -353,14 +385,15 @@ class Source:
     sampled ahead come back as the next `take`'s; carried rows go back into the engine. A
     one-step-off run's last checkpoint keeps no rows ahead (no later step was to run): the run
     was extended, and step `step` samples its own rows, on-policy, and says so."""
-    if not step or not (self.s.off_policy_steps or self.s.partial_groups):
+    if not step or not self.s.overlap.under_way:
       return
     if saved is None:
-      if self.s.partial_groups:
+      if self.s.overlap.partial_groups:
         raise ValueError(
           f"checkpoint {step} keeps no carried rows (rollout.partial_groups = "
-          f"{self.s.partial_groups}): it was written by another config; resume with that "
-          "run's config or start a new config.workdir"
+          f"{self.s.overlap.partial_groups}): it was written by another config, or by a "
+          "version that kept them beside it in in_flight/ as a pickle, which is not read (it "
+          "could run code); resume with what wrote it or start a new config.workdir"
         )
       print(
         f"checkpoint {step} holds no rows sampled ahead (it was the run's last step): step "

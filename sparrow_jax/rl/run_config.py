@@ -22,7 +22,7 @@ from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
 from sparrow_jax.model.hf import load_config
-from sparrow_jax.rl import memory, step_schema
+from sparrow_jax.rl import memory, rollouts, step_schema
 from sparrow_jax.rl.evaluate import EvalConfig
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -63,12 +63,14 @@ def _check_scalars(c) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Rejects a bad config up front, naming the field. Each component checks its own fields (the
-  train step's `StepConfig`, `Sampling`, `SparseConfig`, `LoopConfig`, `EvalConfig`); what is
+  train step's `StepConfig`, `Sampling`, `AsyncConfig`, `SparseConfig`, `LoopConfig`,
+  `EvalConfig`); what is
   left here is what only the whole config knows. What needs the data or the model's vocabulary is
   `check_inputs`, also run before anything is written."""
   _check_scalars(c)
   step_schema.StepConfig.from_config(c)
   schema.from_group(sampler.Sampling, c, "rollout")
+  rollouts.AsyncConfig.of(c)
   _check_batch(c)
   _check_run_fields(c)
   _check_model_fields(c)
@@ -183,23 +185,8 @@ def _check_ranges(c) -> None:
     ("keep_checkpoints", c.keep_checkpoints >= 1, "must be >= 1"),
     ("max_nonfinite_steps", c.max_nonfinite_steps >= 1, "must be >= 1"),
     ("rollout.max_prompt_len", r.max_prompt_len >= 1, "must be >= 1"),
-    (
-      "mesh.rollout_devices",
-      isinstance(c.mesh.rollout_devices, int) and c.mesh.rollout_devices >= 0,
-      "must be >= 0 devices of each process (0: rollouts on the trainer's devices)",
-    ),
     ("rollout.engine_slots", r.engine_slots >= 0, "must be >= 0 (0 = all of a device's rows)"),
     ("rollout.pool_gb", r.pool_gb >= 0, "must be >= 0 (0 = room for all rows at full length)"),
-    (
-      "rollout.partial_groups",
-      isinstance(r.partial_groups, int) and r.partial_groups >= 0,
-      "must be >= 0 GRPO groups under way beyond prompts_per_step (0: off)",
-    ),
-    (
-      "rollout.max_carry_steps",
-      isinstance(r.max_carry_steps, int) and r.max_carry_steps >= 0,
-      "must be >= 0 steps a row may be carried (0: no bound)",
-    ),
     (
       "rollout.chunk_steps",
       1 <= r.chunk_steps <= r.max_new_tokens,
@@ -432,14 +419,15 @@ def check_memory(
     return
   pool = memory.pool_bytes(c, cfg, engine_cfg, sparse)
   rollout = (rollout_weights or step.state) + pool
-  kept = c.rollout.partial_groups and not rollout_weights  # partial rollouts keep their pool
+  overlap = rollouts.AsyncConfig.of(c)
+  kept = overlap.partial_groups and not rollout_weights  # carried rows keep their pool
   peak = step.peak + (pool if kept else 0)  # through the update, beside the step
   if max(peak, rollout) <= have:
     return
   require(
     rollout_weights <= have,
     "mesh.rollout_devices",
-    c.mesh.rollout_devices,
+    overlap.rollout_devices,
     f"a rollout device holds the weights whole, {rollout_weights / 1e9:.3g} GB, more than this "
     f"{device.platform} device's {have / 1e9:.3g} GB: colocate the rollout (0), whose weights "
     "keep their tensor sharding, or a smaller model",
@@ -690,22 +678,21 @@ def check_mesh(c, mesh) -> None:
   )
 
 
-def check_rollout_split(c, ways: int, rows: int) -> None:
-  """Rollout devices of their own (mesh.rollout_devices, `ways` of them over every process): each
-  holds whole GRPO groups of the step's `rows`."""
+def check_rollout_split(c, n: int, ways: int, rows: int) -> None:
+  """Rollout devices of their own (mesh.rollout_devices = n a process, `ways` of them over every
+  process): each holds whole GRPO groups of the step's `rows`."""
   require(
     rows % (ways * c.rollout.group_size) == 0,
     "mesh.rollout_devices",
-    c.mesh.rollout_devices,
+    n,
     f"the {rows} rows of a step must split into whole groups of {c.rollout.group_size} over the "
     f"{ways} rollout devices",
   )
 
 
-def check_rollout_mesh(c, rollout_rows, train_rows) -> None:
-  """Rollout devices of their own: each process rolls out the rows it trains on (so its rollouts
-  never cross to another host)."""
-  n = c.mesh.rollout_devices
+def check_rollout_mesh(n: int, rollout_rows, train_rows) -> None:
+  """Rollout devices of their own (mesh.rollout_devices = n): each process rolls out the rows it
+  trains on (so its rollouts never cross to another host)."""
   require(
     (rollout_rows.lo, rollout_rows.hi) == (train_rows.lo, train_rows.hi),
     "mesh.rollout_devices",

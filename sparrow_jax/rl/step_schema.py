@@ -75,7 +75,6 @@ class RLConfig:
   mask_row_alpha_below: float = 0.0
   remat: str = "full"  # per-layer rematerialisation (qwen3.REMAT_POLICIES)
   logits_chunk: int = 512  # positions per LM-head chunk (qwen3.map_logits)
-  off_policy_steps: int = 0  # 1: the rollouts are one step stale (TrainState.behaviour_params)
 
   def __post_init__(self):
     require = functools.partial(_require, self)
@@ -100,12 +99,6 @@ class RLConfig:
       "is compiled into the step's one program",
     )
     require(self.micro_batches >= 1, "micro_batches", "must be >= 1")
-    require(
-      self.off_policy_steps in (0, 1),
-      "off_policy_steps",
-      "must be 0 (each step trains on rollouts of its own weights) or 1 (one-step-off: on "
-      "rollouts of the previous step's weights, sampled while the previous update ran)",
-    )
     require(
       all(isinstance(n, int) and n >= 1 for n in self.length_buckets)
       and list(self.length_buckets) == sorted(set(self.length_buckets)),

@@ -1,13 +1,14 @@
-"""The RL loop: sample prompts -> (sparse) rollout -> rewards -> fused train step -> log,
-checkpoint. What a step does beside that (the KV budgets and the closed loop, the kv and perf
-metrics, the held-out evaluation, the checkpoint with their meta) are hooks (rl/hooks.py); the
-run's components are built and checked by rl/build.py (the checks: rl/run_config.py), its
+"""The RL loop: the step's graded rows from the rollout source (rl/rollouts.py: on-policy, one
+step off or carried, the loop does not ask which) -> fused train step -> log, checkpoint. What a
+step does beside that (the KV budgets and the closed loop, the kv and perf metrics, the held-out
+evaluation, the checkpoint with their meta and the source's saved rows) are hooks (rl/hooks.py);
+the run's components are built and checked by rl/build.py (the checks: rl/run_config.py), its
 workdir kept by rl/workdir.py.
 
-Everything a step needs is a pure function of (config, step, restored state): the data position is
-`step * prompts_per_step`, the rollout key is fold_in(seed key, step), and an adaptive schedule's
-table is in the checkpoint meta. So a run killed at any point and restarted with the same workdir
-replays exactly the steps an uninterrupted run would have taken.
+Everything a step needs is a pure function of (config, step, restored state): the data position
+and the rollout key are functions of the step, an adaptive schedule's table is in the checkpoint
+meta, and what the source had under way is in the checkpoint. So a run killed at any point and
+restarted with the same workdir replays exactly the steps an uninterrupted run would have taken.
 
 A run never loses data: every check that can run before the workdir is written does
 (`run_config.validate`, then the checks `build.build` runs against the task, the model and the
@@ -56,11 +57,7 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
   source) goes on `stack`. Nothing is written before `workdir.hold`, so a config error leaves no
   workdir."""
   held = workdir.hold(c, stack)
-  step_hooks = list(run.hooks)
-  if c.profile_steps:
-    profile = hooks.Profile(os.path.join(c.workdir, "profile"), *c.profile_steps)
-    stack.callback(profile.close)  # a run stopped inside the range still writes its trace
-    step_hooks.append(profile)
+  step_hooks = list(run.hooks) + _profile(c, stack)
   mgr = checkpoint.manager(c.workdir, c.keep_checkpoints)
   source = stack.enter_context(run.source)
   state, start = _restore(c, mgr, run, step_hooks)
@@ -105,6 +102,15 @@ def _train(c, run: build.Run, stack: contextlib.ExitStack) -> list:
   workdir.write_summary(c, run.cfg, state, run.task, log.rows[-1], log.times, history())
   log.done()
   return log.rows
+
+
+def _profile(c, stack: contextlib.ExitStack) -> list:
+  """The profiling hook of config.profile_steps, as a list of hooks (none when it is off)."""
+  if not c.profile_steps:
+    return []
+  profile = hooks.Profile(os.path.join(c.workdir, "profile"), *c.profile_steps)
+  stack.callback(profile.close)  # a run stopped inside the range still writes its trace
+  return [profile]
 
 
 def _update(c, run: build.Run, state, sampled: rollouts.Sampled):
