@@ -89,13 +89,23 @@ def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
   assert len(hook.meta()["adaptive"]["topk"]) == bins
 
 
-def timed(out, **round_s):
+def mean_cached(out) -> float:
+  return float(np.mean(out.prompt_len_B + out.lengths_B / 2))
+
+
+def timed(out, cached=None, beside=(), **round_s):
   """out with its engine's chunks timed: round_s k0=..., k2=...: seconds per round of each, three
-  chunks each (the first, which may compile, ten times slower)."""
-  stats = dataclasses.replace(out.engine_stats, chunk_round_s={})
+  chunks each (the first, which may compile, ten times slower), at `cached` cached tokens (default:
+  the rows' mean); the counts in `beside` timed beside the loop's step."""
+  stats = dataclasses.replace(out.engine_stats, chunk_rounds={})
   for k, s in round_s.items():
     for seconds in (10 * s, s, s):
-      stats.time_chunk(int(k[1:]), seconds * 4, 4)
+      started = -1.0 if k in beside else 1.0
+      stats.time_chunk(
+        int(k[1:]), seconds * 4, 4, mean_cached(out) if cached is None else cached, started
+      )
+  if beside:
+    stats.beside_until = 0.0
   return dataclasses.replace(out, engine_stats=stats)
 
 
@@ -146,7 +156,7 @@ def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay()
   proposed = hook.for_step(1)
   assert max(proposed.drafts.k_bin) == 2  # at alpha 0.99 the roofline drafts past bin 0
   sparse, rows = build.sparse_config(c), hook.switch.rows
-  cached = float(np.mean(output(0, first).prompt_len_B + output(0, first).lengths_B / 2))
+  cached = mean_cached(output(0, first))
   priced = dict(rows=rows, hardware=hook.switch.hardware, sparse=sparse)
   dense_s = cost_model.round_seconds(cfg, None, cached, k=0, **priced)
   round_s = cost_model.round_seconds(cfg, proposed.schedule, cached, k=2, **priced)
@@ -180,10 +190,22 @@ def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay()
 
 
 def test_engine_stats_time_rounds_leaving_each_programs_first_chunk_out():
+  """Each chunk is filed with its seconds per round and the cached length it ran at, under the
+  count its rounds ran (None: not filed); the clock round-trips through a checkpoint's JSON."""
   stats = engine.EngineStats()
-  for draft, seconds, rounds in ((0, 9.0, 8), (0, 0.8, 8), (0, 1.6, 8), (0, 0.0, 0), (2, 5.0, 2)):
-    stats.time_chunk(draft, seconds, rounds)
-  assert stats.round_seconds() == {0: pytest.approx(0.15)}  # median of 0.1 and 0.2; k=2 once
+  chunks = ((0, 9.0, 8, 10), (0, 0.8, 8, 20), (0, 1.6, 8, 40), (0, 0.0, 0, 50), (2, 5.0, 2, 60))
+  for draft, seconds, rounds, cached in chunks + ((None, 1.0, 4, 70),):
+    stats.time_chunk(draft, seconds, rounds, cached, started=float(cached))
+  assert stats.round_timings() == {0: [(pytest.approx(0.1), 20), (pytest.approx(0.2), 40)]}
+  assert stats.round_timings(beside=True) == {} and stats.timed_beside() == 0.0
+  stats.beside_until = 30.0  # the chunk that started at 20 shared the machine with the loop's step
+  assert stats.round_timings() == {0: [(pytest.approx(0.2), 40)]}
+  assert stats.round_timings(beside=True) == {0: [(pytest.approx(0.1), 20)]}
+  assert stats.timed_beside() == 0.5
+  state = json.loads(json.dumps(stats.state(), allow_nan=False))
+  back = engine.EngineStats.from_state(state)
+  assert back.state() == stats.state() and back == stats
+  assert (back.chunk_rounds, back.beside_until) == (stats.chunk_rounds, stats.beside_until)
 
 
 def test_kv_metrics_price_the_steps_rollouts():
