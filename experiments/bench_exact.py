@@ -21,10 +21,10 @@ runs the program of the most drafts its rounds take; none: dense decode steps).
 job's prompts, group size and cutoff), whole rollouts through `engine.run` (prefill, decode, refill)
 for dense, sparse (its calibrated table), speculateK and auto, interleaved, median over `runs`.
 auto's plan comes from the drafts' mean acceptance per position bin measured on the speculateK
-rollout (`Rollout.alpha`) and the engine's own seconds per round (`EngineStats.round_seconds`)
-of the dense and speculateK rollouts, priced as in (1). Exact rows are dense samples and sparse
-ones are not, so the settings' rows have different lengths: tokens/s counts each setting's own
-tokens.
+rollout (`Rollout.alpha`) and the engine's own seconds per round (`EngineStats.round_timings`)
+of the dense and speculateK rollouts, each chunk at the cached length it ran at, priced as in
+(1). Exact rows are dense samples and sparse ones are not, so the settings' rows have different
+lengths: tokens/s counts each setting's own tokens.
 
 Every ratio is measured in this run. `record` writes a results record, from which
 docs/make_results_pages.py makes docs/results/speculative_rollout.md.
@@ -75,15 +75,15 @@ def filled_pool(cfg, pages: int, page_size: int, key):
   return pool.replace(**{n: tuple(x[j] for x in layers) for j, n in enumerate(names)})
 
 
-def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware, round_s, cached):
+def priced_plan(cfg, schedule, sparse, alpha_bin, bin_size, ks, rows, hardware, timings):
   """The regime switch's plan as the trainer prices it (`hooks.DraftSwitch`): measured per-bin
-  acceptances, and the measured seconds per round of each setting, round_s = {k: seconds} (k = 0:
-  a dense decode step) at about `cached` cached tokens -> (plan, the switch's pass overhead, its
-  round scales)."""
+  acceptances, and the measured rounds of each setting, timings = {k: [(seconds per round, cached
+  length), ...]} (k = 0: dense decode steps) -> (plan, the switch's pass overhead, its round
+  scales)."""
   stats = types.SimpleNamespace(bin_size=bin_size, num_bins=len(alpha_bin))
   switch = hooks.DraftSwitch(cfg, sparse, rows, ks, stats, hardware)
   switch.alpha = [float(a) for a in alpha_bin]
-  switch.reprice(round_s, cached, schedule)
+  switch.reprice(timings, schedule)
   return switch.plan(schedule), switch.hardware.pass_overhead_s, switch.scale
 
 
@@ -177,13 +177,13 @@ def bench_shapes(config, hardware) -> list:
     # speculate runs' judged drafts' acceptance and every setting's seconds per round.
     ks = tuple(config.drafts)
     first = median_seconds(calls[:1] + calls[3:], 1)
-    round_s = {k: sec / -(-T // (k + 1)) for k, sec in zip((0, *ks), first)}
+    timings = {k: [(sec / -(-T // (k + 1)), context)] for k, sec in zip((0, *ks), first)}
     alpha = np.concatenate([np.asarray(got[n][1]).ravel() for n in names[3:]])
     alpha = float(np.nanmean(alpha))
     num_bins = context // e.bin_size + 1
     alpha_bin = [alpha] * num_bins
     plan, overhead, scale = priced_plan(
-      cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, round_s, context
+      cfg, schedule, sparse, alpha_bin, e.bin_size, ks, B, hardware, timings
     )
     by_len = np.minimum(plan.k_by_len(PR * Z), K)
     # The engine's choice of program: the most drafts a round takes, or none: dense decode steps.
@@ -251,12 +251,11 @@ def bench_trained(config, hardware) -> list:
   # engine's seconds per round of dense decoding and of each k, and the drafts' acceptance per bin
   # on the largest k's rollout.
   median_seconds(calls[:1] + calls[3:], 1)
-  measured = [got["dense"][1].round_seconds()] + [
-    got[f"speculate{k}"][1].round_seconds() for k in config.drafts
+  measured = [got["dense"][1].round_timings()] + [
+    got[f"speculate{k}"][1].round_timings() for k in config.drafts
   ]
   # a count timed in one chunk only (a short rollout) is not measured: the roofline prices it
-  round_s = {k: m[k] for k, m in zip((0, *config.drafts), measured) if k in m}
-  cached = float(np.mean(prompt_len + got["dense"][0].lengths / 2))
+  timings = {k: m[k] for k, m in zip((0, *config.drafts), measured) if k in m}
   out, _ = got[names[-1]]
   alpha_BN = np.asarray(out.alpha, np.float64)
   bins = (prompt_len[:, None] + np.arange(alpha_BN.shape[1])[None]) // c.stats.bin_size
@@ -273,8 +272,7 @@ def bench_trained(config, hardware) -> list:
     tuple(config.drafts),
     base.num_slots,
     hardware,
-    round_s,
-    cached,
+    timings,
   )
   names.append("auto")
   calls.append(rollout("auto", K, plan))

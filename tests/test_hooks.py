@@ -89,13 +89,23 @@ def test_closed_loop_moves_the_table_and_resumes_from_its_meta():
   assert len(hook.meta()["adaptive"]["topk"]) == bins
 
 
-def timed(out, **round_s):
+def mean_cached(out) -> float:
+  return float(np.mean(out.prompt_len_B + out.lengths_B / 2))
+
+
+def timed(out, cached=None, beside=(), **round_s):
   """out with its engine's chunks timed: round_s k0=..., k2=...: seconds per round of each, three
-  chunks each (the first, which may compile, ten times slower)."""
-  stats = dataclasses.replace(out.engine_stats, chunk_round_s={})
+  chunks each (the first, which may compile, ten times slower), at `cached` cached tokens (default:
+  the rows' mean); the counts in `beside` timed beside the loop's step."""
+  stats = dataclasses.replace(out.engine_stats, chunk_rounds={})
   for k, s in round_s.items():
     for seconds in (10 * s, s, s):
-      stats.time_chunk(int(k[1:]), seconds * 4, 4)
+      started = -1.0 if k in beside else 1.0
+      stats.time_chunk(
+        int(k[1:]), seconds * 4, 4, mean_cached(out) if cached is None else cached, started
+      )
+  if beside:
+    stats.beside_until = 0.0
   return dataclasses.replace(out, engine_stats=stats)
 
 
@@ -146,7 +156,7 @@ def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay()
   proposed = hook.for_step(1)
   assert max(proposed.drafts.k_bin) == 2  # at alpha 0.99 the roofline drafts past bin 0
   sparse, rows = build.sparse_config(c), hook.switch.rows
-  cached = float(np.mean(output(0, first).prompt_len_B + output(0, first).lengths_B / 2))
+  cached = mean_cached(output(0, first))
   priced = dict(rows=rows, hardware=hook.switch.hardware, sparse=sparse)
   dense_s = cost_model.round_seconds(cfg, None, cached, k=0, **priced)
   round_s = cost_model.round_seconds(cfg, proposed.schedule, cached, k=2, **priced)
@@ -180,10 +190,22 @@ def test_the_draft_switch_drops_a_draft_count_whose_measured_rounds_do_not_pay()
 
 
 def test_engine_stats_time_rounds_leaving_each_programs_first_chunk_out():
+  """Each chunk is filed with its seconds per round and the cached length it ran at, under the
+  count its rounds ran (None: not filed); the clock round-trips through a checkpoint's JSON."""
   stats = engine.EngineStats()
-  for draft, seconds, rounds in ((0, 9.0, 8), (0, 0.8, 8), (0, 1.6, 8), (0, 0.0, 0), (2, 5.0, 2)):
-    stats.time_chunk(draft, seconds, rounds)
-  assert stats.round_seconds() == {0: pytest.approx(0.15)}  # median of 0.1 and 0.2; k=2 once
+  chunks = ((0, 9.0, 8, 10), (0, 0.8, 8, 20), (0, 1.6, 8, 40), (0, 0.0, 0, 50), (2, 5.0, 2, 60))
+  for draft, seconds, rounds, cached in chunks + ((None, 1.0, 4, 70),):
+    stats.time_chunk(draft, seconds, rounds, cached, started=float(cached))
+  assert stats.round_timings() == {0: [(pytest.approx(0.1), 20), (pytest.approx(0.2), 40)]}
+  assert stats.round_timings(beside=True) == {} and stats.timed_beside() == 0.0
+  stats.beside_until = 30.0  # the chunk that started at 20 shared the machine with the loop's step
+  assert stats.round_timings() == {0: [(pytest.approx(0.2), 40)]}
+  assert stats.round_timings(beside=True) == {0: [(pytest.approx(0.1), 20)]}
+  assert stats.timed_beside() == 0.5
+  state = json.loads(json.dumps(stats.state(), allow_nan=False))
+  back = engine.EngineStats.from_state(state)
+  assert back.state() == stats.state() and back == stats
+  assert (back.chunk_rounds, back.beside_until) == (stats.chunk_rounds, stats.beside_until)
 
 
 def test_kv_metrics_price_the_steps_rollouts():
@@ -318,3 +340,96 @@ def test_evaluation_scores_dense_and_under_the_steps_own_budget(tmp_path):
   resumed = build.evaluation(c, cfg, sparse, task, task.own_tokenizer, weights, None)
   resumed.restore(json.loads(json.dumps(hook.meta())))
   assert resumed.history == hook.history
+
+
+def switch_of(ks=(2,)):
+  c = config(TABLE)
+  c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"
+  c.rollout.speculate_ks = ks
+  hook, cfg = budgets(c)
+  step = {
+    "acceptance/mean_bin": [0.99] * c.stats.num_bins,
+    "acceptance/count_bin": [10] * c.stats.num_bins,
+  }
+  return hook, cfg, build.sparse_config(c), step
+
+
+def on_the_roofline(cfg, sparse, schedule, hardware, rows, overhead, chunks):
+  """chunks: {k: cached lengths} -> {k: [seconds per round]}: what `hardware` with `overhead`
+  seconds a pass prices a round of k at each length, exactly."""
+  hw = dataclasses.replace(hardware, pass_overhead_s=overhead)
+  price = lambda k, n: cost_model.round_seconds(
+    cfg, schedule if k else None, n, k=k, rows=rows, hardware=hw, sparse=sparse
+  )
+  return {k: [price(k, n) for n in lengths] for k, lengths in chunks.items()}
+
+
+def file_chunks(out, seconds, lengths, beside=()):
+  """out with its engine's chunks: seconds[k][i] a round at lengths[k][i] cached tokens, each k's
+  first chunk (which may compile) ten times slower; the counts in `beside` timed beside the loop's
+  step."""
+  stats = dataclasses.replace(out.engine_stats, chunk_rounds={})
+  for k in seconds:
+    started = -1.0 if k in beside else 1.0
+    first = (10 * seconds[k][0], lengths[k][0])
+    for s, n in [first] + list(zip(seconds[k], lengths[k])):
+      stats.time_chunk(k, s * 4, 4, n, started)
+  stats.beside_until = 0.0 if beside else None
+  return dataclasses.replace(out, engine_stats=stats)
+
+
+# Dense rounds ran in the short bins, rounds of 2 drafts in the long ones: far from the rows' mean
+# cached length either way, where the roofline prices both differently.
+LENGTHS = {0: [100, 150, 200], 2: [6000, 8000, 10000]}
+OVERHEAD = 2e-8  # seconds a pass beyond the roofline, well under it: drafting can pay
+
+
+def test_the_switch_prices_each_draft_count_where_its_rounds_ran():
+  """Rounds timed exactly at what the roofline (with a pass overhead) prices them at the cached
+  lengths where they ran: the fitted overhead is that overhead and every factor is 1, however far
+  each k's lengths are from the rollout's mean."""
+  hook, cfg, sparse, step = switch_of()
+  first = hook.for_step(0)
+  hook.end_step(output(0, first), step)
+  proposed = hook.for_step(1)
+  switch = hook.switch
+  seconds = on_the_roofline(
+    cfg, sparse, proposed.schedule, switch.hardware, switch.rows, OVERHEAD, LENGTHS
+  )
+  hook.end_step(file_chunks(output(1, proposed), seconds, LENGTHS), step)
+  assert switch.hardware.pass_overhead_s == pytest.approx(OVERHEAD, rel=1e-6)
+  assert switch.scale == {0: pytest.approx(1.0, rel=1e-6), 2: pytest.approx(1.0, rel=1e-6)}
+
+
+def test_rounds_timed_beside_the_update_do_not_move_the_price():
+  """One step off, the rollout's chunks share the machine with the loop's step and run slower,
+  dense rounds and drafting rounds alike. Those timings neither set the pass overhead nor the
+  factors timed alone; a k timed only beside a step is charged its factor relative to the dense
+  rounds timed beside one, on the quiet dense clock: the plan is the one quiet timings give."""
+  hook, cfg, sparse, step = switch_of()
+  switch = hook.switch
+  first = hook.for_step(0)
+  roofline = lambda chunks, s=switch: on_the_roofline(
+    cfg, sparse, first.schedule, s.hardware, s.rows, OVERHEAD, chunks
+  )
+  quiet = roofline(LENGTHS)
+  # Step 0 samples alone (nothing to update yet) and decodes densely: its dense rounds.
+  hook.end_step(file_chunks(output(0, first), {0: quiet[0]}, LENGTHS), step)
+  assert switch.hardware.pass_overhead_s == pytest.approx(OVERHEAD, rel=1e-6)
+  # The next rollouts run beside the updates, every round 4x slower than alone.
+  slow = {k: [4 * s for s in v] for k, v in quiet.items()}
+  out = file_chunks(output(1, hook.for_step(1)), slow, LENGTHS, beside=(0, 2))
+  hook.end_step(out, step)
+  assert switch.hardware.pass_overhead_s == pytest.approx(OVERHEAD, rel=1e-6)
+  assert switch.scale == {0: pytest.approx(1.0, rel=1e-6)}
+  assert switch.scale_beside == {0: pytest.approx(4.0, rel=1e-6), 2: pytest.approx(4.0, rel=1e-6)}
+  assert switch.priced() == {0: pytest.approx(1.0, rel=1e-6), 2: pytest.approx(1.0, rel=1e-6)}
+  # the plan of the same rounds timed alone
+  alone, _, _, _ = switch_of()
+  alone.end_step(file_chunks(output(0, first), quiet, LENGTHS), step)
+  assert hook.for_step(2).drafts == alone.for_step(2).drafts
+  assert max(hook.for_step(2).drafts.k_bin) == 2
+  assert hook.metrics(out)["rollout/round_timing_beside_update"] == 1.0
+  resumed, _, _, _ = switch_of()
+  resumed.restore(json.loads(json.dumps(hook.meta(), allow_nan=False)))
+  assert resumed.switch.priced() == switch.priced()

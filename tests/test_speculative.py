@@ -537,3 +537,55 @@ def test_a_row_drafting_fewer_than_the_chunk_s_k_draws_its_last_token_from_its_d
     if float(np.sum((counts - expected) ** 2 / expected)) >= threshold:
       wrong[int(k)] = counts.tolist()
   assert not wrong, f"last-token counts by k_row (of k {K_DRAFT}) {wrong}, want {expected}"
+
+
+def test_a_chunk_is_filed_under_the_drafts_its_rounds_ran():
+  """A chunk runs the program of the most drafts its rows' rounds may take (the look-ahead), and
+  each round the most drafts a running row asks for: a chunk of k rounds is one whose every round
+  drafted k. A chunk with rounds that drafted fewer is filed under no k (filed under the program's
+  k it would price that k below its rounds' cost); its clock's length is its row-rounds' mean."""
+  count = lambda rounds, drafts, cached: dict(
+    rounds=np.asarray(rounds), round_drafts=np.asarray(drafts), cached=np.asarray(cached)
+  )
+  slots = dict(length=np.asarray([10, 30, 0]), n_gen=np.asarray([1, 4, 0]))
+  full = count([2, 3, 0], [4, 6, 0], [21, 93, 0])
+  assert engine._chunk_ran(2, slots, None, full) == (2, pytest.approx(114 / 5))
+  short = count([2, 3, 0], [2, 6, 0], [21, 93, 0])  # a round with one row running drafted 0
+  assert engine._chunk_ran(2, slots, None, short) == (None, pytest.approx(114 / 5))
+  dense = engine._dense_round_counts(slots["length"], np.asarray([3, 1, 0]), CFG, 4)
+  assert engine._chunk_ran(0, slots, None, dense) == (0, pytest.approx((10 + 11 + 12 + 30) / 4))
+  # the dense engine's chunk (no exact-mode counters): rows step one token a step
+  assert engine._chunk_ran(0, slots, np.asarray([4, 5, 0]), None) == (0, pytest.approx(63 / 4))
+
+
+@pytest.mark.slow
+def test_the_engine_files_a_look_ahead_chunk_under_no_draft_count():
+  """Through the engine: rows short of the bin the look-ahead sees run the 2-draft program but
+  draft nowhere, and no chunk is filed under 2; rows inside that bin are filed under 2, at the
+  cached lengths their rounds ran at."""
+  plan = DraftPlan((0, 0, 2), page_size=4, bin_size=8)  # 2 drafts from 13 cached tokens on
+  assert plan.k_by_len(14)[12:].tolist() == [0, 2, 2]
+
+  def rollout(prompt_len, max_new):
+    prompt = np.repeat(np.random.RandomState(0).randint(1, CFG.vocab_size, (2, 16)), 2, axis=0)
+    config = engine.EngineConfig(
+      num_slots=4, num_pages=40, chunk_steps=16, speculate=2, draft_switch=True
+    )
+    return engine.run(
+      PARAMS,
+      CFG,
+      engine.Requests(prompt * (np.arange(16) < prompt_len), [prompt_len] * 4, max_new, 2),
+      jax.random.PRNGKey(1),
+      engine=config,
+      sampling=sj.Sampling(temperature=1.0),
+      sparse=SPARSE,
+      schedule=SCHEDULE,
+      draft_plan=plan,
+    )[1]
+
+  short = rollout(6, 4)  # cached 6 .. 9: the window of 16 lengths reaches the 2-draft bin
+  assert short.rounds > 0 and short.drafted == 0
+  assert short.chunk_rounds == {}
+  inside = rollout(14, 8)
+  assert inside.drafted == 2 * inside.rounds and set(inside.chunk_rounds) == {2}
+  assert all(14 <= cached <= 21 for _, cached, _ in inside.chunk_rounds[2])

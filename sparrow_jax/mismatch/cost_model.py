@@ -517,12 +517,14 @@ def _round_time(cfg: Qwen3Config, hw: Hardware, rows: float, queries_i, flops_i,
   return float(roofline + np.sum(queries_i) * hw.pass_overhead_s)
 
 
-def pass_overhead(model, hardware, rows: float, cached_len: float, measured_step_s: float) -> float:
-  """A forward pass's seconds beyond the roofline: a measured dense decode step of `rows` rows at
-  `cached_len` cached tokens less what `hardware`'s roofline prices it at (>= 0)."""
+def pass_overhead(model, hardware, rows: float, cached_len, measured_step_s) -> float:
+  """A forward pass's seconds beyond the roofline: measured dense decode steps of `rows` rows, step
+  i at cached_len[i] cached tokens (a scalar: all at one), less what `hardware`'s roofline prices
+  each at its own length, the median over the steps (>= 0)."""
   hw = dataclasses.replace(get_hardware(hardware), pass_overhead_s=0.0)
-  predicted = round_seconds(model, None, cached_len, k=0, rows=rows, hardware=hw)
-  return max(float(measured_step_s) - predicted, 0.0)
+  measured, cached = np.broadcast_arrays(np.asarray(measured_step_s, np.float64), cached_len)
+  predicted = [round_seconds(model, None, n, k=0, rows=rows, hardware=hw) for n in cached.flat]
+  return max(float(np.median(measured.ravel() - np.asarray(predicted))), 0.0)
 
 
 def alpha_by_length(alpha_bin, cached_len, page_size: int, bin_size: int):
@@ -640,24 +642,28 @@ def round_scale(
   model,
   schedule: KVSchedule,
   sparse: SparseConfig,
-  cached_len: float,
-  measured_s,
+  measured: dict,
   *,
   rows,
   hardware,
 ) -> dict:
-  """Each draft count's measured seconds per round over `round_seconds` at cached_len on
-  `hardware`: {k: measured_s[k] / priced}, k = 0 a dense decode step. The roofline prices a
+  """Each draft count's measured seconds per round over what `round_seconds` prices a round at the
+  cached length it ran at, on `hardware`: measured = {k: [(seconds per round, cached length),
+  ...]} (k = 0: dense decode steps) -> {k: the median of those ratios}. The roofline prices a
   round's passes as independent decode steps at the hardware's peak rates; what a round really
   costs beyond that (the verification's k + 1 sampled positions, the accept test, the cache's
   rollback, a program's fixed cost, a machine slower or busier than its roofline) shows up as the
   factor, which `best_draft` then charges that k's rounds (or dense steps) at every length: so
   draft counts that have run are compared on the measured clock, the roofline giving only how
-  their prices change with length."""
+  their prices change with length. Each round is priced at its own length, not at one shared by
+  every k: the roofline's price moves with length, and a k run only at long lengths measured
+  against a short length's price would read as slower than it is."""
   common = dict(rows=rows, hardware=hardware, sparse=sparse)
+  price = lambda k, n: round_seconds(model, schedule if k else None, n, k=k, **common)
   return {
-    k: float(s / round_seconds(model, schedule if k else None, cached_len, k=k, **common))
-    for k, s in measured_s.items()
+    k: float(np.median([s / price(k, n) for s, n in timings]))
+    for k, timings in measured.items()
+    if len(timings)
   }
 
 

@@ -130,6 +130,8 @@ class Budgets(Hook):
     if self.switch:  # the drafts per bin the step's rollout ran (0: dense decoding)
       metrics["rollout/draft_k_bin"] = np.asarray(out.budget.drafts.k_bin, np.int32)
       metrics.update(self.switch.metrics())
+      # the share of the step's timed chunks that ran beside the loop's step (kept apart)
+      metrics["rollout/round_timing_beside_update"] = out.engine_stats.timed_beside()
     return metrics
 
   def end_step(self, out: StepOutput, metrics: dict) -> None:
@@ -158,12 +160,20 @@ class DraftSwitch:
   to drafting. A bin not yet measured decodes densely: the first step is dense decoding, never
   slower than it.
 
-  Rounds are priced on the engine's own clock: the roofline of `rollout.speculate_hardware`
-  gives each round's shape over lengths, a measured dense round (a decode step) what every pass
-  costs beyond it (cost_model.pass_overhead), and a measured round of k drafts the factor k's
-  rounds cost beyond that (cost_model.round_scale). A k not yet run is priced by the roofline
-  alone; once run, its measured price holds until it runs again, so a k that did not pay stays
-  off unless the acceptance rises enough to pay for it as measured."""
+  Rounds are priced on the engine's own clock, each chunk at the cached length its rounds ran at:
+  the roofline of `rollout.speculate_hardware` gives each round's shape over lengths, measured
+  dense rounds (decode steps) what every pass costs beyond it (cost_model.pass_overhead), and
+  measured rounds of k drafts the factor k's rounds cost beyond that (cost_model.round_scale). A k
+  not yet run is priced by the roofline alone; once run, its measured price holds until it runs
+  again, so a k that did not pay stays off unless the acceptance rises enough to pay for it as
+  measured.
+
+  Rounds timed while the loop ran its step beside them (one step off: the update and the hooks
+  share the machine with the rollout thread, `EngineStats.beside_until`) are slower by what they
+  share, for every k: they never set the pass overhead, and a k's factor from them is kept apart
+  (`scale_beside`) and charged only relative to the dense rounds timed beside a step too, on the
+  quiet dense clock: scale_beside[k] / scale_beside[0] * scale[0]. A factor timed alone wins over
+  one timed beside a step."""
 
   def __init__(self, cfg, sparse, rows: int, ks: tuple, stats, hardware: cost_model.Hardware):
     """rows: the rows a device decodes at once; ks: rollout.speculate_ks; stats: the StatsConfig
@@ -171,54 +181,73 @@ class DraftSwitch:
     self.cfg, self.sparse, self.rows = cfg, sparse, rows
     self.ks, self.bin_size, self.hardware = tuple(ks), stats.bin_size, hardware
     self.alpha = [float("nan")] * stats.num_bins
-    self.scale = {}  # k -> its measured rounds' seconds over the roofline's (round_scale)
+    self.scale = {}  # k -> its rounds timed alone: seconds over the roofline's (round_scale)
+    self.scale_beside = {}  # k -> the same of its rounds timed beside the loop's step
+
+  def priced(self) -> dict:
+    """{k: the factor the plan charges k's rounds}: the one timed alone, else the one timed beside
+    a step relative to dense rounds timed beside one (both slowed by what they shared)."""
+    priced = dict(self.scale)
+    if 0 in self.scale_beside:
+      clock = self.scale.get(0, 1.0) / self.scale_beside[0]
+      for k, s in self.scale_beside.items():
+        priced.setdefault(k, s * clock)
+    return priced
 
   def plan(self, schedule) -> schedule_lib.DraftPlan:
     kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
-    kw.update(scale=self.scale)
+    kw.update(scale=self.priced())
     return cost_model.draft_plan(self.cfg, schedule, self.sparse, self.alpha, **kw)
 
   def advance(self, out: StepOutput, metrics: dict) -> None:
     """The step's mean acceptance per bin replaces the last where the bin had tokens; the step's
-    measured rounds (every process's slowest: all run the same programs) reprice what ran."""
+    measured rounds, each at the cached length it ran at, reprice what ran."""
     count = np.asarray(metrics["acceptance/count_bin"])
     mean = np.asarray(metrics["acceptance/mean_bin"], np.float64)
     self.alpha = [float(m) if n else a for a, m, n in zip(self.alpha, mean, count)]
-    seconds = _slowest_process(out.engine_stats.round_seconds(), (0, *self.ks))
-    cached = float(np.mean(out.prompt_len_B + out.lengths_B / 2))
-    self.reprice(seconds, cached, out.budget.schedule)
+    stats = out.engine_stats
+    self.reprice(stats.round_timings(), out.budget.schedule, stats.round_timings(beside=True))
 
-  def reprice(self, seconds: dict, cached_len: float, schedule) -> None:
-    """seconds: {k: measured seconds per round} (k = 0: a dense decode step) of rounds at about
-    cached_len cached tokens, the drafts under `schedule`."""
-    if 0 in seconds:
-      step_s = seconds[0]
-      overhead = cost_model.pass_overhead(self.cfg, self.hardware, self.rows, cached_len, step_s)
-      self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
+  def reprice(self, timings: dict, schedule, beside: Optional[dict] = None) -> None:
+    """timings: {k: [(seconds per round, mean cached length), ...]} (k = 0: dense decode steps) of
+    chunks timed alone, the drafts under `schedule`; beside: the same of chunks timed beside the
+    loop's step. Every process's factors are its own rounds' at their own lengths; the slowest
+    process's count (all run the same programs)."""
+    ks = (0, *self.ks)
+    overhead = {}
+    if 0 in timings:
+      seconds, cached = np.asarray(timings[0], np.float64).T
+      overhead[0] = cost_model.pass_overhead(self.cfg, self.hardware, self.rows, cached, seconds)
+    if overhead := _slowest_process(overhead, (0,)):  # every process gathers, timed or not
+      self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead[0])
     kw = dict(rows=self.rows, hardware=self.hardware)
-    self.scale |= cost_model.round_scale(self.cfg, schedule, self.sparse, cached_len, seconds, **kw)
+    for book, measured in ((self.scale, timings), (self.scale_beside, beside or {})):
+      scale = cost_model.round_scale(self.cfg, schedule, self.sparse, measured, **kw)
+      book |= _slowest_process(scale, ks)
 
   def metrics(self) -> dict:
-    return {f"rollout/round_scale/k{k}": s for k, s in sorted(self.scale.items())}
+    return {f"rollout/round_scale/k{k}": s for k, s in sorted(self.priced().items())}
 
   def meta(self) -> dict:  # strict JSON: an unmeasured bin is null
     alpha = [None if np.isnan(a) else a for a in self.alpha]
-    scale = {str(k): s for k, s in self.scale.items()}
-    return {"alpha": alpha, "pass_overhead_s": self.hardware.pass_overhead_s, "scale": scale}
+    scale, beside = ({str(k): s for k, s in d.items()} for d in (self.scale, self.scale_beside))
+    overhead = self.hardware.pass_overhead_s
+    return {"alpha": alpha, "pass_overhead_s": overhead, "scale": scale, "scale_beside": beside}
 
   def restore(self, meta: dict) -> None:
     self.alpha = [float("nan") if a is None else float(a) for a in meta["alpha"]]
     overhead = meta["pass_overhead_s"]
     self.hardware = dataclasses.replace(self.hardware, pass_overhead_s=overhead)
     self.scale = {int(k): float(s) for k, s in meta["scale"].items()}
+    self.scale_beside = {int(k): float(s) for k, s in meta.get("scale_beside", {}).items()}
 
 
-def _slowest_process(seconds: dict, ks) -> dict:
-  """{k: seconds} for the ks some process measured, each the largest of the processes'."""
-  s_k = np.asarray([seconds.get(k, -np.inf) for k in ks], np.float64)
+def _slowest_process(values: dict, ks) -> dict:
+  """{k: value} for the ks some process measured, each the largest of the processes'."""
+  v_k = np.asarray([values.get(k, -np.inf) for k in ks], np.float64)
   if jax.process_count() > 1:
-    s_k = np.max(multihost_utils.process_allgather(s_k), axis=0)
-  return {k: float(s) for k, s in zip(ks, s_k) if s > 0}
+    v_k = np.max(multihost_utils.process_allgather(v_k), axis=0)
+  return {k: float(v) for k, v in zip(ks, v_k) if v > -np.inf}
 
 
 class ClosedLoop:

@@ -275,6 +275,7 @@ class Source:
     self.sampler, self.rows, self.budgets = sampler_, rows, budgets
     self.key = jax.random.PRNGKey(settings.seed)
     self.ahead = None  # the next step's rows, a future (one step off)
+    self.ahead_beside = False  # whether they are sampled in the thread, beside the loop's step
     self.thread = _InOrder()
 
   def __enter__(self) -> "Source":
@@ -296,12 +297,25 @@ class Source:
     off, the next step's are started on `state`'s weights before this returns (the update, which
     donates the state, may then run)."""
     t0 = time.time()
-    sampled = self.ahead.result() if self.ahead else self._sample(*self._args(state, step, step))
+    sampled = self._ahead() if self.ahead else self._sample(*self._args(state, step, step))
     waited = time.time() - t0
     self.ahead = None
     if self.s.overlap.off_policy_steps and step + 1 < self.s.total_steps:
       self.ahead = self.thread.submit(self._sample, *self._args(state, step, step + 1))
+      self.ahead_beside = not isinstance(self.thread, _InOrder)
     return sampled._replace(wait_s=waited)
+
+  def _ahead(self) -> Sampled:
+    """The rows sampled ahead, waited for. Sampled in the thread, every chunk of theirs that
+    started before the loop came to wait for them ran beside the loop's step (the update, the
+    hooks): their engine's clock says so (`EngineStats.beside_until`), for the regime switch to
+    keep those timings apart."""
+    waits = time.perf_counter()
+    sampled = self.ahead.result()
+    stats = sampled.engine_stats
+    if self.ahead_beside and stats.beside_until is None:
+      stats.beside_until = waits
+    return sampled
 
   def _args(self, state, version: int, step: int) -> tuple:
     """The sampler's weights (version `version`), the step, its key and the budget in force now,
@@ -337,7 +351,7 @@ class Source:
     the next step's rows sampled ahead (waited for) and the carried rows with their pool (read
     once those rollouts, which move them, are done). The JSON is every process's; the arrays are
     global (`_per_process`). None when nothing is under way."""
-    ahead = self.ahead and self.ahead.result()
+    ahead = self.ahead and self._ahead()
     carried = self.sampler.carried and self.sampler.carried.state()
     if not (ahead or carried):
       return None
@@ -413,6 +427,7 @@ class Source:
     if mine["ahead"] is not None:
       sampled = _sampled_from_state(mine["ahead"], host["ahead"], self.budgets)
       self.ahead = _InOrder().submit(lambda: sampled)
+      self.ahead_beside = False  # its clock was marked when the checkpoint was written
     if mine["carried"] is not None:
       self.sampler.carried.restore(mine["carried"], host["carried"], arrays["pool"], params)
 

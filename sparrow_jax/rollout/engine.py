@@ -223,7 +223,32 @@ def _dense_round_counts(length_B, emitted_B, cfg: Qwen3Config, page_size: int) -
     accepted=zeros,
     read=np.sum(np.where(ran_BC, pages(cached_BC), 0), axis=1).astype(np.float32),
     dense=np.sum(np.where(ran_BC, pages(cached_BC + 1), 0), axis=1).astype(np.float32),
+    cached=np.sum(np.where(ran_BC, cached_BC, 0), axis=1),
+    round_drafts=zeros,
   )
+
+
+def _chunk_ran(draft: int, slots, n_gen_B, count) -> tuple:
+  """(the draft count a chunk's rounds ran, or None, the mean cached length of its row-rounds),
+  as the regime switch's clock files it (`EngineStats.time_chunk`).
+
+  A chunk runs the program of `draft` drafts, the most its rows' rounds may take in it (the
+  look-ahead, `Scheduler.drafts_ahead`); each round then runs the most drafts a running row asks
+  for (`programs._round_drafts`), and always verifies draft + 1 positions. A round's cost is set by
+  those two, not by any one row's k: so the chunk is a chunk of k = draft rounds exactly when every
+  round ran all `draft` drafts, and is filed under it then. A round that ran fewer (rows short of
+  the bin the look-ahead saw, or its drafting rows ended) is a shape no draft count prices (fewer
+  draft steps than its verification's width): the chunk is not filed at all, as filing it under
+  `draft` would price that count below what its rounds cost."""
+  if count is None:  # a decode chunk of the dense engine: its rows step one token a step
+    length_B = np.asarray(slots["length"])
+    steps_B = np.asarray(n_gen_B) - np.asarray(slots["n_gen"])
+    cached = steps_B * length_B + steps_B * (steps_B - 1) / 2
+    return draft, float(np.sum(cached) / max(int(np.sum(steps_B)), 1))
+  rounds = int(np.sum(count["rounds"]))
+  cached = float(np.sum(count["cached"]) / max(rounds, 1))
+  full = int(np.sum(count["round_drafts"])) == draft * rounds
+  return (draft if full else None), cached
 
 
 def run(
@@ -436,7 +461,8 @@ def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None)
       draft = _most_of_processes(sched.drafts_ahead(draft_by_len))
     pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
-    sched.stats.time_chunk(draft, time.perf_counter() - start, steps_run)
+    ran, cached = _chunk_ran(draft, slots, n_gen, count)
+    sched.stats.time_chunk(ran, time.perf_counter() - start, steps_run, cached, start)
   return pool
 
 

@@ -167,7 +167,9 @@ def speculative_chunk(
   of such rounds only (the engine runs those chunks as `decode_chunk` itself).
   Returns (pool, slots, out, rounds run, per-slot counters: rounds, tokens emitted, drafts run,
   drafts judged (`EngineStats.judged`) and accepted among the emitted tokens, KV pages read and
-  the pages dense decoding of the emitted tokens reads)."""
+  the pages dense decoding of the emitted tokens reads; for the engine's clock, the cached
+  lengths its rounds started at, summed, and the draft steps its rounds ran (`_round_drafts`),
+  summed)."""
   params, lora = qwen3.unstack_layers(params, lora)  # drafts: params + lora; verify: params
   C, Z, L = draft + 1, pool.page_size, cfg.num_hidden_layers
   r = _Round(
@@ -248,9 +250,16 @@ def _round_outputs(B, M, sampling):
 
 def _round_counters(B):
   """A speculative chunk's per-slot counters (`speculative_chunk`'s Returns), zero."""
-  counts = ("rounds", "emitted", "drafted", "judged", "accepted")
+  counts = ("rounds", "emitted", "drafted", "judged", "accepted", "cached", "round_drafts")
   pages = dict(read=jnp.zeros(B, jnp.float32), dense=jnp.zeros(B, jnp.float32))
   return dict({name: jnp.zeros(B, jnp.int32) for name in counts}, **pages)
+
+
+def _round_drafts(r: _Round, active, k_B):
+  """The draft steps a round runs: the most any running row's k_B asks for. Every slot computes
+  them, whatever its own k, so they (with the program's verification width) set the round's
+  cost."""
+  return r.draft if r.draft_by_len is None else jnp.max(jnp.where(active, k_B, 0))
 
 
 def _drafts_per_row(r: _Round, length_B):
@@ -291,8 +300,7 @@ def _draft(r: _Round, pool, s, k_B, keys_BC):
   B, k, V = length.shape[0], r.draft, r.cfg.vocab_size
   drafting = (pool, s["token"], jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k, V)), jnp.zeros(B))
   if k:  # a program of dense rounds (k = 0) has no draft step to trace
-    drafts_run = k if r.draft_by_len is None else jnp.max(jnp.where(active, k_B, 0))
-    drafting = jax.lax.fori_loop(0, drafts_run, draft_step, drafting)
+    drafting = jax.lax.fori_loop(0, _round_drafts(r, active, k_B), draft_step, drafting)
   pool, _, drafts_Bd, logq_BdV, read_B = drafting
   return pool, drafts_Bd, logq_BdV, read_B
 
@@ -364,4 +372,6 @@ def _count_round(r: _Round, count, s, c_C, m_B, k_B, n_acc_B, read_B):
     accepted=count["accepted"] + jnp.minimum(m_B, n_acc_B),
     read=count["read"] + jnp.where(active, read_B + L * -(-length // Z), 0.0),
     dense=count["dense"] + dense_read_B.astype(jnp.float32),
+    cached=count["cached"] + jnp.where(active, length, 0),
+    round_drafts=count["round_drafts"] + jnp.where(active, _round_drafts(r, active, k_B), 0),
   )

@@ -110,31 +110,55 @@ class EngineStats:
   accepted: int = 0
   kv_pages_read: float = 0.0
   kv_pages_dense: float = 0.0
-  # Wall seconds per round (decode step) of each chunk, the host's scheduling around its program
-  # included (a chunk of few long rounds pays it over fewer tokens), by the chunk's draft count (0:
-  # dense rounds): what exact mode's regime switch prices rounds by (`round_seconds`); a clock,
-  # so two rollouts' stats compare equal without it.
-  chunk_round_s: dict = dataclasses.field(default_factory=dict, compare=False)
+  # Each timed chunk by the draft count its rounds ran (0: dense rounds): [wall seconds per round
+  # (decode step), the host's scheduling around its program included (a chunk of few long rounds
+  # pays it over fewer tokens), the mean cached length of its row-rounds, the perf_counter second it
+  # started]: what exact mode's regime switch prices rounds by (`round_timings`), each at its own
+  # length. A clock, so two rollouts' stats compare equal without it.
+  chunk_rounds: dict = dataclasses.field(default_factory=dict, compare=False)
+  # The perf_counter second until which the training loop ran its step (the update, the hooks)
+  # beside this rollout, sampled ahead in its thread; None: nothing ran beside it. A chunk started
+  # before it shared the machine with that step, so its clock is kept apart (`round_timings`).
+  beside_until: Optional[float] = dataclasses.field(default=None, compare=False)
 
   def state(self) -> dict:
     """The counters as JSON (a checkpoint's): the clock's draft counts become string keys."""
     state = dataclasses.asdict(self)
-    state["chunk_round_s"] = {str(k): v for k, v in self.chunk_round_s.items()}
+    state["chunk_rounds"] = {str(k): v for k, v in self.chunk_rounds.items()}
     return state
 
   @classmethod
   def from_state(cls, state: dict) -> "EngineStats":
-    clock = {int(k): list(v) for k, v in state["chunk_round_s"].items()}
-    return cls(**{**state, "chunk_round_s": clock})
+    clock = {int(k): [list(c) for c in v] for k, v in state["chunk_rounds"].items()}
+    return cls(**{**state, "chunk_rounds": clock})
 
-  def time_chunk(self, draft: int, seconds: float, rounds: int) -> None:
-    if rounds:
-      self.chunk_round_s.setdefault(draft, []).append(seconds / rounds)
+  def time_chunk(
+    self, draft: Optional[int], seconds: float, rounds: int, cached_len: float, started: float
+  ) -> None:
+    """Files a chunk of `rounds` rounds of `draft` drafts each (None: rounds no draft count
+    prices, not filed) that ran at `cached_len` cached tokens a row-round on average."""
+    if rounds and draft is not None:
+      self.chunk_rounds.setdefault(draft, []).append([seconds / rounds, cached_len, started])
 
-  def round_seconds(self) -> dict:
-    """{draft count: median seconds per round} over each count's chunks but its first, which
-    may have compiled its program (a count timed once: none)."""
-    return {k: float(np.median(s[1:])) for k, s in self.chunk_round_s.items() if len(s) > 1}
+  def round_timings(self, beside: bool = False) -> dict:
+    """{draft count: [(seconds per round, mean cached length), ...]} of its chunks but its first,
+    which may have compiled its program: those that ran beside the loop's step (`beside_until`),
+    or those that ran alone."""
+    until = -np.inf if self.beside_until is None else self.beside_until
+    timings = {}
+    for k, chunks in self.chunk_rounds.items():
+      kept = [(s, n) for s, n, started in chunks[1:] if (started < until) == beside]
+      if kept:
+        timings[k] = kept
+    return timings
+
+  def timed_beside(self) -> float:
+    """The share of the timed chunks (each count's first aside) that ran beside the loop's step
+    (NaN: none timed)."""
+    alone, beside = self.round_timings(), self.round_timings(beside=True)
+    count = lambda t: sum(len(v) for v in t.values())
+    total = count(alone) + count(beside)
+    return count(beside) / total if total else float("nan")
 
   @property
   def accepted_per_round(self) -> float:
