@@ -207,17 +207,37 @@ def test_a_finished_one_step_off_run_is_extended_and_says_its_next_step_samples_
 
 @pytest.mark.slow
 def test_a_damaged_or_edited_saved_rollout_is_refused(tmp_path, capsys):
-  """The rows a checkpoint keeps under way are checked like its train state: arrays whose bytes
-  were damaged move the checkpoint aside and the run resumes from the one before; an edited JSON
-  part (a grade, a queued group) fails the meta's checksum and stops the resume in one line."""
+  """The rows a checkpoint keeps under way are checked like its train state: an edited JSON part
+  (a grade, a queued group) fails the meta's checksum and stops the resume in one line; a token
+  changed in the saved arrays (written back as well-formed orbax data) fails their checksums, and
+  damaged bytes fail to read: either moves the checkpoint aside, and the run resumes from the one
+  before."""
   import json
   import shutil
+
+  import jax
+  import orbax.checkpoint as ocp
+
+  from sparrow_jax import checkpoint
 
   run = lambda: trainer.train(small(tmp_path / "run", total_steps=3, ckpt_every=1, **CARRIED))
   trainer.train(small(tmp_path / "run", total_steps=2, ckpt_every=1, **CARRIED))
   ckpt = tmp_path / "run" / "checkpoints"
   backup = tmp_path / "backup"
-  shutil.copytree(ckpt / "2", backup)
+  shutil.copytree(ckpt, backup)
+
+  def put_back():  # checkpoints 1 and 2 as the run left them
+    shutil.rmtree(ckpt)
+    shutil.copytree(backup, ckpt)
+
+  def resumes_from_checkpoint_1(why):
+    capsys.readouterr()
+    rows = run()
+    out = capsys.readouterr().out
+    assert f"checkpoint {ckpt}/2 is unreadable ({why}" in out and "resumed from" in out, out
+    assert (ckpt / "2.corrupt").exists() and len(rows) == 2  # steps 2 and 3
+    put_back()
+
   meta = ckpt / "2" / "meta" / "metadata"
   saved = json.loads(meta.read_text())
   saved["rollouts"]["processes"][0]["carried"]["queued"][0][1] += 1  # a prompt length
@@ -225,16 +245,24 @@ def test_a_damaged_or_edited_saved_rollout_is_refused(tmp_path, capsys):
   with pytest.raises(ValueError, match="its meta fails its checksum") as e:
     run()
   assert "\n" not in str(e.value)
-  shutil.rmtree(ckpt / "2")
-  shutil.copytree(backup, ckpt / "2")
-  data = [p for p in (ckpt / "2" / "rollouts").rglob("*") if p.is_file() and p.stat().st_size > 64]
-  for path in data:  # every data file of the rollouts item cut to half
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-  capsys.readouterr()
-  rows = run()
-  out = capsys.readouterr().out
-  assert "checkpoint" in out and "is unreadable" in out and "resumed from" in out
-  assert (ckpt / "2.corrupt").exists() and len(rows) == 2  # steps 2 and 3 from checkpoint 1
+  put_back()
+
+  mgr = checkpoint.manager(str(tmp_path / "run"), 2)
+  tree = mgr.item_metadata(2)["rollouts"].tree
+  like = ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree))
+  arrays = mgr.restore(2, args=ocp.args.Composite(rollouts=like))["rollouts"]
+  tokens = arrays["host"]["carried"]["tokens"]
+  arrays["host"]["carried"]["tokens"] = tokens.at[0, 0].add(1)  # a token never sampled
+  edit = checkpoint.manager(str(tmp_path / "edit"), 1)
+  edit.save(2, args=ocp.args.Composite(rollouts=ocp.args.StandardSave(arrays)))
+  edit.wait_until_finished()
+  shutil.rmtree(ckpt / "2" / "rollouts")
+  shutil.copytree(tmp_path / "edit" / "checkpoints" / "2" / "rollouts", ckpt / "2" / "rollouts")
+  resumes_from_checkpoint_1("checksum mismatch in 1 array(s), first ['host']['carried']['tokens']")
+
+  for path in [p for p in (ckpt / "2" / "rollouts").rglob("*") if p.parent.name == "d"]:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # array data cut to half
+  resumes_from_checkpoint_1("")
 
 
 def _wait_for_logged_step(proc, workdir, step):
