@@ -359,9 +359,8 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
         engine=engine_cfg,
         sampling=how,
         sparse=sparse,
-        schedule=None if budget is None else budget.table,
         lora=lora,
-        draft_plan=None if budget is None else budget.drafts,
+        **rollouts.budget_args(budget),
       )
     return rollouts.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)
 

@@ -139,6 +139,14 @@ def lag_metrics(step: int, versions_BM, lengths_B, prompt_len_B, bin_size: int, 
   }
 
 
+def budget_args(budget) -> dict:
+  """The engine's arguments of a rollout's KV budget (hooks.StepBudget; None: dense rollouts):
+  its table and exact mode's drafts."""
+  if budget is None:
+    return dict(schedule=None, draft_plan=None)
+  return dict(schedule=budget.table, draft_plan=budget.drafts)
+
+
 class Taken(NamedTuple):
   """The rows a step trains on, this process's, host arrays."""
 
@@ -191,7 +199,7 @@ class Carried:
     self, partial: engine.Partial, mesh, task, group_size: int, groups: int, max_carry: int
   ):
     """groups: this process's share of a step's groups (`process_groups`); max_carry: steps a row
-    may be carried (Settings.max_carry_steps)."""
+    may be carried (AsyncConfig.max_carry_steps)."""
     self.partial, self.mesh, self.task = partial, mesh, task
     self.group_size, self.groups, self.max_carry = group_size, groups, max_carry
     self.queued = {}  # first row key -> (prompt row, prompt length)
@@ -210,10 +218,9 @@ class Carried:
         requests,
         self.groups,
         version,
-        schedule=None if budget is None else budget.table,
         lora=lora,
-        draft_plan=None if budget is None else budget.drafts,
         max_carry=self.max_carry,
+        **budget_args(budget),
       )
     first = [int(k) for k in keys[::g]]
     done = [self.queued.pop(k) for k in first]
