@@ -26,6 +26,13 @@ of the dense and speculateK rollouts, each chunk at the cached length it ran at,
 (1). Exact rows are dense samples and sparse ones are not, so the settings' rows have different
 lengths: tokens/s counts each setting's own tokens.
 
+(3) Long prompts of real text (`long_prompts.enabled`, off by default): a real model dir's model on
+prompts cut from local files (`sparrow_jax/data/long_prompts.py`: by default this interpreter's
+standard library) to each of `long_prompts.lengths` tokens, in its chat template with an
+instruction; every setting of (2) runs once per length, and the record names the files each
+prompt holds. Without the model dir, or with lengths past its positions, the run is refused in one
+line before anything else runs.
+
 Every ratio is measured in this run. `record` writes a results record, from which
 docs/make_results_pages.py makes docs/results/speculative_rollout.md.
 """
@@ -46,6 +53,8 @@ from experiments.timing import median_seconds
 import sparrow_jax as sj
 from sparrow_jax import records
 from sparrow_jax.attention import page_pool, paged_cache
+from sparrow_jax.data import long_prompts
+from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.mismatch import calibrate, cost_model
 from sparrow_jax.model import qwen3
 from sparrow_jax.rl import build, hooks
@@ -211,18 +220,79 @@ def bench_trained(config, hardware) -> list:
   c = config.trained
   task = build.make_task(c)
   cfg, params, tokenizer = build.load_model(c, task)
-  sparse = build.sparse_config(c)
-  schedule = KVSchedule.parse(c.rollout.schedule, c.rollout.page_size)
-  sampling = build.sampling(c, tokenizer)
   r = c.rollout
   problems = task.sample(r.prompts_per_step, 0)
   ids = [tokenizer.encode(p.prompt) for p in problems for _ in range(r.group_size)]
   prompt, prompt_len = calibrate.pad_prompts(ids, tokenizer.pad_id)
+  print(f"(2) {c.model.hf_dir}: {len(prompt_len)} rows of {r.max_new_tokens} tokens at most")
+  return time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, "trained", hardware)
+
+
+def long_prompts_refusal(c) -> str:
+  """Why (3) cannot run with config.long_prompts `c`, in one line naming the field; "" when it
+  can. Checked before anything else runs, so a missing model costs no time."""
+  hf_dir = c.model.hf_dir
+  if not hf_dir or not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    return (
+      f"config.long_prompts.model.hf_dir = {hf_dir!r} is not a model dir (no config.json): "
+      "import one (docs/real_lm.md) or set config.long_prompts.enabled=False"
+    )
+  limit = build.model_config(c).max_position_embeddings
+  longest = max(c.lengths) + c.rollout.max_new_tokens
+  if longest > limit:
+    return (
+      f"config.long_prompts.lengths = {tuple(c.lengths)} + rollout.max_new_tokens = "
+      f"{c.rollout.max_new_tokens} reach {longest} positions, past the model's "
+      f"max_position_embeddings ({limit})"
+    )
+  return ""
+
+
+def bench_long_prompts(config, hardware) -> tuple:
+  """(3): whole rollouts of a real model on long prompts cut from local text (data/long_prompts.py),
+  one run of every setting per prompt length -> (rows, the prompts' sources)."""
+  c = config.long_prompts
+  cfg, params = sj.load_hf(c.model.hf_dir, dtype=jnp.dtype(c.model.dtype))
+  tokenizer = load_tokenizer(c.model.hf_dir)
+  prompts = long_prompts.build_long_prompts(
+    tokenizer,
+    lengths=c.lengths,
+    rows=c.rows,
+    directory=c.source_dir,
+    pattern=c.pattern,
+    instruction=c.instruction,
+    chat=c.chat,
+    system=c.system,
+  )
+  source_dir = c.source_dir or long_prompts.stdlib_dir()
+  sources = {str(p.length): [] for p in prompts}
+  rows = []
+  for length in c.lengths:
+    chosen = [p for p in prompts if p.length == length]
+    sources[str(length)] = [list(p.sources) for p in chosen]
+    prompt = np.stack([p.tokens for p in chosen])
+    prompt_len = np.full(len(chosen), length, np.int32)
+    at_length = c.copy_and_resolve_references()
+    at_length.rollout.max_prompt_len = length
+    at_length.rollout.group_size = 1  # each row its own text
+    print(f"(3) {c.model.hf_dir}: {len(chosen)} prompts of {length} tokens from {source_dir}")
+    rows += time_rollouts(
+      config, at_length, cfg, params, tokenizer, prompt, prompt_len, f"long{length}", hardware
+    )
+  return rows, dict(source_dir=source_dir, pattern=c.pattern, sources=sources)
+
+
+def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, hardware) -> list:
+  """Whole rollouts of `prompt` (right-padded rows, their lengths) through `engine.run` under the
+  run config `c` for dense, sparse, each speculateK and auto, interleaved, median over `runs`."""
+  sparse = build.sparse_config(c)
+  schedule = KVSchedule.parse(c.rollout.schedule, c.rollout.page_size)
+  sampling = build.sampling(c, tokenizer)
+  r = c.rollout
   requests = engine.Requests(prompt, prompt_len, r.max_new_tokens, r.group_size)
   rows_per_device = len(prompt_len)
   K = max(config.drafts)
   base = build.engine_config(c, cfg, rows_per_device)
-  print(f"(2) {c.model.hf_dir}: {rows_per_device} rows of {r.max_new_tokens} tokens at most")
   got = {}
 
   def rollout(name, k=0, plan=None):
@@ -284,10 +354,10 @@ def bench_trained(config, hardware) -> list:
     if stats.rounds:
       row["accepted_per_round"] = stats.accepted_per_round
       row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance
-    rows.append(row | dict(context="trained"))
+    rows.append(row | dict(context=label))
   rows[-1]["measured_alpha_bin"] = [None if np.isnan(a) else a for a in alpha_bin]
   rows[-1].update(pass_overhead_s=overhead, round_scale=_keyed(scale))
-  _print("trained", _ratios(rows))
+  _print(label, _ratios(rows))
   return rows
 
 
@@ -295,6 +365,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go in --config.FIELD=VALUE")
   config = flags.FLAGS.config
+  refusal = config.long_prompts.enabled and long_prompts_refusal(config.long_prompts)
+  if refusal:
+    raise SystemExit(refusal)
   hardware = cost_model.get_hardware(config.hardware)
   print(f"the switch prices rounds on {hardware.name}", flush=True)
   rows = []
@@ -302,8 +375,14 @@ def main(argv):
     rows += bench_shapes(config, hardware)
   if config.trained.enabled:
     rows += bench_trained(config, hardware)
+  sources = {}
+  if config.long_prompts.enabled:
+    long_rows, sources = bench_long_prompts(config, hardware)
+    rows += long_rows
   if config.record:
     results = dict(config=config.to_dict(), hardware=dataclasses.asdict(hardware), rows=rows)
+    if sources:
+      results["long_prompts"] = sources
     records.write_record(os.path.join(ROOT, config.record), results)
     print(f"    record: {config.record}")
 

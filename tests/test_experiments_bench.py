@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import sparrow_jax as sj
-from tests.helpers import load_file
+from tests.helpers import load_file, write_tiny_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -372,6 +372,67 @@ def test_bench_exact_times_every_setting_and_renders_its_verdicts(tmp_path):
   assert all("plan_k_bin" in r for r in rows if r["setting"] == "auto")
   page = load_file("docs/make_results_pages.py").speculative_rollout_page([record])
   assert page.count("never slower than dense") == 2
+
+
+@pytest.mark.slow
+def test_bench_exact_refuses_long_prompts_without_what_they_need(tmp_path):
+  """Part (3) needs a model dir whose positions hold the longest prompt and its new tokens: without
+  either the run stops in one line naming the field, before any part runs."""
+  result = _run(
+    "bench_exact",
+    "--config.long_prompts.enabled=True",
+    f"--config.long_prompts.model.hf_dir={tmp_path / 'absent'}",
+    check=False,
+  )
+  assert result.returncode != 0 and "(1)" not in result.stdout, result.stdout[-2000:]
+  assert result.stderr.strip().splitlines() == [
+    f"config.long_prompts.model.hf_dir = '{tmp_path / 'absent'}' is not a model dir (no "
+    "config.json): import one (docs/real_lm.md) or set config.long_prompts.enabled=False"
+  ]
+  write_tiny_hf_dir(tmp_path / "tiny", num_hidden_layers=1)  # 1024 positions
+  c = load_file("configs/bench_exact.py").get_config().long_prompts
+  c.model.hf_dir = str(tmp_path / "tiny")
+  refusal = _load("bench_exact").long_prompts_refusal
+  c.lengths, c.rollout.max_new_tokens = (512, 1000), 32
+  assert refusal(c) == (
+    "config.long_prompts.lengths = (512, 1000) + rollout.max_new_tokens = 32 reach 1032 "
+    "positions, past the model's max_position_embeddings (1024)"
+  )
+  c.lengths = (512, 992)
+  assert refusal(c) == ""
+
+
+@pytest.mark.nightly
+def test_bench_exact_times_every_setting_on_long_prompts_of_real_text(tmp_path):
+  """Part (3) alone at toy size on a tiny random model dir: every setting at each prompt length,
+  the record naming the standard-library files each prompt holds."""
+  write_tiny_hf_dir(tmp_path / "tiny", num_hidden_layers=3)
+  path = tmp_path / "long.json"
+  out = _run(
+    "bench_exact",
+    "--config.shapes.contexts=()",
+    "--config.trained.enabled=False",
+    "--config.runs=1",
+    "--config.hardware=h200",
+    "--config.long_prompts.enabled=True",
+    f"--config.long_prompts.model.hf_dir={tmp_path / 'tiny'}",
+    "--config.long_prompts.lengths=96,160",
+    "--config.long_prompts.rows=2",
+    "--config.long_prompts.rollout.max_new_tokens=12",
+    "--config.long_prompts.stats.bin_size=64",
+    f"--config.record={path}",
+  ).stdout
+  results = json.load(open(path))["results"]
+  settings = ["dense", "dense again", "sparse", "speculate2", "speculate4", "auto"]
+  assert [(r["context"], r["setting"]) for r in results["rows"]] == [
+    (f"long{n}", s) for n in (96, 160) for s in settings
+  ]
+  assert all(r["draft_acceptance"] is not None for r in results["rows"] if "spec" in r["setting"])
+  assert "(3)" in out and "2 prompts of 160 tokens" in out
+  sources = results["long_prompts"]["sources"]
+  assert set(sources) == {"96", "160"} and len(sources["160"]) == 2
+  stdlib = results["long_prompts"]["source_dir"]
+  assert all(os.path.isfile(os.path.join(stdlib, f)) for row in sources["160"] for f in row)
 
 
 @pytest.mark.nightly
