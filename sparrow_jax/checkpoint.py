@@ -15,6 +15,7 @@ rather than start again at step 0 on its own; `restart_from_scratch=True` says t
 """
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -124,12 +125,19 @@ _checksum_tree = jax.jit(lambda tree: jax.tree_util.tree_map(_leaf_checksum, tre
 
 
 def checksums(state) -> dict:
-  """{leaf path: 16 hex digits} of every array of `state` (any sharding; computed on device)."""
-  sums = _checksum_tree(state)
-  return {
-    jax.tree_util.keystr(path): "".join(f"{int(v):08x}" for v in sharding.to_host(s))
-    for path, s in jax.tree_util.tree_flatten_with_path(sums)[0]
-  }
+  """{leaf path: 16 hex digits} of every array of `state` (any sharding; computed on device).
+  Leaves on different meshes (the rollouts' rows on every process, the pool on the rollout
+  devices, while the trainer's mesh is the context) are summed under their own mesh each."""
+  by_mesh = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    by_mesh.setdefault(getattr(getattr(x, "sharding", None), "mesh", None), []).append((path, x))
+  out = {}
+  for mesh, leaves in by_mesh.items():
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      sums = _checksum_tree([x for _, x in leaves])
+    for (path, _), s in zip(leaves, sums):
+      out[jax.tree_util.keystr(path)] = "".join(f"{int(v):08x}" for v in sharding.to_host(s))
+  return out
 
 
 def _meta_digest(meta: dict) -> str:

@@ -174,6 +174,24 @@ def test_split_meshes_equal_the_colocated_run_and_train_one_step_off(tmp_path):
 CARRIED = dict(rollout__partial_groups=2, rollout__engine_slots=8, **DENSE)
 
 
+@pytest.mark.nightly
+def test_split_meshes_extend_a_run_with_carried_rows_as_if_never_stopped(tmp_path):
+  """Rollout devices of their own keep the carried rows' pool on their mesh: a checkpoint
+  written and read there (its checksums summed on each array's own mesh, not the trainer's)
+  extends a finished 2-step run to the 4-step run's steps 3 and 4."""
+  flags = [
+    "--config.mesh.rollout_devices=4",
+    "--config.rollout.partial_groups=4",  # a group more a rollout device
+    *(f"--config.{k.replace('__', '.')}={v}" for k, v in DENSE.items()),
+  ]
+  whole = _run(tmp_path / "whole", 8, *flags)
+  _run(tmp_path / "cut", 8, *flags, "--config.total_steps=2")
+  assert (tmp_path / "cut" / "checkpoints" / "2" / "rollouts").is_dir()
+  extended = _run(tmp_path / "cut", 8, *flags)
+  assert_same_metrics(extended, whole, (3, 4), atol=0)
+  assert any(whole[s]["rollout/rows_carried"] for s in (3, 4))
+
+
 @pytest.mark.slow
 def test_a_finished_run_with_carried_rows_is_extended_as_if_never_stopped(tmp_path):
   """A run of 2 steps, then the same workdir with total_steps 4: its last checkpoint keeps the

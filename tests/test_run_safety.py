@@ -477,8 +477,8 @@ from sparrow_jax import checkpoint, train
 
 save, limit = checkpoint.save, int(sys.argv.pop(1))
 
-def save_then_fill_the_disk(mgr, step, state, meta):
-  save(mgr, step, state, meta)
+def save_then_fill_the_disk(mgr, step, state, meta, rollouts=None):
+  save(mgr, step, state, meta, rollouts)
   if step == 1:
     mgr.wait_until_finished()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
