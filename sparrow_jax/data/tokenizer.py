@@ -65,12 +65,13 @@ def _assistant(messages, i, last_query) -> str:
   {"function": {...}})."""
   message = messages[i]
   reasoning, content = _split_thinking(message["content"])
+  for k, call in enumerate(message.get("tool_calls") or ()):
+    call = call.get("function", call)
+    # Qwen3 separates a call from the answer text before it, not from a reasoning block.
+    content += ("\n" if k or content else "") + tool_call_text(call["name"], call["arguments"])
   if i > last_query and (reasoning or i == len(messages) - 1):
     reasoning = reasoning.strip("\n")
     content = f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
-  for k, call in enumerate(message.get("tool_calls") or ()):
-    call = call.get("function", call)
-    content += ("\n" if k or content else "") + tool_call_text(call["name"], call["arguments"])
   return content
 
 

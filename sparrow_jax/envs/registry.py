@@ -33,4 +33,5 @@ def env_config(name: str, **fields):
 
 def make_env(name: str, **fields):
   """A fresh environment (one per rollout row: it holds that row's episode)."""
-  return ENVS[name][1](env_config(name, **fields))
+  config = env_config(name, **fields)
+  return ENVS[name][1](config)
