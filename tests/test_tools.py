@@ -84,7 +84,7 @@ def test_submit_returns_at_once_and_refuses_a_second_call_for_a_busy_row():
   pool = tools.ToolPool(max_workers=1, timeout_s=5.0)
   try:
     start = time.monotonic()
-    pool.submit(7, release.wait)
+    pool.submit(7, release.wait, 2.0)  # bounded, so that a blocking submit fails rather than hangs
     assert time.monotonic() - start < 0.5 and pool.pending() == {7}
     with pytest.raises(ValueError, match="row 7 already has a tool call in flight"):
       pool.submit(7, str, "x")
