@@ -267,7 +267,8 @@ def test_pointer_chase_is_a_pure_function_of_seed_and_position():
   again = registry.make_env("env:pointer_chase", hops=4, keys=20, decoys=3, seed=1)
   other = registry.make_env("env:pointer_chase", hops=4, keys=20, decoys=3, seed=2)
   assert env.sample(3, 10) == again.sample(3, 10) and env.sample(3, 10)[1] == again.sample(1, 11)[0]
-  assert env.sample(3, 10) != other.sample(3, 10)
+  # the tables themselves differ with the seed, not only the problems' ids
+  assert [p.table for p in env.sample(3, 10)] != [p.table for p in other.sample(3, 10)]
   problem = env.sample(1, 10)[0]
   env.reset(problem), again.reset(problem)
   assert env.tools["lookup"](problem.start) == again.tools["lookup"](problem.start)
@@ -283,6 +284,7 @@ def test_pointer_chase_grading_reads_the_answer_part():
   assert grade("<think>\n\\boxed{k1}\n</think>\n\n\\boxed{k2}", "k2") == (1.0, "correct")
   assert grade("<think>\n\\boxed{k2}", "k2") == (0.0, "unfinished_thinking")
   assert grade("it is k2", "k2") == (0.0, "no_answer")
+  assert grade("<think>\n\\boxed{k2}\n</think>\n\nno idea", "k2") == (0.0, "no_answer")
 
 
 # ---------------------------------------------------------------------------------------- registry
