@@ -241,10 +241,10 @@ class ToolEnv:
   `grade_answer(text, problem)` (a rewards.Grade), and may override `describe(result)`."""
 
   name = "env:?"
-  tools: dict = {}
 
   def __init__(self, config: EnvConfig):
     self.config = config
+    self.tools = {}  # name -> tool; a subclass fills it (per episode where tools hold its data)
     self.problem, self.turns, self.final, self.reason = None, 0, None, None
 
   @property

@@ -136,11 +136,15 @@ class ToolPool:
     """Starts queued jobs while fewer than max_workers run. Daemon threads: an abandoned hung
     call must not keep the process alive at exit."""
     with self._lock:
-      while self._queued and len(self._running) < self.max_workers:
+      # A finished call waiting for the caller's poll holds no worker.
+      while self._queued and self._working() < self.max_workers:
         job = self._queued.pop(0)
         job.started = time.monotonic()
         self._running[job.row_id] = job
         threading.Thread(target=self._work, args=(job,), daemon=True).start()
+
+  def _working(self) -> int:
+    return sum(not job.future.done() for job in self._running.values())
 
   def _work(self, job):
     try:
