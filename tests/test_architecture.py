@@ -92,6 +92,7 @@ LAYERS = (
     "sparrow_jax.sandbox",
   ),
   ("sparrow_jax.attention", "sparrow_jax.data"),  # the attention ops; tasks, rewards, tokenizer
+  ("sparrow_jax.envs",),  # multi-turn environments and their tools (over data and the sandbox)
   ("kernels",),  # the Pallas kernels, beside their jnp twins
   ("sparrow_jax.model", "sparrow_jax.checkpoint"),
   ("sparrow_jax.sparsity",),  # the sparsity policy and the KV budget schedules

@@ -13,7 +13,19 @@ import tokenizers
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-ROLES = ("system", "user", "assistant")
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+ROLES = ("system", "user", "assistant", "tool")
+# Qwen3's system block when tools are offered (its template's text, character for character).
+TOOLS_HEAD = (
+  "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+  "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_TAIL = (
+  "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+  "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+  '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 def _split_thinking(content):
@@ -24,27 +36,88 @@ def _split_thinking(content):
   return reasoning.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n"), answer.lstrip("\n")
 
 
-def chat_template(messages, *, add_generation_prompt=True, enable_thinking=True) -> str:
-  """Qwen3's chat format: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
+def to_json(value) -> str:
+  """JSON as Hugging Face's chat templates write it (their `tojson`: json.dumps, non-ASCII kept)."""
+  return json.dumps(value, ensure_ascii=False)
 
-  As in Qwen3's own template, assistant turns before the last user message lose their reasoning,
-  later ones keep it in a <think> block; the generation prompt is `<|im_start|>assistant\\n`,
-  followed by an empty think block when thinking is disabled (which makes the model answer
-  directly).
-  """
-  last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
-  parts = []
+
+def tool_call_text(name: str, arguments) -> str:
+  """One tool call as Qwen3 writes it; `arguments` a dict, or JSON text kept as it is."""
+  args = arguments if isinstance(arguments, str) else to_json(arguments)
+  return f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": {args}}}\n{TOOL_CALL_CLOSE}'
+
+
+def _is_tool_response(message) -> bool:
+  content = message["content"]
+  return content.startswith(TOOL_RESPONSE_OPEN) and content.endswith(TOOL_RESPONSE_CLOSE)
+
+
+def _last_query(messages) -> int:
+  """The last user message that is a question, not tool responses written as a user turn (Qwen3's
+  `last_query_index`: assistant turns after it keep their reasoning); the last message if none."""
+  queries = [i for i, m in enumerate(messages) if m["role"] == "user" and not _is_tool_response(m)]
+  return queries[-1] if queries else len(messages) - 1
+
+
+def _assistant(messages, i, last_query) -> str:
+  """An assistant turn's content: reasoning kept after the last query (always on the last
+  message), then its structured `tool_calls` if any (each {"name", "arguments"}, or wrapped as
+  {"function": {...}})."""
+  message = messages[i]
+  reasoning, content = _split_thinking(message["content"])
+  for k, call in enumerate(message.get("tool_calls") or ()):
+    call = call.get("function", call)
+    # Qwen3 separates a call from the answer text before it, not from a reasoning block.
+    content += ("\n" if k or content else "") + tool_call_text(call["name"], call["arguments"])
+  if i > last_query and (reasoning or i == len(messages) - 1):
+    reasoning = reasoning.strip("\n")
+    content = f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
+  return content
+
+
+def _system_block(messages, tools) -> str:
+  """The leading system turn: with tools, the system message (if first) followed by Qwen3's tool
+  list, one JSON object a line."""
+  system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+  if not tools:
+    return "" if system is None else f"{IM_START}system\n{system}{IM_END}\n"
+  listed = "".join("\n" + to_json(tool) for tool in tools)
+  head = "" if system is None else system + "\n\n"
+  return f"{IM_START}system\n{head}{TOOLS_HEAD}{listed}{TOOLS_TAIL}{IM_END}\n"
+
+
+def _check(messages):
   for i, message in enumerate(messages):
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES or not isinstance(content, str):
+    if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
       raise ValueError(
         f"chat message {i} needs role in {ROLES} and string content, got {message!r}"
       )
+
+
+def chat_template(messages, *, add_generation_prompt=True, enable_thinking=True, tools=None) -> str:
+  """Qwen3's chat format: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
+
+  As in Qwen3's own template, assistant turns before the last user question lose their reasoning,
+  later ones keep it in a <think> block; `tool` messages become one user turn per run of them, each
+  response wrapped in <tool_response> tags (a user message already written that way is not a
+  question); `tools` (JSON schemas) go into the system turn; the generation prompt is
+  `<|im_start|>assistant\\n`, followed by an empty think block when thinking is disabled (which
+  makes the model answer directly).
+  """
+  _check(messages)
+  last_query, parts = _last_query(messages), [_system_block(messages, tools)]
+  for i, message in enumerate(messages):
+    role, content = message["role"], message["content"]
+    if role == "system" and i == 0:
+      continue
+    if role == "tool":
+      first, last = i == 0 or messages[i - 1]["role"] != "tool", i + 1 == len(messages)
+      parts.append(f"{IM_START}user" if first else "")
+      parts.append(f"\n{TOOL_RESPONSE_OPEN}\n{content}\n{TOOL_RESPONSE_CLOSE}")
+      parts.append(IM_END + "\n" if last or messages[i + 1]["role"] != "tool" else "")
+      continue
     if role == "assistant":
-      reasoning, content = _split_thinking(content)
-      if i > last_user and (reasoning or i == len(messages) - 1):
-        reasoning = reasoning.strip("\n")
-        content = f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{content}"
+      content = _assistant(messages, i, last_query)
     parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
   if add_generation_prompt:
     parts.append(f"{IM_START}assistant\n")
@@ -120,9 +193,12 @@ class Tokenizer:
       tokens_BT[b, : len(row_ids)] = row_ids
     return tokens_BT, lengths_B
 
-  def chat(self, messages, *, add_generation_prompt=True, enable_thinking=True) -> str:
+  def chat(self, messages, *, add_generation_prompt=True, enable_thinking=True, tools=None) -> str:
     return chat_template(
-      messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+      messages,
+      add_generation_prompt=add_generation_prompt,
+      enable_thinking=enable_thinking,
+      tools=tools,
     )
 
 
