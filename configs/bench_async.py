@@ -15,11 +15,13 @@ def get_config():
   c = ml_collections.ConfigDict()
   # The settings in the order they run; "sync again" repeats the first: this machine's spread
   # between identical runs. Each: (name, rl.off_policy_steps, rollout.partial_groups,
-  # rollout.max_carry_steps); "no carry bound" shows what the bound changes of the length bias.
+  # rollout.max_carry_steps); "carry bound 1" and "no carry bound" show what the bound changes of
+  # the length bias (the default bound, 2, binds only where rows run longer than two steps).
   c.settings = (
     ("sync", 0, 0, 2),
     ("one_step_off", 1, 0, 2),
     ("one_step_off + partial", 1, 2, 2),
+    ("one_step_off + partial, carry bound 1", 1, 2, 1),
     ("one_step_off + partial, no carry bound", 1, 2, 0),
     ("sync again", 0, 0, 2),
   )

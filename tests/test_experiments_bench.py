@@ -583,17 +583,19 @@ def test_bench_async_runs_each_setting_and_renders_its_page(tmp_path):
     "sync",
     "one_step_off",
     "one_step_off + partial",
+    "one_step_off + partial, carry bound 1",
     "one_step_off + partial, no carry bound",
     "sync again",
   ]
   tags = lambda r: [s["rollout/weights_step"] for s in r["steps"]]
-  assert tags(rows[0]) == [0, 1, 2] and tags(rows[1]) == tags(rows[2]) == tags(rows[3]) == [0, 0, 1]
-  assert all("rollout/token_lag/mean" in s for r in rows[2:4] for s in r["steps"])
+  assert tags(rows[0]) == [0, 1, 2] and all(tags(r) == [0, 0, 1] for r in rows[1:5])
+  assert all("rollout/token_lag/mean" in s for r in rows[2:5] for s in r["steps"])
   assert all(0 <= r["idle_share"] <= 1 for r in rows) and "trainer idle" in out
   page = load_file("docs/make_results_pages.py").async_rl_page([json.load(open(path))])
   assert page.count("| one_step_off |") == 1 and page.count("| sync") == 2
   assert "**long_tail**" in page and "Length bias: trained mean response length, sync" in page
   bound = lambda name: next(x for x in page.splitlines() if x.startswith(f"| {name} |"))
-  assert "| 2 |" in bound("one_step_off + partial") and "| 0 |" in bound(
-    "one_step_off + partial, no carry bound"
+  assert "| 2 |" in bound("one_step_off + partial") and "| 1 |" in bound(
+    "one_step_off + partial, carry bound 1"
   )
+  assert "| 0 |" in bound("one_step_off + partial, no carry bound")
