@@ -2,12 +2,16 @@
 Qwen3's template with the model's tokens told apart from context, env:pointer_chase played through
 the tool pool, and env:NAME resolution."""
 
+import threading
+import time
+
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sparrow_jax.data.tokenizer import Tokenizer, chat_template, tool_call_text
 from sparrow_jax.envs import pointer_chase, protocol, registry
+from sparrow_jax.envs import turns as turns_lib
 from sparrow_jax.envs.protocol import BadCall, ToolCall
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
@@ -316,3 +320,74 @@ def test_env_config_refuses_a_bad_value_naming_the_field(fields, says):
   with pytest.raises(ValueError) as error:
     registry.env_config("env:pointer_chase", **fields)
   assert str(error.value).startswith(says) and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------------ the engine's turns
+
+
+def _env_turns(tokenizer, rows=2, **fields):
+  envs = {}
+  for row in range(rows):
+    env = registry.make_env("env:pointer_chase", hops=2, keys=12, decoys=3, **fields)
+    env.reset(env.sample(1, row)[0])
+    envs[row] = env
+  return turns_lib.EnvTurns(envs, tokenizer, envs[0].config.pool())
+
+
+def test_env_turns_play_each_row_s_episode_through_the_pool_as_token_ids(tokenizer):
+  """A row's turn (token ids) is its env's action: a call runs in the pool and comes back as the
+  observation's ids (the tool response in Qwen3's user turn, then the next generation prompt), a
+  malformed one at once, a final answer ends the row; each row keeps its own episode."""
+  turns = _env_turns(tokenizer)
+  ids = lambda text: tokenizer.encode(text + "<|im_end|>")
+  actions = {row: pointer_chase.reference_actions(env.problem) for row, env in turns.envs.items()}
+  assert turns.turn_ended(0, ids(actions[0][0])) is True
+  assert turns.turn_ended(1, ids("<tool_call>\nnot json\n</tool_call>")) is True
+  got = {}
+  while len(got) < 2:
+    got.update(turns.observations(wait=True))
+  env0 = turns.envs[0]
+  passage = pointer_chase.Passages(env0.problem, 3, 0)[env0.problem.start]
+  assert tokenizer.decode(got[0]) == protocol.observation_text([passage])
+  assert "error: the tool call is not JSON" in tokenizer.decode(got[1])
+  for row in (0, 1):  # the rest of each episode, row 1 from its first lookup
+    for action in actions[row][1 - row : -1]:
+      assert turns.turn_ended(row, ids(action)) is True
+      while row not in turns.observations(wait=True):
+        pass
+    assert turns.turn_ended(row, ids(actions[row][-1])) is False
+    assert turns.grade(row) == (1.0, "correct")
+
+
+def test_a_restarted_row_starts_its_episode_over_and_never_gets_its_old_call_s_answer(tokenizer):
+  """A preempted row decodes again from its first token: its env is reset, and the answer of the
+  call it waited on (still running) is dropped; a row cut by its max_new tokens grades 0."""
+  turns = _env_turns(tokenizer, rows=1)
+  env = turns.envs[0]
+  call = pointer_chase.reference_actions(env.problem)[0]
+  slow = _Slow(env.tools["lookup"])
+  env.tools["lookup"] = slow
+  assert turns.turn_ended(0, tokenizer.encode(call + "<|im_end|>")) is True
+  turns.restart(0)
+  slow.go.set()
+  assert slow.answered.wait(10)
+  for _ in range(20):  # the pool's result comes in at a poll: none is the row's now
+    assert turns.observations(wait=False) == {}
+    time.sleep(0.02)
+  assert not turns.pool.pending() and env.turns == 0
+  assert turns.grade(0) == (0.0, "max_tokens")
+
+
+class _Slow:
+  """A tool that answers once `go` is set, and says when it has."""
+
+  def __init__(self, tool):
+    self.tool, self.schema = tool, tool.schema
+    self.go, self.answered = threading.Event(), threading.Event()
+
+  def __call__(self, **arguments):
+    self.go.wait(10)
+    try:
+      return self.tool(**arguments)
+    finally:
+      self.answered.set()

@@ -523,28 +523,33 @@ def decode_step(
 VerifyAttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, object, jax.Array], jax.Array]
 
 
-def verify_step(params, tokens_BC, cfg: Qwen3Config, caches, *, attention_fn: VerifyAttentionFn):
+def verify_step(
+  params, tokens_BC, cfg: Qwen3Config, caches, *, attention_fn: VerifyAttentionFn, lora=None
+):
   """C tokens per sequence at positions lengths .. lengths + C - 1 in one pass (the dense
-  verification of speculative decoding): returns logits_BCV of the token after each and the new
-  tokens' keys and values per layer ((k_BCKE, v_BCKE) each), which the caller writes once it knows
-  how many to keep; the caches are read, not written.
+  verification of speculative decoding, and a tool's observation prefilled into a row that is
+  under way): returns logits_BCV of the token after each and the new tokens' keys and values per
+  layer ((k_BCKE, v_BCKE) each), which the caller writes once it knows how many to keep; the
+  caches are read, not written.
 
   caches: one single-layer cache per layer (as `decode_step`'s), their `lengths` the tokens cached
   before the pass. attention_fn(layer, q_BCKGE, k_BCKE, v_BCKE, cache, lengths_B) -> out_BCKGE:
   each query over the cached tokens and causally over the C new ones
-  (`sparsity.policy.pool_verify_attention_fn`). params as `decode_step` takes them."""
+  (`sparsity.policy.pool_verify_attention_fn`). params and lora as `decode_step` takes them."""
   B, C = tokens_BC.shape
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
   if not isinstance(params["layers"], tuple):
-    params, _ = unstack_layers(params)
+    params, lora = unstack_layers(params, lora)
+  lora_layers = (None,) * len(caches) if lora is None else lora.params["layers"]
+  scale = 1.0 if lora is None else lora.scale
   lengths_B = caches[0].lengths
   pos_BC = lengths_B[:, None] + jnp.arange(C, dtype=lengths_B.dtype)
   x_BCD = embed(params, tokens_BC, cfg)
   new_kv = []
-  for i, (layer, cache) in enumerate(zip(params["layers"], caches)):
-    q_BCHE, k_BCKE, v_BCKE = qkv(layer, x_BCD, pos_BC, cfg)
+  for i, (layer, lora_layer, cache) in enumerate(zip(params["layers"], lora_layers, caches)):
+    q_BCHE, k_BCKE, v_BCKE = qkv(layer, x_BCD, pos_BC, cfg, lora_layer, scale)
     out_BCKGE = attention_fn(i, q_BCHE.reshape(B, C, K, G, E), k_BCKE, v_BCKE, cache, lengths_B)
-    x_BCD = finish_layer(layer, x_BCD, out_BCKGE.reshape(B, C, K * G, E), cfg)
+    x_BCD = finish_layer(layer, x_BCD, out_BCKGE.reshape(B, C, K * G, E), cfg, lora_layer, scale)
     x_BCD = sharding.constrain(x_BCD, ACT_AXES)
     new_kv.append((k_BCKE, v_BCKE))
   return unembed(params, x_BCD, cfg), tuple(new_kv)

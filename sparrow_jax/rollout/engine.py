@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 DENSE_PAGE_SIZE = 16  # tokens per pool page in dense rollouts (sparse ones use SparseConfig's)
+OBSERVATION_CHUNK = 64  # tokens of tool observations a pass of `programs.observe` prefills a row
 
 
 def page_size(sparse: Optional[SparseConfig]) -> int:
@@ -164,6 +165,27 @@ class _Programs:
     sched.set_first(at, self.to_local(token), self.to_local(logp), top)
     return pool
 
+  def observe(self, pool, sched: scheduler.Scheduler):
+    """Prefills every observing row's observation, OBSERVATION_CHUNK tokens a pass, and hands the
+    scheduler the token each row samples after it."""
+    while True:
+      slots, tokens, take, at = sched.observe_inputs(OBSERVATION_CHUNK)
+      if not at:
+        return pool
+      pool, token, logp, top = programs.observe(
+        self.params,
+        None if self.speculate else self.lora,  # exact mode: the dense policy's token, as prefill
+        pool,
+        self.key,
+        {k: self.to_global(v) for k, v in slots.items()},
+        self.to_global(tokens),
+        self.to_global(take),
+        cfg=self.cfg,
+        sampling=self.sampling,
+      )
+      top = None if top is None else tuple(self.to_local(x) for x in top)
+      sched.finish_observe(at, take, self.to_local(token), self.to_local(logp), top)
+
   def copy(self, pool, pairs):
     return programs.copy_pages(pool, self.to_global(pairs[0]), self.to_global(pairs[1]))
 
@@ -264,6 +286,7 @@ def run(
   lora=None,
   order: Optional[Sequence[int]] = None,
   draft_plan: Optional[DraftPlan] = None,
+  turns: Optional[scheduler.Turns] = None,
 ):
   """Samples a completion for every request row through the engine.
 
@@ -289,6 +312,11 @@ def run(
       changes nothing in the output.
     draft_plan: with engine.draft_switch, exact mode's drafts per position bin, capped at
       engine.speculate.
+    turns: a multi-turn rollout's environments (`scheduler.Turns`; one process): a row whose turn
+      ends (an EOS of sampling.eos_ids) may wait on a tool, keeping its slot and pages while the
+      other rows decode; its observation's tokens are then prefilled into its own pages
+      (`programs.observe`) and it decodes on. Observations count toward max_new_B and are marked
+      in the Rollout's `observed`.
 
   Returns:
     (sampler.Rollout, EngineStats): the rollout's arrays are host (numpy) arrays, [B, M] with
@@ -303,11 +331,16 @@ def run(
   pool = _new_pool(params, cfg, engine, sparse)
   bound = (params, cfg, T + max_new, key, engine, sampling, sparse, schedule, lora, draft_plan)
   progs, draft_by_len = _bind(pool, *bound)
+  if turns is not None and jax.process_count() > 1:
+    raise ValueError("multi-turn rollouts (engine.run's turns) run on one process")
   sched = scheduler.Scheduler(
-    engine, requests, page_size(sparse), progs.local, order, sampling.eos_ids
+    engine, requests, page_size(sparse), progs.local, order, sampling.eos_ids, turns
   )
   _decode(pool, progs, sched, engine, draft_by_len)
-  return _rollout(sched, sampling), sched.stats
+  rollout = _rollout(sched, sampling)
+  if turns is not None:
+    rollout = rollout.replace(observed=sched.observed_mask())
+  return rollout, sched.stats
 
 
 class Partial:
@@ -447,11 +480,15 @@ def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None)
         pool = progs.copy(pool, sched.copy_pairs(copies))
       if not _any_process(bool(plan.rows)):
         break
+    if sched.turns is not None:
+      pool = _observe(pool, progs, sched)
     sched.check_progress()
     if enough is not None and not _any_process(not enough()):
       break
     if not _any_process(bool(sched.running())):
       break
+    if not _any_process(bool(sched.decoding())):
+      continue  # every row waits on a tool: the next round takes their observations
     start = time.perf_counter()  # a chunk's cost: its program and the host's work around it
     sched.grow()
     width = sched.width(not engine.drain_slots or _any_process(sched.wants_all_slots()))
@@ -463,6 +500,19 @@ def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None)
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
     ran, cached = _chunk_ran(draft, slots, n_gen, count)
     sched.stats.time_chunk(ran, time.perf_counter() - start, steps_run, cached, start)
+  return pool
+
+
+def _observe(pool, progs, sched: scheduler.Scheduler):
+  """Takes the observations that are ready (waiting for one when no row can decode and none is
+  queued that could start) into their rows' pages."""
+  waiting = any(r.waiting for r in sched.running())
+  idle = waiting and not sched.decoding()
+  ready = sched.turns.observations(wait=idle)
+  if ready:
+    sched.add_observations(ready)
+    sched.grow()  # pages for the observations and the chunk after them
+    pool = progs.observe(pool, sched)
   return pool
 
 

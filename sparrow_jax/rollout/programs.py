@@ -129,6 +129,31 @@ def decode_chunk(params, lora, pool, budget, key, slots, *, cfg, steps, sparse, 
   return pool, slots, out, steps_run
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("pool",))
+def observe(params, lora, pool, key, slots, tokens_BC, take_B, *, cfg, sampling):
+  """Prefills up to C tokens into each observing slot's own pages, after what it has cached: the
+  last token a row sampled and the tool observation that follows it (a multi-turn row paused on a
+  tool call), in one dense pass over its cache (`qwen3.verify_step`), C at a time. Returns the
+  pool and, from the logits after each slot's take_B-th token, the token its row samples next
+  (with its row key at n_gen, as decoding draws it), its log-prob and top log-probs.
+
+  slots: dict of [B] arrays length (tokens cached), n_gen, row, active (the slot observes), and
+  page_table [B, P] covering the positions written. take_B: tokens of tokens_BC each slot writes
+  (0 in a slot that does not observe)."""
+  C = tokens_BC.shape[1]
+  table_BP = jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // pool.page_size) + 1)))
+  length_B, active = slots["length"], slots["active"] & (take_B > 0)
+  layers = page_pool.layer_views(pool, table_BP, length_B, active)
+  logits_BCV, new_kv = qwen3.verify_step(
+    params, tokens_BC, cfg, layers, attention_fn=policy.pool_verify_attention_fn(), lora=lora
+  )
+  layers = tuple(x.write_span(k, v, length_B, take_B) for x, (k, v) in zip(layers, new_kv))
+  last_BV = jnp.take_along_axis(logits_BCV, jnp.maximum(take_B - 1, 0)[:, None, None], axis=1)
+  keys_B = jax.vmap(functools.partial(row_key, key))(slots["row"], slots["n_gen"])
+  token_B, logp_B, top = sample_rows(last_BV[:, 0], keys_B, sampling)
+  return page_pool.from_layers(pool, layers), token_B, logp_B, top
+
+
 class _Round(NamedTuple):
   """What every round of a speculative chunk shares (`speculative_chunk`)."""
 

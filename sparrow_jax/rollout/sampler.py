@@ -35,6 +35,9 @@ class Rollout:
   # Partial rollouts (`engine.Partial`): the policy version (trainer step) that sampled each
   # token, -1 after the row's end; a row carried over a step holds two or more.
   versions: Optional[jax.Array] = None  # [B, M] int32
+  # Multi-turn rollouts (`engine.run` with turns): True at the tokens of tool observations, which
+  # are context the row did not sample (their log-probs 0): out of the loss, TIS and the tails.
+  observed: Optional[jax.Array] = None  # [B, M] bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ its own devices' shards).
 
 import collections
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -242,6 +242,17 @@ class Row:
   first: Optional[tuple] = None  # (token, logp, top, version) sampled at its group's prefill
   slot: Optional[int] = None  # its slot on its group's shard while it runs
   done: bool = False
+  # Multi-turn rows (`Turns`): the [start, end) spans of `tokens` that are tool observations
+  # (context, not sampled), whether the row waits on a tool (it keeps its slot and pages but does
+  # not decode), and how many of its last tokens are still to be prefilled (its last sampled token
+  # and the observation after it).
+  observed: list = dataclasses.field(default_factory=list)
+  waiting: bool = False
+  unwritten: int = 0
+
+  def turn_start(self) -> int:
+    """Where the row's current turn starts in `tokens`: after its last observation."""
+    return self.observed[-1][1] if self.observed else 0
 
 
 @dataclasses.dataclass
@@ -272,12 +283,30 @@ class Admission:
   rows: list  # Rows
 
 
+class Turns(Protocol):
+  """A multi-turn rollout's environments, as the scheduler calls them (rows by their key, the
+  Requests row index): a row whose turn ends (its EOS) may wait on a tool, keeping its slot and
+  pages while the other rows decode, and goes on after the observation's tokens."""
+
+  def turn_ended(self, row: int, turn: list) -> bool:
+    """The row's turn ended with these tokens: True if it now waits on an observation (a tool call
+    was submitted), False if the row is done. Must not block."""
+
+  def observations(self, wait: bool) -> dict:
+    """{row: observation token ids} of the rows whose observations are ready; with `wait`, blocks
+    until one is (no row can decode until then)."""
+
+  def restart(self, row: int) -> None:
+    """The row decodes again from its first token (admitted, or readmitted after a preemption):
+    its episode starts over, and an observation it waited on is never delivered."""
+
+
 class Scheduler:
   """Every shard's slots and pages for one rollout of `requests` (this process's rows).
 
   page_size: tokens per pool page; shards: this process's pool shards (devices); order: the
   order rows are admitted in (a permutation of the rows; default: row order); eos_ids: tokens
-  that end a row."""
+  that end a row (a turn, with `turns`); turns: the environments of a multi-turn rollout."""
 
   def __init__(
     self,
@@ -287,9 +316,10 @@ class Scheduler:
     shards: int = 1,
     order: Optional[Sequence[int]] = None,
     eos_ids: Sequence[int] = (),
+    turns: Optional[Turns] = None,
   ):
     T = requests.prompt_BT.shape[1]
-    self.engine, self.Z, self.eos_ids = engine, page_size, tuple(eos_ids)
+    self.engine, self.Z, self.eos_ids, self.turns = engine, page_size, tuple(eos_ids), turns
     self.group_size, self.prompt_width = requests.group_size, T
     self.max_new = int(requests.max_new_B.max())
     self.max_pages_per_row = -(-(T + self.max_new) // page_size)
@@ -357,6 +387,10 @@ class Scheduler:
   def running(self, shard=None) -> list:
     shards = range(len(self.shards)) if shard is None else (shard,)
     return [self.rows[i] for r in shards for i in self.shards[r].slots if i is not None]
+
+  def decoding(self, shard=None) -> list:
+    """The running rows that decode: not waiting on a tool, nothing left to prefill."""
+    return [r for r in self.running(shard) if not (r.waiting or r.unwritten)]
 
   def shard_of(self, row) -> int:
     return self.groups[row.group].shard
@@ -478,7 +512,11 @@ class Scheduler:
     row.tokens, row.logprobs, row.top = [token], [logp], ([top] if top is not None else [])
     row.versions = [version]
     row.alpha = [float("nan")]  # sampled at the prefill: no draft
+    row.observed, row.waiting, row.unwritten = [], False, 0
     row.done = token in self.eos_ids or row.max_new == 1
+    if self.turns is not None:
+      self.turns.restart(row.key)
+      row.done = row.done and not self._waits(row)
 
   def start(self, admitted) -> list:
     """Restarts and places the admitted rows (a row done at its first token leaves at once).
@@ -517,16 +555,18 @@ class Scheduler:
     C = self.engine.chunk_tokens
     for r in range(len(self.shards)):
       while True:
-        short = {x.index: self.pages_needed(x, C) - len(x.pages) for x in self.running(r)}
+        # A row waiting on a tool keeps what it holds: its observation is not known yet.
+        growing = [x for x in self.running(r) if not x.waiting]
+        short = {x.index: self.pages_needed(x, C) - len(x.pages) for x in growing}
         if sum(max(n, 0) for n in short.values()) <= len(self.shards[r].free_pages):
           break
-        victim = min(self.running(r), key=lambda x: (len(x.tokens), -x.index))
+        victim = min(growing, key=lambda x: (len(x.tokens), -x.index))
         self._check_not_cycling(victim)
         self.release(victim)
         self.stats.preemptions += 1
         self.stats.useful_row_steps -= len(victim.tokens) - 1  # decoded again on readmission
         self.queue.appendleft(victim.index)
-      for x in self.running(r):
+      for x in growing:
         if short[x.index] > 0:
           x.pages += self.take_pages(r, short[x.index])
           self.place(x, x.slot)
@@ -597,8 +637,8 @@ class Scheduler:
       active=np.zeros(n, bool),
       page_table=np.concatenate([sh.page_table[:width] for sh in self.shards]),
     )
-    at = {r.index: self.shard_of(r) * width + r.slot for r in self.running()}
-    for r in self.running():
+    at = {r.index: self.shard_of(r) * width + r.slot for r in self.decoding()}
+    for r in self.decoding():
       i = at[r.index]
       slots["token"][i], slots["length"][i] = r.tokens[-1], r.prompt_len + len(r.tokens) - 1
       slots["n_gen"][i], slots["max_new"][i] = len(r.tokens), r.max_new
@@ -617,7 +657,7 @@ class Scheduler:
     self.stats.computed_row_steps += steps_run * per_step * len(self.shards) * width
     if count is not None:
       self._count_rounds(count)
-    for r in self.running():
+    for r in [self.rows[b] for b in at]:
       i = at[r.index]
       new = int(n_gen_after[i]) - len(r.tokens)
       self.stats.useful_row_steps += new
@@ -629,8 +669,89 @@ class Scheduler:
       if "alpha" in out:
         r.alpha += out["alpha"][i, :new].tolist()
       if not active_after[i]:
-        r.done = True
-        self.release(r)
+        self._end_turn(r)
+
+  # -- multi-turn rows
+
+  def _waits(self, row) -> bool:
+    """Whether a row whose turn just ended (its last token an EOS, or its length reached) waits
+    on a tool: only an EOS with room for an observation and a token after it asks `turns`."""
+    if row.tokens[-1] not in self.eos_ids or len(row.tokens) + 1 >= row.max_new:
+      return False
+    row.waiting = self.turns.turn_ended(row.key, row.tokens[row.turn_start() :])
+    return row.waiting
+
+  def _end_turn(self, row) -> None:
+    """A row stopped decoding: it waits on a tool (keeping its slot and pages), or it is done."""
+    if self.turns is None or not self._waits(row):
+      row.done = True
+      self.release(row)
+
+  def add_observations(self, ready: dict) -> None:
+    """Appends each ready observation (row key -> token ids, cut to leave the row room for one
+    sampled token) to its row, to be prefilled (`observe_inputs`); rows no longer waiting (restarted
+    since) are skipped."""
+    by_key = {r.key: r for r in self.running() if r.waiting}
+    for key, ids in ready.items():
+      row = by_key.get(key)
+      if row is None:
+        continue
+      ids = list(ids)[: row.max_new - len(row.tokens) - 1]
+      start = len(row.tokens)
+      row.tokens += ids
+      row.logprobs += [0.0] * len(ids)
+      row.versions += [self.version] * len(ids)
+      if row.top:
+        k = len(row.top[0][0])
+        row.top += [(np.zeros(k, np.float32), np.zeros(k, np.int32))] * len(ids)
+      if self.engine.speculate:
+        row.alpha += [float("nan")] * len(ids)
+      row.observed.append((start, len(row.tokens)))
+      row.waiting, row.unwritten = False, len(ids) + 1  # the turn's last token is not cached yet
+
+  def observe_inputs(self, chunk: int) -> tuple:
+    """The observe program's inputs over every shard's slots: dict of [shards * slots] arrays
+    length, n_gen, row, active and the page tables; tokens [shards * slots, chunk] (each
+    observing row's next unwritten tokens) and how many each writes; {row index: its place}."""
+    n = len(self.shards) * self.engine.num_slots
+    slots = dict(
+      length=np.zeros(n, np.int32),
+      n_gen=np.zeros(n, np.int32),
+      row=np.zeros(n, np.int32),
+      active=np.zeros(n, bool),
+      page_table=np.concatenate([sh.page_table for sh in self.shards]),
+    )
+    tokens, take = np.zeros((n, chunk), np.int32), np.zeros(n, np.int32)
+    at = {}
+    for r in self.running():
+      if not r.unwritten:
+        continue
+      i = at[r.index] = self.shard_of(r) * self.engine.num_slots + r.slot
+      cached = r.prompt_len + len(r.tokens) - r.unwritten
+      take[i] = min(r.unwritten, chunk)
+      tokens[i, : take[i]] = r.tokens[len(r.tokens) - r.unwritten :][: take[i]]
+      slots["length"][i], slots["n_gen"][i], slots["row"][i] = cached, len(r.tokens), r.key
+      slots["active"][i] = True
+    return slots, tokens, take, at
+
+  def finish_observe(self, at, take, token, logp, top=None) -> None:
+    """Marks what the observe program wrote; a row with its observation all written takes the
+    token sampled after it, and decodes on (or its turn ends at once)."""
+    for b, i in at.items():
+      r = self.rows[b]
+      r.unwritten -= int(take[i])
+      if r.unwritten:
+        continue
+      r.tokens.append(int(token[i]))
+      r.logprobs.append(float(logp[i]))
+      r.versions.append(self.version)
+      if top is not None and r.top:
+        r.top.append((top[0][i], top[1][i]))
+      if self.engine.speculate:
+        r.alpha.append(float("nan"))  # the dense policy's token, no draft
+      self.stats.useful_row_steps += 1
+      if r.tokens[-1] in self.eos_ids or len(r.tokens) >= r.max_new:
+        self._end_turn(r)
 
   def _count_rounds(self, count: dict) -> None:
     """A speculative chunk's per-slot counters (host arrays) into the rollout's stats."""
@@ -808,3 +929,13 @@ class Scheduler:
       if alpha is not None:
         alpha[i, : len(r.alpha)] = r.alpha
     return tokens, logprobs, lengths, top_lp, top_id, alpha, versions
+
+  def observed_mask(self, rows: Optional[list] = None) -> np.ndarray:
+    """Host [B, max_new] bool of `rows` (default: every row): True at the tokens of tool
+    observations, which the rows did not sample."""
+    rows = list(self.rows.values()) if rows is None else rows
+    mask = np.zeros((len(rows), self.max_new), bool)
+    for i, r in enumerate(rows):
+      for start, end in r.observed:
+        mask[i, start:end] = True
+    return mask

@@ -1,0 +1,198 @@
+"""Multi-turn rows in the rollout engine (`engine.run(turns=...)`): a row whose turn ends waits on
+its tool without holding up the others, its observation is prefilled into its own pages, and what
+it samples afterwards is the policy's sample given the whole conversation (the teacher-forced
+forward over prompt, turns and observations gives its log-probs), whatever the slots or the pool."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import sparrow_jax as sj
+from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.rollout import engine
+from sparrow_jax.sparsity.schedule import KVSchedule
+from tests import helpers
+from tests.helpers import tiny_config
+
+CFG = tiny_config(num_hidden_layers=3)
+PARAMS = sj.init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+GROUP_LEN = np.asarray([9, 20, 13])
+PROMPT_LEN = np.repeat(GROUP_LEN, 2)
+PROMPT = np.repeat(np.random.RandomState(0).randint(1, CFG.vocab_size, (3, 21)), 2, axis=0) * (
+  np.arange(21)[None] < PROMPT_LEN[:, None]
+)
+MAX_NEW = 200
+EOS = tuple(range(0, CFG.vocab_size, 8))  # a turn every ~8 tokens of the random model
+TURNS = 3  # tool calls a row makes before its next turn end finishes it
+
+
+def observation(row: int, turn: int) -> list:
+  """The tool's answer to a row's turn: a length of its own (one longer than a prefill pass)."""
+  n = (5, 70, 23)[(row + turn) % 3]
+  return [int(t) for t in (row * 131 + turn * 17 + np.arange(n)) % CFG.vocab_size]
+
+
+class FakeTools:
+  """Turns whose tools answer `observation(row, turn)`: at the next poll, or for `slow` rows after
+  `delay_s` of wall time (the engine decodes the other rows meanwhile). A row makes `calls[row]`
+  calls (default TURNS), then its next turn end finishes it. Records what happened."""
+
+  def __init__(self, slow=(), delay_s=0.0, calls=None):
+    self.slow, self.delay_s, self.calls = set(slow), delay_s, calls or {}
+    self.turn, self.pending, self.log = {}, {}, []
+    self.lock = threading.Lock()
+
+  def turn_ended(self, row, turn):
+    t = self.turn.get(row, 0)
+    self.turn[row] = t + 1
+    if t >= self.calls.get(row, TURNS):
+      self.log.append(("done", row, time.perf_counter()))
+      return False
+    due = time.perf_counter() + (self.delay_s if row in self.slow else 0.0)
+    self.pending[row] = (due, observation(row, t))
+    return True
+
+  def observations(self, wait):
+    while True:
+      now = time.perf_counter()
+      ready = {r: ids for r, (due, ids) in self.pending.items() if due <= now}
+      if ready or not wait:
+        break
+      time.sleep(0.01)
+    for r in ready:
+      del self.pending[r]
+      self.log.append(("observed", r, now))
+    return ready
+
+  def restart(self, row):
+    self.turn.pop(row, None)
+    self.pending.pop(row, None)
+
+
+def run(turns, slots=6, pages=400, chunk=16, sparse=None, speculate=0, max_new=MAX_NEW, **kw):
+  config = engine.EngineConfig(
+    num_slots=slots, num_pages=pages, chunk_steps=chunk, speculate=speculate
+  )
+  extra = {} if sparse is None else dict(sparse=sparse, schedule=KVSchedule.fixed(4, page_size=4))
+  return engine.run(
+    PARAMS,
+    CFG,
+    engine.Requests(PROMPT, PROMPT_LEN, max_new, group_size=2),
+    jax.random.PRNGKey(1),
+    engine=config,
+    sampling=sj.Sampling(eos_ids=EOS),
+    turns=turns,
+    **extra,
+    **kw,
+  )
+
+
+def conversation_spans(out, row):
+  """The observed spans of a row as [start, end) pairs, from the Rollout's mask."""
+  mask = np.asarray(out.observed[row, : out.lengths[row]], np.int8)
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+  return [tuple(map(int, p)) for p in edges.reshape(-1, 2)]
+
+
+def assert_turns_are_the_tools(out):
+  """Every observation follows a turn's EOS and is the tool's answer to that turn, and a row's
+  model tokens end turns only where an observation follows or the row ends."""
+  for b in range(len(PROMPT)):
+    tokens, n = np.asarray(out.tokens[b]), int(out.lengths[b])
+    spans = conversation_spans(out, b)
+    assert len(spans) <= TURNS
+    for t, (start, end) in enumerate(spans):
+      assert tokens[start - 1] in EOS, (b, t)
+      assert tokens[start:end].tolist() == observation(b, t)[: end - start]
+    model = np.ones(n, bool)
+    for start, end in spans:
+      model[start:end] = False
+    ends = [j for j in range(n) if model[j] and tokens[j] in EOS]
+    assert ends == [start - 1 for start, _ in spans] + ([n - 1] if tokens[n - 1] in EOS else [])
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return run(FakeTools())
+
+
+@pytest.mark.slow
+def test_a_multi_turn_row_s_logprobs_are_the_teacher_forced_forward_over_its_conversation(
+  reference,
+):
+  """Dense rows: every token a row sampled, the first after each observation included, has the
+  log-prob the teacher-forced forward over prompt + turns + observations gives it; observations
+  (prefilled in passes of OBSERVATION_CHUNK, some longer than one) carry log-prob 0."""
+  out, _ = reference
+  assert_turns_are_the_tools(out)
+  spans = [conversation_spans(out, b) for b in range(len(PROMPT))]
+  assert sum(len(s) for s in spans) >= 8  # most rows make several tool calls
+  assert any(end - start > engine.OBSERVATION_CHUNK for s in spans for start, end in s)
+  ref, valid = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out)
+  sampled = np.asarray(valid) & ~out.observed
+  np.testing.assert_allclose(
+    np.where(sampled, out.logprobs, 0), np.where(sampled, ref, 0), atol=1e-4
+  )
+  assert np.all(out.logprobs[out.observed] == 0)
+
+
+@pytest.mark.slow
+def test_exact_mode_rows_across_turns_are_the_dense_policy_s_samples():
+  """Exact mode (sparse drafts, dense verification): a multi-turn row's sampled tokens carry the
+  dense teacher-forced log-probs over the whole conversation, and drafts never cross a turn's end
+  (acceptance counts sampled tokens only: its alphas are NaN at observations)."""
+  out, stats = run(FakeTools(), sparse=SparseConfig(page_size=4, dense_layers=1), speculate=2)
+  assert_turns_are_the_tools(out)
+  assert stats.rounds > 0 and stats.drafted > 0
+  ref, valid = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out)
+  sampled = np.asarray(valid) & ~out.observed
+  np.testing.assert_allclose(
+    np.where(sampled, out.logprobs, 0), np.where(sampled, ref, 0), atol=1e-4
+  )
+  assert np.all(np.isnan(out.alpha[out.observed]))
+
+
+@pytest.mark.slow
+def test_rows_are_the_same_whatever_the_slots_pool_or_chunk(reference):
+  """Four slots, chunks of 5 and a pool that preempts rows (a preempted row's episode starts over,
+  its tool calls made again): the same rows token for token."""
+  out, stats = run(FakeTools(), slots=4, chunk=5, pages=18)
+  assert stats.preemptions > 0
+  np.testing.assert_array_equal(out.lengths, reference[0].lengths)
+  np.testing.assert_array_equal(out.tokens, reference[0].tokens)
+  np.testing.assert_array_equal(out.observed, reference[0].observed)
+  np.testing.assert_allclose(out.logprobs, reference[0].logprobs, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_row_waiting_on_a_slow_tool_does_not_hold_up_the_others():
+  """Row 0 calls a tool that answers 2 s later, three times; the other rows call none: they decode
+  to their ends while row 0 waits, before its first answer comes. Its rows are those of a fast
+  tool."""
+  calls = {row: 0 for row in range(1, len(PROMPT))}
+  tools = FakeTools(slow={0}, delay_s=2.0, calls=calls)
+  out, _ = run(tools)
+  first_slow = min(t for what, row, t in tools.log if what == "observed" and row == 0)
+  others_done = [t for what, row, t in tools.log if what == "done" and row != 0]
+  assert len(others_done) >= 3 and max(others_done) < first_slow
+  fast, _ = run(FakeTools(calls=calls))
+  assert len(conversation_spans(out, 0)) == TURNS
+  np.testing.assert_array_equal(out.tokens, fast.tokens)
+
+
+@pytest.mark.slow
+def test_observations_count_toward_max_new_and_are_cut_to_leave_a_sampled_token():
+  """Rows of at most 60 tokens: an observation that does not fit is cut so that the row samples
+  one token after it, and no row runs past its max_new tokens."""
+  out, _ = run(FakeTools(), max_new=60)
+  assert (out.lengths <= 60).all()
+  cut = 0
+  for b in range(len(PROMPT)):
+    for t, (start, end) in enumerate(conversation_spans(out, b)):
+      if end - start < len(observation(b, t)):
+        cut += 1
+        assert end == 59 and out.lengths[b] == 60 and not out.observed[b, 59]
+  assert cut >= 1
