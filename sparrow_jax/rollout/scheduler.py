@@ -850,6 +850,7 @@ class Scheduler:
       )
     self = cls.__new__(cls)
     self.engine, self.Z, self.eos_ids = engine, meta["page_size"], tuple(eos_ids)
+    self.turns = None  # partial rollouts, whose state this is, run single-turn rows
     self.group_size, self.prompt_width = meta["group_size"], meta["prompt_width"]
     self.max_new = meta["max_new"]
     self.max_pages_per_row = -(-(self.prompt_width + self.max_new) // self.Z)
