@@ -32,10 +32,10 @@ writes them as JSON.
     round's cost in dense decode steps. The weights are random, so the drafts' acceptance is low
     (about 0.6, below a trained model's): exact mode's ratios here understate a trained model's.
     Cost on an H100 (estimated from bytes; not yet run): the pool is 4 rows x 2,050 pages x 28
-    layers x 231 KiB = 15.5 GB and the weights 3.4 GB, so a dense step reads 19 GB (under 6 ms at
-    3.35 TB/s); its 30 chunks (warm-ups included) read about 6 TB (2-4 s); compiling its five
-    28-layer programs (dense, sparse, speculate 2 and 4, auto: its budget carries the plan) takes
-    the rest: about 3 minutes in all.
+    layers x 66 KiB (keys, values and summary of 8 KV heads) = 15.5 GB and the weights 3.4 GB, so
+    a dense step reads 19 GB (under 6 ms at 3.35 TB/s); its 30 chunks (warm-ups included) read
+    about 6 TB (2-4 s); compiling its five 28-layer programs (dense, sparse, speculate 2 and 4,
+    auto: its budget carries the plan) takes the rest: about 3 minutes in all.
 
 (1)-(5) are sized for under 8 minutes, (6) for about 3 more; `--config.parts` runs some of them.
 Each part runs on its own: a part that raises prints its traceback and the next part runs; the
