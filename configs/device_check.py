@@ -1,20 +1,23 @@
 """experiments/device_check.py: the one-shot GPU / TPU check (kernels, attention, end-to-end
-decode).
+decode, the engine, training attention, exact mode).
 
-python experiments/device_check.py [--out=device_check.json]   # on the accelerator, < 8 min
+python experiments/device_check.py [--out=device_check.json]   # on the accelerator, < 11 min
 python experiments/device_check.py --smoke                      # tiny sizes, any backend (CI)
 python experiments/device_check.py --config=configs/device_check.py:smoke --config.x=y # + overrides
+python experiments/device_check.py --config.parts=exact         # some parts only
 """
 
 import ml_collections
 
-from configs import bench_engine
+from configs import bench_engine, bench_exact
 
 
 def get_config(arg: str = ""):
   smoke = arg == "smoke"
   c = ml_collections.ConfigDict()
   c.smoke = smoke  # tiny sizes (configs/device_check.py:smoke)
+  # the parts run, in this order (tuning on a GPU only)
+  c.parts = "kernels,attention,tuning,decode,engine,train_attention,exact"
   # (1) kernel == jnp twin, on the device (interpret mode off its hardware)
   c.kernel_context = 512 if smoke else 8192  # cache slots per row of the kernel checks
   # (2) attention only, dense vs sparse (experiments/bench_attention.py's measure)
@@ -64,4 +67,22 @@ def get_config(arg: str = ""):
   c.train_attention.tokens = 256 if smoke else 32768  # row length of the timed calls
   c.train_attention.check_tokens = 256 if smoke else 2048  # row length of the equality check
   c.train_attention.runs = 1 if smoke else 3  # timed calls (median)
+  # (6) exact mode at long context (experiments/bench_exact.py's part (1)): a random Qwen3-1.7B,
+  # a pool filled at 32K cached tokens per row, dense vs speculate 2 / 4 vs the regime switch
+  exact = bench_exact.get_config()
+  c.exact = ml_collections.ConfigDict()
+  c.exact.batch = 2 if smoke else 4  # rows: 4 x 32K x 28 layers of bf16 KV = 15.5 GB of pool
+  c.exact.runs = 1 if smoke else 3  # timed calls per setting (median), interleaved
+  c.exact.temperature = exact.temperature
+  c.exact.drafts = exact.drafts  # speculate 2 and 4; auto chooses among them or dense
+  c.exact.hardware = exact.hardware  # the roofline auto's plan is priced on
+  c.exact.dtype = "float32" if smoke else "bfloat16"  # params and pool (CPU: bf16 doubles the time)
+  c.exact.shapes = exact.shapes
+  c.exact.shapes.update(
+    layers=1 if smoke else 28,  # one layer: most of the smoke run is compiling
+    vocab_size=1024 if smoke else 0,
+    dense_layers=0 if smoke else 2,  # layers the drafts keep dense (paper: 2)
+    contexts=(256,) if smoke else (32768,),
+    steps=8 if smoke else 16,
+  )
   return c

@@ -1883,13 +1883,30 @@ PAGES = {
 }
 
 
+# The directories records name as the docs' commands do (no machine's own path), and what they are.
+PATH_NOTES = {
+  "$HOME/.cache/sparrow_jax/smollm2-135m-instruct": "the model dir `experiments/import_gguf.py` "
+  "writes by default ([real_lm.md](../real_lm.md))",
+  "VENV/bin/python": "the Python of a venv with google-tunix "
+  "([decode_speed.md](../decode_speed.md#against-another-jax-library))",
+}
+
+
+def _path_notes(text) -> str:
+  """A closing line saying what each of PATH_NOTES' directories in `text` is ("" if none)."""
+  notes = [f"`{path}` is {what}" for path, what in PATH_NOTES.items() if path in text]
+  return "Directories: " + "; ".join(notes) + ".\n" if notes else ""
+
+
 def pages() -> dict:
   out = {}
   for page, (pattern, render) in PAGES.items():
     paths = sorted(glob.glob(os.path.join(RESULTS, pattern)))
     records = [json.load(open(p)) for p in paths]
     if records:
-      out[page] = render(records)
+      text = render(records)
+      notes = _path_notes(text)
+      out[page] = text.rstrip("\n") + "\n\n" + notes if notes else text
   return out
 
 

@@ -67,15 +67,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @functools.partial(jax.jit, static_argnames=("page_score",), donate_argnames=("k", "v", "s"))
 def _fill_pool_layer(k, v, s, key, *, page_score):
   """One layer of a pool filled with random keys and values (unit normal, as bench_decode's cache)
-  on every page, and their page summaries."""
+  on every page, and their page summaries. Drawn in the summaries' dtype, the pool's own: keys and
+  values may be stored as its bits (`paged_cache.stored_dtype`)."""
   key_k, key_v = jax.random.split(key)
-  k = jax.random.normal(key_k, k.shape, jnp.float32).astype(k.dtype)
-  v = jax.random.normal(key_v, v.shape, jnp.float32).astype(v.dtype)
-  return k, v, paged_cache.page_score_fns(page_score).summary(k).astype(s.dtype)
+  k = jax.random.normal(key_k, k.shape, jnp.float32).astype(s.dtype)
+  v = jax.random.normal(key_v, v.shape, jnp.float32).astype(s.dtype)
+  summary = paged_cache.page_score_fns(page_score).summary(k).astype(s.dtype)
+  return paged_cache.to_stored(k), paged_cache.to_stored(v), summary
 
 
-def filled_pool(cfg, pages: int, page_size: int, key):
-  pool = page_pool.init_pool(cfg, pages, page_size)
+def filled_pool(cfg, pages: int, page_size: int, key, dtype=jnp.float32):
+  pool = page_pool.init_pool(cfg, pages, page_size, dtype)
   layers = [
     _fill_pool_layer(k, v, s, jax.random.fold_in(key, i), page_score=pool.page_score)
     for i, (k, v, s) in enumerate(zip(pool.k_stored, pool.v_stored, pool.summaries))
@@ -120,6 +122,13 @@ def _ratios(rows) -> list:
   return rows
 
 
+def round_dense_steps(row) -> float:
+  """A round's seconds in dense decode steps (seconds per round / dense seconds per token) of a
+  row of (1), where every row runs every round of a chunk: the tokens a round emits over the ratio
+  to dense tokens/s. A decode step (dense, sparse) is a round that emits one token."""
+  return row.get("accepted_per_round", 1.0) / row["vs_dense"]
+
+
 def _print(label, rows):
   for row in rows:
     extra = ""
@@ -134,11 +143,12 @@ def _print(label, rows):
     )
 
 
-def bench_shapes(config, hardware) -> list:
-  """(1): the settings at each context of the random long-context model."""
+def bench_shapes(config, hardware, dtype=jnp.float32) -> list:
+  """(1): the settings at each context of the random long-context model, its weights and pool in
+  `dtype`."""
   e = config.shapes
   cfg = model_config(e.layers, e.vocab_size)
-  params = qwen3.init_params(cfg, jax.random.PRNGKey(0))
+  params = qwen3.init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
   sparse = sj.SparseConfig(page_size=16, dense_layers=e.dense_layers)
   sampling = sampler.Sampling(temperature=config.temperature)
   B, Z, T, K = config.batch, sparse.page_size, e.steps, max(config.drafts)
@@ -147,7 +157,7 @@ def bench_shapes(config, hardware) -> list:
   print(f"(1) {cfg.num_hidden_layers} layers of qwen3-1.7b, random weights, batch {B}, {T} tokens")
   for context in e.contexts:
     PR = -(-(context + T + K + 2) // Z)
-    state = {"pool": filled_pool(cfg, B * PR + 1, Z, jax.random.PRNGKey(1))}
+    state = {"pool": filled_pool(cfg, B * PR + 1, Z, jax.random.PRNGKey(1), dtype)}
     slots = dict(
       token=np.ones(B, np.int32),
       length=np.full(B, context, np.int32),

@@ -3,7 +3,7 @@
   python experiments/bench_tunix.py --config=configs/bench_tunix.py \\
       --config.tunix.python=VENV/bin/python   # needs google-tunix in VENV
   python experiments/bench_tunix.py --config=configs/bench_tunix.py \\
-      --config.tunix.python=VENV/bin/python --config.out=docs/results/decode_rollout.json
+      --config.tunix.python=VENV/bin/python --config.out=docs/results/decode_rollout_tunix.json
 
 Dense decode tokens/s of a tiny Qwen3 (TINY below) in our sampler (sj.generate) and in
 google-tunix's (tunix.generate.sampler.Sampler over tunix.models.qwen3), our random weights copied

@@ -1,9 +1,10 @@
-"""The one-shot accelerator check: what a GPU or TPU machine runs, in under 8 minutes, to prove the
-kernels and measure them. Prints markdown tables (for docs/kernels.md) and, with --out, writes
-them as JSON.
+"""The one-shot accelerator check: what a GPU or TPU machine runs, in under 11 minutes, to prove
+the kernels and measure them. Prints markdown tables (for docs/kernels.md) and, with --out,
+writes them as JSON.
 
   python experiments/device_check.py [--out=device_check.json]
   python experiments/device_check.py --smoke      # tiny sizes on any backend (CI runs it on CPU)
+  python experiments/device_check.py --config.parts=exact    # some parts only (config.parts)
 
 (1) kernels == their jnp twin, on the device: the platform's kernel (Triton on a GPU, Mosaic on a
     TPU; both in interpret mode on a CPU) against reference.sparse_decode_attention, float32 and
@@ -22,7 +23,21 @@ them as JSON.
 (5) dense training attention (attention/flash.py): the gradient of the model's attention ("auto":
     cuDNN on a GPU, splash on a TPU) against the blockwise jnp path, Qwen3-1.7B heads, bfloat16:
     max |diff| of output and gradients at a short row, and ms of each at the train step's length.
+(6) exact mode at 32K (experiments/bench_exact.py's part (1), `bench_shapes`): a random
+    Qwen3-1.7B (28 layers, full vocabulary, bfloat16), batch 4, a page pool filled with 32K random
+    cached tokens per row; chunks of 16 tokens of dense decoding, lossy sparse, speculate 2 and 4
+    (sparse drafts under the paper's tau-0.86 table with 2 dense layers, one dense verification
+    pass a round) and auto (the regime switch's plan, priced on this run's measured rounds),
+    interleaved, median of 3: tok/s, x dense, accepted tokens per round, draft acceptance and a
+    round's cost in dense decode steps. The weights are random, so the drafts' acceptance is low
+    (about 0.6, below a trained model's): exact mode's ratios here understate a trained model's.
+    Cost on an H100 (estimated from bytes; not yet run): the pool is 4 rows x 2,050 pages x 28
+    layers x 66 KiB (keys, values and summary of 8 KV heads) = 15.5 GB and the weights 3.4 GB, so
+    a dense step reads 19 GB (under 6 ms at 3.35 TB/s); its 30 chunks (warm-ups included) read
+    about 6 TB (2-4 s); compiling its five 28-layer programs (dense, sparse, speculate 2 and 4,
+    auto: its budget carries the plan) takes the rest: about 3 minutes in all.
 
+(1)-(5) are sized for under 8 minutes, (6) for about 3 more; `--config.parts` runs some of them.
 Each part runs on its own: a part that raises prints its traceback and the next part runs; the
 JSON (--out) is rewritten after every part; the summary is printed last. The exit status is
 non-zero only when a kernel differs from its twin (table (1)).
@@ -39,10 +54,11 @@ from ml_collections import config_flags
 import numpy as np
 
 from configs import device_check as device_check_config
-from experiments import bench_attention, bench_decode, bench_engine, timing
+from experiments import bench_attention, bench_decode, bench_engine, bench_exact, timing
 from kernels import sparse_decode, sparse_decode_tpu
 import sparrow_jax as sj
 from sparrow_jax.attention import flash, reference
+from sparrow_jax.mismatch import cost_model
 from sparrow_jax.rollout import sampler
 from sparrow_jax.sparsity.schedule import BudgetTable, KVSchedule
 
@@ -306,6 +322,33 @@ def time_train_attention(config):
   return dict(auto_ms=auto_ms, blockwise_ms=blockwise_ms, max_abs_diff=diff)
 
 
+def time_exact(config):
+  """(6): bench_exact's settings at long context on the random Qwen3-1.7B, a table row each."""
+  c = config.exact
+  hardware = cost_model.get_hardware(c.hardware)
+  rows = bench_exact.bench_shapes(c, hardware, jnp.dtype(c.dtype))
+  rows = [r | dict(round_dense_steps=bench_exact.round_dense_steps(r)) for r in rows]
+  e = c.shapes
+  print(
+    f"\n(6) exact mode: random Qwen3-1.7B ({e.layers} layers, {c.dtype}), batch {c.batch}, "
+    f"{e.steps} tokens a chunk; drafts under the paper's tau-{e.tau} table, {e.dense_layers} "
+    f"dense layers; auto priced on {hardware.name}. Random weights: low acceptance (~0.6)\n"
+  )
+  print(
+    "| context | setting | tok/s | x dense | accepted / round | draft acceptance | "
+    "round (dense steps) |\n|---|---|---|---|---|---|---|"
+  )
+  for r in rows:
+    accepted = r.get("accepted_per_round")
+    alpha = r.get("draft_acceptance")
+    print(
+      f"| {r['context']} | {r['setting']} | {r['tokens_per_s']:.1f} | {r['vs_dense']:.2f} | "
+      f"{'' if accepted is None else f'{accepted:.2f}'} | "
+      f"{'' if alpha is None else f'{alpha:.2f}'} | {r['round_dense_steps']:.2f} |"
+    )
+  return dict(rows=rows)
+
+
 def _run_part(name, fn, report, out):
   """report[name] = fn(), or the traceback if it raises; the JSON is rewritten either way."""
   start = time.perf_counter()
@@ -352,7 +395,43 @@ def _summary(report) -> str:
       lines.append(
         f"| decode | sparse / dense {value['sparse']['tok_s'] / value['dense']['tok_s']:.2f}x |"
       )
+    elif name == "exact":
+      lines.append(f"| exact | {_exact_line(value['rows'])} |")
   return "\n".join(lines)
+
+
+def _exact_line(rows) -> str:
+  """Each exact-mode setting's ratio to dense, with its drafts' acceptance, per context."""
+  cells = []
+  for r in rows:
+    if r["setting"].startswith("speculate") or r["setting"] == "auto":
+      alpha = r.get("draft_acceptance")
+      cells.append(
+        f"{r['context']} {r['setting']} {r['vs_dense']:.2f}x"
+        + ("" if alpha is None else f" (acceptance {alpha:.2f})")
+      )
+  return ", ".join(cells)
+
+
+PARTS = {
+  "kernels": check_kernels,
+  "attention": time_attention,
+  "tuning": time_tuning,
+  "decode": time_decode,
+  "engine": bench_engine.bench_engine,
+  "train_attention": time_train_attention,
+  "exact": time_exact,
+}
+
+
+def chosen_parts(spec: str, backend: str) -> list:
+  """(name, fn) of each part config.parts (comma-separated) names, in PARTS' order; tuning times
+  Triton alternatives, so it runs on a GPU only."""
+  names = spec.split(",")
+  unknown = sorted(set(names) - set(PARTS))
+  if unknown:
+    raise ValueError(f"config.parts: unknown part(s) {unknown}; the parts: {','.join(PARTS)}")
+  return [(n, PARTS[n]) for n in PARTS if n in names and (n != "tuning" or backend == "gpu")]
 
 
 def main(argv):
@@ -371,16 +450,11 @@ def main(argv):
     jax=jax.__version__,
     smoke=config.smoke,
   )
-  parts = [("kernels", check_kernels), ("attention", time_attention)]
-  if jax.default_backend() == "gpu":
-    parts.append(("tuning", time_tuning))
-  parts += [("decode", time_decode), ("engine", bench_engine.bench_engine)]
-  parts.append(("train_attention", time_train_attention))
-  run_parts(parts, config, report, _FLAGS.out)
+  run_parts(chosen_parts(config.parts, jax.default_backend()), config, report, _FLAGS.out)
   report["seconds"] = time.perf_counter() - start
   _write(report, _FLAGS.out)
   print(f"\ndevice_check done in {report['seconds']:.0f} s\n\n{_summary(report)}")
-  kernels = report["kernels"]
+  kernels = report.get("kernels", [])
   if isinstance(kernels, list) and not all(r["ok"] for r in kernels):
     raise SystemExit("a kernel differs from its jnp twin (table (1))")
 

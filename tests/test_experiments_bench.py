@@ -10,10 +10,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sparrow_jax as sj
+from sparrow_jax.attention import paged_cache
 from tests.helpers import load_file, write_tiny_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -402,6 +404,21 @@ def test_bench_exact_refuses_long_prompts_without_what_they_need(tmp_path):
   assert refusal(c) == ""
 
 
+def test_bench_exact_fills_a_bfloat16_pool_through_its_stored_form():
+  """filled_pool in bfloat16 on this CPU, where keys and values are stored as their uint16 bits:
+  the bits read back as unit-normal draws, and each page's summary is its keys' mean."""
+  bench_exact = _load("bench_exact")
+  cfg = bench_exact.model_config(1, 64)
+  pool = bench_exact.filled_pool(cfg, 3, 16, jax.random.PRNGKey(0), jnp.bfloat16)
+  assert pool.k_stored[0].dtype == paged_cache.stored_dtype(jnp.bfloat16)
+  for stored in (pool.k_stored[0], pool.v_stored[0]):
+    values = paged_cache.from_stored(stored, jnp.bfloat16).astype(jnp.float32)
+    assert 0.9 < float(jnp.std(values)) < 1.1 and abs(float(jnp.mean(values))) < 0.1
+  keys = paged_cache.from_stored(pool.k_stored[0], jnp.bfloat16).astype(jnp.float32)
+  mean = keys.mean(axis=3, keepdims=True).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(pool.summaries[0]), np.asarray(mean))
+
+
 @pytest.mark.nightly
 def test_bench_exact_times_every_setting_on_long_prompts_of_real_text(tmp_path):
   """Part (3) alone at toy size on a tiny random model dir: every setting at each prompt length,
@@ -493,19 +510,25 @@ def test_memory_report_compiles_each_part_without_allocating(tmp_path):
   assert tpu.returncode != 0 and "compiles the parts train and sampler" in tpu.stderr
 
 
-@pytest.mark.nightly
-def test_device_check_smoke_runs_every_part(tmp_path):
-  """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
-  matches its twin, and the attention, decode, engine and training-attention tables are measured."""
-  out = tmp_path / "device_check.json"
-  result = subprocess.run(
-    [sys.executable, "experiments/device_check.py", "--smoke", f"--out={out}"],
+def _run_device_check(*args):
+  """experiments/device_check.py with `args` on this CPU; returns the finished process."""
+  return subprocess.run(
+    [sys.executable, "experiments/device_check.py", *args],
     cwd=ROOT,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
     capture_output=True,
     text=True,
     timeout=300,
   )
+
+
+@pytest.mark.nightly
+def test_device_check_smoke_runs_every_part(tmp_path):
+  """The accelerator check at smoke sizes on this CPU (kernels in interpret mode): every kernel
+  matches its twin, and the attention, decode, engine, training-attention and exact-mode tables
+  are measured."""
+  out = tmp_path / "device_check.json"
+  result = _run_device_check("--smoke", f"--out={out}")
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["smoke"] and report["backend"] == "cpu"
@@ -523,7 +546,11 @@ def test_device_check_smoke_runs_every_part(tmp_path):
   assert report["engine"]["ratios"]["sparse/dense engine"] > 0
   train = report["train_attention"]  # on CPU "auto" is the blockwise path: the same numbers
   assert train["auto_ms"] > 0 and train["blockwise_ms"] > 0 and train["max_abs_diff"] == 0.0
+  assert {"dense", "speculate2", "speculate4", "auto"} <= {
+    r["setting"] for r in report["exact"]["rows"]
+  }
   assert "| kernel | dtype |" in result.stdout and "sparse / dense:" in result.stdout
+  assert "| exact | 256 speculate2 " in result.stdout
   assert result.stdout.rstrip().endswith("|")  # the summary table comes last
 
 
@@ -560,6 +587,49 @@ def test_device_check_finishes_when_a_part_fails(tmp_path, capsys, monkeypatch):
   summary = device_check._summary(report)
   assert "| engine | failed: ValueError: engine.model must be" in summary
   assert "| kernels | 1/1 equal their twin |" in summary and "sparse / dense 1.50x" in summary
+
+
+@pytest.mark.slow
+def test_device_check_exact_part_alone_reports_each_setting(tmp_path):
+  """Part (6) alone (`--config.parts=exact`) at smoke sizes: a row per setting with its tokens/s,
+  ratio to dense and round cost, the drafting settings' acceptance within [0, 1], and the
+  summary's line for the part."""
+  out = tmp_path / "device_check.json"
+  result = _run_device_check(
+    "--config=configs/device_check.py:smoke", "--config.parts=exact", f"--out={out}"
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert set(report["part_seconds"]) == {"exact"}
+  rows = {r["setting"]: r for r in report["exact"]["rows"]}
+  assert {"dense", "speculate2", "speculate4", "auto"} <= set(rows)
+  assert all(r["context"] == 256 and r["tokens_per_s"] > 0 for r in rows.values())
+  assert rows["dense"]["vs_dense"] == 1.0 and rows["dense"]["round_dense_steps"] == 1.0
+  for k in (2, 4):
+    r = rows[f"speculate{k}"]
+    assert 0 <= r["draft_acceptance"] <= 1, r
+    assert 1 <= r["accepted_per_round"] <= k + 1 and r["round_dense_steps"] > 0, r
+  assert rows["auto"]["plan_k_bin"]  # the switch's drafts per position bin
+  alpha = rows["auto"].get("draft_acceptance")
+  assert alpha is None or 0 <= alpha <= 1  # None: its plan decodes densely here
+  summary = result.stdout[result.stdout.rindex("| part | result |") :]
+  line = next(x for x in summary.splitlines() if x.startswith("| exact |"))
+  for name in ("speculate2", "speculate4", "auto"):
+    assert f"256 {name} {rows[name]['vs_dense']:.2f}x" in line, line
+  for k in (2, 4):
+    assert f"(acceptance {rows[f'speculate{k}']['draft_acceptance']:.2f})" in line, line
+
+
+def test_device_check_parts_run_in_their_order_and_an_unknown_one_is_refused(monkeypatch):
+  """config.parts picks parts by name, run in the check's own order (tuning on a GPU only); an
+  unknown name is refused naming the field and the parts."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))  # as when run as a script
+  device_check = _load("device_check")
+  names = lambda spec, backend: [n for n, _ in device_check.chosen_parts(spec, backend)]
+  assert names("exact,kernels,tuning", "cpu") == ["kernels", "exact"]
+  assert names("exact,kernels,tuning", "gpu") == ["kernels", "tuning", "exact"]
+  with pytest.raises(ValueError, match=r"config.parts: unknown part\(s\) \['bogus'\]; the parts"):
+    device_check.chosen_parts("kernels,bogus", "cpu")
 
 
 @pytest.mark.nightly

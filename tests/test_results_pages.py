@@ -4,6 +4,7 @@ records, and every record names its command, commit, machine and date."""
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,3 +41,36 @@ def test_readme_quotes_the_default_runs_record():
   assert f"**{minutes} minutes and {summary['peak_rss_gib']:.2f} GiB peak RSS**" in readme
   default_row = next(line for line in readme.splitlines() if line.startswith("| `default.py` |"))
   assert default_row.endswith(f"| {minutes} min |")
+
+
+# One machine's own directories (home, checkout). A record or page names a model dir, venv or run
+# dir as the docs' commands do ($HOME/..., VENV/..., the /tmp scratch dirs of configs such as
+# configs/triton_stats.py), so that its command runs on any machine.
+MACHINE_DIRS = ("/root/", "/home/", "/Users/", "/work/")
+
+
+def _results_files() -> list:
+  """The records (JSON) and pages (markdown) of docs/results/."""
+  return sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*.json"))) + sorted(
+    glob.glob(os.path.join(ROOT, "docs", "results", "*.md"))
+  )
+
+
+def test_no_record_or_page_names_a_machine_directory():
+  found = [
+    (os.path.basename(path), d)
+    for path in _results_files()
+    for d in MACHINE_DIRS
+    if d in open(path).read()
+  ]
+  assert not found
+
+
+def test_every_script_a_record_or_page_names_exists():
+  named = {
+    (os.path.basename(path), script)
+    for path in _results_files()
+    for script in re.findall(r"experiments/\w+\.py", open(path).read())
+  }
+  missing = sorted((f, s) for f, s in named if not os.path.exists(os.path.join(ROOT, s)))
+  assert not missing
