@@ -6,13 +6,12 @@ import threading
 import time
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sparrow_jax.data.tokenizer import Tokenizer, chat_template, tool_call_text
 from sparrow_jax.envs import pointer_chase, protocol, registry
 from sparrow_jax.envs import turns as turns_lib
 from sparrow_jax.envs.protocol import BadCall, ToolCall
+from tests.helpers import byte_level_bpe
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
@@ -43,7 +42,6 @@ ACTIONS = [
   f"<think>\nLook it up.\n</think>\n\n{CALL}<|im_end|>",
   "<think>\nFound.\n</think>\n\n\\boxed{k2}<|im_end|>",
 ]
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED = [
   "<think>",
   "</think>",
@@ -57,15 +55,7 @@ ADDED = [
 @pytest.fixture(scope="module")
 def tokenizer():
   """A byte-level BPE with Qwen3's special and added tokens, trained here (nothing downloaded)."""
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-  )
-  tok.train_from_iterator([QWEN3_TEXT], trainer)
-  tok.add_tokens(ADDED)
-  return Tokenizer(tok=tok, eos_ids=(2,), pad_id=0)
+  return Tokenizer(tok=byte_level_bpe([QWEN3_TEXT], 300, ADDED), eos_ids=(2,), pad_id=0)
 
 
 def _transcript(enable_thinking=True):

@@ -6,24 +6,15 @@ import os
 
 import numpy as np
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sparrow_jax.data import long_prompts
 from sparrow_jax.data.tokenizer import Tokenizer
+from tests.helpers import byte_level_bpe
 
 
 @pytest.fixture(scope="module")
 def tok():
-  bpe = tokenizers.Tokenizer(models.BPE())
-  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  bpe.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=300,
-    special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-  )
-  bpe.train_from_iterator(["def return import self user assistant system"], trainer)
+  bpe = byte_level_bpe(["def return import self user assistant system"], vocab_size=300)
   return Tokenizer(tok=bpe, eos_ids=(2,), pad_id=0)
 
 
