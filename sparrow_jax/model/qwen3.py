@@ -524,7 +524,14 @@ VerifyAttentionFn = Callable[[int, jax.Array, jax.Array, jax.Array, object, jax.
 
 
 def verify_step(
-  params, tokens_BC, cfg: Qwen3Config, caches, *, attention_fn: VerifyAttentionFn, lora=None
+  params,
+  tokens_BC,
+  cfg: Qwen3Config,
+  caches,
+  *,
+  attention_fn: VerifyAttentionFn,
+  lora=None,
+  at_B=None,
 ):
   """C tokens per sequence at positions lengths .. lengths + C - 1 in one pass (the dense
   verification of speculative decoding, and a tool's observation prefilled into a row that is
@@ -535,7 +542,9 @@ def verify_step(
   caches: one single-layer cache per layer (as `decode_step`'s), their `lengths` the tokens cached
   before the pass. attention_fn(layer, q_BCKGE, k_BCKE, v_BCKE, cache, lengths_B) -> out_BCKGE:
   each query over the cached tokens and causally over the C new ones
-  (`sparsity.policy.pool_verify_attention_fn`). params and lora as `decode_step` takes them."""
+  (`sparsity.policy.pool_verify_attention_fn`). params and lora as `decode_step` takes them.
+  at_B: one position of the C per row whose logits alone are wanted (logits_BV): the LM head then
+  runs over B positions, not B x C (an observation's prefill samples after its last token only)."""
   B, C = tokens_BC.shape
   K, G, E = cfg.num_key_value_heads, cfg.group_size, cfg.head_dim
   if not isinstance(params["layers"], tuple):
@@ -552,4 +561,8 @@ def verify_step(
     x_BCD = finish_layer(layer, x_BCD, out_BCKGE.reshape(B, C, K * G, E), cfg, lora_layer, scale)
     x_BCD = sharding.constrain(x_BCD, ACT_AXES)
     new_kv.append((k_BCKE, v_BCKE))
+  if at_B is not None:
+    return unembed(params, jnp.take_along_axis(x_BCD, at_B[:, None, None], 1), cfg)[:, 0], tuple(
+      new_kv
+    )
   return unembed(params, x_BCD, cfg), tuple(new_kv)

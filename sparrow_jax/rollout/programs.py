@@ -144,13 +144,19 @@ def observe(params, lora, pool, key, slots, tokens_BC, take_B, *, cfg, sampling)
   table_BP = jnp.pad(slots["page_table"], ((0, 0), (0, -(-C // pool.page_size) + 1)))
   length_B, active = slots["length"], slots["active"] & (take_B > 0)
   layers = page_pool.layer_views(pool, table_BP, length_B, active)
-  logits_BCV, new_kv = qwen3.verify_step(
-    params, tokens_BC, cfg, layers, attention_fn=policy.pool_verify_attention_fn(), lora=lora
+  attention_fn = policy.pool_verify_attention_fn()
+  logits_BV, new_kv = qwen3.verify_step(
+    params,
+    tokens_BC,
+    cfg,
+    layers,
+    attention_fn=attention_fn,
+    lora=lora,
+    at_B=jnp.maximum(take_B - 1, 0),
   )
   layers = tuple(x.write_span(k, v, length_B, take_B) for x, (k, v) in zip(layers, new_kv))
-  last_BV = jnp.take_along_axis(logits_BCV, jnp.maximum(take_B - 1, 0)[:, None, None], axis=1)
   keys_B = jax.vmap(functools.partial(row_key, key))(slots["row"], slots["n_gen"])
-  token_B, logp_B, top = sample_rows(last_BV[:, 0], keys_B, sampling)
+  token_B, logp_B, top = sample_rows(logits_BV, keys_B, sampling)
   return page_pool.from_layers(pool, layers), token_B, logp_B, top
 
 
