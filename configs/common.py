@@ -10,7 +10,11 @@ exist is an error naming it.
 `python experiments/X.py` too, whose sys.path starts at experiments/.
 """
 
+import dataclasses
+
 import ml_collections
+
+from sparrow_jax.envs import registry
 
 
 def _select(c: ml_collections.ConfigDict, fields, overrides) -> ml_collections.ConfigDict:
@@ -26,6 +30,20 @@ def _select(c: ml_collections.ConfigDict, fields, overrides) -> ml_collections.C
   for name in known:
     if name not in fields:
       del c[name]
+  c.update(overrides)
+  return c
+
+
+def env(name: str = "env:pointer_chase", **overrides) -> ml_collections.ConfigDict:
+  """A multi-turn environment's fields, for config.task.name = `name`: those of its config class,
+  declared once there with their defaults and what each means (sparrow_jax/envs: EnvConfig's
+  max_turns, max_observation_tokens, tool_timeout_s, ... and the environment's own), plus the
+  tool pool's size."""
+  config_class = registry.ENVS[name][0] if name in registry.ENVS else None
+  if config_class is None:
+    raise ValueError(f"unknown environment {name!r}; known: {registry.env_names()}")
+  c = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(config_class)})
+  c.tool_workers = 4  # tool calls running at once (a hung one is abandoned at tool_timeout_s)
   c.update(overrides)
   return c
 

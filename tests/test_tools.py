@@ -45,6 +45,7 @@ def test_a_hung_tool_becomes_a_timeout_observation_and_frees_its_worker():
     results = _collect(pool, ["hung", "next"])
     assert results["hung"].status == "timeout"
     assert results["hung"].text == "timeout after 0.3s"
+    assert results["hung"].seconds >= 0.3  # the time it held its worker (env/tool_seconds)
     assert (results["next"].status, results["next"].text) == ("ok", "SERVED")
     assert not pool.pending()
   finally:

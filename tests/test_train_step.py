@@ -30,6 +30,11 @@ BUDGET = BudgetTable(jnp.asarray(sampler.budget_table(SCHEDULE, 12 + 24, SPARSE)
 
 
 def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
+  return step_schema.batch_from_rollout(*make_rollout(params, lora, seed, rewards, n_prompts, top))
+
+
+def make_rollout(params, lora, seed, rewards=None, n_prompts=2, top=False):
+  """(prompt, prompt_len, Rollout, rewards) of a sparse rollout of the tiny policy."""
   rng = np.random.RandomState(seed)
   prompt_len = jnp.asarray(np.repeat(rng.randint(6, 12, n_prompts), SC.rollout.group_size))
   prompt = jnp.asarray(
@@ -50,7 +55,7 @@ def make_batch(params, lora, seed, rewards=None, n_prompts=2, top=False):
   )
   if rewards is None:
     rewards = rng.randint(0, 2, n_prompts * SC.rollout.group_size).astype(np.float32)
-  return step_schema.batch_from_rollout(prompt, prompt_len, out, rewards)
+  return prompt, prompt_len, out, rewards
 
 
 def state_of(params, opt, lora=None, lora_opt=None):
@@ -579,3 +584,39 @@ def test_length_buckets_are_checked():
   for buckets, why in (((24, 16), "increasing"), ((16, 18), "page_size")):
     with pytest.raises(ValueError, match=f"length_buckets.*{why}"):
       step_schema.StepConfig(rl=step_schema.RLConfig(length_buckets=buckets), rollout=SC.rollout)
+
+
+@pytest.mark.slow
+def test_observation_tokens_never_enter_the_loss_tis_or_the_tails():
+  """A multi-turn row's tool observations (Rollout.observed) are context, not actions: they are
+  holes in gen_mask (still in the sequence the later tokens condition on), the step's update and
+  every metric (loss, TIS, tails) are the same whatever log-prob the rollout holds there, and the
+  generated-token counts and the tails count the sampled tokens only."""
+  params, lora, opt, lora_opt = setup()
+  prompt, prompt_len, out, rewards = make_rollout(params, lora, seed=8)
+  lengths = np.asarray(out.lengths)
+  pos = np.arange(out.tokens.shape[1])[None]
+  observed = (pos >= 3) & (pos < 3 + lengths[:, None] // 3)  # a span inside every row
+  assert observed.sum() > 0
+  step = ts.make_train_step(CFG, SC, opt, lora_opt, SPARSE)
+
+  def run(logprob_there):
+    marked = out.replace(
+      observed=jnp.asarray(observed), logprobs=jnp.where(observed, logprob_there, out.logprobs)
+    )
+    batch = step_schema.batch_from_rollout(prompt, prompt_len, marked, rewards)
+    return batch, step(state_of(params, opt, lora, lora_opt), batch, BUDGET)
+
+  batch, (state, m) = run(0.0)
+  _, (other, m_other) = run(-7.0)
+  for key in m:
+    np.testing.assert_array_equal(m[key], m_other[key], err_msg=key)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, other.params)
+  sampled = lengths - observed.sum(1)
+  np.testing.assert_allclose(m["response_length/mean"], sampled.mean(), rtol=1e-6)
+  assert int(np.sum(m["acceptance/count_bin"])) == int(sampled.sum())
+  plain = make_batch(params, lora, seed=8)  # the same rows, every completion token sampled
+  np.testing.assert_array_equal(batch.tokens, plain.tokens)  # observations stay in the context
+  at = np.arange(plain.tokens.shape[1])[None] - np.asarray(prompt_len)[:, None]
+  observed_S = (at >= 3) & (at < 3 + lengths[:, None] // 3)
+  np.testing.assert_array_equal(batch.gen_mask, np.asarray(plain.gen_mask) & ~observed_S)

@@ -107,7 +107,8 @@ class ToolPool:
         if job.future.done():
           out.append(self._result(job, now))
         elif now - job.started > self.timeout_s:
-          out.append(ToolResult(row_id, f"timeout after {self.timeout_s:g}s", "timeout"))
+          text = f"timeout after {self.timeout_s:g}s"
+          out.append(ToolResult(row_id, text, "timeout", seconds=now - job.started))
         else:
           continue
         del self._running[row_id]  # an abandoned thread runs on, out of the count

@@ -12,6 +12,10 @@ observation at once. An observation is rendered in the model's chat template
 (`protocol.observation_text`), its tool response cut to the env's max_observation_tokens.
 """
 
+import collections
+
+import numpy as np
+
 from sparrow_jax.data import rewards
 from sparrow_jax.envs import protocol, tools
 
@@ -26,6 +30,7 @@ class EnvTurns:
     self.problems = {row: env.problem for row, env in envs.items()}
     self.episode = dict.fromkeys(envs, 0)  # a restarted row's calls still running are not its own
     self.ready = {}  # row -> Step whose observation goes into the row
+    self.counts = {row: collections.Counter() for row in envs}  # this episode's tool use
 
   def turn_ended(self, row: int, turn: list) -> bool:
     env = self.envs[row]
@@ -34,9 +39,11 @@ class EnvTurns:
       return False
     if step.call is None:
       self.ready[row] = step
+      self.counts[row]["bad_calls"] += 1
     else:
       name, arguments = step.call
       self.pool.submit((row, self.episode[row]), env.tools[name], **arguments)
+      self.counts[row]["tool_calls"] += 1
     return True
 
   def observations(self, wait: bool) -> dict:
@@ -47,6 +54,8 @@ class EnvTurns:
       row, episode = result.row_id
       if episode == self.episode[row]:
         self.ready[row] = self.envs[row].observe(result)
+        self.counts[row][f"tool_{result.status}"] += 1
+        self.counts[row]["tool_seconds"] += result.seconds
     out = {row: self._ids(row, step) for row, step in self.ready.items()}
     self.ready = {}
     return out
@@ -54,6 +63,7 @@ class EnvTurns:
   def restart(self, row: int) -> None:
     self.episode[row] += 1
     self.ready.pop(row, None)
+    self.counts[row] = collections.Counter()
     self.envs[row].reset(self.problems[row])
 
   def grade(self, row: int) -> rewards.Grade:
@@ -61,6 +71,23 @@ class EnvTurns:
     max_new tokens before its episode ended."""
     env = self.envs[row]
     return env.grade() if env.done else rewards.Grade(0.0, "max_tokens")
+
+  def metrics(self, observed_BM, lengths_B) -> dict:
+    """The episodes' tool use (this process's rows, as the rollout ended them) and the share of
+    the completion tokens that are observations (`Rollout.observed`, `lengths`)."""
+    total = sum(self.counts.values(), collections.Counter())
+    turns = np.asarray([env.turns for env in self.envs.values()])
+    written = np.arange(np.shape(observed_BM)[1])[None] < np.asarray(lengths_B)[:, None]
+    return {
+      "env/turns/mean": float(turns.mean()),
+      "env/turns/max": int(turns.max()),
+      "env/tool_calls": total["tool_calls"],
+      "env/tool_errors": total["tool_error"],
+      "env/tool_timeouts": total["tool_timeout"],
+      "env/bad_calls": total["bad_calls"],
+      "env/tool_seconds": float(total["tool_seconds"]),
+      "env/observation_share": float(np.sum(observed_BM & written) / max(np.sum(written), 1)),
+    }
 
   def _ids(self, row: int, step: protocol.Step) -> list:
     """The observation's token ids: the tool response (cut to the env's budget) in a user turn,

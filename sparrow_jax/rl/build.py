@@ -21,6 +21,8 @@ from sparrow_jax import schema, sharding
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.data import synthetic, tasks
 from sparrow_jax.data.tokenizer import load_tokenizer
+from sparrow_jax.envs import registry as env_registry
+from sparrow_jax.envs import task as env_task_lib
 from sparrow_jax.mismatch import cost_model
 from sparrow_jax.model import lora as lora_lib
 from sparrow_jax.model.config import Qwen3Config
@@ -34,8 +36,10 @@ from sparrow_jax.sparsity import schedule as schedule_lib
 
 def make_task(c, seed: int | None = None):
   """The task of config `c` (its `task` group, seeded by `seed` or else config.seed) from the task
-  registry; an unknown name or unreadable data names the config fields, a synthetic task's own
-  settings their field."""
+  registry, or an environment's (`env_task`); an unknown name or unreadable data names the config
+  fields, a synthetic task's own settings their field."""
+  if c.task.name.startswith("env:"):
+    return env_task(c)
   with schema.naming_config_fields({"task": synthetic.PointerChase}):
     try:
       return tasks.make_task(
@@ -52,6 +56,32 @@ def make_task(c, seed: int | None = None):
         f"config.task.name = {c.task.name!r} with config.task.path = {c.task.path!r} is invalid: "
         f"{e}"
       ) from None
+
+
+def env_task(c) -> env_task_lib.EnvTask:
+  """The multi-turn task of environment config.task.name, its fields from the config's `env`
+  group (configs/common.env); a bad field or value names it."""
+  name = c.task.name
+  if "env" not in c:
+    raise ValueError(
+      f"config.task.name = {name!r} is an environment: its fields go in a config.env group "
+      "(configs/common.py's env())"
+    )
+  fields = dict(c.env)
+  workers = fields.pop("tool_workers", 4)
+  if name not in env_registry.ENVS:
+    raise ValueError(
+      f"config.task.name = {name!r}: unknown environment; known: {env_registry.env_names()}"
+    )
+  with schema.naming_config_fields({"env": env_registry.ENVS[name][0]}):
+    try:
+      config = env_registry.env_config(name, **fields)
+    except ValueError as e:
+      if str(e).startswith("unknown field"):
+        raise ValueError(f"config.env: {e}") from None
+      raise
+  with schema.naming_config_fields({"env": env_task_lib.EnvTask}):
+    return env_task_lib.EnvTask(name, config, workers)
 
 
 def load_tokenizer_of(c, task):
@@ -318,7 +348,8 @@ class Sampler(NamedTuple):
 
   sync: Callable  # TrainState -> the rollout's (params, lora)
   # ((params, lora), the new groups' problems, their Requests, key, StepBudget | None, the
-  # weights' version) -> rollouts.Taken: the rows the step trains on
+  # weights' version, a multi-turn task's turns or None) -> rollouts.Taken: the rows the step
+  # trains on
   sample: Callable
   mesh: Any  # the rollout mesh (the trainer's when colocated)
   carried: Optional[rollouts.Carried]  # the rows under way across steps (rollout.partial_groups)
@@ -344,7 +375,7 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
   def sync(state):
     return weights(state.params, state.lora)
 
-  def sample(synced, problems, requests, key, budget, version):
+  def sample(synced, problems, requests, key, budget, version, turns=None):
     params, lora = synced
     if budget is not None:
       budget = budget._replace(table=jax.device_put(budget.table, replicated))
@@ -360,6 +391,7 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
         sampling=how,
         sparse=sparse,
         lora=lora,
+        turns=turns,
         **rollouts.budget_args(budget),
       )
     return rollouts.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)

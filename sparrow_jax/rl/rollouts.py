@@ -181,10 +181,12 @@ class Sampled(NamedTuple):
   sync_s: float  # Synced.seconds of the weights that sampled them
   sync_bytes: int  # Synced.nbytes
   wait_s: float = 0.0  # how long `take` waited for them (about 0 when sampled ahead)
+  env_metrics: Optional[dict] = None  # a multi-turn task's tool use (EnvTurns.metrics)
 
   def metrics(self, bin_size: int, bins: int) -> dict:
-    """The rollout's own tags: the weights that sampled it and, for carried rows, their age."""
-    metrics = {"rollout/weights_step": self.weights_step}
+    """The rollout's own tags: the weights that sampled it, a multi-turn task's tool use and, for
+    carried rows, their age."""
+    metrics = {"rollout/weights_step": self.weights_step, **(self.env_metrics or {})}
     if self.rollout.versions is not None:
       parts = (self.rollout.versions, self.rollout.lengths, self.prompt_len, bin_size, bins)
       metrics.update(lag_metrics(self.step, *parts))
@@ -343,13 +345,25 @@ class Source:
     # carried rows are keyed by their group's data position: rows go on over steps
     first = (position + share.start) * g if s.overlap.partial_groups else self.rows.lo
     requests = engine.Requests(prompt, prompt_len, s.max_new_tokens, g, first_row=first)
-    taken = self.sampler.sample(synced.weights, problems, requests, key, budget, synced.version)
+    rows = range(first, first + len(prompt))
+    turns = None
+    if self.task.kind == "env":  # each row plays its own episode of its group's problem
+      turns = self.task.turns({r: problems[i // g] for i, r in enumerate(rows)}, self.tokenizer)
+    parts = (synced.weights, problems, requests, key, budget, synced.version, turns)
+    taken = self.sampler.sample(*parts)
     rollout_s = time.time() - t0
     rollout = taken.rollout
-    responses = [self.tokenizer.decode(t[:n]) for t, n in zip(rollout.tokens, rollout.lengths)]
-    grades = self.task.grade(responses, [p for p in taken.problems for _ in range(g)])
+    if turns is None:
+      responses = [self.tokenizer.decode(t[:n]) for t, n in zip(rollout.tokens, rollout.lengths)]
+      grades = self.task.grade(responses, [p for p in taken.problems for _ in range(g)])
+      env_metrics = None
+    else:
+      grades = [turns.grade(r) for r in rows]
+      env_metrics = turns.metrics(rollout.observed, rollout.lengths)
     parts = (taken.prompt, taken.prompt_len, taken.rollout, taken.engine_stats, grades, rollout_s)
-    return Sampled(step, synced.version, budget, *parts, synced.seconds, synced.nbytes)
+    return Sampled(
+      step, synced.version, budget, *parts, synced.seconds, synced.nbytes, 0.0, env_metrics
+    )
 
   # -- what a checkpoint keeps
 
@@ -500,6 +514,7 @@ def _sampled_state(sampled: Sampled) -> tuple:
     "seconds": [sampled.rollout_s, sampled.sync_s],
     "sync_bytes": sampled.sync_bytes,
     "rollout_fields": sorted(rollout),
+    "env_metrics": sampled.env_metrics,
   }
   arrays = {"prompt": sampled.prompt, "prompt_len": sampled.prompt_len, "rollout": rollout}
   if sampled.budget is not None:
@@ -531,6 +546,7 @@ def _sampled_from_state(meta: dict, arrays: dict, budgets) -> Sampled:
     grades,
     *meta["seconds"],
     meta["sync_bytes"],
+    env_metrics=meta.get("env_metrics"),
   )
 
 

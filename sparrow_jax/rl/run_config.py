@@ -78,6 +78,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _check_ranges(c)
   _check_speculate(c)
   _check_model_fits(c)
+  _check_env_task(c)
 
 
 def _check_batch(c) -> None:
@@ -236,6 +237,20 @@ def _check_evaluation(c) -> None:
     f"must be 0 (off) or at most total_steps ({c.total_steps}): an evaluation runs after every "
     "eval.every-th step",
   )
+
+
+def _check_env_task(c) -> None:
+  """A multi-turn task (task.name env:NAME) rolls out on-policy or one step off, on one process;
+  carried rows would need each row's episode saved with the checkpoint, and the held-out
+  evaluation plays no episodes: neither is built."""
+  if not c.task.name.startswith("env:"):
+    return
+  why = "is not built for a multi-turn task (task.name = " + repr(c.task.name) + ")"
+  partial = c.rollout.partial_groups
+  require(partial == 0, "rollout.partial_groups", partial, f"must be 0: carried rows {why}")
+  require(c.eval.every == 0, "eval.every", c.eval.every, f"must be 0: evaluation {why}")
+  n = c.distributed.num_processes
+  require(n in (-1, 1), "distributed.num_processes", n, f"must be 1: several processes {why}")
 
 
 def _check_distributed(d) -> None:

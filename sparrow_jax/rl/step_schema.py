@@ -305,13 +305,17 @@ class Batch:
 
 
 def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, rewards_B) -> Batch:
-  """Token-aligned train batch from a sampler Rollout and its rewards."""
+  """Token-aligned train batch from a sampler Rollout and its rewards. A multi-turn row's tool
+  observations (`rollout.observed`) are holes in gen_mask: context the row conditions on, not
+  actions, so out of the loss, TIS, the tails and the generated-token counts."""
   tokens, gen_mask = sampler.full_sequences(prompt_BT, prompt_len_B, rollout)
   S, N = tokens.shape[1], rollout.tokens.shape[1]
   j = jnp.clip(jnp.arange(S)[None] - prompt_len_B[:, None], 0, N - 1)
   align = lambda x: (
     None if x is None else jnp.take_along_axis(x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
   )
+  if rollout.observed is not None:
+    gen_mask = gen_mask & ~align(rollout.observed)
   return Batch(
     tokens=tokens,
     gen_mask=gen_mask,

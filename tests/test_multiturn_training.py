@@ -1,0 +1,175 @@
+"""Multi-turn tasks in the trainer (config.task.name = "env:NAME"): each row plays its own episode
+through the engine's turns, is graded by its environment, trains on its own turns only (its
+observations are context: tests/test_train_step.py), and the run logs its tool use."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import common, default
+from sparrow_jax.data import rewards
+from sparrow_jax.envs import protocol, registry, tools
+from sparrow_jax.rl import build, run_config, trainer
+from tests.helpers import ROOT, write_tiny_hf_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoConfig(protocol.EnvConfig):
+  calls: int = 2  # tool calls an episode makes before its next turn is its answer
+  seed: int = 0
+  MAY_BE_ZERO = ("seed",)
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoProblem:
+  id: str
+  words: int  # the echo tool answers this many words
+
+
+def echo(text: str) -> str:
+  return text
+
+
+echo.schema = tools.function_schema("echo", "Echoes its text.", {"text": "the text"})
+
+
+class EchoEnv(protocol.ToolEnv):
+  """A random policy's episode: its first `calls` turns call the echo tool, whatever they say
+  (their observation: the problem's count of words), the next is the answer, graded by its length
+  (1 when even), so rewards vary within a group."""
+
+  name = "env:echo_test"
+
+  def __init__(self, config: EchoConfig = EchoConfig()):
+    super().__init__(config)
+    self.tools = {"echo": echo}
+
+  def sample(self, n, position):
+    return [EchoProblem(f"echo:{p}", 4 + 9 * (p % 3)) for p in range(position, position + n)]
+
+  def first_messages(self, problem):
+    return [{"role": "user", "content": f"Call echo {self.config.calls} times."}]
+
+  def step(self, action):
+    if self.turns < self.config.calls:
+      self.turns += 1
+      text = " ".join(["word"] * self.problem.words)
+      return protocol.Step("", False, "tool_call", protocol.ToolCall("echo", {"text": text}))
+    return super().step(action)
+
+  def grade_answer(self, text, problem):
+    return rewards.Grade(float(len(text) % 2 == 0), "even" if len(text) % 2 == 0 else "odd")
+
+
+@pytest.fixture
+def echo_env(monkeypatch):
+  monkeypatch.setitem(registry.ENVS, "env:echo_test", (EchoConfig, EchoEnv))
+
+
+@pytest.fixture
+def model_dir(echo_env, tmp_path):
+  """The tiny random model dir, its tokenizer made on the echo episode's text, its turns ending
+  every ~8 tokens (EOS ids: every 8th id)."""
+  directory = tmp_path / "model"
+  problem = build.make_task(multi_turn_config("/unused")).sample(1, 0)[0]
+  cfg = write_tiny_hf_dir(directory, corpus=[problem.prompt, protocol.observation_text(["word"])])
+  with open(directory / "generation_config.json") as f:
+    generation = json.load(f)
+  generation["eos_token_id"] = list(range(2, cfg.vocab_size, 8))
+  with open(directory / "generation_config.json", "w") as f:
+    json.dump(generation, f)
+  return str(directory)
+
+
+def multi_turn_config(workdir, model=None, **changes):
+  """The default config on the echo environment (model: a model dir; None: the default's)."""
+  c = default.get_config()
+  c.workdir, c.total_steps = str(workdir), 2
+  c.model.hf_dir = model or os.path.join(ROOT, c.model.hf_dir)
+  c.task.name, c.env = "env:echo_test", common.env("env:echo_test")
+  r = c.rollout
+  r.schedule, r.page_size, r.dense_layers, r.speculate = "fixed:4", 8, 1, 0
+  r.max_prompt_len, r.max_new_tokens, r.group_size, r.prompts_per_step = 320, 96, 4, 2
+  c.stats.bin_size, c.rl.num_minibatches, c.export_hf = 64, 1, False
+  for dotted, value in changes.items():
+    group, field = dotted.split("__")
+    c[group][field] = value
+  return c
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_on_episodes_graded_by_their_env_and_logs_tool_use(
+  echo_env, model_dir, tmp_path
+):
+  rows = trainer.train(multi_turn_config(tmp_path / "run", model_dir))
+  assert len(rows) == 2
+  for row in rows:
+    # 8 rows each make 2 calls (unless max_new cuts their episode short)
+    assert 0 < row["env/tool_calls"] <= 16 and row["env/tool_errors"] == 0
+    assert 1.0 < row["env/turns/mean"] <= 3.0 and row["env/turns/max"] == 3
+    assert 0.05 < row["env/observation_share"] < 0.95
+    assert 0.0 <= row["reward/mean"] <= 1.0 and np.isfinite(row["loss/policy"])
+
+
+def test_an_env_task_plays_one_episode_a_row_through_its_tools(echo_env, model_dir):
+  from sparrow_jax.data.tokenizer import load_tokenizer
+
+  task = build.make_task(multi_turn_config("/unused", model_dir))
+  assert task.kind == "env" and task.config.calls == 2
+  problems = task.sample(2, 5)
+  assert [p.id for p in problems] == ["echo:5", "echo:6"] and "<tools>" in problems[0].prompt
+  assert task.sample(2, 5) == problems  # a pure function of the position
+  tokenizer = load_tokenizer(model_dir)
+  turns = task.turns({10: problems[0], 11: problems[1]}, tokenizer)
+  assert turns.envs[10] is not turns.envs[11]  # each row its own episode
+  for _ in range(2):  # a call, its observation into the row
+    assert turns.turn_ended(10, tokenizer.encode("a turn"))
+    observed = turns.observations(wait=True)
+    assert list(observed) == [10] and "word word" in tokenizer.decode(observed[10])
+  assert not turns.turn_ended(10, tokenizer.encode("the answer"))  # its third turn answers
+  grade = turns.grade(10)
+  assert grade.reward == float(len("the answer") % 2 == 0)
+  assert turns.grade(11) == rewards.Grade(0.0, "max_tokens")  # never finished
+  metrics = turns.metrics(np.asarray([[0, 1, 1, 0], [0, 0, 0, 0]], bool), np.asarray([3, 4]))
+  assert metrics["env/tool_calls"] == 2 and metrics["env/observation_share"] == 2 / 7
+  assert metrics["env/turns/max"] == 3 and metrics["env/tool_seconds"] >= 0.0
+
+
+@pytest.mark.parametrize(
+  "changes, says",
+  [
+    ({"rollout__partial_groups": 2}, "config.rollout.partial_groups = 2 .* multi-turn"),
+    ({"eval__every": 1}, "config.eval.every = 1 .* multi-turn"),
+    ({"distributed__num_processes": 2}, "config.distributed.num_processes = 2 .* multi-turn"),
+  ],
+)
+def test_what_multi_turn_runs_do_not_support_is_refused_naming_the_field(echo_env, changes, says):
+  with pytest.raises(ValueError, match=says):
+    run_config.validate(multi_turn_config("/unused", **changes))
+
+
+@pytest.mark.parametrize(
+  "change, says",
+  [
+    (lambda c: c.env.update(calls=0), "config.env.calls must be positive, got 0"),
+    (lambda c: c.env.update(tool_timeout_s=-1.0), "config.env.tool_timeout_s must be positive"),
+    (lambda c: c.env.update(tool_workers=0), "config.env.tool_workers must be a positive int"),
+    (lambda c: c.env.__setattr__("bogus", 1), r"config.env: unknown field\(s\) \['bogus'\]"),
+    (lambda c: c.task.__setattr__("name", "env:nope"), "config.task.name = 'env:nope'"),
+    (lambda c: c.__delattr__("env"), "its fields go in a config.env group"),
+  ],
+)
+def test_an_env_task_s_bad_field_is_refused_naming_it(echo_env, change, says):
+  c = multi_turn_config("/unused")
+  change(c)
+  with pytest.raises(ValueError, match=says):
+    build.make_task(c)
+
+
+def test_env_configs_have_every_field_of_their_environment():
+  for name in registry.env_names():
+    fields = {f.name for f in dataclasses.fields(registry.ENVS[name][0])}
+    assert set(common.env(name)) == fields | {"tool_workers"}, name
