@@ -35,12 +35,27 @@ import sparrow_jax as sj
 from sparrow_jax import checkpoint
 from sparrow_jax.attention import reference
 from sparrow_jax.data import synthetic
+from sparrow_jax.data.tokenizer import (
+  IM_END,
+  THINK_CLOSE,
+  THINK_OPEN,
+  TOOL_CALL_CLOSE,
+  TOOL_CALL_OPEN,
+  TOOL_RESPONSE_CLOSE,
+  TOOL_RESPONSE_OPEN,
+  Tokenizer,
+  save_tokenizer,
+  train_bpe,
+)
+from sparrow_jax.envs import protocol, registry
 from sparrow_jax.logging import MetricsLogger
 from sparrow_jax.mismatch import cost_model
 
 
-def model_config(c) -> sj.Qwen3Config:
-  return sj.Qwen3Config(vocab_size=len(synthetic.vocab()), **c.arch.to_dict())
+def model_config(c, vocab_size: int | None = None) -> sj.Qwen3Config:
+  """The model of config `c` over `vocab_size` tokens (None: the synthetic task's vocabulary)."""
+  vocab_size = len(synthetic.vocab()) if vocab_size is None else vocab_size
+  return sj.Qwen3Config(vocab_size=vocab_size, **c.arch.to_dict())
 
 
 def step_level(step: int, level: int) -> int:
@@ -160,6 +175,82 @@ def export(directory, cfg, params):
   synthetic.save_tokenizer(directory)
 
 
+class Chains:
+  """The synthetic pointer-chasing task's problems (config.corpus = synthetic:pointer_chase): the
+  embedded default's corpus and vocabulary."""
+
+  vocab_size = len(synthetic.vocab())
+
+  def __init__(self, c):
+    self.c = c
+
+  def pack(self, step: int, level: int) -> dict:
+    return pack_batch(self.c.levels, self.c.seed, step, level, self.c.batch_scale)
+
+  def export(self, directory, cfg, params) -> None:
+    export(directory, cfg, params)
+
+
+class Episodes:
+  """Reference episodes of a multi-turn environment (config.corpus = env:NAME, its fields in
+  config.env; a level's hop range sets its `hops`): the prompt in Qwen3's tool template, each
+  reference turn, the tool's observation, then the answer, packed like Chains' problems and trained
+  on the model's turns only (observations are context, as in RL). Lookup targets: the turns' tokens
+  holding digits (the keys copied out of an observation). Its vocabulary: a byte-level BPE of
+  config.vocab_size trained on config.bpe_episodes episodes, the template's tags and
+  config.whole_tokens a token each."""
+
+  TAGS = [THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN]
+  TAGS += [TOOL_RESPONSE_CLOSE]
+
+  def __init__(self, c):
+    self.c, self.fields = c, {k: v for k, v in c.env.items() if k != "tool_workers"}
+    hops = max(level[1] for level in c.levels)
+    texts = [self.episode(hops, p).text for p in range(c.bpe_episodes)]
+    self.tok = train_bpe(texts, c.vocab_size, self.TAGS + list(c.whole_tokens))
+    self.tokenizer = Tokenizer(self.tok, (self.tok.token_to_id(IM_END),), 0)
+    self.vocab_size = self.tokenizer.vocab_size
+    pieces = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]
+    self.has_digit = np.asarray([any(ch.isdigit() for ch in p) for p in pieces])
+
+  def episode(self, hops: int, position: int, tokenizer=None):
+    """The reference episode of problem `position` of the env with `hops` hops (a Transcript)."""
+    env = registry.make_env(self.c.corpus, **{**self.fields, "hops": hops})
+    problem = env.sample(1, position)[0]
+    actions = [a + IM_END for a in env.reference_actions(problem)]
+    return protocol.replay(env, problem, actions, tokenizer)
+
+  def pack(self, step: int, level: int) -> dict:
+    """Packed rows as `pack_batch`'s, of episodes drawn from (config.seed, step)."""
+    min_hops, max_hops, row_len, rows = self.c.levels[level]
+    rng = np.random.default_rng([self.c.seed, step])
+    names = ("tokens", "segments", "positions", "weights", "lookups")
+    out = {k: np.zeros((rows * self.c.batch_scale, row_len), np.int32) for k in names[:3]}
+    out.update({k: np.zeros_like(out["tokens"], np.float32) for k in names[3:]})
+    for r in range(len(out["tokens"])):
+      used, seg = 0, 0
+      while True:
+        hops, position = int(rng.integers(min_hops, max_hops + 1)), int(rng.integers(2**40))
+        ids, is_action = self.episode(hops, position, self.tokenizer).tokens(self.tokenizer)
+        if used + len(ids) > row_len:
+          break
+        seg, span = seg + 1, slice(used, used + len(ids))
+        out["tokens"][r, span], out["segments"][r, span] = ids, seg
+        out["positions"][r, span] = np.arange(len(ids))
+        # Position t predicts token t + 1: the weight of a target sits one place before it.
+        target = np.asarray(is_action[1:] + [False])
+        out["weights"][r, span] = target
+        out["lookups"][r, span] = target & self.has_digit[np.asarray(ids[1:] + [0])]
+        used += len(ids)
+    return out
+
+  def export(self, directory, cfg, params) -> None:
+    """A model dir as `export`'s, with this corpus's tokenizer."""
+    generation = {"eos_token_id": [self.tokenizer.eos_ids[0]], "pad_token_id": 0}
+    sj.save_hf(directory, cfg, params, generation_config={**generation, "do_sample": True})
+    save_tokenizer(self.tok, directory)
+
+
 def pretrain(c):
   """Runs (or resumes) the pretraining described by config `c`; returns the loop state."""
   if not c.levels or c.promote_window < 1 or c.log_every < 1:
@@ -167,7 +258,8 @@ def pretrain(c):
       f"config.levels must be non-empty and config.promote_window / log_every >= 1; "
       f"got {c.levels}, {c.promote_window}, {c.log_every}"
     )
-  cfg = model_config(c)
+  corpus = Episodes(c) if c.get("corpus", "").startswith("env:") else Chains(c)
+  cfg = model_config(c, corpus.vocab_size)
   params = sj.init_params(cfg, jax.random.PRNGKey(c.seed))
   optimizer, schedule = make_optimizer(c)
   opt_state = optimizer.init(params)
@@ -206,9 +298,7 @@ def pretrain(c):
   while state["step"] < c.total_steps:
     step, level = state["step"], state["level"]
     trained = step_level(step, level)
-    params, opt_state, metrics = train_step(
-      params, opt_state, pack_batch(levels, c.seed, step, trained, c.batch_scale)
-    )
+    params, opt_state, metrics = train_step(params, opt_state, corpus.pack(step, trained))
     state["step"] = step = step + 1
     window.append(metrics)
     if trained == level:
@@ -257,15 +347,15 @@ def pretrain(c):
           f"-> level {level + 1} (hops {levels[level + 1][0]}-{levels[level + 1][1]})", flush=True
         )
       if c.snapshot_every and step % c.snapshot_every == 0:
-        export(os.path.join(c.workdir, "snapshots", f"step_{step}"), cfg, params)
+        corpus.export(os.path.join(c.workdir, "snapshots", f"step_{step}"), cfg, params)
       if now - t_ckpt > c.ckpt_minutes * 60 or step == c.total_steps:
         checkpoint.save(mgr, step, {"params": params, "opt_state": opt_state}, state)
-        export(os.path.join(c.workdir, "hf"), cfg, params)
+        corpus.export(os.path.join(c.workdir, "hf"), cfg, params)
         t_ckpt = now
   mgr.wait_until_finished()
   logger.close()
   if c.export_dir:
-    export(c.export_dir, cfg, params)
+    corpus.export(c.export_dir, cfg, params)
     history = state["history"]
     with open(os.path.join(c.export_dir, "pretrain_log.json"), "w") as f:
       json.dump(

@@ -19,6 +19,7 @@ SPARSE = lambda c: bool(c.rollout.sparse)
 EXACT_MODE = lambda c: bool(c.rollout.speculate)
 ONE_STEP_OFF = lambda c: bool(c.rl.off_policy_steps)
 CARRIED_ROWS = lambda c: bool(c.rollout.partial_groups)
+MULTI_TURN = lambda c: c.task.name.startswith("env:")
 
 # (category, title, kind, tags, the runs that log them). A "Multiline" chart's tags are regular
 # expressions, which TensorBoard matches from a tag's start; a "Margin" chart's are a value, its
@@ -73,6 +74,21 @@ CHARTS = (
     "Multiline",
     (r"rollout/tokens_bin/\d+$",),
     CARRIED_ROWS,
+  ),
+  (
+    "multi-turn",
+    "tool calls, errors, timeouts and bad calls per step",
+    "Multiline",
+    (r"env/tool_calls$", r"env/tool_errors$", r"env/tool_timeouts$", r"env/bad_calls$"),
+    MULTI_TURN,
+  ),
+  ("multi-turn", "model turns per row", "Multiline", (r"env/turns/(mean|max)$",), MULTI_TURN),
+  (
+    "multi-turn",
+    "observations' share of the completion tokens",
+    "Multiline",
+    (r"env/observation_share$",),
+    MULTI_TURN,
   ),
   (
     "time per step",

@@ -55,41 +55,18 @@ def hf_logits(model, tokens_BT, mask_BT=None, positions_BT=None):
     return model(torch.tensor(np.asarray(tokens_BT, np.int64)), **kwargs).logits.numpy()
 
 
-def byte_level_bpe(texts, vocab_size: int, added=()):
-  """A byte-level BPE trained here on `texts` (nothing downloaded), with Qwen's special tokens
-  <|endoftext|> (0), <|im_start|> (1), <|im_end|> (2) and the `added` tokens."""
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers, trainers
-
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=vocab_size,
-    special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-  )
-  tok.train_from_iterator(list(texts), trainer)
-  tok.add_tokens(list(added))
-  return tok
-
-
 def write_tiny_hf_dir(directory, num_hidden_layers=3, corpus=()):
   """A random tiny Qwen3 with a small byte-level BPE tokenizer (Qwen special tokens, EOS
   <|im_end|>) as a Hugging Face dir: what load_hf + load_tokenizer read. Nothing downloaded."""
-  import json
-  import os
+  from sparrow_jax.data.tokenizer import save_tokenizer, train_bpe
 
   text = [
     "user assistant system",
     "Please reason step by step, and put your final answer within \\boxed{}.",
     "What is 12 + 7 - 3 * 4? 0 1 2 3 4 5 6 7 8 9",
   ] + list(corpus)
-  tok = byte_level_bpe(text, vocab_size=400, added=["<think>", "</think>"])
-  os.makedirs(directory, exist_ok=True)
-  tok.save(os.path.join(directory, "tokenizer.json"))
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)
+  tok = train_bpe(text, vocab_size=400, added=["<think>", "</think>"])
+  save_tokenizer(tok, str(directory))
   cfg = tiny_config(
     vocab_size=tok.get_vocab_size(with_added_tokens=True),
     num_hidden_layers=num_hidden_layers,

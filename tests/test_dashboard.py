@@ -38,8 +38,8 @@ def _family(name, alpha):
 
 
 def _metrics(step, tau):
-  """A step of an exact-mode, one-step-off run with carried rows (every chart of the layout), as
-  the trainer logs."""
+  """A step of an exact-mode, one-step-off multi-turn run with carried rows (every chart of the
+  layout), as the trainer logs."""
   metrics = {
     "reward/mean": 0.4 + 0.01 * step,
     "reward/std": 0.2,
@@ -55,6 +55,8 @@ def _metrics(step, tau):
     "perf/rollout_wait_s": 1.0,
     "perf/train_step_s": 2.0,
     "perf/step_s": 3.5,
+    **{f"env/{k}": 1.0 for k in ("tool_calls", "tool_errors", "tool_timeouts", "bad_calls")},
+    **{"env/turns/mean": 2.5, "env/turns/max": 4, "env/observation_share": 0.6},
     "eval/dense/mean@1": 0.5,
     "eval/dense/samples": "a completion",
     **_family("acceptance", 0.9 + tau / 100),
@@ -67,6 +69,7 @@ def _metrics(step, tau):
 def _config(tau):
   c = default.get_config()
   c.stats.tau, c.rl.off_policy_steps, c.rollout.partial_groups = tau, 1, 2
+  c.task.name = "env:pointer_chase"  # the multi-turn charts (a layout test: no config check)
   return c
 
 

@@ -7,11 +7,10 @@ import time
 
 import pytest
 
-from sparrow_jax.data.tokenizer import Tokenizer, chat_template, tool_call_text
+from sparrow_jax.data.tokenizer import Tokenizer, chat_template, tool_call_text, train_bpe
 from sparrow_jax.envs import pointer_chase, protocol, registry
 from sparrow_jax.envs import turns as turns_lib
 from sparrow_jax.envs.protocol import BadCall, ToolCall
-from tests.helpers import byte_level_bpe
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
@@ -55,7 +54,7 @@ ADDED = [
 @pytest.fixture(scope="module")
 def tokenizer():
   """A byte-level BPE with Qwen3's special and added tokens, trained here (nothing downloaded)."""
-  return Tokenizer(tok=byte_level_bpe([QWEN3_TEXT], 300, ADDED), eos_ids=(2,), pad_id=0)
+  return Tokenizer(tok=train_bpe([QWEN3_TEXT], 300, ADDED), eos_ids=(2,), pad_id=0)
 
 
 def _transcript(enable_thinking=True):

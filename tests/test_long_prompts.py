@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from sparrow_jax.data import long_prompts
-from sparrow_jax.data.tokenizer import Tokenizer
-from tests.helpers import byte_level_bpe
+from sparrow_jax.data.tokenizer import Tokenizer, train_bpe
 
 
 @pytest.fixture(scope="module")
 def tok():
-  bpe = byte_level_bpe(["def return import self user assistant system"], vocab_size=300)
+  bpe = train_bpe(["def return import self user assistant system"], vocab_size=300)
   return Tokenizer(tok=bpe, eos_ids=(2,), pad_id=0)
 
 

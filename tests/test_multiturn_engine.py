@@ -12,6 +12,7 @@ import pytest
 
 import sparrow_jax as sj
 from sparrow_jax.attention.select import SparseConfig
+from sparrow_jax.rl import step_schema
 from sparrow_jax.rollout import engine
 from sparrow_jax.sparsity.schedule import KVSchedule
 from tests import helpers
@@ -196,3 +197,26 @@ def test_observations_count_toward_max_new_and_are_cut_to_leave_a_sampled_token(
         cut += 1
         assert end == 59 and out.lengths[b] == 60 and not out.observed[b, 59]
   assert cut >= 1
+
+
+@pytest.mark.slow
+def test_lossy_sparse_rows_across_turns_are_the_sparse_teacher_forced_forward():
+  """Lossy sparse rows: each sampled token's log-prob is the sparse teacher-forced forward's over
+  the whole conversation, with each observation and the turn end before it read as dense context
+  like the prompt (`context_BT`: programs.observe prefills them in one dense pass;
+  step_schema.batch_from_rollout's `context`). Read as sampled tokens instead (sparse), the later
+  layers' keys there differ, and so do the log-probs after them."""
+  sparse = SparseConfig(page_size=4, dense_layers=1)
+  out, _ = run(FakeTools(), sparse=sparse)
+  assert_turns_are_the_tools(out)
+  context = step_schema.batch_from_rollout(PROMPT, PROMPT_LEN, out, np.zeros(len(PROMPT))).context
+  kw = dict(sparse=sparse, schedule=KVSchedule.fixed(4, page_size=4), prompt_len_B=PROMPT_LEN)
+  ref, valid = helpers.rescored_logprobs(
+    PARAMS, CFG, PROMPT, PROMPT_LEN, out, context_BT=context, **kw
+  )
+  sampled = np.asarray(valid) & ~out.observed
+  np.testing.assert_allclose(
+    np.where(sampled, out.logprobs, 0), np.where(sampled, ref, 0), atol=1e-4
+  )
+  as_sampled, _ = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out, **kw)
+  assert np.max(np.abs(np.where(sampled, as_sampled - ref, 0))) > 1e-3

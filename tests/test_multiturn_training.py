@@ -13,7 +13,7 @@ from configs import common, default
 from sparrow_jax.data import rewards
 from sparrow_jax.envs import protocol, registry, tools
 from sparrow_jax.rl import build, run_config, trainer
-from tests.helpers import ROOT, write_tiny_hf_dir
+from tests.helpers import ROOT, assert_dashboard_has_data, write_tiny_hf_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +104,10 @@ def multi_turn_config(workdir, model=None, **changes):
 def test_a_multi_turn_run_trains_on_episodes_graded_by_their_env_and_logs_tool_use(
   echo_env, model_dir, tmp_path
 ):
-  rows = trainer.train(multi_turn_config(tmp_path / "run", model_dir))
+  c = multi_turn_config(tmp_path / "run", model_dir)
+  rows = trainer.train(c)
   assert len(rows) == 2
+  assert_dashboard_has_data(c, rows)
   for row in rows:
     # 8 rows each make 2 calls (unless max_new cuts their episode short)
     assert 0 < row["env/tool_calls"] <= 16 and row["env/tool_errors"] == 0

@@ -591,7 +591,9 @@ def test_observation_tokens_never_enter_the_loss_tis_or_the_tails():
   """A multi-turn row's tool observations (Rollout.observed) are context, not actions: they are
   holes in gen_mask (still in the sequence the later tokens condition on), the step's update and
   every metric (loss, TIS, tails) are the same whatever log-prob the rollout holds there, and the
-  generated-token counts and the tails count the sampled tokens only."""
+  generated-token counts and the tails count the sampled tokens only. The sparse pass reads them
+  (and the turn end before each) as dense context, `Batch.context`, as the engine prefilled them:
+  without it the tails move."""
   params, lora, opt, lora_opt = setup()
   prompt, prompt_len, out, rewards = make_rollout(params, lora, seed=8)
   lengths = np.asarray(out.lengths)
@@ -609,6 +611,12 @@ def test_observation_tokens_never_enter_the_loss_tis_or_the_tails():
 
   batch, (state, m) = run(0.0)
   _, (other, m_other) = run(-7.0)
+  # the sparse pass reads the observations (and the turn end before each) as dense context
+  assert np.asarray(batch.context).sum() > observed.sum()
+  _, m_sparse_context = step(
+    state_of(params, opt, lora, lora_opt), batch.replace(context=None), BUDGET
+  )
+  assert float(m_sparse_context["acceptance/mean"]) != float(m["acceptance/mean"])
   for key in m:
     np.testing.assert_array_equal(m[key], m_other[key], err_msg=key)
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, other.params)

@@ -202,6 +202,36 @@ class Tokenizer:
     )
 
 
+def train_bpe(texts, vocab_size: int, added=()) -> tokenizers.Tokenizer:
+  """A byte-level BPE trained on `texts` (a tiny model's own vocabulary, nothing downloaded), with
+  Qwen's special tokens <|endoftext|> (0), <|im_start|> (1), <|im_end|> (2) and the `added` tokens
+  (matched whole in any text, as Qwen3's <think> and <tool_call> are). Deterministic in its
+  arguments."""
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=["<|endoftext|>", IM_START, IM_END],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator(list(texts), trainer)
+  tok.add_tokens(list(added))
+  return tok
+
+
+def save_tokenizer(tok: tokenizers.Tokenizer, directory: str) -> None:
+  """`tok` as a model dir's tokenizer.json, with <|im_end|> its EOS and <|endoftext|> its pad
+  (tokenizer_config.json), as `load_tokenizer` reads them."""
+  os.makedirs(directory, exist_ok=True)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": IM_END, "pad_token": "<|endoftext|>"}, f)
+
+
 def load_tokenizer(path: str) -> Tokenizer:
   """Tokenizer of a checkpoint directory (or of a tokenizer.json path)."""
   directory = os.path.dirname(path) if path.endswith(".json") else path

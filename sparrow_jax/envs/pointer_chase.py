@@ -1,11 +1,11 @@
 """env:pointer_chase: follow a chain of keys through a lookup tool, one hop per turn.
 
-A table maps each of `keys` keys (k0000 .. k9999) to another; the problem gives a start key and a
-hop count H. Each turn the model calls lookup(key) and the observation holds the line `key -> next`
-(among `decoys` lines of other entries, shuffled, when the context should grow with every hop);
-after H lookups it answers \\boxed{the key reached}. The last chain key points on into the other
-keys, so the chain's end is known only by counting hops. Everything is a pure function of (seed,
-problem position, key): an episode replays exactly.
+A table maps each of `keys` keys (named from `key_space` names: k0000 .. k9999) to another; the
+problem gives a start key and a hop count H. Each turn the model calls lookup(key) and the
+observation holds the line `key -> next` (among `decoys` lines of other entries, shuffled, when
+the context should grow with every hop); after H lookups it answers \\boxed{the key reached}.
+The last chain key points on into the other keys, so the chain's end is known only by counting
+hops. Everything is a pure function of (seed, problem position, key): an episode replays exactly.
 
 What a perfect policy writes (`reference_actions`), short and regular for a tiny model:
   <tool_call>\\n{"name": "lookup", "arguments": {"key": "k0412"}}\\n</tool_call>   (H times)
@@ -21,11 +21,10 @@ from sparrow_jax.data import rewards
 from sparrow_jax.data.tokenizer import tool_call_text
 from sparrow_jax.envs import protocol, tools
 
-KEY_SPACE = 10_000  # key names k0000 .. k9999
 
-
-def key_name(i: int) -> str:
-  return f"k{i:04d}"
+def key_name(i: int, key_space: int = 10_000) -> str:
+  """Key i of `key_space` names, all of one width: k0000 .. k9999 for 10,000."""
+  return f"k{i:0{len(str(key_space - 1))}d}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +32,8 @@ class PointerChaseConfig(protocol.EnvConfig):
   hops: int = 3  # lookups from the start key to the answer
   keys: int = 64  # entries of the table: the chain's hops + 1 and the rest
   decoys: int = 0  # other entries' lines around the true one in each observation
+  key_space: int = 10_000  # names keys are drawn from (100: k00 .. k99, a token each for a
+  #                          small BPE, what a tiny model copies in one step)
   seed: int = 0
   MAY_BE_ZERO = ("decoys", "seed")
 
@@ -40,7 +41,7 @@ class PointerChaseConfig(protocol.EnvConfig):
     super().__post_init__()
     for name, ok, rule in (
       ("keys", self.keys >= self.hops + 1, f"must be >= hops + 1 ({self.hops + 1})"),
-      ("keys", self.keys <= KEY_SPACE, f"must be <= {KEY_SPACE}"),
+      ("keys", self.keys <= self.key_space, f"must be <= key_space ({self.key_space})"),
       ("decoys", self.decoys < self.keys, f"must be < keys ({self.keys})"),
       ("max_turns", self.max_turns > self.hops, f"must be > hops ({self.hops}): H calls + answer"),
     ):
@@ -68,7 +69,8 @@ class ChaseProblem:
 def make_problem(config: PointerChaseConfig, position: int) -> ChaseProblem:
   """Problem `position` of the stream: a pure function of (config.seed, position)."""
   rng = np.random.default_rng([config.seed, position])
-  names = [key_name(int(i)) for i in rng.choice(KEY_SPACE, size=config.keys, replace=False)]
+  drawn = rng.choice(config.key_space, size=config.keys, replace=False)
+  names = [key_name(int(i), config.key_space) for i in drawn]
   chain, others = names[: config.hops + 1], names[config.hops + 1 :]
   # The chain's last key and every other key point along one cycle through the others, so that
   # every key has an entry and the chain does not visibly end.
@@ -145,3 +147,6 @@ class PointerChaseEnv(protocol.ToolEnv):
 
   def grade_answer(self, text: str, problem: ChaseProblem) -> rewards.Grade:
     return grade_answer(text, problem.answer)
+
+  def reference_actions(self, problem: ChaseProblem) -> list:
+    return reference_actions(problem)

@@ -161,6 +161,22 @@ def observation_text(responses, enable_thinking: bool = True) -> str:
   return "\n" + chat_template(tool_messages, enable_thinking=enable_thinking)
 
 
+def prompt_text(env, problem) -> str:
+  """The first prompt of `env`'s episode of `problem` (which this starts): its first messages in
+  the chat template, its tools in the system turn."""
+  messages = env.reset(problem)
+  tools = list(env.schemas.values())
+  return chat_template(messages, tools=tools, enable_thinking=env.config.enable_thinking)
+
+
+def observation_turn(config: EnvConfig, observation: str, tokenizer=None) -> str:
+  """What goes into the row after a turn: the observation as a tool response, cut to the env's
+  max_observation_tokens of `tokenizer` (None: uncut), then the next generation prompt."""
+  if tokenizer is not None:
+    observation = truncate_tokens(tokenizer, observation, config.max_observation_tokens)
+  return observation_text([observation], config.enable_thinking)
+
+
 def truncate_tokens(tokenizer, text: str, max_tokens: int) -> str:
   """`text` cut to about max_tokens tokens of `tokenizer` (the note included; a cut inside a
   multi-byte character may re-encode a token or two longer), noting from how many."""
@@ -300,5 +316,33 @@ class ToolEnv:
   def first_messages(self, problem) -> list:
     raise NotImplementedError
 
+  def reference_actions(self, problem) -> list:
+    """A perfect policy's turns on `problem` (without the <|im_end|> ending each), where the
+    environment has one: what a tiny model is pretrained on (`replay`)."""
+    raise NotImplementedError(f"{self.name} has no reference policy")
+
   def grade_answer(self, text: str, problem) -> rewards.Grade:
     raise NotImplementedError
+
+
+def replay(env: ToolEnv, problem, actions, tokenizer=None) -> Transcript:
+  """`env`'s episode of `problem` with `actions` as the model's turns (each ending with the
+  <|im_end|> that ends a turn), as a rollout builds it: the prompt and the observations context,
+  the actions the tokens a model learns (a tiny model pretrained on an environment's format:
+  experiments/pretrain_tiny.py). Tool calls run in the env's pool; observations as
+  `observation_turn` renders them. Stops at the action that ends the episode."""
+  transcript = Transcript()
+  transcript.add(prompt_text(env, problem), False)
+  pool = env.config.pool(max_workers=1)
+  for action in actions:
+    transcript.add(action, True)
+    step = env.step(action)
+    if step.done:
+      break
+    if step.call is not None:
+      name, arguments = step.call
+      pool.submit(0, env.tools[name], **arguments)
+      (result,) = pool.wait()
+      step = env.observe(result)
+    transcript.add(observation_turn(env.config, step.observation, tokenizer), False)
+  return transcript

@@ -11,8 +11,7 @@ rollout engine's turns, and its reward is the episode's grade.
 import dataclasses
 from typing import Any
 
-from sparrow_jax.data.tokenizer import chat_template
-from sparrow_jax.envs import registry
+from sparrow_jax.envs import protocol, registry
 from sparrow_jax.envs import turns as turns_lib
 
 
@@ -43,14 +42,7 @@ class EnvTask:
     """Problems position .. position + n - 1 of the environment's stream (a pure function of its
     config and the position, as a task's)."""
     env = self._env()
-    out = []
-    for problem in env.sample(n, position):
-      messages = env.reset(problem)
-      prompt = chat_template(
-        messages, tools=list(env.schemas.values()), enable_thinking=self.config.enable_thinking
-      )
-      out.append(EnvProblem(problem.id, prompt, problem))
-    return out
+    return [EnvProblem(p.id, protocol.prompt_text(env, p), p) for p in env.sample(n, position)]
 
   def turns(self, problems: dict, tokenizer) -> turns_lib.EnvTurns:
     """The turns of a rollout whose Requests row `row` plays `problems[row]` (an EnvProblem), one

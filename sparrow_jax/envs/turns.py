@@ -92,8 +92,5 @@ class EnvTurns:
   def _ids(self, row: int, step: protocol.Step) -> list:
     """The observation's token ids: the tool response (cut to the env's budget) in a user turn,
     then the next generation prompt."""
-    config = self.envs[row].config
-    response = protocol.truncate_tokens(
-      self.tokenizer, step.observation, config.max_observation_tokens
-    )
-    return self.tokenizer.encode(protocol.observation_text([response], config.enable_thinking))
+    text = protocol.observation_turn(self.envs[row].config, step.observation, self.tokenizer)
+    return self.tokenizer.encode(text)

@@ -286,6 +286,10 @@ class Batch:
   rewards: jax.Array  # [B] float32
   top_logp: Optional[jax.Array] = None  # [B, S, 20] the sampler's top-20 log-probs (if kept)
   top_ids: Optional[jax.Array] = None  # [B, S, 20] their token ids
+  # A multi-turn rollout's positions prefilled densely, as the prompt was (the sparse
+  # teacher-forced pass reads them so): each tool observation, out of gen_mask, and the token
+  # that ended the turn before it.
+  context: Optional[jax.Array] = None  # [B, S] bool
 
   @classmethod
   def abstract(cls, rows: int, length: int, top_k: int = TOP_K) -> "Batch":
@@ -306,16 +310,21 @@ class Batch:
 
 def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, rewards_B) -> Batch:
   """Token-aligned train batch from a sampler Rollout and its rewards. A multi-turn row's tool
-  observations (`rollout.observed`) are holes in gen_mask: context the row conditions on, not
-  actions, so out of the loss, TIS, the tails and the generated-token counts."""
+  observations (`rollout.observed`) are holes in gen_mask: what the row conditions on, not
+  actions, so out of the loss, TIS, the tails and the generated-token counts; with the turn end
+  before each they are the batch's dense `context`."""
   tokens, gen_mask = sampler.full_sequences(prompt_BT, prompt_len_B, rollout)
   S, N = tokens.shape[1], rollout.tokens.shape[1]
   j = jnp.clip(jnp.arange(S)[None] - prompt_len_B[:, None], 0, N - 1)
   align = lambda x: (
     None if x is None else jnp.take_along_axis(x, j.reshape(j.shape + (1,) * (x.ndim - 2)), axis=1)
   )
+  context = None
   if rollout.observed is not None:
-    gen_mask = gen_mask & ~align(rollout.observed)
+    observed = gen_mask & align(rollout.observed)
+    gen_mask = gen_mask & ~observed
+    # The engine prefills each observation with the turn's last token before it (programs.observe)
+    context = observed | jnp.pad(observed[:, 1:], ((0, 0), (0, 1)))
   return Batch(
     tokens=tokens,
     gen_mask=gen_mask,
@@ -324,6 +333,7 @@ def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, reward
     rewards=jnp.asarray(rewards_B, jnp.float32),
     top_logp=align(rollout.top_logprobs),
     top_ids=align(rollout.top_ids),
+    context=context,
   )
 
 

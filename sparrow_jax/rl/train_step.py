@@ -60,7 +60,9 @@ def hidden_states(params, batch, cfg, sc: StepConfig, lora=None, sparse=None, bu
   DistillSparse is on."""
   kwargs = dict(mask_BT=valid_mask(batch), lora=lora, remat=sc.rl.remat)
   if sparse is not None:
-    kwargs["attention_fn"] = policy.teacher_forced_attention_fn(sparse, budget, batch.prompt_len)
+    kwargs["attention_fn"] = policy.teacher_forced_attention_fn(
+      sparse, budget, batch.prompt_len, batch.context
+    )
   return qwen3.forward_hidden(params, batch.tokens, cfg, **kwargs)
 
 

@@ -17,11 +17,14 @@ from sparrow_jax.attention import blockwise, page_pool, reference, select
 from sparrow_jax.model import qwen3
 
 
-def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_len_B):
+def teacher_forced_attention_fn(
+  sparse: select.SparseConfig, schedule, prompt_len_B, context_BT=None
+):
   """An `attention_fn` for qwen3.forward that restricts each query to the pages the sparse sampler
   read at that step, blockwise (the pages are chosen per query block by the same `keep_pages` rule
   the sampler's `decode_pages` follows, on pages scored by `sparse.page_score`). Prompt positions
-  were prefilled densely, and layers below `dense_layers` stay dense: their budget is every page."""
+  were prefilled densely, and so were a multi-turn row's tool observations (`context_BT`, [B, T]
+  bool; None: none); layers below `dense_layers` stay dense: their budget is every page."""
   select_fn = functools.partial(select.keep_pages, sparse=sparse)
 
   def attention(layer, q_BTKGE, k_BTKE, v_BTKE, mask_BT):
@@ -29,6 +32,8 @@ def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_le
     pos_T = jnp.arange(T)
     every_page = -(-T // sparse.page_size)
     dense_BT = (layer < sparse.dense_layers) | (pos_T[None] < prompt_len_B[:, None])
+    if context_BT is not None:
+      dense_BT = dense_BT | context_BT
     budget_BT = jnp.where(dense_BT, every_page, schedule.budget_pages(pos_T + 1)[None])
     return blockwise.attention(
       q_BTKGE,
@@ -44,21 +49,32 @@ def teacher_forced_attention_fn(sparse: select.SparseConfig, schedule, prompt_le
   return attention
 
 
-def forward(params, tokens_BT, cfg, *, sparse=None, schedule=None, prompt_len_B=None, **kwargs):
+def forward(
+  params,
+  tokens_BT,
+  cfg,
+  *,
+  sparse=None,
+  schedule=None,
+  prompt_len_B=None,
+  context_BT=None,
+  **kwargs,
+):
   """Teacher-forced logits_BTV (float32), dense or sparse (`sj.forward`).
 
   With `sparse` (a SparseConfig) and `schedule` (anything with `budget_pages(cached_len)`: a
   KVSchedule, or a schedule.BudgetTable under jit), each query position attends to exactly the pages
-  the sparse sampler read at that step (dense before `prompt_len_B`: prefill is dense). Sparse
-  teacher forcing needs right-padded rows (cache slot == position), as the sampler makes. Other
-  keyword arguments go to `qwen3.forward` (mask_BT, positions_BT, lora, ...).
+  the sparse sampler read at that step (dense before `prompt_len_B`, and at `context_BT`'s
+  positions, a multi-turn row's observations: prefills are dense). Sparse teacher forcing needs
+  right-padded rows (cache slot == position), as the sampler makes. Other keyword arguments go to
+  `qwen3.forward` (mask_BT, positions_BT, lora, ...).
   """
   if sparse is not None:
     if schedule is None or prompt_len_B is None:
       raise ValueError(
         "forward(sparse=...) needs `schedule` and `prompt_len_B` (where decoding began)"
       )
-    kwargs["attention_fn"] = teacher_forced_attention_fn(sparse, schedule, prompt_len_B)
+    kwargs["attention_fn"] = teacher_forced_attention_fn(sparse, schedule, prompt_len_B, context_BT)
   return qwen3.forward(params, tokens_BT, cfg, **kwargs)
 
 
