@@ -101,12 +101,16 @@ def multi_turn_config(workdir, model=None, **changes):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
 def test_a_multi_turn_run_trains_on_episodes_graded_by_their_env_and_logs_tool_use(
-  echo_env, model_dir, tmp_path
+  echo_env, model_dir, tmp_path, off_policy_steps
 ):
-  c = multi_turn_config(tmp_path / "run", model_dir)
+  """On-policy, and one step off (step 2's episodes played in the rollout thread while step 1's
+  update ran, with step 1's weights)."""
+  c = multi_turn_config(tmp_path / "run", model_dir, rl__off_policy_steps=off_policy_steps)
   rows = trainer.train(c)
   assert len(rows) == 2
+  assert [r["rollout/weights_step"] for r in rows] == [0, 1 - off_policy_steps]
   assert_dashboard_has_data(c, rows)
   for row in rows:
     # 8 rows each make 2 calls (unless max_new cuts their episode short)
