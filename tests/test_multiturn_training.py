@@ -5,6 +5,7 @@ observations are context: tests/test_train_step.py), and the run logs its tool u
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -95,8 +96,8 @@ def multi_turn_config(workdir, model=None, **changes):
   r.max_prompt_len, r.max_new_tokens, r.group_size, r.prompts_per_step = 320, 96, 4, 2
   c.stats.bin_size, c.rl.num_minibatches, c.export_hf = 64, 1, False
   for dotted, value in changes.items():
-    group, field = dotted.split("__")
-    c[group][field] = value
+    *group, field = dotted.split("__")
+    (c[group[0]] if group else c)[field] = value
   return c
 
 
@@ -179,3 +180,26 @@ def test_env_configs_have_every_field_of_their_environment():
   for name in registry.env_names():
     fields = {f.name for f in dataclasses.fields(registry.ENVS[name][0])}
     assert set(common.env(name)) == fields | {"tool_workers"}, name
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_a_multi_turn_run_resumed_from_a_mid_run_checkpoint_logs_the_uninterrupted_metrics(
+  echo_env, model_dir, tmp_path, off_policy_steps
+):
+  """A 3-step run resumed from its step-2 checkpoint (its step-3 checkpoint removed, as a kill
+  after step 2 leaves it; one step off, the checkpoint holds step 3's episodes, sampled ahead and
+  graded, their tool use with them) logs the straight run's step 3."""
+  changes = dict(rl__off_policy_steps=off_policy_steps, total_steps=3, ckpt_every=1)
+  changes.update(keep_checkpoints=3)
+  straight = trainer.train(multi_turn_config(tmp_path / "straight", model_dir, **changes))
+  shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
+  resumed = trainer.train(multi_turn_config(tmp_path / "resumed", model_dir, **changes))
+  assert len(resumed) == 1  # step 3 only
+  want = {k: v for k, v in straight[-1].items() if not k.startswith("perf/")}
+  got = {k: v for k, v in resumed[0].items() if not k.startswith("perf/")}
+  assert got["env/tool_calls"] > 0 and got.keys() == want.keys()
+  for key in want:
+    if key != "env/tool_seconds":  # wall time
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
