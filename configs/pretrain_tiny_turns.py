@@ -18,14 +18,21 @@ def get_config():
   # Keys from 100 names (k00 .. k99), each one token: a lookup copies one token, as in the
   # single-turn default's vocabulary (a 2-layer model did not learn to copy multi-token keys).
   c.env = common.env(
-    "env:pointer_chase", keys=16, decoys=2, key_space=100, enable_thinking=False, seed=1
+    "env:pointer_chase",
+    keys=16,
+    decoys=0,
+    key_space=100,
+    enable_thinking=False,
+    list_tools=False,
+    max_turns=12,
+    seed=1,
   )
   c.vocab_size = 512  # the byte-level BPE's size (+ the template's tags and whole_tokens)
   c.whole_tokens = tuple(f"k{i:02d}" for i in range(100))  # one token per key name
   c.bpe_episodes = 200  # reference episodes the BPE is trained on
-  c.total_steps = 1200  # AdamW steps
+  c.total_steps = 625  # AdamW steps: stopped while it still misreads keys at temperature 1
   # (min_hops, max_hops, row_len, rows): ~2K tokens a step. The system turn's tool list is ~230
   # tokens of every episode and a hop ~40: long chains put more lookups in a step's tokens.
-  c.levels = ((1, 4, 512, 4), (2, 6, 768, 3))
+  c.levels = ((1, 4, 256, 8), (2, 8, 512, 4))
   c.arch.max_position_embeddings = 1024  # longest position (episode + RL's max_new_tokens)
   return c

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny
+from configs import calibrate, default, evaluate, measure_tiny, pretrain_tiny, pretrain_tiny_turns
 import sparrow_jax as sj
 from sparrow_jax.data.tokenizer import load_tokenizer
 from sparrow_jax.sparsity.schedule import KVSchedule
@@ -138,3 +138,44 @@ def test_pretrain_tiny_exports_and_resumes(tmp_path, run_experiment):
   assert cfg.num_hidden_layers == 2 and load_tokenizer(str(export)).eos_ids
   log = json.loads((export / "pretrain_log.json").read_text())
   assert log["config"]["total_steps"] == 6 and log["history"][-1]["step"] == 6
+
+
+def test_episodes_are_packed_with_the_model_s_turns_as_the_only_targets():
+  """pretrain_tiny's Episodes corpus (configs/pretrain_tiny_turns.py): each packed episode is the
+  environment's reference episode as a rollout builds it, its targets exactly the model's turns
+  (the reference calls and the answer, each with its <|im_end|>), its lookup targets the key
+  tokens among them; observations and prompts are context."""
+  from experiments import pretrain_tiny as script
+
+  corpus = script.Episodes(pretrain_tiny_turns.get_config())
+  batch = corpus.pack(step=3, level=0)
+  tok = corpus.tokenizer
+  targets = np.roll(batch["tokens"], -1, axis=1)
+  episodes = 0
+  for r in range(len(batch["tokens"])):
+    for seg in range(1, batch["segments"][r].max() + 1):
+      at = batch["segments"][r] == seg
+      text = tok.decode(batch["tokens"][r][at])
+      assert text.startswith("<|im_start|>user\nStart at key ") and text.endswith("<|im_end|>")
+      trained = tok.decode(targets[r][at & (batch["weights"][r] > 0)])
+      turns = [t.split("\n<|im_start|>user")[0] for t in text.split("</think>\n\n")[1:]]
+      assert all(t.endswith("<|im_end|>") for t in turns) and trained == "".join(turns)
+      keys = [tok.decode([t]) for t in targets[r][at & (batch["lookups"][r] > 0)]]
+      assert keys and all(k[0] == "k" and k[1:].isdigit() and len(k) == 3 for k in keys)
+      episodes += 1
+  assert episodes >= len(batch["tokens"])
+
+
+@pytest.mark.nightly
+def test_pretrain_tiny_turns_rebuilds_the_shipped_multi_turn_model(tmp_path, run_experiment):
+  """The shipped assets/pointer_chase_turns_tiny, bit for bit, from its config (2.3 min)."""
+  export = tmp_path / "export"
+  run_experiment(
+    "pretrain_tiny",
+    "pretrain_tiny_turns",
+    {"workdir": tmp_path / "work", "export_dir": export},
+    timeout=900,
+  )
+  for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
+    shipped = open(f"assets/pointer_chase_turns_tiny/{name}", "rb").read()
+    assert (export / name).read_bytes() == shipped, name

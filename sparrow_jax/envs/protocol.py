@@ -47,6 +47,8 @@ class EnvConfig:
   max_observation_chars: int = 16384  # the pool's cut, before tokenizing: megabytes stay cheap
   tool_timeout_s: float = 10.0  # a call past it is abandoned: "timeout after Xs"
   enable_thinking: bool = True  # the generation prompts' think switch (chat_template)
+  list_tools: bool = True  # the tools' schemas in the system turn, as Qwen3's template writes
+  #                          them (off: a model trained on the format needs no instructions)
   MAY_BE_ZERO: ClassVar[tuple] = ()  # numeric fields of a subclass for which 0 is allowed
 
   def __post_init__(self):
@@ -163,9 +165,9 @@ def observation_text(responses, enable_thinking: bool = True) -> str:
 
 def prompt_text(env, problem) -> str:
   """The first prompt of `env`'s episode of `problem` (which this starts): its first messages in
-  the chat template, its tools in the system turn."""
+  the chat template, its tools in the system turn (unless its config's list_tools is off)."""
   messages = env.reset(problem)
-  tools = list(env.schemas.values())
+  tools = list(env.schemas.values()) if env.config.list_tools else None
   return chat_template(messages, tools=tools, enable_thinking=env.config.enable_thinking)
 
 
