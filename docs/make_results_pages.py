@@ -1065,6 +1065,40 @@ def embedded_default_page(records) -> str:
   return "\n".join(lines)
 
 
+def multi_turn_page(records) -> str:
+  """docs/results/multi_turn.md from experiments/run_report.py's record of the multi-turn default
+  run (configs/multi_turn.py)."""
+  lines = [
+    "# The multi-turn default run (measured)",
+    "",
+    "`configs/multi_turn.py`: GRPO on `env:pointer_chase` (4 hops, a lookup tool call a hop) with "
+    "the tiny model of `assets/pointer_chase_turns_tiny`, rollouts in exact mode; what it runs: "
+    "[multi_turn.md](../multi_turn.md).",
+    "",
+  ]
+  for record in records:
+    lines += [_provenance(record), ""]
+    for name, r in record["results"]["runs"].items():
+      curve, t = r["reward_curve"], r["summary"]["time_s"]
+      windows = [curve[i : i + 10] for i in range(0, len(curve), 10)]
+      means = " | ".join(f"{sum(w) / len(w):.3f}" for w in windows)
+      lines += [
+        f"{name}: `{r['summary']['command']}`, {r['steps']} steps in {t['total'] / 60:.1f} min "
+        f"(first step, with compilation, {t['first_step']:.0f} s; rollouts {t['rollout']:.0f} s, "
+        f"train steps {t['train_step']:.0f} s), peak RSS {r['summary']['peak_rss_gib']:.2f} GiB.",
+        "",
+        "| steps | " + " | ".join(f"{10 * i + 1}-{10 * i + len(w)}" for i, w in enumerate(windows))
+        + " |",
+        "|---" * (len(windows) + 1) + "|",
+        f"| mean reward | {means} |",
+        "",
+        f"Exact p5 {r['p5_first']:.3f} (first 10 steps) -> {r['p5']:.3f} (last 10); the drafts "
+        f"read {r['kv_read']:.3f} of the dense KV.",
+        "",
+      ]
+  return "\n".join(lines)
+
+
 def distill_sparse_page(records) -> str:
   """docs/results/distill_sparse.md from run_report's record of the runs with and without it."""
   lines = [
@@ -1355,16 +1389,32 @@ def speculative_rollout_page(records) -> str:
   for record in records:
     r = record["results"]
     c = r["config"]
+    parts = []
+    if c["shapes"]["contexts"]:
+      parts.append(
+        f"(1) {c['shapes']['layers']} layers, {c['shapes']['dense_layers']} kept dense by the "
+        f"drafts, batch {c['batch']}, {c['shapes']['steps']} tokens a timed chunk, temperature "
+        f"{c['temperature']}, the paper's tau-{c['shapes']['tau']} table"
+      )
+    if c["trained"]["enabled"]:
+      t = c["trained"]
+      parts.append(
+        f"(2) `{t['model']['hf_dir']}`, {t['rollout']['prompts_per_step']} prompts x "
+        f"{t['rollout']['group_size']} rows of up to {t['rollout']['max_new_tokens']} tokens"
+      )
+    if c.get("long_prompts", {}).get("enabled"):
+      lp = c["long_prompts"]
+      parts.append(
+        f"(3) `{lp['model']['hf_dir']}` (real weights), {lp['rows']} prompts a length (rows "
+        f"`longN`: N prompt tokens) of {lp['instruction']} + real text (the files of "
+        f"`long_prompts` in the record), {lp['rollout']['max_new_tokens']} new tokens a row, "
+        f"temperature {lp['rollout']['temperature']}, its table `{lp['rollout']['schedule']}`"
+      )
     lines += [
       _provenance(record),
       "",
-      f"(1) {c['shapes']['layers']} layers, {c['shapes']['dense_layers']} kept dense by the "
-      f"drafts, batch {c['batch']}, {c['shapes']['steps']} tokens a timed chunk, temperature "
-      f"{c['temperature']}, the paper's tau-{c['shapes']['tau']} table; (2) "
-      f"`{c['trained']['model']['hf_dir']}`, {c['trained']['rollout']['prompts_per_step']} prompts "
-      f"x {c['trained']['rollout']['group_size']} rows of up to "
-      f"{c['trained']['rollout']['max_new_tokens']} tokens. The switch priced rounds on "
-      f"{r['hardware']['name']}; median of {c['runs']} calls.",
+      f"{'; '.join(parts)}. The switch priced rounds on {r['hardware']['name']}; median of "
+      f"{c['runs']} calls.",
       "",
       "| shape | setting | tok/s | vs dense | accepted / round | draft acceptance | plan |",
       "|---|---|---|---|---|---|---|",
@@ -1874,7 +1924,8 @@ PAGES = {
   "real_lm_mismatch.md": ("real_lm_mismatch.json", real_lm_mismatch_page),
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
-  "speculative_rollout.md": ("speculative_rollout.json", speculative_rollout_page),
+  "speculative_rollout.md": ("speculative_rollout*.json", speculative_rollout_page),
+  "multi_turn.md": ("multi_turn_run.json", multi_turn_page),
   "async_rl.md": ("async_rl*.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from configs import common, default
+from configs import common, default, multi_turn
 from sparrow_jax.data import rewards
 from sparrow_jax.envs import protocol, registry, tools
 from sparrow_jax.rl import build, run_config, trainer
@@ -203,3 +203,19 @@ def test_a_multi_turn_run_resumed_from_a_mid_run_checkpoint_logs_the_uninterrupt
   for key in want:
     if key != "env/tool_seconds":  # wall time
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_the_multi_turn_default_s_model_plays_its_episodes_through_the_tool(tmp_path):
+  """configs/multi_turn.py cut to 2 steps of 2 prompts: the shipped model calls lookup about once
+  a hop (4 hops), some episodes reach the key, and the observations are a good share of the rows."""
+  c = multi_turn.get_config()
+  c.workdir, c.total_steps, c.export_hf = str(tmp_path / "run"), 2, False
+  c.model.hf_dir = os.path.join(ROOT, c.model.hf_dir)
+  c.rollout.prompts_per_step = 2
+  rows = trainer.train(c)
+  assert len(rows) == 2
+  assert_dashboard_has_data(c, rows)
+  for row in rows:  # 16 rows a step
+    assert row["env/tool_calls"] >= 32 and row["env/turns/mean"] >= 3.0
+    assert row["reward/mean"] > 0.0 and row["env/observation_share"] > 0.2
