@@ -1925,7 +1925,7 @@ PAGES = {
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout*.json", speculative_rollout_page),
-  "multi_turn.md": ("multi_turn_run.json", multi_turn_page),
+  "multi_turn.md": ("multi_turn_run*.json", multi_turn_page),
   "async_rl.md": ("async_rl*.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),
