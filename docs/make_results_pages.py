@@ -1087,7 +1087,8 @@ def multi_turn_page(records) -> str:
         f"(first step, with compilation, {t['first_step']:.0f} s; rollouts {t['rollout']:.0f} s, "
         f"train steps {t['train_step']:.0f} s), peak RSS {r['summary']['peak_rss_gib']:.2f} GiB.",
         "",
-        "| steps | " + " | ".join(f"{10 * i + 1}-{10 * i + len(w)}" for i, w in enumerate(windows))
+        "| steps | "
+        + " | ".join(f"{10 * i + 1}-{10 * i + len(w)}" for i, w in enumerate(windows))
         + " |",
         "|---" * (len(windows) + 1) + "|",
         f"| mean reward | {means} |",
