@@ -12,7 +12,7 @@ reward leaves RL room.
   python -m sparrow_jax.train --config=configs/multi_turn.py [--config.total_steps=20 ...]
 """
 
-from configs import common, default
+from configs import common, default, pretrain_tiny_turns
 
 
 def get_config():
@@ -21,17 +21,11 @@ def get_config():
   c.total_steps = 50  # RL steps
   c.model.hf_dir = "assets/pointer_chase_turns_tiny"  # pretrained on the environment's format
   c.task.name = "env:pointer_chase"  # an environment: its fields in c.env
-  # 4 hops on 16-entry tables of 100 key names, each observation the hop's line; the format the
-  # model was pretrained on: no tool list in the system turn, thinking off (it answers at once).
-  # RL's tables (seed 0) are not pretraining's (1).
-  c.env = common.env(
-    "env:pointer_chase",
-    hops=4,
-    keys=16,
-    key_space=100,
-    enable_thinking=False,
-    list_tools=False,
-  )
+  # The format the model was pretrained on (16-entry tables of 100 key names, each observation the
+  # hop's line, no tool list, thinking off), at 4 hops, on RL's tables (seed 0, not
+  # pretraining's 1), with the default's max_turns.
+  c.env = pretrain_tiny_turns.get_config().env
+  c.env.update(hops=4, seed=0, max_turns=common.env().max_turns)
   c.rollout.prompts_per_step = 8  # distinct prompts per step: at 4 (x 8 rows) and lr 2e-4 the
   #                                    reward stayed near its start over 28 steps
   c.rl.learning_rate = 5e-4  # AdamW peak learning rate (1e-3 collapsed the reward to 0)
