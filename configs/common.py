@@ -39,10 +39,7 @@ def env(name: str = "env:pointer_chase", **overrides) -> ml_collections.ConfigDi
   declared once there with their defaults and what each means (sparrow_jax/envs: EnvConfig's
   max_turns, max_observation_tokens, tool_timeout_s, ... and the environment's own), plus the
   tool pool's size."""
-  config_class = registry.ENVS[name][0] if name in registry.ENVS else None
-  if config_class is None:
-    raise ValueError(f"unknown environment {name!r}; known: {registry.env_names()}")
-  c = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(config_class)})
+  c = ml_collections.ConfigDict(dataclasses.asdict(registry.env_config(name)))
   c.tool_workers = 4  # tool calls running at once (a hung one is abandoned at tool_timeout_s)
   c.update(overrides)
   return c

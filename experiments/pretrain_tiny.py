@@ -200,14 +200,20 @@ class Episodes:
   config.vocab_size trained on config.bpe_episodes episodes, the template's tags and
   config.whole_tokens a token each."""
 
-  TAGS = [THINK_OPEN, THINK_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN]
-  TAGS += [TOOL_RESPONSE_CLOSE]
+  TAGS = (
+    THINK_OPEN,
+    THINK_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    TOOL_RESPONSE_CLOSE,
+  )
 
   def __init__(self, c):
     self.c, self.fields = c, {k: v for k, v in c.env.items() if k != "tool_workers"}
     hops = max(level[1] for level in c.levels)
     texts = [self.episode(hops, p).text for p in range(c.bpe_episodes)]
-    self.tok = train_bpe(texts, c.vocab_size, self.TAGS + list(c.whole_tokens))
+    self.tok = train_bpe(texts, c.vocab_size, [*self.TAGS, *c.whole_tokens])
     self.tokenizer = Tokenizer(self.tok, (self.tok.token_to_id(IM_END),), 0)
     self.vocab_size = self.tokenizer.vocab_size
     pieces = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]

@@ -33,7 +33,6 @@ class EnvTask:
     if not (isinstance(tool_workers, int) and tool_workers > 0):
       raise ValueError(f"EnvTask.tool_workers must be a positive int, got {tool_workers!r}")
     self.name, self.config, self.tool_workers = name, config, tool_workers
-    self.seed = config.seed if hasattr(config, "seed") else 0
 
   def _env(self):
     return registry.ENVS[self.name][1](self.config)

@@ -361,9 +361,8 @@ class Source:
       grades = [turns.grade(r) for r in rows]
       env_metrics = turns.metrics(rollout.observed, rollout.lengths)
     parts = (taken.prompt, taken.prompt_len, taken.rollout, taken.engine_stats, grades, rollout_s)
-    return Sampled(
-      step, synced.version, budget, *parts, synced.seconds, synced.nbytes, 0.0, env_metrics
-    )
+    sync = (synced.seconds, synced.nbytes)
+    return Sampled(step, synced.version, budget, *parts, *sync, env_metrics=env_metrics)
 
   # -- what a checkpoint keeps
 
