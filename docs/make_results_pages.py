@@ -1334,6 +1334,65 @@ def real_lm_mismatch_page(records) -> str:
   return "\n".join(lines)
 
 
+def decode_profile_page(records) -> str:
+  """docs/results/decode_profile.md from experiments/profile_decode.py's record (where a decode
+  step's time goes) and experiments/sparse_read_layouts.py's (the ways of reading the pages)."""
+  lines = ["# Where a decode step's time goes on this CPU (measured)", ""]
+  for record in records:
+    r, config = record["results"], record["results"]["config"]
+    lines += [_provenance(record), ""]
+    if "modes" in r:
+      lines += [
+        f"`{config['model_dir']}` ({r['layers']} layers, {r['params'] / 1e6:.0f}M params, "
+        f"{config['dtype']}), batch {config['batch']}, {config['context']} cached tokens a row "
+        f"(random keys and values); sparse = `{config['schedule']}`, {r['budget_tokens']} tokens "
+        f"a row, the first {config['dense_layers']} layers dense. A step's time is the median of "
+        f"{config['runs']} interleaved calls of {config['steps']} steps: dense "
+        f"{r['modes']['dense']['tok_s']:.1f} tok/s, sparse {r['modes']['sparse']['tok_s']:.1f} "
+        f"tok/s, **{r['ratio']:.2f}x**. The parts are one more (profiled) call's XLA ops, each "
+        "filed by the named scopes of the decode step (experiments/profile_decode.py): CPU time, "
+        "which adds up over the runtime's two threads to more than the wall time; MB = the bytes "
+        "the part must read a step, GB/s = those bytes over its time; the machine's measured "
+        f"bandwidth is {r['mem_bandwidth'] / 1e9:.1f} GB/s.",
+        "",
+        "| part | dense ms | share | MB | GB/s | sparse ms | share | MB | GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+      ]
+      dense = {row["part"]: row for row in r["modes"]["dense"]["rows"]}
+      for row in r["modes"]["sparse"]["rows"]:
+        d = dense.get(row["part"])
+        cell = lambda x: (
+          f"{x['ms']:.1f} | {x['share']:.0%} | {x['mb']:.0f} | "
+          + (f"{x['gbs']:.1f}" if x["gbs"] else "-")
+          if x
+          else "- | - | - | -"
+        )
+        lines.append(f"| {row['part']} | {cell(d)} | {cell(row)} |")
+      for mode in ("dense", "sparse"):
+        m = r["modes"][mode]
+        lines.append("")
+        lines.append(
+          f"{mode}: the profiled call took {m['traced_step_ms']:.1f} ms a step (untraced: "
+          f"{m['step_ms']:.1f}); its ops {m['cpu_ms']:.1f} ms of CPU time; no op running "
+          f"{m['idle_ms']:.1f} ms a step."
+        )
+    else:
+      lines += [
+        f"One sparse layer's page reads at the profile's setting: batch {config['batch']}, "
+        f"{config['kv_heads']} KV heads x {config['group']} queries, head dim "
+        f"{config['head_dim']}, {config['context']} cached tokens, {config['pages']} pages of 16 "
+        f"a (row, head); every way gives the reference's output (to float tolerance); median of "
+        f"{config['runs']} interleaved calls (experiments/sparse_read_layouts.py).",
+        "",
+        "| way of reading | ms | MB | GB/s |",
+        "|---|---|---|---|",
+      ]
+      for row in r["rows"]:
+        lines.append(f"| {row['layout']} | {row['ms']:.2f} | {row['mb']:.1f} | {row['gbs']:.1f} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
 def real_lm_decode_page(records) -> str:
   """docs/results/real_lm_decode.md from bench_decode records run with decode.model_dir."""
   lines = [
@@ -1924,6 +1983,7 @@ PAGES = {
   "distill_sparse.md": ("distill_sparse.json", distill_sparse_page),
   "real_lm_mismatch.md": ("real_lm_mismatch.json", real_lm_mismatch_page),
   "real_lm_decode.md": ("real_lm_decode.json", real_lm_decode_page),
+  "decode_profile.md": ("decode_profile*.json", decode_profile_page),
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout*.json", speculative_rollout_page),
   "multi_turn.md": ("multi_turn_run*.json", multi_turn_page),

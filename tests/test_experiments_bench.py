@@ -669,3 +669,51 @@ def test_bench_async_runs_each_setting_and_renders_its_page(tmp_path):
     "one_step_off + partial, carry bound 1"
   )
   assert "| 0 |" in bound("one_step_off + partial, no carry bound")
+
+
+def test_profile_decode_files_every_op_of_a_sparse_step_under_its_part(tmp_path):
+  """On a tiny model: the dense step has dense attention and no page reads; the sparse step's
+  selection, gather and attention each take time (the named scopes reach the compiled ops), and
+  the record renders as the page's rows."""
+  model_dir = tmp_path / "tiny"
+  write_tiny_hf_dir(str(model_dir))
+  path = tmp_path / "decode_profile.json"
+  out = _run(
+    "profile_decode",
+    f"--config.model_dir={model_dir}",
+    "--config.schedule=fixed:3",
+    "--config.dense_layers=1",
+    "--config.context=128",
+    "--config.batch=2",
+    "--config.steps=2",
+    "--config.runs=1",
+    f"--config.out={path}",
+  ).stdout
+  assert "sparse / dense:" in out, out
+  record = json.load(open(path))
+  modes = record["results"]["modes"]
+  parts = {mode: {r["part"]: r["ms"] for r in modes[mode]["rows"]} for mode in modes}
+  assert parts["dense"]["dense attention"] > 0 and "page gather" not in parts["dense"]
+  for part in ("dense attention", "page selection", "page gather", "sparse attention"):
+    assert parts["sparse"][part] > 0, (part, parts["sparse"])
+  assert parts["sparse"]["weight matmuls"] > 0 and parts["dense"]["cache append"] > 0
+  page = _load_pages().decode_profile_page([record])
+  row = next(r for r in modes["sparse"]["rows"] if r["part"] == "page gather")
+  assert f"| page gather | - | - | - | - | {row['ms']:.1f} | " in page, page
+
+
+def test_sparse_read_layouts_times_each_way_against_the_reference(tmp_path):
+  """Every way of reading the pages is checked against the reference before it is timed (the
+  script fails on a wrong one) and has its row in the record."""
+  path = tmp_path / "layouts.json"
+  out = _run(
+    "sparse_read_layouts",
+    "--config.batch=2",
+    "--config.context=256",
+    "--config.pages=4",
+    "--config.runs=1",
+    f"--config.out={path}",
+  ).stdout
+  rows = json.load(open(path))["results"]["rows"]
+  assert len(rows) == 10 and all(r["ms"] > 0 for r in rows), rows
+  assert all(r["layout"] in out for r in rows), out

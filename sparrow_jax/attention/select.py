@@ -94,6 +94,7 @@ def keep_pages(scores_aP, query_pos_a, budget_a, sparse: SparseConfig):
   return always | (candidate & top_n_aP & (n_a1 > 0))
 
 
+@jax.named_scope("page_selection")  # metadata: how a profile names its ops
 def decode_pages(q_BKGE, summary_BKPRE, lengths_B, budget_B, sparse: SparseConfig, max_selected):
   """Page ids [B, K, N] (kept pages first, in ascending order, padded with valid ids) and their
   count [B, K].
@@ -103,8 +104,9 @@ def decode_pages(q_BKGE, summary_BKPRE, lengths_B, budget_B, sparse: SparseConfi
   orders equal scores by lower index, exactly like the stable descending rank.
   """
   B, K, P = summary_BKPRE.shape[:3]
-  qbar_BK1E = jnp.mean(q_BKGE.astype(jnp.float32), axis=2, keepdims=True)
-  scores_BKP = paged_cache.page_scores(qbar_BK1E, summary_BKPRE, sparse.page_score)[:, :, 0]
+  with jax.named_scope("page_scores"):
+    qbar_BK1E = jnp.mean(q_BKGE.astype(jnp.float32), axis=2, keepdims=True)
+    scores_BKP = paged_cache.page_scores(qbar_BK1E, summary_BKPRE, sparse.page_score)[:, :, 0]
   _, candidate_BKP = _page_roles(P, (lengths_B - 1)[:, None], sparse)
   n_top = min(max(max_selected - sparse.always_kept, 1), P)
   top_score_BKk, top_idx_BKk = jax.lax.top_k(jnp.where(candidate_BKP, scores_BKP, -jnp.inf), n_top)

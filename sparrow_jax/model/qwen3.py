@@ -512,8 +512,11 @@ def decode_step(
   new_caches = []
   for i, (layer, lora_layer, cache) in enumerate(zip(params["layers"], lora_layers, caches)):
     q_B1HE, k_B1KE, v_B1KE = qkv(layer, x_B1D, pos_B[:, None], cfg, lora_layer, scale)
-    cache = cache.append_token(k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
-    out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
+    # Named scopes are metadata only: experiments/profile_decode.py files each op by them.
+    with jax.named_scope(f"layer{i}/cache_append"):
+      cache = cache.append_token(k_B1KE[:, 0], v_B1KE[:, 0], pos_B)
+    with jax.named_scope(f"layer{i}/attention"):
+      out_BKGE = attention_fn(i, q_B1HE[:, 0].reshape(B, K, G, E), cache, lengths_B)
     x_B1D = finish_layer(layer, x_B1D, out_BKGE.reshape(B, 1, K * G, E), cfg, lora_layer, scale)
     x_B1D = sharding.constrain(x_B1D, ACT_AXES)
     new_caches.append(cache.replace(lengths=lengths_B).constrain())

@@ -318,7 +318,8 @@ def pool_decode_attention_fn(sparse, budget, max_selected: int, impl: str = "aut
             logical_BKN = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (B, K, size))
             n_valid_BK = jnp.broadcast_to(n_pages_B[:, None], (B, K)).astype(jnp.int32)
           else:
-            summary_BKNRE = summaries[0][:, page_table_BP[:, :size]].transpose(1, 0, 2, 3, 4)
+            with jax.named_scope("page_selection"):  # the summaries' gather: selection's read
+              summary_BKNRE = summaries[0][:, page_table_BP[:, :size]].transpose(1, 0, 2, 3, 4)
             logical_BKN, n_valid_BK = select.decode_pages(
               q_BKGE,
               summary_BKNRE,
