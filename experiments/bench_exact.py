@@ -119,6 +119,8 @@ def _ratios(rows) -> list:
   dense = rows[0]["tokens_per_s"]
   for row in rows:
     row["vs_dense"] = float(row["tokens_per_s"] / dense)
+    if "decode_tokens_per_s" in row:
+      row["decode_vs_dense"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
   return rows
 
 
@@ -134,6 +136,10 @@ def _print(label, rows):
     extra = ""
     if row.get("accepted_per_round") is not None:
       extra += f"  accepted/round {row['accepted_per_round']:.2f}"
+    if "decode_vs_dense" in row:
+      extra += (
+        f"  decode alone {row['decode_tokens_per_s']:.1f} tok/s {row['decode_vs_dense']:.2f}x"
+      )
     if "plan_k_bin" in row:
       extra += f"  plan {row['plan_k_bin']}"
     print(
@@ -303,7 +309,7 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
   rows_per_device = len(prompt_len)
   K = max(config.drafts)
   base = build.engine_config(c, cfg, rows_per_device)
-  got = {}
+  got, decode_s = {}, {}
 
   def rollout(name, k=0, plan=None):
     setting = dataclasses.replace(base, speculate=k, draft_switch=plan is not None)
@@ -321,6 +327,7 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
         draft_plan=plan,
       )
       got[name] = (out, stats)
+      decode_s.setdefault(name, []).append(stats.decode_seconds)
 
     return call
 
@@ -361,6 +368,9 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
   for name, sec in zip(names, seconds):
     out, stats = got[name]
     row = _row(name, sec, np.sum(out.lengths), None, plan if name == "auto" else None)
+    # Decode alone: the timed calls' decode chunks (the prefill samples each row's first token)
+    decoded = np.sum(out.lengths) - len(prompt_len)
+    row["decode_tokens_per_s"] = float(decoded / np.median(decode_s[name][-config.runs :]))
     if stats.rounds:
       row["accepted_per_round"] = stats.accepted_per_round
       row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance

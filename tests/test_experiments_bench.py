@@ -445,7 +445,10 @@ def test_bench_exact_times_every_setting_on_long_prompts_of_real_text(tmp_path):
     (f"long{n}", s) for n in (96, 160) for s in settings
   ]
   assert all(r["draft_acceptance"] is not None for r in results["rows"] if "spec" in r["setting"])
+  assert all(r["decode_tokens_per_s"] > 0 for r in results["rows"]), results["rows"]
   assert "(3)" in out and "2 prompts of 160 tokens" in out
+  page = _load_pages().speculative_rollout_page([json.load(open(path))])
+  assert "- long160 (decode alone): auto" in page and "the best fixed k, speculate" in page, page
   sources = results["long_prompts"]["sources"]
   assert set(sources) == {"96", "160"} and len(sources["160"]) == 2
   stdlib = results["long_prompts"]["source_dir"]

@@ -120,6 +120,9 @@ class EngineStats:
   # beside this rollout, sampled ahead in its thread; None: nothing ran beside it. A chunk started
   # before it shared the machine with that step, so its clock is kept apart (`round_timings`).
   beside_until: Optional[float] = dataclasses.field(default=None, compare=False)
+  # Wall seconds of the decode chunks, the host's work around each included (prefills, copies and
+  # observations not): what a rollout's decode rate is measured by. A clock, as chunk_rounds.
+  decode_seconds: float = dataclasses.field(default=0.0, compare=False)
 
   def state(self) -> dict:
     """The counters as JSON (a checkpoint's): the clock's draft counts become string keys."""
@@ -137,6 +140,7 @@ class EngineStats:
   ) -> None:
     """Files a chunk of `rounds` rounds of `draft` drafts each (None: rounds no draft count
     prices, not filed) that ran at `cached_len` cached tokens a row-round on average."""
+    self.decode_seconds += seconds
     if rounds and draft is not None:
       self.chunk_rounds.setdefault(draft, []).append([seconds / rounds, cached_len, started])
 
