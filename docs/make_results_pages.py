@@ -1531,6 +1531,50 @@ def _exact_verdict(rows) -> list:
   return out
 
 
+def multi_turn_workload_page(records) -> str:
+  """docs/results/multi_turn_workload.md from experiments/bench_multiturn.py's record."""
+  lines = [
+    "# A multi-turn workload dominated by observations: dense, sparse, exact, slow tools "
+    "(measured)",
+    "",
+  ]
+  for record in records:
+    r, config = record["results"], record["results"]["config"]
+    env = config["run"]["env"]
+    lines += [
+      _provenance(record),
+      "",
+      f"`{config['run']['task']['name']}` ({env['hops']} hops, each lookup the hop's line among "
+      f"{env['decoys']} others) with the multi-turn default's tiny model "
+      f"`{config['run']['model']['hf_dir']}`, {r['rows_count']} rows of up to "
+      f"{config['run']['rollout']['max_new_tokens']} tokens, sparse = "
+      f"`{config['run']['rollout']['schedule']}`; median of {config['runs']} interleaved calls "
+      "(experiments/bench_multiturn.py). Model tok/s counts the model's own tokens over the whole "
+      "call; decode alone over the decode chunks' seconds. KV reads are (page, layer) reads a "
+      f"model token. Slow tools: each lookup of the odd rows takes {config['slow_tool_s']} s "
+      "longer; the stalled bound is the fast call plus the slowest row's calls x that delay, what "
+      "a batch that stopped for each call would take at least.",
+      "",
+      "| setting | s | model tok/s | vs dense | decode alone tok/s | vs dense | KV reads / token "
+      "| vs dense | observation share | tool calls | draft acceptance | stalled bound (s) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+      acc = row["draft_acceptance"]
+      lines.append(
+        f"| {row['setting']} | {row['seconds']:.1f} | {row['tokens_per_s']:.1f} | "
+        f"{row['vs_dense']:.2f}x | {row['decode_tokens_per_s']:.1f} | "
+        f"{row['decode_vs_dense']:.2f}x | {row['kv_reads_per_token']:.1f} | "
+        f"{row['kv_read_vs_dense']:.2f}x | {row['observation_share']:.2f} | {row['tool_calls']} | "
+        + ("-" if acc is None else f"{acc:.3f}")
+        + " | "
+        + (f"{row['stalled_bound_s']:.1f}" if "stalled_bound_s" in row else "-")
+        + " |"
+      )
+    lines.append("")
+  return "\n".join(lines)
+
+
 def async_rl_page(records) -> str:
   """docs/results/async_rl.md from experiments/bench_async.py's record."""
   lines = [
@@ -2000,6 +2044,7 @@ PAGES = {
   "real_lm_rl.md": ("real_lm_rl.json", real_lm_rl_page),
   "speculative_rollout.md": ("speculative_rollout*.json", speculative_rollout_page),
   "multi_turn.md": ("multi_turn_run*.json", multi_turn_page),
+  "multi_turn_workload.md": ("multi_turn_workload.json", multi_turn_workload_page),
   "async_rl.md": ("async_rl*.json", async_rl_page),
   "speculative_training.md": ("speculative_training.json", speculative_training_page),
   "train_step_buckets.md": ("train_step_buckets.json", train_step_buckets_page),

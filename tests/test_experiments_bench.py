@@ -720,3 +720,37 @@ def test_sparse_read_layouts_times_each_way_against_the_reference(tmp_path):
   rows = json.load(open(path))["results"]["rows"]
   assert len(rows) == 10 and all(r["ms"] > 0 for r in rows), rows
   assert all(r["layout"] in out for r in rows), out
+
+
+def test_bench_multiturn_runs_every_setting_on_episodes_and_renders_its_page(tmp_path):
+  """At toy size (the multi-turn default's tiny model, 2 problems, short observations): every
+  setting rolls out episodes that call the tool, lossy sparse reads less KV a model token than
+  dense, and the slow-tool rows carry their stalled bound."""
+  path = tmp_path / "workload.json"
+  out = _run(
+    "bench_multiturn",
+    "--config.runs=1",
+    "--config.slow_tool_s=0.2",
+    "--config.run.env.decoys=8",
+    "--config.run.rollout.max_new_tokens=384",
+    "--config.run.rollout.prompts_per_step=2",
+    "--config.run.rollout.group_size=2",
+    "--config.run.rollout.schedule=fixed:4",
+    f"--config.out={path}",
+  ).stdout
+  record = json.load(open(path))
+  rows = {r["setting"]: r for r in record["results"]["rows"]}
+  assert list(rows) == [
+    "dense",
+    "dense again",
+    "sparse",
+    "speculate4",
+    "dense, slow tools",
+    "sparse, slow tools",
+  ], out
+  assert all(r["tool_calls"] > 0 and r["model_tokens"] > 0 for r in rows.values()), rows
+  assert rows["sparse"]["kv_read_vs_dense"] < 1 and rows["dense"]["kv_read_vs_dense"] == 1
+  assert rows["speculate4"]["draft_acceptance"] is not None
+  assert rows["dense, slow tools"]["stalled_bound_s"] > rows["dense"]["seconds"]
+  page = _load_pages().multi_turn_workload_page([record])
+  assert f"| sparse | {rows['sparse']['seconds']:.1f} | " in page, page
