@@ -6,11 +6,12 @@ env.config                                              # its frozen, validated 
 
 import dataclasses
 
-from sparrow_jax.envs import pointer_chase
+from sparrow_jax.envs import pointer_chase, python_math
 
 # name -> (config class, environment class)
 ENVS = {
   "env:pointer_chase": (pointer_chase.PointerChaseConfig, pointer_chase.PointerChaseEnv),
+  "env:python_math": (python_math.PythonMathConfig, python_math.PythonMathEnv),
 }
 
 
