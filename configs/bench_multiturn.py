@@ -18,10 +18,11 @@ def get_config():
   c.slow_tool_s = 1.0  # what a slow lookup adds, on the odd rows of the slow-tool settings
   c.out = ""  # also write the figures here as a results record ("" = print only)
   c.run = multi_turn.get_config()  # the trainer config the rollouts are built from
-  c.run.env.update(keys=100, decoys=40)  # each lookup: the hop's line among 40 other entries
+  c.run.env.update(keys=100, decoys=24)  # each lookup: the hop's line among 24 other entries
   c.run.env.max_turns = 6  # 4 hops and the answer, and a spare turn
   c.run.env.tool_workers = 16  # calls run at once: the slow rows' calls all in flight
-  c.run.rollout.max_new_tokens = 1536  # observations included: ~300 tokens a lookup
+  c.run.rollout.max_new_tokens = 896  # observations included (~130 tokens a lookup); the
+  #                                       prompt (64) and this fit the model's 1024 positions
   c.run.rollout.prompts_per_step = 4  # problems, each group_size (8) rows
   c.run.rollout.schedule = "fixed:8"  # pages of 16 a sparse layer reads (sink, local, top)
   return c

@@ -1069,11 +1069,12 @@ def multi_turn_page(records) -> str:
   """docs/results/multi_turn.md from experiments/run_report.py's record of the multi-turn default
   run (configs/multi_turn.py)."""
   lines = [
-    "# The multi-turn default run (measured)",
+    "# Multi-turn runs (measured)",
     "",
     "`configs/multi_turn.py`: GRPO on `env:pointer_chase` (4 hops, a lookup tool call a hop) with "
-    "the tiny model of `assets/pointer_chase_turns_tiny`, rollouts in exact mode; what it runs: "
-    "[multi_turn.md](../multi_turn.md).",
+    "the tiny model of `assets/pointer_chase_turns_tiny`, rollouts in exact mode; "
+    "`configs/real_lm_multi_turn.py`: a few steps of GRPO on `env:python_math` with the real LM; "
+    "what they run: [multi_turn.md](../multi_turn.md).",
     "",
   ]
   for record in records:
@@ -1092,12 +1093,34 @@ def multi_turn_page(records) -> str:
         + " |",
         "|---" * (len(windows) + 1) + "|",
         f"| mean reward | {means} |",
+        *_env_rows(r.get("env")),
         "",
         f"Exact p5 {r['p5_first']:.3f} (first 10 steps) -> {r['p5']:.3f} (last 10); the drafts "
         f"read {r['kv_read']:.3f} of the dense KV.",
         "",
       ]
   return "\n".join(lines)
+
+
+ENV_ROWS = (  # the env/* tags a multi-turn page shows, a step's mean over each 10-step window
+  ("env/turns/mean", "turns a row", ".2f"),
+  ("env/tool_calls", "tool calls a step", ".1f"),
+  ("env/bad_calls", "malformed calls a step", ".1f"),
+  ("env/tool_errors", "tool errors a step", ".1f"),
+  ("env/tool_timeouts", "tool timeouts a step", ".1f"),
+  ("env/observation_share", "observation share", ".2f"),
+)
+
+
+def _env_rows(env) -> list:
+  """A run's tool use by 10-step window, rows of its reward table (run_report's `env`; none for
+  a record without it)."""
+  rows = []
+  for tag, label, fmt in ENV_ROWS if env else ():
+    values = env[tag]
+    windows = [values[i : i + 10] for i in range(0, len(values), 10)]
+    rows.append(f"| {label} | " + " | ".join(format(sum(w) / len(w), fmt) for w in windows) + " |")
+  return rows
 
 
 def distill_sparse_page(records) -> str:

@@ -10,7 +10,7 @@ the first and last `window` steps, exact-alpha p5 overall and per bin over the l
 steps and tokens under tau per bin, p1, KV read, rollout tokens/s; the held-out score when the
 workdir has an eval.json), the same p5 figures over the first `window` steps, the median p5 of a
 step, the engine's occupancy and rows in flight, the median train step (the steps after the first,
-which compiles), and the run's own summary.json: its wall time by part, peak RSS, command, commit
+which compiles), a multi-turn run's env/* tags step by step, and the run's own summary.json: its wall time by part, peak RSS, command, commit
 and machine. Per evaluation (`evals`, experiments/evaluate.py outputs): its model, settings and
 metrics.
 """
@@ -65,6 +65,10 @@ def run_figures(workdir: str, window: int, tau: float) -> dict:
     train_step_median_s=float(np.median(tau_sweep.series(timed, "perf/train_step_s"))),
     summary={k: summary.get(k) for k in ("time_s", "peak_rss_gib", "command", "commit", "machine")},
   )
+  # a multi-turn run's tool use, step by step (docs/metrics.md#multi-turn-runs)
+  tags = sorted({k for row in rows for k in row if k.startswith("env/")})
+  if tags:
+    figures["env"] = {tag: [row.get(tag) for row in rows] for tag in tags}
   return figures
 
 
