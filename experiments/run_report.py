@@ -10,9 +10,9 @@ the first and last `window` steps, exact-alpha p5 overall and per bin over the l
 steps and tokens under tau per bin, p1, KV read, rollout tokens/s; the held-out score when the
 workdir has an eval.json), the same p5 figures over the first `window` steps, the median p5 of a
 step, the engine's occupancy and rows in flight, the median train step (the steps after the first,
-which compiles), a multi-turn run's env/* tags step by step, and the run's own summary.json: its wall time by part, peak RSS, command, commit
-and machine. Per evaluation (`evals`, experiments/evaluate.py outputs): its model, settings and
-metrics.
+which compiles), a multi-turn run's env/* tags step by step, and the run's own summary.json: its
+wall time by part, peak RSS, command, commit and machine. Per evaluation (`evals`,
+experiments/evaluate.py outputs): its model, settings and metrics.
 """
 
 import json
