@@ -6,6 +6,10 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -219,3 +223,73 @@ def test_the_multi_turn_default_s_model_plays_its_episodes_through_the_tool(tmp_
   for row in rows:  # 16 rows a step
     assert row["env/tool_calls"] >= 32 and row["env/turns/mean"] >= 3.0
     assert row["reward/mean"] > 0.0 and row["env/observation_share"] > 0.2
+
+
+KILLED_RUN = """
+import sys, time
+from sparrow_jax.envs import registry
+from sparrow_jax.rl import trainer
+from tests import test_multiturn_training as t
+
+def slow_echo(text: str) -> str:
+  time.sleep(float(sys.argv[3]))
+  return text
+
+slow_echo.schema = t.echo.schema
+
+class SlowEcho(t.EchoEnv):
+  def __init__(self, config=t.EchoConfig()):
+    super().__init__(config)
+    self.tools = {"echo": slow_echo}
+
+registry.ENVS["env:echo_test"] = (t.EchoConfig, SlowEcho)
+trainer.train(t.multi_turn_config(sys.argv[1], sys.argv[2], **t.KILL_CHANGES))
+"""
+KILL_CHANGES = dict(total_steps=3, ckpt_every=1, keep_checkpoints=3)
+
+
+def _metric_lines(workdir) -> list:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+@pytest.mark.nightly
+def test_a_run_killed_while_rows_wait_on_tools_resumes_to_the_uninterrupted_step(
+  echo_env, model_dir, tmp_path
+):
+  """SIGKILL while step 3's rows wait on a slow tool (each call 1 s, two a row), after the step-2
+  checkpoint: the rerun resumes from it and logs the uninterrupted run's step 3 (tool seconds and
+  timings aside)."""
+  straight = trainer.train(multi_turn_config(tmp_path / "straight", model_dir, **KILL_CHANGES))
+  script = tmp_path / "killed_run.py"
+  script.write_text(KILLED_RUN)
+  workdir = str(tmp_path / "killed")
+  cmd = [sys.executable, str(script), workdir, model_dir, "1.0"]
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  deadline = time.time() + 600
+  while len(_metric_lines(workdir)) < 2 or not os.path.isdir(
+    os.path.join(workdir, "checkpoints", "2")
+  ):
+    assert run.poll() is None and time.time() < deadline, run.stdout.read().decode()[-3000:]
+    time.sleep(0.05)
+  time.sleep(1.0)  # into step 3's rollout: its rows' first calls take 1 s
+  run.send_signal(signal.SIGKILL)
+  run.wait()
+  assert [row["step"] for row in _metric_lines(workdir)] == [1, 2]  # killed inside step 3
+  rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  lines = _metric_lines(workdir)
+  assert [row["step"] for row in lines] == [1, 2, 3]
+  got = {k: v for k, v in lines[-1].items() if not k.startswith("perf/")}
+  want = {k: v for k, v in straight[-1].items() if k in got}  # histograms: TensorBoard only
+  assert got["env/tool_calls"] > 0 and set(want) == set(got) - {"step"}
+  as_float = lambda v: np.array(v, dtype=float)  # JSON writes NaN as null
+  for key in want:
+    if key != "env/tool_seconds":  # wall time
+      np.testing.assert_allclose(
+        as_float(got[key]), as_float(want[key]), rtol=1e-5, atol=1e-6, err_msg=key
+      )
