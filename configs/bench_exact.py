@@ -48,6 +48,8 @@ def get_config():
   c.long_prompts.pattern = "*.py"  # the directory's files read, sorted by name (not recursive)
   c.long_prompts.lengths = (4096, 8192)  # prompt tokens; every setting runs once per length
   c.long_prompts.rows = 2  # prompts per length, each from files of its own
+  c.long_prompts.group_size = 1  # rows a prompt: more decode a batch at the same prefill (the
+  #                                prompt's pages shared)
   c.long_prompts.instruction = "explain"  # data.long_prompts.INSTRUCTIONS: explain, continue
   c.long_prompts.chat = True  # the model's chat template (False: the instruction, then the text)
   c.long_prompts.system = ""  # the chat's system message ("" = none)

@@ -1488,7 +1488,8 @@ def speculative_rollout_page(records) -> str:
     if c.get("long_prompts", {}).get("enabled"):
       lp = c["long_prompts"]
       parts.append(
-        f"(3) `{lp['model']['hf_dir']}` (real weights), {lp['rows']} prompts a length (rows "
+        f"(3) `{lp['model']['hf_dir']}` (real weights), {lp['rows']} prompts a length x "
+        f"{lp.get('group_size', 1)} rows each (rows "
         f"`longN`: N prompt tokens) of {lp['instruction']} + real text (the files of "
         f"`long_prompts` in the record), {lp['rollout']['max_new_tokens']} new tokens a row, "
         f"temperature {lp['rollout']['temperature']}, its table `{lp['rollout']['schedule']}`"

@@ -286,11 +286,11 @@ def bench_long_prompts(config, hardware) -> tuple:
   for length in c.lengths:
     chosen = [p for p in prompts if p.length == length]
     sources[str(length)] = [list(p.sources) for p in chosen]
-    prompt = np.stack([p.tokens for p in chosen])
-    prompt_len = np.full(len(chosen), length, np.int32)
+    prompt = np.repeat(np.stack([p.tokens for p in chosen]), c.group_size, axis=0)
+    prompt_len = np.full(len(prompt), length, np.int32)
     at_length = c.copy_and_resolve_references()
     at_length.rollout.max_prompt_len = length
-    at_length.rollout.group_size = 1  # each row its own text
+    at_length.rollout.group_size = c.group_size  # rows a prompt (its pages shared)
     print(f"(3) {c.model.hf_dir}: {len(chosen)} prompts of {length} tokens from {source_dir}")
     rows += time_rollouts(
       config, at_length, cfg, params, tokenizer, prompt, prompt_len, f"long{length}", hardware
@@ -369,7 +369,7 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
     out, stats = got[name]
     row = _row(name, sec, np.sum(out.lengths), None, plan if name == "auto" else None)
     # Decode alone: the timed calls' decode chunks (the prefill samples each row's first token)
-    decoded = np.sum(out.lengths) - len(prompt_len)
+    decoded = np.sum(out.lengths) - len(out.lengths)
     row["decode_tokens_per_s"] = float(decoded / np.median(decode_s[name][-config.runs :]))
     if stats.rounds:
       row["accepted_per_round"] = stats.accepted_per_round

@@ -435,6 +435,7 @@ def test_bench_exact_times_every_setting_on_long_prompts_of_real_text(tmp_path):
     f"--config.long_prompts.model.hf_dir={tmp_path / 'tiny'}",
     "--config.long_prompts.lengths=96,160",
     "--config.long_prompts.rows=2",
+    "--config.long_prompts.group_size=2",
     "--config.long_prompts.rollout.max_new_tokens=12",
     "--config.long_prompts.stats.bin_size=64",
     f"--config.record={path}",
