@@ -68,9 +68,9 @@ def model_token_lengths(rollout, prompt_len) -> np.ndarray:
   return cached[model]
 
 
-def kv_reads(cfg, cached, pages_by_len, sparse) -> tuple:
+def kv_reads(cfg, cached, pages_by_len, sparse, page_size) -> tuple:
   """(dense, sparse) (page, layer) reads a model token, at the cached lengths `cached`."""
-  pages = -(-cached // 16)
+  pages = -(-cached // page_size)
   dense = pages * cfg.num_hidden_layers
   if sparse is None:
     return float(dense.mean()), None
@@ -92,7 +92,7 @@ def bench(config) -> dict:
   base = build.engine_config(c, cfg, len(prompt_len))
   sampling = build.sampling(c, tokenizer)
   pages_by_len = sampler.budget_table(
-    schedule, c.rollout.max_prompt_len + c.rollout.max_new_tokens + 16, sparse
+    schedule, c.rollout.max_prompt_len + c.rollout.max_new_tokens + c.rollout.page_size, sparse
   )
   got = {}
 
@@ -135,7 +135,9 @@ def bench(config) -> dict:
     decode_s = float(np.median([r[1].decode_seconds for r in runs]))
     out, stats, metrics = runs[-1][:3]
     cached = model_token_lengths(out, prompt_len)
-    dense_reads, sparse_reads = kv_reads(cfg, cached, pages_by_len, sparse if lossy else None)
+    dense_reads, sparse_reads = kv_reads(
+      cfg, cached, pages_by_len, sparse if lossy else None, c.rollout.page_size
+    )
     reads = dense_reads
     if lossy:
       reads = sparse_reads

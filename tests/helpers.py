@@ -210,3 +210,19 @@ def load_file(path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def play_episode(env, actions, pool, timeout_s=60.0):
+  """Steps `actions` through env, running each call in pool; returns the steps (observed ones
+  replacing their calls)."""
+  steps = []
+  for action in actions:
+    step = env.step(action)
+    if step.call:
+      pool.submit("row", env.tools[step.call.name], **step.call.arguments)
+      (result,) = pool.wait(timeout_s=timeout_s)
+      step = env.observe(result)
+    steps.append(step)
+    if step.done:
+      break
+  return steps

@@ -11,6 +11,7 @@ from sparrow_jax.data.tokenizer import Tokenizer, chat_template, tool_call_text,
 from sparrow_jax.envs import pointer_chase, protocol, registry
 from sparrow_jax.envs import turns as turns_lib
 from sparrow_jax.envs.protocol import BadCall, ToolCall
+from tests.helpers import play_episode
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k1"}}\n</tool_call>'
@@ -178,22 +179,6 @@ def test_check_arguments_names_the_tool_and_its_parameters():
 # ----------------------------------------------------------------------------------- pointer chase
 
 
-def _play(env, actions, pool):
-  """Steps `actions` through env, running each call in pool; returns the steps (observed ones
-  replacing their calls)."""
-  steps = []
-  for action in actions:
-    step = env.step(action)
-    if step.call:
-      pool.submit("row", env.tools[step.call.name], **step.call.arguments)
-      (result,) = pool.wait(timeout_s=5.0)
-      step = env.observe(result)
-    steps.append(step)
-    if step.done:
-      break
-  return steps
-
-
 def test_pointer_chase_episode_reset_step_done_reward():
   env = registry.make_env("env:pointer_chase", hops=3, keys=12, decoys=4)
   problem = env.sample(1, 5)[0]
@@ -204,7 +189,7 @@ def test_pointer_chase_episode_reset_step_done_reward():
   )
   actions = pointer_chase.reference_actions(problem)
   assert len(actions) == 4 and actions[-1] == f"\\boxed{{{problem.answer}}}"
-  steps = _play(env, [a + "<|im_end|>" for a in actions], env.config.pool())
+  steps = play_episode(env, [a + "<|im_end|>" for a in actions], env.config.pool())
   key = problem.start
   for step in steps[:3]:  # each observation holds the hop's line among 4 decoys
     assert step.reason == "tool_ok" and not step.done
@@ -229,7 +214,7 @@ def test_pointer_chase_wrong_key_and_bad_calls_are_observations_the_episode_goes
     for i in range(10_000)
     if pointer_chase.key_name(i) not in problem.table
   )
-  steps = _play(
+  steps = play_episode(
     env,
     [tool_call_text("lookup", {"key": absent}), "<tool_call>\nnot json\n</tool_call>"],
     env.config.pool(),
@@ -247,7 +232,7 @@ def test_pointer_chase_max_turns_ends_the_episode_with_its_reason():
   problem = env.sample(1, 0)[0]
   env.reset(problem)
   call = tool_call_text("lookup", {"key": problem.start})
-  steps = _play(env, [call] * 5, env.config.pool())
+  steps = play_episode(env, [call] * 5, env.config.pool())
   assert [s.reason for s in steps] == ["tool_ok", "tool_ok", "max_turns"]
   assert steps[-1].done and steps[-1].observation == "stopped: max turns (3) reached"
   assert env.grade() == (0.0, "max_turns")

@@ -12,6 +12,7 @@ from sparrow_jax.data.tokenizer import IM_END, Tokenizer, tool_call_text, train_
 from sparrow_jax.envs import protocol, python_math, registry, tools
 from sparrow_jax.envs import turns as turns_lib
 from sparrow_jax.sandbox import runner
+from tests.helpers import play_episode
 
 ROWS = [
   {"problem": "What is 6 times 7?", "answer": "42"},
@@ -38,19 +39,8 @@ def _call(code):
 
 
 def _play(env, actions):
-  """Steps `actions` through env, each call run in its config's pool; the steps (observed ones
-  replacing their calls)."""
-  pool, steps = env.config.pool(max_workers=1), []
-  for action in actions:
-    step = env.step(action)
-    if step.call:
-      pool.submit("row", env.tools[step.call.name], **step.call.arguments)
-      (result,) = pool.wait(timeout_s=60.0)
-      step = env.observe(result)
-    steps.append(step)
-    if step.done:
-      break
-  return steps
+  """The steps of `actions` (tests/helpers.play_episode), calls run in the env's own pool."""
+  return play_episode(env, actions, env.config.pool(max_workers=1))
 
 
 # ---------------------------------------------------------------------------------------- problems
