@@ -7,11 +7,13 @@ import statistics
 import time
 
 
-def interleaved_seconds(calls, runs) -> list:
+def interleaved_seconds(calls, runs, warm=()) -> list:
   """Seconds of each of `runs` timed calls of each thunk (a list per thunk), after a warm-up call of
-  each, the thunks called in turn run by run. A thunk runs one call and blocks on its result."""
-  for call in calls:
-    call()
+  each not in `warm` (indices of thunks the caller has already called once), the thunks called in
+  turn run by run. A thunk runs one call and blocks on its result."""
+  for i, call in enumerate(calls):
+    if i not in warm:
+      call()
   times = [[] for _ in calls]
   for run in range(runs):
     for turn in range(len(calls)):
@@ -22,6 +24,6 @@ def interleaved_seconds(calls, runs) -> list:
   return times
 
 
-def median_seconds(calls, runs) -> list:
+def median_seconds(calls, runs, warm=()) -> list:
   """Median seconds per call of each thunk, timed by `interleaved_seconds`."""
-  return [statistics.median(t) for t in interleaved_seconds(calls, runs)]
+  return [statistics.median(t) for t in interleaved_seconds(calls, runs, warm)]
