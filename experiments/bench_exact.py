@@ -309,7 +309,7 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
   rows_per_device = len(prompt_len)
   K = max(config.drafts)
   base = build.engine_config(c, cfg, rows_per_device)
-  got, decode_s = {}, {}
+  got, decode_s, program_s = {}, {}, {}
 
   def rollout(name, k=0, plan=None):
     setting = dataclasses.replace(base, speculate=k, draft_switch=plan is not None)
@@ -328,6 +328,7 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
       )
       got[name] = (out, stats)
       decode_s.setdefault(name, []).append(stats.decode_seconds)
+      program_s.setdefault(name, []).append(stats.program_seconds)
 
     return call
 
@@ -372,7 +373,10 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
     row = _row(name, sec, np.sum(out.lengths), None, plan if name == "auto" else None)
     # Decode alone: the timed calls' decode chunks (the prefill samples each row's first token)
     decoded = np.sum(out.lengths) - len(out.lengths)
-    row["decode_tokens_per_s"] = float(decoded / np.median(decode_s[name][-config.runs :]))
+    decode = np.median(decode_s[name][-config.runs :])
+    row["decode_tokens_per_s"] = float(decoded / decode)
+    # the host's scheduling between chunks: decode time outside the chunks' programs
+    row["decode_host_share"] = float(1 - np.median(program_s[name][-config.runs :]) / decode)
     if stats.rounds:
       row["accepted_per_round"] = stats.accepted_per_round
       row["draft_acceptance"] = None if not stats.judged else stats.draft_acceptance

@@ -436,12 +436,12 @@ def test_rounds_timed_beside_the_update_do_not_move_the_price():
 
 
 def test_decode_seconds_add_up_every_timed_chunk():
-  """A rollout's decode clock holds every chunk's seconds, those of chunks no draft count prices
-  (None) included, and stays out of the stats' equality (a clock)."""
+  """A rollout's decode clocks (whole chunks, and their programs) hold every chunk's seconds,
+  those of chunks no draft count prices (None) included, and stay out of the stats' equality."""
   stats = engine.EngineStats()
-  stats.time_chunk(0, 0.5, 4, 100.0, 1.0)
-  stats.time_chunk(None, 0.25, 2, 100.0, 2.0)
-  stats.time_chunk(4, 1.0, 0, 100.0, 3.0)
-  assert stats.decode_seconds == 1.75
-  assert stats == engine.EngineStats(decode_seconds=0.0, chunk_rounds={})
-  assert engine.EngineStats.from_state(stats.state()).decode_seconds == 1.75
+  stats.time_chunk(0, 0.5, 4, 100.0, 1.0, 0.25)
+  stats.time_chunk(None, 0.25, 2, 100.0, 2.0, 0.125)
+  stats.time_chunk(4, 1.0, 0, 100.0, 3.0, 0.5)
+  assert stats.decode_seconds == 1.75 and stats.program_seconds == 0.875
+  assert stats == engine.EngineStats(decode_seconds=0.0, program_seconds=0.0, chunk_rounds={})
+  assert engine.EngineStats.from_state(stats.state()).program_seconds == 0.875

@@ -496,10 +496,12 @@ def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None)
     draft = engine.speculate
     if draft_by_len is not None:
       draft = _most_of_processes(sched.drafts_ahead(draft_by_len))
+    program = time.perf_counter()
     pool, out, n_gen, active, steps_run, count = progs.decode(pool, slots, draft)
+    program = time.perf_counter() - program
     sched.finish_chunk(at, width, steps_run, out, n_gen, active, count)
     ran, cached = _chunk_ran(draft, slots, n_gen, count)
-    sched.stats.time_chunk(ran, time.perf_counter() - start, steps_run, cached, start)
+    sched.stats.time_chunk(ran, time.perf_counter() - start, steps_run, cached, start, program)
   return pool
 
 

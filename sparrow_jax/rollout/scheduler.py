@@ -123,6 +123,9 @@ class EngineStats:
   # Wall seconds of the decode chunks, the host's work around each included (prefills, copies and
   # observations not): what a rollout's decode rate is measured by. A clock, as chunk_rounds.
   decode_seconds: float = dataclasses.field(default=0.0, compare=False)
+  # Of those, the seconds inside the decode programs' calls (dispatch to host outputs): the rest
+  # is the host's scheduling between chunks. A clock, as chunk_rounds.
+  program_seconds: float = dataclasses.field(default=0.0, compare=False)
 
   def state(self) -> dict:
     """The counters as JSON (a checkpoint's): the clock's draft counts become string keys."""
@@ -136,11 +139,19 @@ class EngineStats:
     return cls(**{**state, "chunk_rounds": clock})
 
   def time_chunk(
-    self, draft: Optional[int], seconds: float, rounds: int, cached_len: float, started: float
+    self,
+    draft: Optional[int],
+    seconds: float,
+    rounds: int,
+    cached_len: float,
+    started: float,
+    program_seconds: float = 0.0,
   ) -> None:
     """Files a chunk of `rounds` rounds of `draft` drafts each (None: rounds no draft count
-    prices, not filed) that ran at `cached_len` cached tokens a row-round on average."""
+    prices, not filed) that ran at `cached_len` cached tokens a row-round on average, taking
+    `seconds`, `program_seconds` of them in its program."""
     self.decode_seconds += seconds
+    self.program_seconds += program_seconds
     if rounds and draft is not None:
       self.chunk_rounds.setdefault(draft, []).append([seconds / rounds, cached_len, started])
 
