@@ -118,7 +118,13 @@ def bench(config) -> dict:
       seconds = time.perf_counter() - start
       slow_calls = max(turns.counts[r]["tool_calls"] for r in turns.envs if r % 2)
       got.setdefault(name, []).append(
-        (out, stats, turns.metrics(out.observed, out.lengths), seconds, slow_calls)
+        (
+          out,
+          stats,
+          turns.metrics(out.observed, out.lengths, list(turns.envs)),
+          seconds,
+          slow_calls,
+        )
       )
 
     return name, lossy, k, call

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,37 @@ SMALL = [
 # XLA flags of every test process: the CPU backend's generated code at LLVM -O0. The suite's time
 # is mostly compilation, which this makes cheaper; what the tests compare runs under one setting.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def free_port() -> int:
+  """A port nothing listens on now: a multi-process test's local coordinator's."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(script: str, tmp_path, timeout: int = 600) -> list:
+  """`script` (run as python -c) on 2 processes of 2 fake CPU devices each, its argv: the path
+  its process writes its .npz to, the local coordinator's port, its process id. Fails with a
+  process's output tail when one fails; returns the parts, in process order of their `lo`."""
+  import numpy as np
+
+  port, outs = free_port(), [tmp_path / f"process{i}.npz" for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", script, str(outs[i]), str(port), str(i)],
+      env=subprocess_env(2),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  for p in procs:
+    out = p.communicate(timeout=timeout)[0]
+    assert p.returncode == 0, out[-3000:]
+  return sorted((np.load(o) for o in outs), key=lambda part: int(part["lo"]))
 
 
 def subprocess_env(devices: int = 1) -> dict:

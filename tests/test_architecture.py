@@ -139,8 +139,10 @@ MAX_PARAMS = 11  # "about ten": more is a signature that wants a component confi
 # The engine's two entry points: each argument past the model's is a component of its own (the
 # requests, the engine, the sampling, the sparse config, the schedule, the adapter, the admission
 # order, the draft plan, the environments' turns).
+# The engine's public entry points: the model, the rows and the key, then each rollout option a
+# keyword of its own (its sparse policy, exact mode, a multi-turn rollout's turns).
 LONG_SIGNATURE_ALLOWED = {
-  "sparrow_jax.rollout.engine.generate": 12,
+  "sparrow_jax.rollout.engine.generate": 13,
   "sparrow_jax.rollout.engine.run": 12,
 }
 

@@ -4,16 +4,13 @@ Pallas kernel under shard_map on this mesh: tests/test_sharding.py), and 2 proce
 (CPU collectives, a local coordinator), each scheduling only its own rows. A dense first layer,
 sparse ones after it."""
 
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from tests.helpers import subprocess_env
-from tests.test_sharding import ROOT, run_on_fake_devices
+from tests.helpers import run_two_processes
+from tests.test_sharding import run_on_fake_devices
 
 SETUP = textwrap.dedent("""
     import jax, numpy as np
@@ -76,34 +73,12 @@ PROCESS = (
 )
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.nightly
 def test_engine_on_a_2x2x2_mesh_and_on_two_processes_equals_one_device(tmp_path):
   one = tmp_path / "one.npz"
   assert "OK" in run_on_fake_devices("import sys\n" + MESH.replace("sys.argv[1]", repr(str(one))))
   want = np.load(one)
-  port, outs = _free_port(), [tmp_path / f"process{i}.npz" for i in range(2)]
-  env = subprocess_env(2)
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", PROCESS, str(outs[i]), str(port), str(i)],
-      env=env,
-      cwd=ROOT,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    out = p.communicate(timeout=600)[0]
-    assert p.returncode == 0, out[-3000:]
-  parts = sorted((np.load(o) for o in outs), key=lambda part: int(part["lo"]))
+  parts = run_two_processes(PROCESS, tmp_path)
   assert [int(p["lo"]) for p in parts] == [0, 6]  # each process had its own rows
   N = want["tokens"].shape[1]  # each process's width is its own rows' longest max_new_tokens
   joined = lambda name: np.concatenate(

@@ -4,25 +4,24 @@ checkpoint and replay exactly the steps an uninterrupted run takes. (The sampler
 a 2 x 2 x 2 mesh against one device: tests/test_sharding.py.)"""
 
 import signal
-import socket
 import time
 
 import pytest
 
-from tests.helpers import PER_DEVICE_METRICS, assert_same_metrics, launch_small, rows_by_step
+from tests.helpers import (
+  PER_DEVICE_METRICS,
+  assert_same_metrics,
+  free_port,
+  launch_small,
+  rows_by_step,
+)
 
 # Summation order differs across shards: float32 rounding, nothing more (no sampled token changes).
 ATOL = 1e-5
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _two_processes(workdir, *overrides):
-  port = _free_port()
+  port = free_port()
   return [
     launch_small(
       workdir,

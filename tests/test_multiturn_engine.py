@@ -3,6 +3,9 @@ its tool without holding up the others, its observation is prefilled into its ow
 it samples afterwards is the policy's sample given the whole conversation (the teacher-forced
 forward over prompt, turns and observations gives its log-probs), whatever the slots or the pool."""
 
+import contextlib
+import json
+import textwrap
 import threading
 import time
 
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 
 import sparrow_jax as sj
+from sparrow_jax import sharding
 from sparrow_jax.attention.select import SparseConfig
 from sparrow_jax.rl import step_schema
 from sparrow_jax.rollout import engine
@@ -220,3 +224,95 @@ def test_lossy_sparse_rows_across_turns_are_the_sparse_teacher_forced_forward():
   )
   as_sampled, _ = helpers.rescored_logprobs(PARAMS, CFG, PROMPT, PROMPT_LEN, out, **kw)
   assert np.max(np.abs(np.where(sampled, as_sampled - ref, 0))) > 1e-3
+
+
+GROUPS_LEN = np.asarray([9, 20, 13, 6])  # 4 groups of 2 rows: 2 groups a process
+ROWS_LEN = np.repeat(GROUPS_LEN, 2)
+ROWS = np.repeat(np.random.RandomState(1).randint(1, CFG.vocab_size, (4, 21)), 2, axis=0) * (
+  np.arange(21)[None] < ROWS_LEN[:, None]
+)
+
+
+def run_rows(lo: int, hi: int, mesh=None):
+  """Rows [lo, hi) of ROWS, lossy sparse, row 1's tools 0.3 s slow, on `mesh` (None: no mesh)."""
+  params = PARAMS
+  if mesh is not None:
+    shardings = sharding.param_shardings(PARAMS, mesh, sharding.ROLLOUT_RULES)
+    params = sharding.place(PARAMS, shardings)
+  sparse = dict(sparse=SparseConfig(page_size=4, dense_layers=1))
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    out, _ = engine.run(
+      params,
+      CFG,
+      engine.Requests(ROWS[lo:hi], ROWS_LEN[lo:hi], 120, group_size=2, first_row=lo),
+      jax.random.PRNGKey(1),
+      engine=engine.EngineConfig(num_slots=2, num_pages=100, chunk_steps=6),
+      sampling=sj.Sampling(eos_ids=EOS),
+      turns=FakeTools(slow={1}, delay_s=0.3),
+      schedule=KVSchedule.fixed(4, page_size=4),
+      **sparse,
+    )
+  return out
+
+
+PROCESS = textwrap.dedent("""
+    import sys, jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{sys.argv[2]}", 2, int(sys.argv[3]))
+    import numpy as np
+    from sparrow_jax import sharding
+    from tests import test_multiturn_engine as t
+
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2)
+    lo, hi = sharding.process_rows(sharding.rows(mesh), len(t.ROWS))
+    out = t.run_rows(lo, hi, mesh)
+    np.savez(sys.argv[1], lo=lo, tokens=out.tokens, logprobs=out.logprobs, observed=out.observed)
+""")
+
+
+@pytest.mark.nightly
+def test_multi_turn_rows_on_two_processes_are_those_of_one_device(tmp_path):
+  """2 processes x 2 devices (CPU collectives, a local coordinator), each playing its own rows'
+  turns: a process with no observation to prefill runs the observe program beside the one that
+  has (process 0's row 1 waits on a slow tool while process 1's rows decode on or end), and the
+  rows are one device's, token for token."""
+  want = run_rows(0, len(ROWS))
+  assert np.any(want.observed)
+  parts = helpers.run_two_processes(PROCESS, tmp_path, timeout=300)
+  assert [int(p["lo"]) for p in parts] == [0, 4]  # each process had its own rows
+  for name in ("tokens", "observed"):
+    np.testing.assert_array_equal(np.concatenate([p[name] for p in parts]), getattr(want, name))
+  got = np.concatenate([p["logprobs"] for p in parts])
+  np.testing.assert_allclose(got, want.logprobs, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_carry_multi_turn_rows_through_a_saved_state(reference):
+  """The three groups through engine.Partial in three calls that take one ended group each, the
+  same turns throughout: rows cut mid-episode, waiting on a tool (the last two groups' tools
+  answer 0.5 s late), are carried with their slots and pages. The state after the first call,
+  through JSON, restored into a new Partial (its turns' progress copied), gives the other two
+  calls: every row is the uncut rollout's, token for token, its observations where they were."""
+  sampling = sj.Sampling(eos_ids=EOS)
+  config = engine.EngineConfig(num_slots=6, num_pages=400, chunk_steps=16)
+  first = engine.Partial(CFG, jax.random.PRNGKey(1), engine=config, sampling=sampling)
+  tools = FakeTools(slow={2, 3, 4, 5}, delay_s=0.5)
+  requests = engine.Requests(PROMPT, PROMPT_LEN, MAX_NEW, group_size=2)
+  taken = [first.run(PARAMS, requests, groups=1, version=1, turns=tools)]
+  meta, arrays, pool = first.state()
+  meta = json.loads(json.dumps(meta))
+  assert any(r["waiting"] for r in meta["rows"])  # a row cut while its tool runs
+  resumed = engine.Partial(CFG, jax.random.PRNGKey(1), engine=config, sampling=sampling)
+  resumed.restore((meta, arrays, pool))
+  tools_again = FakeTools()
+  tools_again.turn, tools_again.pending = dict(tools.turn), dict(tools.pending)
+  for version in (2, 3):
+    taken.append(resumed.run(PARAMS, None, groups=1, version=version, turns=tools_again))
+  want = reference[0]
+  keys = np.concatenate([k for _, _, k in taken])
+  assert sorted(keys.tolist()) == list(range(len(PROMPT)))
+  for rollout, _, k in taken:
+    np.testing.assert_array_equal(rollout.lengths, want.lengths[k])
+    np.testing.assert_array_equal(rollout.tokens, want.tokens[k])
+    np.testing.assert_array_equal(rollout.observed, want.observed[k])
+    np.testing.assert_allclose(rollout.logprobs, want.logprobs[k], atol=1e-5)

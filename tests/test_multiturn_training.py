@@ -3,6 +3,7 @@ through the engine's turns, is graded by its environment, trains on its own turn
 observations are context: tests/test_train_step.py), and the run logs its tool use."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -18,7 +19,16 @@ from configs import common, default, multi_turn
 from sparrow_jax.data import rewards
 from sparrow_jax.envs import protocol, registry, tools
 from sparrow_jax.rl import build, run_config, trainer
-from tests.helpers import ROOT, assert_dashboard_has_data, write_tiny_hf_dir
+from tests.helpers import (
+  PER_DEVICE_METRICS,
+  ROOT,
+  assert_dashboard_has_data,
+  assert_same_metrics,
+  free_port,
+  rows_by_step,
+  subprocess_env,
+  write_tiny_hf_dir,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +116,29 @@ def multi_turn_config(workdir, model=None, **changes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("off_policy_steps", [0, 1])
+@pytest.mark.parametrize("off_policy_steps, partial_groups", [(0, 0), (1, 0), (0, 2)])
 def test_a_multi_turn_run_trains_on_episodes_graded_by_their_env_and_logs_tool_use(
-  echo_env, model_dir, tmp_path, off_policy_steps
+  echo_env, model_dir, tmp_path, off_policy_steps, partial_groups
 ):
-  """On-policy, and one step off (step 2's episodes played in the rollout thread while step 1's
-  update ran, with step 1's weights)."""
-  c = multi_turn_config(tmp_path / "run", model_dir, rl__off_policy_steps=off_policy_steps)
+  """On-policy, one step off (step 2's episodes played in the rollout thread while step 1's
+  update ran, with step 1's weights) and with carried rows (2 groups more under way than a step
+  takes, in 8 slots: episodes go on across steps); step 2 ends with the held-out evaluation's
+  episodes."""
+  changes = dict(rl__off_policy_steps=off_policy_steps, rollout__partial_groups=partial_groups)
+  if partial_groups:
+    changes.update(rollout__engine_slots=8)
+  c = multi_turn_config(tmp_path / "run", model_dir, **changes)
+  c.eval.update(every=2, problems=2, samples=2)
   rows = trainer.train(c)
   assert len(rows) == 2
   assert [r["rollout/weights_step"] for r in rows] == [0, 1 - off_policy_steps]
   assert_dashboard_has_data(c, rows)
+  for mode in ("dense", "sparse"):  # graded by the episodes' env: the echo env's reward is 0 or 1
+    assert 0.0 <= rows[1][f"eval/{mode}/mean@1"] <= 1.0, mode
+  with open(tmp_path / "run" / "eval_samples.jsonl") as f:
+    shown = [json.loads(line) for line in f]
+  assert {row["mode"] for row in shown} == {"dense", "sparse"}
+  assert all("word word" in row["completion"] for row in shown)  # the echo tool's observations
   for row in rows:
     # 8 rows each make 2 calls (unless max_new cuts their episode short)
     assert 0 < row["env/tool_calls"] <= 16 and row["env/tool_errors"] == 0
@@ -144,22 +166,79 @@ def test_an_env_task_plays_one_episode_a_row_through_its_tools(echo_env, model_d
   grade = turns.grade(10)
   assert grade.reward == float(len("the answer") % 2 == 0)
   assert turns.grade(11) == rewards.Grade(0.0, "max_tokens")  # never finished
-  metrics = turns.metrics(np.asarray([[0, 1, 1, 0], [0, 0, 0, 0]], bool), np.asarray([3, 4]))
+  observed = np.asarray([[0, 1, 1, 0], [0, 0, 0, 0]], bool)
+  metrics = turns.metrics(observed, np.asarray([3, 4]), [10, 11])
   assert metrics["env/tool_calls"] == 2 and metrics["env/observation_share"] == 2 / 7
   assert metrics["env/turns/max"] == 3 and metrics["env/tool_seconds"] >= 0.0
 
 
-@pytest.mark.parametrize(
-  "changes, says",
-  [
-    ({"rollout__partial_groups": 2}, "config.rollout.partial_groups = 2 .* multi-turn"),
-    ({"eval__every": 1}, "config.eval.every = 1 .* multi-turn"),
-    ({"distributed__num_processes": 2}, "config.distributed.num_processes = 2 .* multi-turn"),
-  ],
-)
-def test_what_multi_turn_runs_do_not_support_is_refused_naming_the_field(echo_env, changes, says):
-  with pytest.raises(ValueError, match=says):
-    run_config.validate(multi_turn_config("/unused", **changes))
+def test_the_held_out_evaluation_plays_an_episode_a_row_graded_by_its_env(echo_env, model_dir):
+  """4 rows in batches of 3 (the last one padded): each row calls the echo tool twice, then
+  answers, and takes its episode's grade (1 for an even-length answer: its last turn, after the
+  last observation's generation prompt), not a single-turn grade of its text."""
+  import jax
+
+  import sparrow_jax as sj
+  from sparrow_jax.data.tokenizer import load_tokenizer
+  from sparrow_jax.rl import evaluate
+
+  c = multi_turn_config("/unused", model_dir)
+  task, tokenizer = build.make_task(c, c.eval.seed), load_tokenizer(model_dir)
+  cfg, params = sj.load_hf(model_dir)
+  sampling = build.sampling(c, tokenizer)
+  generate = functools.partial(sj.generate, params, cfg, max_new_tokens=256, sampling=sampling)
+  problems = evaluate.first_problems(task, 2)
+  key = jax.random.PRNGKey(0)
+  graded = evaluate.sample_and_grade(generate, tokenizer, task, problems, 2, key, 3)
+  assert all(r.count("word word") >= 1 for r in graded.responses), graded.responses
+  assert set(graded.reasons) <= {"even", "odd", "max_tokens"}
+  assert graded.reasons["even"] + graded.reasons["odd"] > 0  # some episodes answered
+  assert int(graded.rewards_a.sum()) == graded.reasons["even"]
+  header = protocol.IM_START + "assistant\n"
+  for response, reward in zip(graded.responses, graded.rewards_a):
+    if reward:
+      assert len(response.rsplit(header, 1)[-1]) % 2 == 0, response
+
+
+def test_the_held_out_env_problems_are_drawn_under_the_eval_seed():
+  c = multi_turn.get_config()
+  train, held_out = build.make_task(c), build.make_task(c, c.eval.seed)
+  assert held_out.config.seed == c.eval.seed != train.config.seed
+  assert [p.prompt for p in held_out.sample(4, 0)] != [p.prompt for p in train.sample(4, 0)]
+
+
+def test_a_row_s_episode_saved_while_its_tool_runs_goes_on_from_its_observation(
+  echo_env, model_dir
+):
+  """What a checkpoint keeps of a carried row waiting on its call: the call is waited for, the
+  episode (its turns so far) and the observation come back as JSON into turns made anew."""
+  from sparrow_jax.data.tokenizer import load_tokenizer
+
+  task = build.make_task(multi_turn_config("/unused", model_dir))
+  tokenizer = load_tokenizer(model_dir)
+  problems = {10: task.sample(1, 5)[0], 11: task.sample(1, 6)[0]}
+  turns = task.turns(problems, tokenizer)
+  assert turns.turn_ended(10, tokenizer.encode("a turn"))  # its call in flight
+  state = json.loads(json.dumps(turns.state()))
+  back = task.turns(problems, tokenizer)
+  back.restore(state)
+  observed = back.observations(wait=False)
+  assert list(observed) == [10] and observed == turns.observations(wait=False)
+  assert back.turn_ended(10, tokenizer.encode("a turn"))  # its second call, then its answer
+  assert list(back.observations(wait=True)) == [10]
+  assert not back.turn_ended(10, tokenizer.encode("the answer"))
+  assert back.grade(10) == rewards.Grade(float(len("the answer") % 2 == 0), "even")
+  assert back.counts[10]["tool_calls"] == 2 and back.counts[10]["tool_ok"] == 2
+  back.drop([10])
+  assert list(back.envs) == [11]
+
+
+def test_a_multi_turn_held_out_evaluation_on_several_processes_is_refused_naming_the_field(
+  echo_env,
+):
+  c = multi_turn_config("/unused", distributed__num_processes=2, eval__every=1)
+  with pytest.raises(ValueError, match="config.eval.every = 1 .*num_processes = 2: the held-out"):
+    run_config.validate(c)
 
 
 @pytest.mark.parametrize(
@@ -207,6 +286,25 @@ def test_a_multi_turn_run_resumed_from_a_mid_run_checkpoint_logs_the_uninterrupt
   for key in want:
     if key != "env/tool_seconds":  # wall time
       np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.nightly
+def test_a_multi_turn_run_with_carried_rows_is_extended_as_if_never_stopped(
+  echo_env, model_dir, tmp_path
+):
+  """A 2-step run with carried rows (episodes under way, rows waiting on the echo tool), then the
+  same workdir with total_steps 4: the checkpoint keeps each carried row's episode (its turns,
+  its observation ready) with its tokens and pages, so steps 3 and 4 are the 4-step run's."""
+  changes = dict(rollout__partial_groups=2, rollout__engine_slots=8, ckpt_every=2)
+  whole = trainer.train(multi_turn_config(tmp_path / "whole", model_dir, total_steps=4, **changes))
+  trainer.train(multi_turn_config(tmp_path / "cut", model_dir, total_steps=2, **changes))
+  extended = trainer.train(multi_turn_config(tmp_path / "cut", model_dir, total_steps=4, **changes))
+  assert len(extended) == 2 and any(r["rollout/rows_carried"] for r in extended)
+  for got, want in zip(extended, whole[2:]):
+    assert got["env/tool_calls"] > 0 and got.keys() == want.keys()
+    for key in want:
+      if not key.startswith("perf/") and key != "env/tool_seconds":  # wall time
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow
@@ -293,3 +391,54 @@ def test_a_run_killed_while_rows_wait_on_tools_resumes_to_the_uninterrupted_step
       np.testing.assert_allclose(
         as_float(got[key]), as_float(want[key]), rtol=1e-5, atol=1e-6, err_msg=key
       )
+
+
+def _multi_turn_default(workdir, processes: int) -> list:
+  """configs/multi_turn.py cut to 2 steps of 4 prompts in subprocesses: one process, or
+  `processes` processes of a device each (CPU collectives, a local coordinator), each playing
+  its own rows' episodes; the processes' combined output."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "sparrow_jax.train",
+    "--config=configs/multi_turn.py",
+    f"--config.workdir={workdir}",
+    "--config.total_steps=2",
+    "--config.rollout.prompts_per_step=4",
+  ]
+  if processes > 1:
+    port = free_port()
+    cmd += [
+      "--config.distributed.enabled=True",
+      f"--config.distributed.coordinator=localhost:{port}",
+      f"--config.distributed.num_processes={processes}",
+      f"--config.mesh.data={processes}",
+    ]
+  procs = [
+    subprocess.Popen(
+      cmd + ([f"--config.distributed.process_id={i}"] if processes > 1 else []),
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=subprocess_env(1),
+    )
+    for i in range(processes)
+  ]
+  outs = [p.communicate(timeout=900)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
+
+
+@pytest.mark.nightly
+def test_multi_turn_default_on_two_processes_logs_the_one_process_run(tmp_path):
+  """Each process plays its own rows' episodes (its tools, its observation prefills, the other
+  process running the observe program beside it), and process 0 logs every row's tool use: the
+  metrics of the one-process run, float rounding of the sharded update aside."""
+  _multi_turn_default(tmp_path / "one", 1)
+  _multi_turn_default(tmp_path / "two", 2)
+  want, got = rows_by_step(tmp_path / "one"), rows_by_step(tmp_path / "two")
+  assert got[2]["env/tool_calls"] > 0
+  skip = (*PER_DEVICE_METRICS, "env/tool_seconds")  # wall time
+  assert_same_metrics(got, want, (1, 2), 1e-5, skip=skip)

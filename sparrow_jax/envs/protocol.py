@@ -299,6 +299,17 @@ class ToolEnv:
       return Step(parsed.observation, False, "bad_call")
     return Step("", False, "tool_call", parsed)
 
+  def state(self) -> dict:
+    """The episode's progress as JSON (a checkpoint's, for a row carried over steps); its problem
+    is the caller's to keep (a task derives it from the row's data position)."""
+    return {"turns": self.turns, "final": self.final, "reason": self.reason}
+
+  def restore(self, problem, state: dict) -> None:
+    """The episode of `problem` back where `state()` left it: reset on it (the tools an episode
+    builds are built again), then its progress."""
+    self.reset(problem)
+    self.turns, self.final, self.reason = state["turns"], state["final"], state["reason"]
+
   def observe(self, result: tools_lib.ToolResult) -> Step:
     """The pool's result of this episode's call as the next observation."""
     return Step(self.describe(result), False, f"tool_{result.status}")

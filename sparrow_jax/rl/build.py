@@ -39,7 +39,7 @@ def make_task(c, seed: int | None = None):
   registry, or an environment's (`env_task`); an unknown name or unreadable data names the config
   fields, a synthetic task's own settings their field."""
   if c.task.name.startswith("env:"):
-    return env_task(c)
+    return env_task(c, seed)
   with schema.naming_config_fields({"task": synthetic.PointerChase}):
     try:
       return tasks.make_task(
@@ -58,16 +58,17 @@ def make_task(c, seed: int | None = None):
       ) from None
 
 
-def env_task(c) -> env_task_lib.EnvTask:
+def env_task(c, seed: int | None = None) -> env_task_lib.EnvTask:
   """The multi-turn task of environment config.task.name, its fields from the config's `env`
-  group (configs/common.env); a bad field or value names it."""
+  group (configs/common.env), its problems drawn under `seed` in place of config.env.seed when
+  given (the held-out evaluation's); a bad field or value names it."""
   name = c.task.name
   if "env" not in c:
     raise ValueError(
       f"config.task.name = {name!r} is an environment: its fields go in a config.env group "
       "(configs/common.py's env())"
     )
-  fields = dict(c.env)
+  fields = dict(c.env) | ({} if seed is None else {"seed": seed})
   workers = fields.pop("tool_workers", 4)
   if name not in env_registry.ENVS:
     raise ValueError(
@@ -370,7 +371,8 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
     rows = Rows.of(mesh, r.prompts_per_step * r.group_size)
     share = rollouts.process_groups(r.prompts_per_step, rows)
     groups = share.stop - share.start
-    carried = rollouts.Carried(kept, mesh, task, r.group_size, groups, overlap.max_carry_steps)
+    parts = (r.group_size, groups, overlap.max_carry_steps)
+    carried = rollouts.Carried(kept, mesh, task, tokenizer, *parts)
 
   def sync(state):
     return weights(state.params, state.lora)
@@ -380,7 +382,7 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
     if budget is not None:
       budget = budget._replace(table=jax.device_put(budget.table, replicated))
     if carried:
-      return carried.sample(synced, problems, requests, version, budget)
+      return carried.sample(synced, problems, requests, version, budget, turns)
     with jax.set_mesh(mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats = engine.run(
         params,
@@ -394,7 +396,9 @@ def sampler_of(c, cfg, task, tokenizer, state, meshes, engine_cfg, sparse) -> Sa
         turns=turns,
         **rollouts.budget_args(budget),
       )
-    return rollouts.Taken(problems, requests.prompt_BT, requests.prompt_len_B, rollout, stats)
+    rows = range(requests.first_row, requests.first_row + len(requests.prompt_len_B))
+    parts = (requests.prompt_BT, requests.prompt_len_B, rollout, stats, rows, turns)
+    return rollouts.Taken(problems, *parts)
 
   return Sampler(sync, sample, mesh, carried)
 

@@ -108,9 +108,11 @@ class Graded(NamedTuple):
 
 
 def sample_and_grade(generate, tokenizer, task, problems, samples, key, batch_size, progress=False):
-  """Graded samples of each problem, `samples` times: generate(prompt_BT, prompt_len_B, key) ->
-  Rollout (sj.generate with the policy and its settings bound) in batches of `batch_size` rows
-  (batch b under fold_in(key, b)), graded with task.grade; `progress` prints a line a batch."""
+  """Graded samples of each problem, `samples` times: generate(prompt_BT, prompt_len_B, key,
+  turns=...) -> Rollout (sj.generate with the policy and its settings bound) in batches of
+  `batch_size` rows (batch b under fold_in(key, b)), graded with task.grade; an environment's
+  rows (task.kind "env") each play an episode (generate's `turns`) and take its grade.
+  `progress` prints a line a batch."""
   n_rows = len(problems) * samples
   responses, rewards_a, correct_a = [""] * n_rows, np.zeros(n_rows), np.zeros(n_rows, bool)
   lengths_a, reasons = np.zeros(n_rows, int), collections.Counter()
@@ -118,11 +120,17 @@ def sample_and_grade(generate, tokenizer, task, problems, samples, key, batch_si
   for b, (start, take, prompt_BT, prompt_len_B) in enumerate(
     _prompt_batches(problems, samples, tokenizer, batch_size)
   ):
-    rollout = generate(prompt_BT, prompt_len_B, jax.random.fold_in(key, b))
+    key_b, turns = jax.random.fold_in(key, b), None
+    if task.kind == "env":
+      turns = task.turns({j: problems[i // samples] for j, i in enumerate(take)}, tokenizer)
+    rollout = generate(prompt_BT, prompt_len_B, key_b, turns=turns)
     tokens_BM, lengths_B = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
     real = take[: min(batch_size, n_rows - start)]
     texts = [tokenizer.decode(tokens_BM[j, : lengths_B[j]]) for j in range(len(real))]
-    grades = task.grade(texts, [problems[i // samples] for i in real])
+    if turns is None:
+      grades = task.grade(texts, [problems[i // samples] for i in real])
+    else:
+      grades = [turns.grade(j) for j in range(len(real))]
     for i, text in zip(real, texts):
       responses[i] = text
     rewards_a[real] = [g.reward for g in grades]

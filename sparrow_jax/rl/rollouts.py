@@ -22,7 +22,7 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 from jax.experimental import multihost_utils
@@ -30,6 +30,7 @@ import numpy as np
 
 from sparrow_jax import schema
 from sparrow_jax.data.rewards import Grade
+from sparrow_jax.envs import turns as env_turns
 from sparrow_jax.rl import hooks
 from sparrow_jax.rollout import engine, sampler
 from sparrow_jax.sparsity import schedule as schedule_lib
@@ -155,6 +156,8 @@ class Taken(NamedTuple):
   prompt_len: np.ndarray
   rollout: sampler.Rollout
   engine_stats: engine.EngineStats
+  rows: Sequence[int]  # their Requests row indices (a carried row's: its group's data position)
+  turns: Optional[object] = None  # a multi-turn task's episodes (envs/turns.EnvTurns) of the rows
 
 
 class Synced(NamedTuple):
@@ -194,25 +197,40 @@ class Sampled(NamedTuple):
 
 
 class Carried:
-  """The rows under way across steps: the engine's partial rollout and each queued group's prompt,
-  by the group's first row key (its data position x group size)."""
+  """The rows under way across steps: the engine's partial rollout, each queued group's prompt, by
+  the group's first row key (its data position x group size), and a multi-turn task's episodes of
+  every row under way."""
 
   def __init__(
-    self, partial: engine.Partial, mesh, task, group_size: int, groups: int, max_carry: int
+    self,
+    partial: engine.Partial,
+    mesh,
+    task,
+    tokenizer,
+    group_size: int,
+    groups: int,
+    max_carry: int,
   ):
     """groups: this process's share of a step's groups (`process_groups`); max_carry: steps a row
     may be carried (AsyncConfig.max_carry_steps)."""
-    self.partial, self.mesh, self.task = partial, mesh, task
+    self.partial, self.mesh, self.task, self.tokenizer = partial, mesh, task, tokenizer
     self.group_size, self.groups, self.max_carry = group_size, groups, max_carry
     self.queued = {}  # first row key -> (prompt row, prompt length)
+    self.turns = None  # envs/turns.EnvTurns of every row under way (a multi-turn task's)
 
-  def sample(self, weights, problems, requests: engine.Requests, version: int, budget) -> Taken:
-    """Queues the step's new groups, decodes until this process's share of a step's groups has
-    ended, and takes them out, oldest first."""
+  def sample(
+    self, weights, problems, requests: engine.Requests, version: int, budget, turns=None
+  ) -> Taken:
+    """Queues the step's new groups (`turns`: their rows' episodes), decodes until this process's
+    share of a step's groups has ended, and takes them out, oldest first."""
     g = self.group_size
     for i in range(len(problems)):
       b = i * g
       self.queued[requests.first_row + b] = (requests.prompt_BT[b], requests.prompt_len_B[b])
+    if turns is not None and self.turns is not None:
+      self.turns.add(turns)
+    elif turns is not None:
+      self.turns = turns
     params, lora = weights
     with jax.set_mesh(self.mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats, keys = self.partial.run(
@@ -222,6 +240,7 @@ class Carried:
         version,
         lora=lora,
         max_carry=self.max_carry,
+        turns=self.turns,
         **budget_args(budget),
       )
     first = [int(k) for k in keys[::g]]
@@ -229,16 +248,18 @@ class Carried:
     prompt = np.repeat(np.stack([d[0] for d in done]), g, axis=0)
     prompt_len = np.repeat(np.asarray([d[1] for d in done], np.int32), g)
     problems = [self.task.sample(1, k // g)[0] for k in first]  # a group's key: its position
-    return Taken(problems, prompt, prompt_len, rollout, stats)
+    return Taken(problems, prompt, prompt_len, rollout, stats, keys.tolist(), self.turns)
 
   def state(self) -> Optional[tuple]:
-    """(JSON, host arrays, the pool's arrays) of the rows under way; None before the first call."""
+    """(JSON, host arrays, the pool's arrays) of the rows under way, a multi-turn task's episodes
+    with them (`EnvTurns.state`: calls in flight are waited for); None before the first call."""
     under_way = self.partial.state()
     if under_way is None:
       return None
     meta, arrays, pool = under_way
     keys = sorted(self.queued)
     meta = {"scheduler": meta, "queued": [[k, int(self.queued[k][1])] for k in keys]}
+    meta["turns"] = None if self.turns is None else self.turns.state()
     prompts = np.asarray([self.queued[k][0] for k in keys], np.int32).reshape(len(keys), -1)
     return meta, {**arrays, "queued_prompts": prompts}, jax.tree.leaves(pool)
 
@@ -257,6 +278,17 @@ class Carried:
     with jax.set_mesh(self.mesh):
       structure = jax.tree.structure(self.partial.abstract_pool(params))
     self.partial.restore((meta["scheduler"], arrays, jax.tree.unflatten(structure, pool)))
+    episodes = meta.get("turns")
+    if self.task.kind == "env" and episodes is None:
+      raise ValueError(
+        "the checkpoint's carried rows have no episodes saved, but this run's task "
+        f"{self.task.name!r} is multi-turn: resume with the config that wrote it"
+      )
+    if episodes is not None:  # each row's problem is its group's, by its data position
+      g = self.group_size
+      problems = {int(k): self.task.sample(1, int(k) // g)[0] for k in episodes}
+      self.turns = self.task.turns(problems, self.tokenizer)
+      self.turns.restore(episodes)
 
   def rows_under_way(self) -> int:
     return self.partial.rows_under_way()
@@ -353,13 +385,15 @@ class Source:
     taken = self.sampler.sample(*parts)
     rollout_s = time.time() - t0
     rollout = taken.rollout
-    if turns is None:
+    if taken.turns is None:
       responses = [self.tokenizer.decode(t[:n]) for t, n in zip(rollout.tokens, rollout.lengths)]
       grades = self.task.grade(responses, [p for p in taken.problems for _ in range(g)])
       env_metrics = None
-    else:
-      grades = [turns.grade(r) for r in rows]
-      env_metrics = turns.metrics(rollout.observed, rollout.lengths)
+    else:  # the rows taken, which with carried rows are not the new ones
+      grades = [taken.turns.grade(r) for r in taken.rows]
+      tallies = taken.turns.tallies(rollout.observed, rollout.lengths, taken.rows)
+      env_metrics = env_turns.metrics(_all_processes(tallies))  # the processes sample in order
+      taken.turns.drop(taken.rows)
     parts = (taken.prompt, taken.prompt_len, taken.rollout, taken.engine_stats, grades, rollout_s)
     sync = (synced.seconds, synced.nbytes)
     return Sampled(step, synced.version, budget, *parts, *sync, env_metrics=env_metrics)

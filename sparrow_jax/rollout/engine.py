@@ -170,7 +170,7 @@ class _Programs:
     scheduler the token each row samples after it."""
     while True:
       slots, tokens, take, at = sched.observe_inputs(OBSERVATION_CHUNK)
-      if not at:
+      if not _any_process(bool(at)):  # a process whose observations are written passes nothing
         return pool
       pool, token, logp, top = programs.observe(
         self.params,
@@ -312,11 +312,12 @@ def run(
       changes nothing in the output.
     draft_plan: with engine.draft_switch, exact mode's drafts per position bin, capped at
       engine.speculate.
-    turns: a multi-turn rollout's environments (`scheduler.Turns`; one process): a row whose turn
-      ends (an EOS of sampling.eos_ids) may wait on a tool, keeping its slot and pages while the
-      other rows decode; its observation's tokens are then prefilled into its own pages
-      (`programs.observe`) and it decodes on. Observations count toward max_new_B and are marked
-      in the Rollout's `observed`.
+    turns: a multi-turn rollout's environments (`scheduler.Turns`, each process's over its own
+      rows): a row whose turn ends (an EOS of sampling.eos_ids) may wait on a tool, keeping its
+      slot and pages while the other rows decode; its observation's tokens are then prefilled
+      into its own pages (`programs.observe`, run by every process when any has one) and it
+      decodes on. Observations count toward max_new_B and are marked in the Rollout's
+      `observed`.
 
   Returns:
     (sampler.Rollout, EngineStats): the rollout's arrays are host (numpy) arrays, [B, M] with
@@ -331,8 +332,6 @@ def run(
   pool = _new_pool(params, cfg, engine, sparse)
   bound = (params, cfg, T + max_new, key, engine, sampling, sparse, schedule, lora, draft_plan)
   progs, draft_by_len = _bind(pool, *bound)
-  if turns is not None and jax.process_count() > 1:
-    raise ValueError("multi-turn rollouts (engine.run's turns) run on one process")
   sched = scheduler.Scheduler(
     engine, requests, page_size(sparse), progs.local, order, sampling.eos_ids, turns
   )
@@ -369,12 +368,14 @@ class Partial:
     lora=None,
     draft_plan=None,
     max_carry: int = 0,
+    turns: Optional[scheduler.Turns] = None,
   ):
     """Queues `requests` (this process's new rows; None: none) and decodes; returns
     (sampler.Rollout of the `groups` oldest ended groups with their policy versions, EngineStats
     of this call, their rows' Requests row indices). max_carry > 0: a row that started that many
     versions ago ends in this call (decoding goes on until it has), so no row is carried longer
-    and the oldest groups are the ones taken."""
+    and the oldest groups are the ones taken. turns: as `run`'s, over every row under way (the
+    same environments each call: a carried row's episode goes on)."""
     if self.sched is None:
       if requests is None:
         raise ValueError("a partial rollout's first call needs requests")
@@ -389,6 +390,7 @@ class Partial:
       self.sched = scheduler.Scheduler(self.engine, requests, Z, progs.local, None, eos)
     elif requests is not None:
       self.sched.extend(requests)
+    self.sched.turns = turns
     if len(self.sched.groups) < groups:
       raise ValueError(
         f"a partial rollout holds {len(self.sched.groups)} groups, fewer than the {groups} asked"
@@ -401,7 +403,10 @@ class Partial:
     self.pool = _decode(self.pool, progs, self.sched, self.engine, draft_by_len, enough)
     rows = self.sched.take(groups)
     keys = np.asarray([r.key for r in rows], np.int64)
-    return _rollout(self.sched, self.sampling, rows), self.sched.stats, keys
+    rollout = _rollout(self.sched, self.sampling, rows)
+    if turns is not None:
+      rollout = rollout.replace(observed=self.sched.observed_mask(rows))
+    return rollout, self.sched.stats, keys
 
   def state(self):
     """(JSON, host arrays, the pool) of the rows under way (`scheduler.Scheduler.state`); None
@@ -506,14 +511,15 @@ def _decode(pool, progs, sched, engine: EngineConfig, draft_by_len, enough=None)
 
 
 def _observe(pool, progs, sched: scheduler.Scheduler):
-  """Takes the observations that are ready (waiting for one when no row can decode and none is
-  queued that could start) into their rows' pages."""
+  """Takes the observations that are ready (waiting for one when no row of any process can decode
+  and none is queued that could start) into their rows' pages."""
   waiting = any(r.waiting for r in sched.running())
-  idle = waiting and not sched.decoding()
+  idle = not _any_process(bool(sched.decoding())) and waiting
   ready = sched.turns.observations(wait=idle)
   if ready:
     sched.add_observations(ready)
     sched.grow()  # pages for the observations and the chunk after them
+  if _any_process(bool(ready)):
     pool = progs.observe(pool, sched)
   return pool
 
@@ -561,6 +567,7 @@ def generate(
   lora=None,
   prefill_group: int = 1,
   speculate: int = 0,
+  turns: Optional[scheduler.Turns] = None,
 ) -> sampler.Rollout:
   """Samples completions for right-padded prompts through the engine, every row of a device in a
   slot at once and a pool that holds them all.
@@ -587,6 +594,8 @@ def generate(
       lora) drafts k tokens a round and the dense policy verifies them, so every row is a sample of
       the dense policy (greedy: dense greedy) and its logprobs are the dense policy's. Needs
       `sparse`; 0 (default) is off.
+    turns: a multi-turn rollout's environments (envs/turns.EnvTurns, rows by Requests row index):
+      a row whose turn ends on a tool call waits for its observation, prefilled into its pages.
 
   Returns:
     sampler.Rollout, host (numpy) arrays, or global arrays on the context mesh when one is set:
@@ -627,6 +636,7 @@ def generate(
     sparse=sparse,
     schedule=schedule,
     lora=lora,
+    turns=turns,
   )
   if rows_sh is None:
     return rollout

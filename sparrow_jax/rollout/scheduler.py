@@ -801,7 +801,7 @@ class Scheduler:
     tops = [t for r in rows for t in r.top]
     firsts = [r.first for r in rows if r.first is not None and r.first[2] is not None]
     k = len(tops[0][0]) if tops else (len(firsts[0][2][0]) if firsts else 0)
-    stack = lambda items, i, dtype: np.asarray([t[i] for t in items], dtype).reshape(-1, k)
+    stack = lambda items, i, dtype: np.asarray([t[i] for t in items], dtype).reshape(len(items), k)
     arrays = {
       "tokens": flat("tokens", np.int32),
       "logprobs": flat("logprobs", np.float32),
@@ -830,6 +830,9 @@ class Scheduler:
       "first": first(r),  # token, log-prob, version, whether it has top log-probs
       "slot": r.slot,
       "done": r.done,
+      "observed": [list(span) for span in r.observed],  # a multi-turn row's turn state
+      "waiting": r.waiting,
+      "unwritten": r.unwritten,
     }
     group = lambda i, g: {
       "index": i,
@@ -865,7 +868,7 @@ class Scheduler:
       )
     self = cls.__new__(cls)
     self.engine, self.Z, self.eos_ids = engine, meta["page_size"], tuple(eos_ids)
-    self.turns = None  # partial rollouts, whose state this is, run single-turn rows
+    self.turns = None  # a multi-turn rollout's are the caller's (Partial.run's), saved apart
     self.group_size, self.prompt_width = meta["group_size"], meta["prompt_width"]
     self.max_new = meta["max_new"]
     self.max_pages_per_row = -(-(self.prompt_width + self.max_new) // self.Z)
@@ -910,6 +913,9 @@ class Scheduler:
         first=first,
         slot=r["slot"],
         done=r["done"],
+        observed=[tuple(span) for span in r["observed"]],
+        waiting=r["waiting"],
+        unwritten=r["unwritten"],
       )
     self.groups = {}
     for g, prompt in zip(meta["groups"], arrays["group_prompts"]):
