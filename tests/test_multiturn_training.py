@@ -394,9 +394,10 @@ def test_a_run_killed_while_rows_wait_on_tools_resumes_to_the_uninterrupted_step
 
 
 def _multi_turn_default(workdir, processes: int) -> list:
-  """configs/multi_turn.py cut to 2 steps of 4 prompts in subprocesses: one process, or
-  `processes` processes of a device each (CPU collectives, a local coordinator), each playing
-  its own rows' episodes; the processes' combined output."""
+  """configs/multi_turn.py cut to 2 steps of 4 prompts, lossy sparse, in subprocesses: one
+  process, or `processes` processes of a device each (CPU collectives, a local coordinator), each
+  playing its own rows' episodes; the processes' combined output. Lossy rows, because an exact-mode
+  row's tokens depend on where its rounds fall, which moves with when its tools answer."""
   cmd = [
     sys.executable,
     "-m",
@@ -405,6 +406,7 @@ def _multi_turn_default(workdir, processes: int) -> list:
     f"--config.workdir={workdir}",
     "--config.total_steps=2",
     "--config.rollout.prompts_per_step=4",
+    "--config.rollout.speculate=0",
   ]
   if processes > 1:
     port = free_port()
