@@ -364,8 +364,8 @@ def time_rollouts(config, c, cfg, params, tokenizer, prompt, prompt_len, label, 
   )
   names.append("auto")
   calls.append(rollout("auto", K, plan))
-  # dense again runs dense's compiled programs; the settings measured above are warm already
-  warm = {0, 1} | set(range(3, len(calls) - 1))
+  # the settings measured above are warm already, and dense again runs dense's programs
+  warm = {i for i, name in enumerate(names) if name not in ("sparse", "auto")}
   seconds = median_seconds(calls, config.runs, warm)
   rows = []
   for name, sec in zip(names, seconds):

@@ -227,10 +227,11 @@ class Carried:
     for i in range(len(problems)):
       b = i * g
       self.queued[requests.first_row + b] = (requests.prompt_BT[b], requests.prompt_len_B[b])
-    if turns is not None and self.turns is not None:
-      self.turns.add(turns)
-    elif turns is not None:
-      self.turns = turns
+    if turns is not None:
+      if self.turns is None:
+        self.turns = turns
+      else:
+        self.turns.add(turns)
     params, lora = weights
     with jax.set_mesh(self.mesh):  # also in a rollout thread: a mesh context is the thread's own
       rollout, stats, keys = self.partial.run(

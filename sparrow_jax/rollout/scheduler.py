@@ -913,9 +913,10 @@ class Scheduler:
         first=first,
         slot=r["slot"],
         done=r["done"],
-        observed=[tuple(span) for span in r["observed"]],
-        waiting=r["waiting"],
-        unwritten=r["unwritten"],
+        # a checkpoint of single-turn rows may hold none of the turn state
+        observed=[tuple(span) for span in r.get("observed", [])],
+        waiting=r.get("waiting", False),
+        unwritten=r.get("unwritten", 0),
       )
     self.groups = {}
     for g, prompt in zip(meta["groups"], arrays["group_prompts"]):
