@@ -6,9 +6,11 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
+import sysconfig
 
 import jax
 
@@ -66,14 +68,39 @@ def peak_rss_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+# A record is read on other machines: its paths name these places, not this machine's directories
+# (the checkout first: it may lie under the home directory; paths under it become relative).
+_PLACES = (
+  (ROOT + os.sep, ""),
+  (ROOT, "."),
+  (sysconfig.get_paths()["stdlib"], "$STDLIB"),
+  (os.path.expanduser("~"), "$HOME"),
+)
+
+
+def portable(value):
+  """`value` (JSON: dicts, lists, strings, numbers) with each path under the checkout made
+  relative to it, and the standard library and home directories named $STDLIB and $HOME."""
+  if isinstance(value, dict):
+    return {k: portable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [portable(v) for v in value]
+  if isinstance(value, str):
+    for place, name in _PLACES:  # a whole directory name: /root, not /rootfs
+      whole = "" if place.endswith(os.sep) else r"(?![\w.-])"
+      value = re.sub(re.escape(place) + whole, lambda _: name, value)
+  return value
+
+
 def write_record(path: str, results: dict) -> dict:
-  """Writes {command, commit, machine, date, results} to `path` (JSON) and returns it."""
+  """Writes {command, commit, machine, date, results} to `path` (JSON) and returns it, its paths
+  `portable`."""
   record = dict(
-    command=command(),
+    command=portable(command()),
     commit=commit_at_start(),
     machine=machine(),
     date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    results=results,
+    results=portable(results),
   )
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:

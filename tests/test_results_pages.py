@@ -7,7 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 
+from sparrow_jax.records import write_record
 from tests.helpers import ROOT
 
 
@@ -64,6 +66,21 @@ def test_no_record_or_page_names_a_machine_directory():
     if d in open(path).read()
   ]
   assert not found
+
+
+def test_a_record_written_names_no_machine_directory(tmp_path):
+  """A script's results may hold the paths it read (a model dir, a source dir, the checkout's
+  files): the record names them by place ($HOME, $STDLIB, relative to the checkout)."""
+  paths = [
+    os.path.expanduser("~/.cache/sparrow_jax/model"),
+    sysconfig.get_paths()["stdlib"],
+    os.path.join(ROOT, "docs", "results", "x.json"),
+  ]
+  record = write_record(str(tmp_path / "r.json"), dict(paths=paths, n=3))
+  assert record["results"] == dict(
+    paths=["$HOME/.cache/sparrow_jax/model", "$STDLIB", "docs/results/x.json"], n=3
+  )
+  assert json.loads((tmp_path / "r.json").read_text())["results"] == record["results"]
 
 
 def test_every_script_a_record_or_page_names_exists():
