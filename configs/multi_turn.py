@@ -35,4 +35,6 @@ def get_config():
   #                                    pages (an uncalibrated budget: rows are up to 256 tokens)
   c.stats.bin_size = 32  # position bins of the tails
   c.stats.num_bins = 8  # rows of up to 256 tokens
+  c.stats.turns = c.env.get_ref("max_turns")  # the tails per turn (acceptance/*_turn): every turn
+  #                                    a row has (env.max_turns, as set on the command line)
   return c

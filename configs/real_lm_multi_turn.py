@@ -42,4 +42,6 @@ def get_config():
   c.rollout.max_prompt_len = 384  # tool list + example call + the question
   c.rollout.max_new_tokens = 192  # the whole conversation after the prompt, observations included
   c.rl.num_minibatches = 1  # one update of the 8 episodes per step
+  c.stats.turns = c.env.get_ref("max_turns")  # the tails per turn (acceptance/*_turn): every turn
+  #                                    a row has (env.max_turns, as set on the command line)
   return c

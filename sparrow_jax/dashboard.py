@@ -83,6 +83,8 @@ CHARTS = (
     MULTI_TURN,
   ),
   ("multi-turn", "model turns per row", "Multiline", (r"env/turns/(mean|max)$",), MULTI_TURN),
+  ("multi-turn", "exact p5 per turn", "Multiline", (r"acceptance/p5_turn/\d+$",), MULTI_TURN),
+  ("multi-turn", "exact mean per turn", "Multiline", (r"acceptance/mean_turn/\d+$",), MULTI_TURN),
   (
     "multi-turn",
     "observations' share of the completion tokens",

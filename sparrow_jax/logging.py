@@ -117,9 +117,10 @@ class MetricsLogger:
 
 def measured_bins(name: str, values, metrics: dict) -> list:
   """The bins of the per-bin metric `name` (its `values`) that TensorBoard gets a point of: the
-  finite ones, less, in a family that counts its tokens per bin (`<family>/count_bin` in the same
-  `metrics`), the bins without tokens, whose 0 count would read like a measurement."""
-  count = metrics.get(name.split("/")[0] + "/count_bin")
+  finite ones, less, in a family that counts its tokens per bin or per turn (`<family>/count_bin`,
+  `<family>/count_turn` in the same `metrics`), the bins without tokens, whose 0 count would read
+  like a measurement."""
+  count = metrics.get(f"{name.split('/')[0]}/count_{name.rsplit('_', 1)[-1]}")
   empty = np.zeros(len(values), bool) if count is None else np.asarray(count) == 0
   return [i for i, v in enumerate(np.asarray(values).tolist()) if np.isfinite(v) and not empty[i]]
 

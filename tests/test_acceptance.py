@@ -162,6 +162,18 @@ def test_tail_stats_match_numpy_overall_and_per_bin_under_jit():
   assert int(stats["count_bin"].sum()) == int((mask & (positions < num_bins * bin_size)).sum())
 
 
+def test_turn_stats_match_numpy_per_turn():
+  alpha, mask, positions = _tail_inputs()
+  turns = positions // 300  # turns 0..3; turn 3 is past num_turns: overall only, not a turn
+  stats = jax.jit(acceptance.turn_stats, static_argnums=3)(alpha, mask, turns, 3, 0.86)
+  for t in range(3):
+    for key, value in _np_summary(alpha[mask & (turns == t)].astype(np.float64)).items():
+      np.testing.assert_allclose(
+        stats[f"{key}_turn"][t], value, rtol=1e-5, atol=1e-6, err_msg=f"{key}_turn[{t}]"
+      )
+  assert stats["count_turn"].shape == (3,) and int(stats["count_turn"].sum()) < int(mask.sum())
+
+
 def test_tail_stats_empty_bins_and_empty_mask_are_nan():
   alpha, mask, positions = _tail_inputs(1)
   stats = acceptance.tail_stats(alpha, mask, positions, bin_size=2048, num_bins=3)

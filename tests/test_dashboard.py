@@ -24,15 +24,18 @@ from sparrow_jax.logging import MetricsLogger
 from tests.helpers import assert_dashboard_has_data
 
 COUNT_BIN = np.array([0, 0, 0, 840, 3544, 2512, 1717])  # the prompt fills bins 0-2: no tokens there
+COUNT_TURN = np.array([5100, 2400, 1111, 0, 0, 0, 0, 0])  # no row reached a fourth turn
 STATS = ("p1", "p5", "p10", "p50", "mean", "frac_above_0999", "frac_below_tau")
 
 
 def _family(name, alpha):
-  """A step's acceptance family as the train step logs it: scalars, per-bin arrays (NaN and a 0
-  count where a bin has no tokens) and a histogram."""
+  """A step's acceptance family as a multi-turn run's train step logs it: scalars, per-bin and
+  per-turn arrays (NaN and a 0 count where a bin or turn has no tokens) and a histogram."""
   out = {f"{name}/{stat}": alpha for stat in STATS}
   out.update({f"{name}/{stat}_bin": np.where(COUNT_BIN > 0, alpha, np.nan) for stat in STATS})
   out.update({f"{name}/count": float(COUNT_BIN.sum()), f"{name}/count_bin": COUNT_BIN})
+  out.update({f"{name}/{stat}_turn": np.where(COUNT_TURN > 0, alpha, np.nan) for stat in STATS})
+  out[f"{name}/count_turn"] = COUNT_TURN
   out[f"{name}/histogram"] = np.arange(20)
   return out
 
@@ -148,6 +151,8 @@ def test_bins_without_tokens_are_not_written_but_stay_in_the_rows(tmp_path):
   bins = {int(tag.rsplit("/", 1)[1]) for tag in scalars}
   assert bins == {3, 4, 5, 6}  # count_bin is 0 in bins 0-2: neither it nor any stat is written
   assert "acceptance/count_bin/03" in scalars and "acceptance/count_bin/00" not in scalars
+  turns = custom.scalars_impl(ctx, "run/tensorboard", r".*_turn/\d+$", "")["tag_to_events"]
+  assert {int(tag.rsplit("/", 1)[1]) for tag in turns} == {0, 1, 2}  # count_turn 0 from turn 3
   rows = (tmp_path / "run" / "metrics.jsonl").read_text()
   assert '"acceptance/count_bin": [0, 0, 0, 840, 3544, 2512, 1717]' in rows  # notebooks read these
 

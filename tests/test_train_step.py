@@ -628,3 +628,56 @@ def test_observation_tokens_never_enter_the_loss_tis_or_the_tails():
   at = np.arange(plain.tokens.shape[1])[None] - np.asarray(prompt_len)[:, None]
   observed_S = (at >= 3) & (at < 3 + lengths[:, None] // 3)
   np.testing.assert_array_equal(batch.gen_mask, np.asarray(plain.gen_mask) & ~observed_S)
+
+
+def test_a_token_s_turn_counts_the_tool_observations_before_it():
+  """The turn end before an observation is sampled and stays in its turn; a turn starts after each
+  observation."""
+  gen = np.array([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1]], bool)  # prompt, turn, obs, turn, obs, turn
+  observed = np.array([[0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 0]], bool)
+  context = observed | np.pad(observed[:, 1:], ((0, 0), (0, 1)))
+  batch = step_schema.Batch(
+    tokens=jnp.zeros(gen.shape, jnp.int32),
+    gen_mask=jnp.asarray(gen),
+    prompt_len=jnp.asarray([2]),
+    logp_rollout=jnp.zeros(gen.shape),
+    rewards=jnp.zeros(1),
+    context=jnp.asarray(context),
+  )
+  turn = np.asarray(step_schema.turn_index(batch))
+  np.testing.assert_array_equal(turn[gen], [0, 0, 0, 1, 1, 2, 2])
+
+
+@pytest.mark.slow
+def test_a_multi_turn_batch_s_tails_are_also_per_turn(monkeypatch):
+  """acceptance/*_turn: each turn's sampled tokens (the observations' holes in gen_mask split a
+  row into turns) summarized as the overall tails are: their counts are each turn's, and they add
+  up to the overall count and mean. A single-turn batch's step never computes them (its program
+  is the one it was before multi-turn rows)."""
+  params, lora, opt, lora_opt = setup()
+  prompt, prompt_len, out, rewards = make_rollout(params, lora, seed=8)
+  pos = np.arange(out.tokens.shape[1])[None]
+  observed = ((pos >= 3) & (pos < 6)) | ((pos >= 10) & (pos < 12))  # two observations a row
+  marked = out.replace(observed=jnp.asarray(observed & (pos < np.asarray(out.lengths)[:, None])))
+  batch = step_schema.batch_from_rollout(prompt, prompt_len, marked, rewards)
+  sc = dataclasses.replace(SC, stats=dataclasses.replace(SC.stats, turns=3))
+  _, m = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)(
+    state_of(params, opt, lora, lora_opt), batch, BUDGET
+  )
+  gen = np.asarray(batch.gen_mask)
+  at = np.arange(gen.shape[1])[None] - np.asarray(prompt_len)[:, None]  # completion position
+  turn = (at >= 6).astype(int) + (at >= 12)
+  expected = [int((gen & (turn == t)).sum()) for t in range(3)]
+  assert min(expected) > 0
+  for family in ("acceptance", "acceptance_sampled"):
+    count, mean = m[f"{family}/count_turn"], m[f"{family}/mean_turn"]
+    np.testing.assert_array_equal(count, expected, err_msg=family)
+    np.testing.assert_allclose(
+      np.sum(count * mean), m[f"{family}/count"] * m[f"{family}/mean"], rtol=1e-5, err_msg=family
+    )
+    assert m[f"{family}/p5_turn"].shape == (3,)
+  monkeypatch.setattr(acceptance, "turn_stats", lambda *a, **k: pytest.fail("turn stats ran"))
+  _, m_plain = ts.make_train_step(CFG, sc, opt, lora_opt, SPARSE)(
+    state_of(params, opt, lora, lora_opt), make_batch(params, lora, seed=8), BUDGET
+  )
+  assert not [key for key in m_plain if key.endswith("_turn")]

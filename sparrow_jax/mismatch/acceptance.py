@@ -155,6 +155,17 @@ def tail_percentiles(quantile) -> tuple:
   return tuple(sorted(set(PERCENTILES) | {quantile}))
 
 
+def _flat(alpha_BT, mask_BT):
+  """Flat alpha (float32) and its valid tokens."""
+  return jnp.asarray(alpha_BT, jnp.float32).reshape(-1), jnp.asarray(mask_BT, bool).reshape(-1)
+
+
+def _high_and_below(alpha_a, valid_a, tau):
+  """Which valid tokens are above HIGH_ALPHA, and (with `tau`) which are below tau."""
+  high_a = (alpha_a > HIGH_ALPHA) & valid_a
+  return high_a, None if tau is None else (alpha_a < tau) & valid_a
+
+
 def _summary(sorted_a, start, count, sum_alpha, num_high, num_below, suffix, percentiles):
   stats = {
     percentile_name(p) + suffix: _sorted_quantile(sorted_a, start, count, p / 100)
@@ -198,11 +209,9 @@ def tail_stats(
   Percentiles use numpy's default linear interpolation. Empty bins (and an empty mask) give NaN
   percentiles, mean and fraction, and count 0. Static shapes: jit-able for any mask.
   """
-  alpha_a = jnp.asarray(alpha_BT, jnp.float32).reshape(-1)
-  valid_a = jnp.asarray(mask_BT, bool).reshape(-1)
+  alpha_a, valid_a = _flat(alpha_BT, mask_BT)
   bin_a = position_bin(jnp.asarray(positions_BT).reshape(-1), page_size, bin_size)
-  high_a = (alpha_a > HIGH_ALPHA) & valid_a
-  below_a = None if tau is None else (alpha_a < tau) & valid_a
+  high_a, below_a = _high_and_below(alpha_a, valid_a, tau)
   count = valid_a.sum(dtype=jnp.int32)
   overall = _summary(
     jnp.sort(jnp.where(valid_a, alpha_a, jnp.inf)),
@@ -214,7 +223,12 @@ def tail_stats(
     "",
     percentiles,
   )
+  per_bin = _binned(alpha_a, valid_a, high_a, below_a, bin_a, num_bins, "_bin", percentiles)
+  return {**overall, **per_bin}
 
+
+def _binned(alpha_a, valid_a, high_a, below_a, bin_a, num_bins, suffix, percentiles):
+  """`_summary` of each of bins 0..num_bins-1 of the valid tokens (arrays [num_bins])."""
   # One sort by (bin, alpha) lays each bin out contiguously; masked/out-of-range tokens go last.
   key_a = jnp.where(valid_a & (bin_a >= 0) & (bin_a < num_bins), bin_a, num_bins)
   _, sorted_a = lax.sort((key_a, alpha_a), num_keys=2)
@@ -223,17 +237,26 @@ def tail_stats(
   in_bin_a = key_a < num_bins
   sum_b = jnp.zeros(num_bins + 1).at[key_a].add(jnp.where(in_bin_a, alpha_a, 0.0))[:num_bins]
   per_bin_sum = lambda x_a: jnp.zeros(num_bins + 1).at[key_a].add(x_a & in_bin_a)[:num_bins]
-  per_bin = _summary(
+  return _summary(
     sorted_a,
     start_b,
     count_b,
     sum_b,
     per_bin_sum(high_a),
-    None if tau is None else per_bin_sum(below_a),
-    "_bin",
+    None if below_a is None else per_bin_sum(below_a),
+    suffix,
     percentiles,
   )
-  return {**overall, **per_bin}
+
+
+def turn_stats(alpha_BT, mask_BT, turn_BT, num_turns, tau=None, percentiles=PERCENTILES):
+  """`tail_stats`' per-bin statistics with a multi-turn row's turns for bins: turn t holds the
+  tokens sampled after t tool observations. Keys end in "_turn", arrays [num_turns]; a row's
+  turns from `num_turns` on are left out (they count in `tail_stats`' overall statistics)."""
+  alpha_a, valid_a = _flat(alpha_BT, mask_BT)
+  high_a, below_a = _high_and_below(alpha_a, valid_a, tau)
+  turn_a = jnp.asarray(turn_BT).reshape(-1)
+  return _binned(alpha_a, valid_a, high_a, below_a, turn_a, num_turns, "_turn", percentiles)
 
 
 def alpha_histogram(alpha_BT, mask_BT, num_buckets=20):

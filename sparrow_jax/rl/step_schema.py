@@ -143,6 +143,9 @@ class StatsConfig:
   quantile: float = 5  # the tail percentile held at tau, logged beside p1/p5/p10/p50
   bin_size: int = 2048  # position bin of the tail statistics (schedule.position_bin)
   num_bins: int = 20
+  # Multi-turn tasks only: the tails per turn (acceptance/*_turn, turn t = the tokens sampled
+  # after t tool observations) of turns 0..turns-1; a row's later turns count overall only
+  turns: int = 8
 
   def __post_init__(self):
     require = functools.partial(_require, self)
@@ -150,6 +153,7 @@ class StatsConfig:
     require(schedule.is_quantile(self.quantile), "quantile", "must be a percentile in (0, 50)")
     require(self.bin_size >= 1, "bin_size", "must be >= 1")
     require(self.num_bins >= 1, "num_bins", "must be >= 1")
+    require(self.turns >= 1, "turns", "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +339,14 @@ def batch_from_rollout(prompt_BT, prompt_len_B, rollout: sampler.Rollout, reward
     top_ids=align(rollout.top_ids),
     context=context,
   )
+
+
+def turn_index(batch):
+  """[B, S] int32: each token's turn in its multi-turn row, the tool observations before it (0 up
+  to the first). The turn end before an observation is sampled, so it stays in its turn."""
+  observed = batch.context & ~batch.gen_mask
+  starts = observed & ~jnp.pad(observed[:, :-1], ((0, 0), (1, 0)))
+  return jnp.cumsum(starts, axis=1, dtype=jnp.int32)
 
 
 def row_ends(batch):

@@ -43,7 +43,7 @@ from sparrow_jax.rl.accumulation import (
   map_row_slices,
   minibatches,
 )
-from sparrow_jax.rl.step_schema import TOP_K, StepConfig, TrainState, valid_mask
+from sparrow_jax.rl.step_schema import TOP_K, StepConfig, TrainState, turn_index, valid_mask
 from sparrow_jax.sparsity import policy
 
 
@@ -223,6 +223,15 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, stale_BS, sc: Ste
       sc.stats.tau,
       acceptance.tail_percentiles(sc.stats.quantile),
     )
+    if batch.context is not None:  # a multi-turn batch: single-turn steps lower as before
+      stats |= acceptance.turn_stats(
+        alpha,
+        mask,
+        turn_index(batch),
+        sc.stats.turns,
+        sc.stats.tau,
+        acceptance.tail_percentiles(sc.stats.quantile),
+      )
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
   return metrics
