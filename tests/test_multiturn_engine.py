@@ -5,6 +5,7 @@ forward over prompt, turns and observations gives its log-probs), whatever the s
 
 import contextlib
 import json
+import sys
 import textwrap
 import threading
 import time
@@ -270,12 +271,44 @@ PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+def test_a_process_runs_the_observe_pass_another_process_runs(monkeypatch):
+  """With several processes each observe pass is agreed on (`engine._any_process`): a process
+  whose rows have nothing left to write runs the pass beside one that has, which leaves its rows
+  as they were. One process here, with a stand-in for another that has 3 more passes to run. (The
+  two-process test below cannot catch a process skipping them: on its mesh the observe program
+  has no collective across processes, so processes running different programs do not hang.)"""
+  empty = []  # per pass: whether it wrote nothing (no slot of this process active)
+  observe = engine.programs.observe
+  monkeypatch.setattr(
+    engine.programs,
+    "observe",
+    lambda *a, **k: empty.append(not np.asarray(a[4]["active"]).any()) or observe(*a, **k),
+  )
+  want = run_rows(0, len(ROWS))
+  assert empty and not any(empty)  # alone, a process runs a pass only with tokens to write
+  empty.clear()
+  others = iter([True] * 3)
+  asked = engine._any_process
+
+  def any_process(flag):  # the other process: 3 passes after this one's have run out
+    if flag or sys._getframe(1).f_code.co_name != "observe":
+      return asked(flag)
+    return next(others, False)
+
+  monkeypatch.setattr(engine, "_any_process", any_process)
+  got = run_rows(0, len(ROWS))
+  assert sum(empty) == 3
+  for name in ("tokens", "observed", "lengths"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+
+
 @pytest.mark.nightly
 def test_multi_turn_rows_on_two_processes_are_those_of_one_device(tmp_path):
   """2 processes x 2 devices (CPU collectives, a local coordinator), each playing its own rows'
-  turns: a process with no observation to prefill runs the observe program beside the one that
-  has (process 0's row 1 waits on a slow tool while process 1's rows decode on or end), and the
-  rows are one device's, token for token."""
+  turns (process 0's row 1 waits on a slow tool while process 1's rows decode on or end): the
+  rows are one device's, token for token. (The agreement on observe passes: the test above.)"""
   want = run_rows(0, len(ROWS))
   assert np.any(want.observed)
   parts = helpers.run_two_processes(PROCESS, tmp_path, timeout=300)
