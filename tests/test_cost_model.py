@@ -502,6 +502,21 @@ def test_best_draft_count_grows_with_acceptance():
   assert all(a <= b for a, b in zip(best, best[1:])) and best[0] < best[-1], best
 
 
+def test_a_draft_count_replaces_dense_only_beyond_the_margin():
+  """A k priced 5% faster than dense decoding is taken with no margin and left with a margin of
+  10%; one priced 20% faster is taken with either."""
+  model, schedule = "qwen3-4b", KVSchedule.paper("qwen3-4b", 0.86)
+  kw = dict(ks=(4,), rows=64, hardware="h200")
+  k, rate, dense = cost_model.best_draft(model, schedule, 16384, 0.9, **kw)
+  assert k == 4
+  for gain, margin, want in ((1.05, 0.0, 4), (1.05, 0.1, 0), (1.2, 0.1, 4)):
+    scale = {4: rate / (dense * gain)}  # k's rounds charged so that its rate is gain x dense
+    got = cost_model.best_draft(model, schedule, 16384, 0.9, scale=scale, margin=margin, **kw)
+    assert got[0] == want, (gain, margin)
+    assert got[2] == pytest.approx(dense)
+    assert got[1] == pytest.approx(dense * gain if want else dense)
+
+
 def test_alpha_by_length_follows_the_schedule_bins():
   # Pages of 16, bins of 2 pages: cached pages 1, 1, 2, 2, 3, 4, 13 -> bins 0, 0, 1, 1, 1, 2, 6,
   # the last past the table (its last value).

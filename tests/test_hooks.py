@@ -109,6 +109,53 @@ def timed(out, cached=None, beside=(), **round_s):
   return dataclasses.replace(out, engine_stats=stats)
 
 
+@pytest.fixture(autouse=True)
+def no_margin(monkeypatch):
+  """The switch's pricing apart from its margin: the tiny model's drafts price narrow gains, all
+  within the margin (whose own test puts it back)."""
+  monkeypatch.setattr(hooks, "MARGIN", 0.0)
+
+
+def test_the_draft_switch_keeps_dense_decoding_where_a_k_wins_by_less_than_its_margin(
+  monkeypatch,
+):
+  """Bins where a k prices a few percent faster than dense decoding stay dense under the margin;
+  a bin where it prices beyond the margin drafts."""
+  c = config(TABLE)
+  c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"
+  hook, cfg = budgets(c)
+  first = hook.for_step(0)
+  n = c.stats.num_bins
+  mean = [0.2, 0.5, np.nan, 0.9, 0.99, 0.999, 0.95][:n]
+  step = {"acceptance/mean_bin": mean, "acceptance/count_bin": [10] * n}
+  hook.end_step(output(0, first), step)
+  narrow = hook.for_step(1).drafts.k_bin
+  assert max(narrow) > 0  # without the margin, the narrow wins draft
+  monkeypatch.setattr(hooks, "MARGIN", 0.05)  # above the bins' gains but the largest
+  kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
+  gains = [
+    np.nan
+    if np.isnan(a)
+    else (lambda k, r, d: r / d)(
+      *cost_model.best_draft(
+        cfg,
+        first.schedule,
+        (b + 0.5) * c.stats.bin_size,
+        a,
+        ks=kw["ks"],
+        rows=1,
+        hardware="tpu_v5e",
+        sparse=build.sparse_config(c),
+      )
+    )
+    for b, a in enumerate(mean)
+  ]
+  kept = hook.for_step(1).drafts.k_bin
+  for b, gain in enumerate(gains):
+    assert (kept[b] > 0) == (gain > 1.05), (b, gain, kept)
+  assert 0 < sum(k > 0 for k in kept) < sum(k > 0 for k in narrow)
+
+
 def test_the_draft_switch_prices_each_bin_at_its_measured_acceptance_and_resumes():
   c = config(TABLE)
   c.rollout.speculate, c.rollout.speculate_hardware = "auto", "tpu_v5e"

@@ -678,24 +678,27 @@ def best_draft(
   hardware="h200",
   sparse: SparseConfig | None = None,
   scale=None,
+  margin: float = 0.0,
 ) -> tuple:
   """The draft count whose rounds `roofline_round_rate` prices fastest at cached_len, the drafts
   under `schedule` at mean acceptance alpha, against dense decoding -> (k, its rate, the dense
-  rate); k = 0 (dense) unless a k of `ks` beats it, ties to the smaller k. scale: {k: factor}
-  on k's round seconds (k = 0: a dense step's), measured (`round_scale`); a k without one gets
-  the dense step's (the machine's measured clock against its roofline), or none."""
+  rate); k = 0 (dense) unless a k of `ks` beats it by more than `margin` (a share of the dense
+  rate), ties to the smaller k. scale: {k: factor} on k's round seconds (k = 0: a dense step's),
+  measured (`round_scale`); a k without one gets the dense step's (the machine's measured clock
+  against its roofline), or none."""
   scale = scale or {}
   clock = scale.get(0, 1.0)
   common = dict(rows=rows, hardware=hardware)
   dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common) / clock
-  best = (0, dense)
+  best = (0, dense * (1 + margin))
   for k in ks:
     rate = roofline_round_rate(
       model, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
     ) / scale.get(k, clock)
     if rate > best[1]:
       best = (k, rate)
-  return (*best, dense)
+  k, rate = best if best[0] else (0, dense)
+  return k, rate, dense
 
 
 def draft_plan(
@@ -709,10 +712,12 @@ def draft_plan(
   rows: float,
   hardware,
   scale=None,
+  margin: float = 0.0,
 ) -> DraftPlan:
   """Exact mode's regime switch: per position bin of bin_size tokens, the draft count (0: dense
   decoding) `best_draft` picks at the bin's middle cached length for the drafts' mean acceptance
-  there, alpha_bin[b] (NaN: not measured, dense), each k's rounds charged its measured `scale`."""
+  there, alpha_bin[b] (NaN: not measured, dense), each k's rounds charged its measured `scale`,
+  a k taken only where it beats dense by more than `margin`."""
   k_bin = []
   for b, alpha in enumerate(np.asarray(alpha_bin, np.float64)):
     if np.isnan(alpha):
@@ -730,6 +735,7 @@ def draft_plan(
         hardware=hardware,
         sparse=sparse,
         scale=scale,
+        margin=margin,
       )[0]
     )
   return DraftPlan(tuple(k_bin), sparse.page_size, bin_size)

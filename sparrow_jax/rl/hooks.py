@@ -151,6 +151,13 @@ class Budgets(Hook):
       self.switch.restore(meta["drafts"])
 
 
+# The share of dense decoding's priced rate a k must beat it by to replace it: a plan is priced
+# from the engine's clock, whose readings of one program spread between calls by more than the
+# small gains a k prices at, and a k taken on a misreading runs slower than dense
+# (docs/rollout_engine.md, "The regime switch").
+MARGIN = 0.1
+
+
 class DraftSwitch:
   """rollout.speculate = "auto": exact mode's drafts per position bin, priced each step
   (cost_model.draft_plan: the k of rollout.speculate_ks, or dense decoding, with the most
@@ -196,7 +203,7 @@ class DraftSwitch:
 
   def plan(self, schedule) -> schedule_lib.DraftPlan:
     kw = dict(bin_size=self.bin_size, ks=self.ks, rows=self.rows, hardware=self.hardware)
-    kw.update(scale=self.priced())
+    kw.update(scale=self.priced(), margin=MARGIN)
     return cost_model.draft_plan(self.cfg, schedule, self.sparse, self.alpha, **kw)
 
   def advance(self, out: StepOutput, metrics: dict) -> None:
