@@ -1549,7 +1549,7 @@ def _exact_verdict(rows) -> list:
     # what a round buys: tokens it emits against its cost in dense steps (its rate is
     # accepted_per_round / round seconds, dense's 1 / step seconds)
     rounds = [
-      f"{row['setting']} a round costs {row['accepted_per_round'] / row['vs_dense']:.2f} dense "
+      f"{row['setting']} a round costs {row['accepted_per_round'] / by[row['setting']]:.2f} dense "
       f"steps and emits {row['accepted_per_round']:.2f} tokens"
       for row in rows
       if row["context"] == shape and row["setting"].startswith("speculate")

@@ -96,6 +96,23 @@ def _load_pages():
   return load_file("docs/make_results_pages.py")
 
 
+def test_a_round_s_cost_in_dense_steps_is_read_on_the_verdict_s_clock():
+  """Long prompts' rows are judged on decode alone (their prefill is the same in every setting):
+  a round's cost in dense steps is its tokens over its decode-alone ratio, not the whole call's."""
+  rows = [
+    dict(context="long4096", setting=s, vs_dense=v, decode_vs_dense=d, accepted_per_round=a)
+    for s, v, d, a in (
+      ("dense", 1.0, 1.0, None),
+      ("dense again", 1.0, 1.0, None),
+      ("sparse", 1.1, 1.2, None),
+      ("speculate2", 0.9, 0.8, 2.8),
+      ("auto", 1.0, 1.0, None),
+    )
+  ]
+  (verdict, rounds) = _load_pages()._exact_verdict(rows)
+  assert "speculate2 a round costs 3.50 dense steps" in rounds, rounds
+
+
 @pytest.mark.nightly
 def test_bench_attention_prints_a_row_per_context_and_writes_them_as_a_record(tmp_path):
   """One run (the record's `out` only adds the JSON): a row per context, the record's rows."""
