@@ -301,7 +301,7 @@ def test_a_process_runs_the_observe_pass_another_process_runs(monkeypatch):
   assert sum(empty) == 3
   for name in ("tokens", "observed", "lengths"):
     np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
-  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)  # as the two-process test
 
 
 @pytest.mark.nightly
