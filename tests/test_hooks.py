@@ -132,24 +132,15 @@ def test_the_draft_switch_keeps_dense_decoding_where_a_k_wins_by_less_than_its_m
   narrow = hook.for_step(1).drafts.k_bin
   assert max(narrow) > 0  # without the margin, the narrow wins draft
   monkeypatch.setattr(hooks, "MARGIN", 0.05)  # above the bins' gains but the largest
-  kw = dict(bin_size=c.stats.bin_size, ks=(1, 2, 4), rows=1, hardware="tpu_v5e")
-  gains = [
-    np.nan
-    if np.isnan(a)
-    else (lambda k, r, d: r / d)(
-      *cost_model.best_draft(
-        cfg,
-        first.schedule,
-        (b + 0.5) * c.stats.bin_size,
-        a,
-        ks=kw["ks"],
-        rows=1,
-        hardware="tpu_v5e",
-        sparse=build.sparse_config(c),
-      )
+  priced = dict(ks=(1, 2, 4), rows=1, hardware="tpu_v5e", sparse=build.sparse_config(c))
+
+  def gain(b, alpha):  # the best k's priced rate over dense decoding's in bin b
+    _, rate, dense = cost_model.best_draft(
+      cfg, first.schedule, (b + 0.5) * c.stats.bin_size, alpha, **priced
     )
-    for b, a in enumerate(mean)
-  ]
+    return rate / dense
+
+  gains = [np.nan if np.isnan(a) else gain(b, a) for b, a in enumerate(mean)]
   kept = hook.for_step(1).drafts.k_bin
   for b, gain in enumerate(gains):
     assert (kept[b] > 0) == (gain > 1.05), (b, gain, kept)

@@ -690,15 +690,14 @@ def best_draft(
   clock = scale.get(0, 1.0)
   common = dict(rows=rows, hardware=hardware)
   dense = roofline_round_rate(model, None, cached_len, k=0, alpha=1.0, **common) / clock
-  best = (0, dense * (1 + margin))
+  best = (0, dense)
   for k in ks:
     rate = roofline_round_rate(
       model, schedule, cached_len, k=k, alpha=alpha, sparse=sparse, **common
     ) / scale.get(k, clock)
-    if rate > best[1]:
+    if rate > max(best[1], dense * (1 + margin)):
       best = (k, rate)
-  k, rate = best if best[0] else (0, dense)
-  return k, rate, dense
+  return (*best, dense)
 
 
 def draft_plan(

@@ -211,6 +211,9 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, stale_BS, sc: Ste
     families["acceptance_topk20"] = acceptance.topk_acceptance_bound(
       *top_old, batch.top_logp, batch.top_ids
     )
+  percentiles = acceptance.tail_percentiles(sc.stats.quantile)
+  # a multi-turn batch's tails also per turn; single-turn steps lower as before
+  turn_BS = None if batch.context is None else turn_index(batch)
   metrics = {}
   for name, alpha in families.items():
     stats = acceptance.tail_stats(
@@ -221,16 +224,11 @@ def _acceptance_metrics(batch, logp_old_BS, top_old, alpha_BS, stale_BS, sc: Ste
       sc.stats.num_bins,
       sc.rollout.page_size,
       sc.stats.tau,
-      acceptance.tail_percentiles(sc.stats.quantile),
+      percentiles,
     )
-    if batch.context is not None:  # a multi-turn batch: single-turn steps lower as before
+    if turn_BS is not None:
       stats |= acceptance.turn_stats(
-        alpha,
-        mask,
-        turn_index(batch),
-        sc.stats.turns,
-        sc.stats.tau,
-        acceptance.tail_percentiles(sc.stats.quantile),
+        alpha, mask, turn_BS, sc.stats.turns, sc.stats.tau, percentiles
       )
     metrics.update({f"{name}/{k}": v for k, v in stats.items()})
     metrics[f"{name}/histogram"] = acceptance.alpha_histogram(alpha, mask)
